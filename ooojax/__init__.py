@@ -1,0 +1,11 @@
+"""ooojax: Out-Of-Order BackProp for JAX.
+
+`ooo.grad` is a drop-in for `jax.grad` that splits the backward pass into the
+critical dX chain and out-of-order dW work, schedules it with a cost model and
+emits XLA that carries the schedule.
+"""
+from ooojax._api import MODES, Options, grad, value_and_grad
+from ooojax._explain import Report, explain
+
+__all__ = ["MODES", "Options", "Report", "explain", "grad", "value_and_grad"]
+__version__ = "0.1.0"

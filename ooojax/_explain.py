@@ -1,0 +1,94 @@
+"""`ooo.explain`: what was split and how it was scheduled, for people."""
+from __future__ import annotations
+
+import dataclasses
+import html
+from collections import Counter
+
+from passes.ir import Kind, Schedule, Split, UnitKind
+from passes.simulate import Timeline, simulate
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+  """The split and schedule of one `ooo.grad` call. Times are cost-model estimates."""
+  split: Split
+  schedule: Schedule
+  mode: str
+
+  @property
+  def counts(self) -> dict[str, int]:
+    c = Counter(k.name for k in self.split.kinds)
+    return {k.name: c.get(k.name, 0) for k in Kind}
+
+  @property
+  def clusters(self) -> dict[str, int]:
+    """Parameter path -> number of dW equations in its cluster."""
+    return {c.param: len(c.eqns) for c in self.split.clusters}
+
+  def on_stream(self, stream: int) -> list[str]:
+    if stream >= len(self.schedule.streams):
+      return []
+    return [a.unit for a in self.schedule.streams[stream]]
+
+  def timeline(self) -> Timeline:
+    spec_sync = 0.0
+    return simulate(self.schedule.streams, self.schedule.units, spec_sync)
+
+  def summary(self) -> str:
+    s, c = self.schedule, self.counts
+    side = self.on_stream(1)
+    lines = [
+        f"ooojax schedule (mode={self.mode}, device spec={s.device})",
+        f"  equations: {c['FORWARD']} forward, {c['DX']} dX, {c['DW']} dW, "
+        f"{c['DEAD']} dead; {self.split.inlined} calls inlined, "
+        f"{len(self.split.opaque)} kept whole {sorted(set(self.split.opaque)) or ''}",
+        f"  dW clusters: {len(self.split.clusters)} "
+        f"({len(side)} on stream 1, {len(self.split.clusters) - len(side)} on stream 0)",
+        f"  units: {sum(u.kind is UnitKind.DX for u in s.units)} dX segments",
+        f"  predicted step (cost model, not measured): in-order "
+        f"{s.in_order_makespan * 1e3:.3f} ms, scheduled {s.makespan * 1e3:.3f} ms, "
+        f"speedup {s.predicted_speedup:.3f}x",
+    ]
+    for i, stream in enumerate(s.streams):
+      text = " ".join(str(a) for a in stream)
+      lines.append(f"  stream {i}: {text[:200]}{' ...' if len(text) > 200 else ''}")
+    return "\n".join(lines)
+
+  def __repr__(self) -> str:
+    return self.summary()
+
+  def _repr_html_(self) -> str:
+    return f"<pre>{html.escape(self.summary())}</pre>"
+
+  def plot(self, ax=None):
+    """Gantt chart of the (simulated) schedule; returns the matplotlib Axes."""
+    import matplotlib.pyplot as plt
+    tl = self.timeline()
+    if ax is None:
+      _, ax = plt.subplots(figsize=(10, 1.2 + 0.6 * len(self.schedule.streams)))
+    colors = {"F": "#9e9e9e", "X": "#d62728", "W": "#1f77b4"}
+    for span in tl.spans:
+      ax.barh(span.stream, (span.end - span.start) * 1e3, left=span.start * 1e3,
+              color=colors[span.unit[0]], edgecolor="white", linewidth=0.3)
+    ax.set_yticks(range(len(self.schedule.streams)))
+    ax.set_yticklabels([f"stream {i}" for i in range(len(self.schedule.streams))])
+    ax.invert_yaxis()
+    ax.set_xlabel(f"ms (simulated, {self.schedule.device} cost model)")
+    ax.set_title("F forward (grey) / dX (red) / dW (blue)")
+    return ax
+
+
+def explain(fun, *args, argnums=0, has_aux=False, **options) -> Report:
+  """Splits and schedules `fun` at `args` without running it.
+
+  >>> import jax.numpy as jnp, ooojax as ooo
+  >>> r = ooo.explain(lambda w, x: jnp.sum(jnp.tanh(x @ w)), jnp.ones((3, 2)), jnp.ones((4, 3)))
+  >>> r.counts["DW"] > 0
+  True
+  """
+  from ooojax._api import value_and_grad
+  kwargs = options.pop("kwargs", {})
+  vg = value_and_grad(fun, argnums, has_aux, **options)
+  plan, _ = vg.plan(args, kwargs)
+  return Report(plan.split, plan.schedule, vg.options.resolved_mode())

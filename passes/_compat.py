@@ -1,0 +1,107 @@
+"""Every private JAX import ooojax needs, in one place.
+
+A JAX upgrade that moves or renames one of these touches this file only. Each
+name has a fallback or a clear error, so an unknown JAX fails loudly here rather
+than deep inside a pass.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import jax
+from jax.extend import core as jex_core
+
+Literal = jex_core.Literal
+Var = jex_core.Var
+Jaxpr = jex_core.Jaxpr
+ClosedJaxpr = jex_core.ClosedJaxpr
+DropVar = jex_core.DropVar
+
+try:  # jax >= 0.4.3x
+  from jax._src import source_info_util as _siu
+except ImportError:  # pragma: no cover - future JAX
+  _siu = None
+
+try:
+  from jax._src.api import (
+      _check_scalar as check_scalar,
+      _check_input_dtype_grad as check_input_dtype_grad,
+      _check_output_dtype_grad as check_output_dtype_grad,
+  )
+except ImportError:  # pragma: no cover - future JAX moved them; keep JAX's wording
+  import numpy as _np
+
+  def check_scalar(x):
+    shape = jax.numpy.shape(x)
+    if shape != ():
+      raise TypeError("Gradient only defined for scalar-output functions. "
+                      f"Output had shape: {shape}.")
+
+  def check_input_dtype_grad(holomorphic, allow_int, x):
+    dt = jax.numpy.result_type(x)
+    if not allow_int and not jax.numpy.issubdtype(dt, _np.inexact):
+      raise TypeError("grad requires real- or complex-valued inputs (input dtype "
+                      f"that is a sub-dtype of np.inexact), but got {dt.name}. "
+                      "If you want to use Boolean- or integer-valued inputs, "
+                      "use vjp or set allow_int to True.")
+
+  def check_output_dtype_grad(holomorphic, x):
+    dt = jax.numpy.result_type(x)
+    if not holomorphic and not jax.numpy.issubdtype(dt, _np.floating):
+      raise TypeError("grad requires real-valued outputs (output dtype that is "
+                      f"a sub-dtype of np.floating), but got {dt.name}.")
+
+# compute_on2 (function form) lowers to one non-inlined `call` carrying
+# `_xla_stream_annotation`, the only form XLA GPU wraps into an async call.
+try:
+  from jax.experimental.compute_on import compute_on2 as _compute_on2
+except ImportError:  # pragma: no cover
+  _compute_on2 = None
+
+try:
+  from jax._src.core import MemorySpace as _MemorySpace
+  _DEVICE_SPACE = _MemorySpace.Device
+except ImportError:  # pragma: no cover
+  _DEVICE_SPACE = None
+
+
+def on_stream(fun, stream: int, n_out: int):
+  """Wraps `fun` (returning `n_out` arrays) to lower to one call on GPU stream `stream`."""
+  if _compute_on2 is None:  # pragma: no cover
+    raise NotImplementedError(
+        "this JAX has no jax.experimental.compute_on.compute_on2; pass "
+        "streams=1 to ooo.grad to emit without stream annotations.")
+  return _compute_on2(fun, compute_type=f"gpu_stream:{stream}",
+                      out_memory_spaces=(_DEVICE_SPACE,) * n_out)
+
+
+def bind_eqn(eqn, invals: list[Any]) -> list[Any]:
+  """Binds one jaxpr equation in the current trace, as `jax.core.eval_jaxpr` does."""
+  params = eqn.primitive.get_bind_params(eqn.params)
+  subfuns: list[Any] = []
+  if isinstance(params, tuple):  # older JAX returned (subfuns, params)
+    subfuns, params = params
+  ctx = eqn.ctx.manager if getattr(eqn, "ctx", None) is not None else contextlib.nullcontext()
+  if _siu is not None:
+    name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
+    src = _siu.user_context(eqn.source_info.traceback, name_stack=name_stack)
+  else:  # pragma: no cover
+    src = contextlib.nullcontext()
+  with src, ctx:
+    ans = eqn.primitive.bind(*subfuns, *invals, **params)
+  return list(ans) if eqn.primitive.multiple_results else [ans]
+
+
+def control_dep(src, dst) -> None:
+  """Orders the producer of `dst` after the producer of `src` (XLA control edge).
+
+  `jax.experimental.control_deps.control_dep` has no batching rule; this one
+  broadcasts under `vmap`, so the order survives per-example gradients.
+  """
+  jax.ffi.ffi_call("control_dep", (), has_side_effect=True,
+                   vmap_method="expand_dims")(src, dst)
+
+
+def is_tracer(x) -> bool:
+  return isinstance(x, jax.core.Tracer)

@@ -1,0 +1,201 @@
+"""cost: an analytic per-equation cost model (roofline + kernel launch overhead).
+
+Contract: `estimate(eqn, spec) -> EqnCost`, and `CostModel(spec, measured)` to
+price whole units; `measured` maps a unit label (e.g. a parameter path) to
+seconds and replaces the estimate (the calibration hook).
+
+Model: a "kernel" primitive (matmul, conv, reduction, gather/scatter...) costs
+`launch + max(flops / peak, bytes / bandwidth)`. Elementwise and layout
+primitives are assumed fused into a neighbouring kernel (as XLA does), so they
+add their memory traffic but no launch. `util` is the share of the device a
+unit keeps busy when it runs alone: launch-bound and small kernels leave SMs
+idle, which is exactly the room a second stream can fill.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+  name: str
+  matmul_flops: float      # dense fp32 matmul peak as XLA runs it (TF32 where default)
+  matmul_flops_16: float   # bf16/fp16 tensor-core peak
+  vector_flops: float      # fp32 non-matmul peak
+  bandwidth: float         # bytes/s, device memory
+  launch: float            # seconds per kernel launch (no CUDA graph)
+  parallel_elems: int      # output elements that fill the device (SMs x resident threads)
+  sync: float = 2e-6       # cross-stream event record + wait
+
+
+# Vendor datasheet peaks (dense), rounded. Launch overhead from common
+# measurements of XLA kernels without command buffers.
+DEVICE_SPECS: dict[str, DeviceSpec] = {
+    "V100": DeviceSpec("V100", 15.7e12, 125e12, 15.7e12, 900e9, 5e-6, 80 * 2048),
+    "A100": DeviceSpec("A100", 156e12, 312e12, 19.5e12, 1555e9, 4e-6, 108 * 2048),
+    "H100": DeviceSpec("H100", 495e12, 989e12, 67e12, 3350e9, 3e-6, 132 * 2048),
+    "CPU": DeviceSpec("CPU", 100e9, 100e9, 50e9, 20e9, 1e-6, 64, sync=1e-6),
+}
+
+
+def get_spec(name_or_spec: str | DeviceSpec | None) -> DeviceSpec:
+  """Looks a spec up by name ("H100"), passes a `DeviceSpec` through, or guesses."""
+  if isinstance(name_or_spec, DeviceSpec):
+    return name_or_spec
+  if name_or_spec is None:
+    name_or_spec = _guess_device()
+  key = str(name_or_spec).upper()
+  for name, spec in DEVICE_SPECS.items():
+    if name in key:
+      return spec
+  raise ValueError(f"unknown device spec {name_or_spec!r}; use one of "
+                   f"{sorted(DEVICE_SPECS)} or pass a passes.cost.DeviceSpec")
+
+
+def _guess_device() -> str:
+  import jax
+  try:
+    kind = jax.devices()[0].device_kind
+  except RuntimeError:  # pragma: no cover
+    return "CPU"
+  for name in DEVICE_SPECS:
+    if name in kind.upper():
+      return name
+  return "H100" if jax.default_backend() == "gpu" else "CPU"
+
+
+@dataclasses.dataclass(frozen=True)
+class EqnCost:
+  flops: float
+  bytes: float
+  kernel: bool          # launches a kernel of its own
+  out_elems: int
+
+
+def _size(aval) -> int:
+  return int(math.prod(getattr(aval, "shape", ()) or ()))
+
+
+def _itemsize(dtype) -> int:
+  try:
+    return np.dtype(dtype).itemsize
+  except TypeError:  # extended dtypes (PRNG keys, float0): count as 4 bytes
+    return 4
+
+
+def _nbytes(aval) -> int:
+  return _size(aval) * _itemsize(getattr(aval, "dtype", None))
+
+
+def _dot_flops(eqn) -> float:
+  (lc, _), _ = eqn.params["dimension_numbers"]
+  lhs = eqn.invars[0].aval
+  k = math.prod(lhs.shape[d] for d in lc) if lc else 1
+  return 2.0 * _size(eqn.outvars[0].aval) * k
+
+
+def _conv_flops(eqn) -> float:
+  rhs = eqn.invars[1].aval
+  dn = eqn.params["dimension_numbers"]
+  out_feature_dim = dn.rhs_spec[0] if dn is not None else 0
+  per_out = math.prod(rhs.shape) / max(rhs.shape[out_feature_dim], 1)
+  per_out /= max(eqn.params.get("batch_group_count", 1), 1)
+  return 2.0 * _size(eqn.outvars[0].aval) * per_out
+
+
+FlopsRule = Callable[[object], float]
+FLOP_RULES: dict[str, FlopsRule] = {
+    "dot_general": _dot_flops,
+    "conv_general_dilated": _conv_flops,
+}
+MATMUL_PRIMS = frozenset(FLOP_RULES)
+# Primitives that XLA emits as kernels of their own rather than fusing away.
+KERNEL_PRIMS = frozenset({
+    "dot_general", "conv_general_dilated", "reduce_sum", "reduce_max",
+    "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax", "argmin",
+    "cumsum", "cumprod", "cummax", "cumlogsumexp", "gather", "scatter",
+    "scatter-add", "scatter_add", "scatter_mul", "sort", "reduce_window_sum",
+    "reduce_window_max", "reduce_window", "select_and_scatter_add",
+    "select_and_gather_add", "dynamic_slice", "dynamic_update_slice", "fft",
+    "reduce_precision", "scan", "while", "cond", "custom_call", "ffi_call",
+    "all_reduce", "psum", "all_gather", "reduce_scatter", "all_to_all",
+})
+
+
+def estimate(eqn) -> EqnCost:
+  """FLOPs, bytes and kernel-ness of one equation (device independent)."""
+  name = eqn.primitive.name
+  out_bytes = sum(_nbytes(v.aval) for v in eqn.outvars)
+  out_elems = sum(_size(v.aval) for v in eqn.outvars)
+  rule = FLOP_RULES.get(name)
+  kernel = name in KERNEL_PRIMS
+  if rule is not None:
+    flops = rule(eqn)
+  elif kernel:
+    flops = float(sum(_size(getattr(v, "aval", None)) for v in eqn.invars))
+  else:
+    flops = float(out_elems)
+  in_bytes = sum(_nbytes(getattr(v, "aval", None)) for v in eqn.invars) if kernel else 0
+  return EqnCost(flops, float(in_bytes + out_bytes), kernel, out_elems)
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitCost:
+  seconds: float
+  util: float     # 0..1: share of the device this work keeps busy alone
+  kernels: int
+
+
+class CostModel:
+  """Prices groups of equations on a `DeviceSpec`; measured timings win.
+
+  >>> from passes.cost import CostModel
+  >>> cm = CostModel("H100", measured={"w": 1e-3})
+  >>> cm.unit_cost([], label="w").seconds
+  0.001
+  """
+
+  def __init__(self, spec: str | DeviceSpec | None = None,
+               measured: Mapping[str, float] | None = None):
+    self.spec = get_spec(spec)
+    self.measured = dict(measured or {})
+
+  def eqn_seconds(self, c: EqnCost, matmul: bool, dtype=None) -> float:
+    s = self.spec
+    if matmul:
+      peak = s.matmul_flops_16 if _itemsize(dtype) <= 2 else s.matmul_flops
+    else:
+      peak = s.vector_flops
+    return max(c.flops / peak, c.bytes / s.bandwidth)
+
+  def occupancy(self, c: EqnCost, matmul: bool) -> float:
+    """Share of the SMs a kernel fills: a matmul tile is ~128 MACs per thread."""
+    work = c.flops / 256 if matmul else c.out_elems
+    return min(1.0, max(work / self.spec.parallel_elems, 0.05))
+
+  def unit_cost(self, eqns, label: str = "") -> UnitCost:
+    """Cost of running `eqns` (jaxpr equations) back to back on one stream."""
+    kernels = 0
+    work = 0.0
+    busy = 0.0
+    for eqn in eqns:
+      c = estimate(eqn)
+      dtype = getattr(eqn.outvars[0].aval, "dtype", None) if eqn.outvars else None
+      matmul = eqn.primitive.name in MATMUL_PRIMS
+      t = self.eqn_seconds(c, matmul, dtype)
+      work += t
+      if c.kernel:
+        kernels += 1
+        busy += t * self.occupancy(c, matmul)
+      else:
+        busy += t
+    kernels = max(kernels, 1 if eqns else 0)
+    seconds = work + kernels * self.spec.launch
+    if label in self.measured:
+      return UnitCost(self.measured[label], 1.0, kernels)
+    util = busy / seconds if seconds > 0 else 0.0
+    return UnitCost(seconds, min(max(util, 0.01), 1.0), kernels)

@@ -1,0 +1,106 @@
+"""simulate: replay a `Schedule` on a fluid model of one device with streams.
+
+Contract: `simulate(streams, units, sync) -> Timeline`.
+
+Each stream runs its actions in order. An action starts once its stream is
+free and every unit it depends on has finished (plus `sync` seconds when that
+unit ran on another stream). Concurrent actions share the device: each one
+alone keeps a share `util` of it busy, and when the shares of the running
+actions add up to more than 1 they all slow down by that sum (processor
+sharing). Overlap is therefore only free for work that leaves the device
+partly idle: small, launch-bound kernels. All times are cost-model estimates.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from passes.ir import Action, Unit
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+  unit: str
+  stream: int
+  start: float
+  end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+  spans: tuple[Span, ...]
+  makespan: float
+
+  def per_stream(self) -> dict[int, list[Span]]:
+    out: dict[int, list[Span]] = {}
+    for s in self.spans:
+      out.setdefault(s.stream, []).append(s)
+    return out
+
+
+class DeadlockError(ValueError):
+  """The schedule waits on a unit that can never run before it."""
+
+
+def simulate(streams: Sequence[Sequence[Action]], units: Sequence[Unit],
+             sync: float = 0.0) -> Timeline:
+  """Runs the schedule and returns per-unit spans and the makespan.
+
+  >>> from passes.ir import Action, Unit, UnitKind
+  >>> a = Unit(UnitKind.DX, 0, (), (), cost=1.0, util=0.5)
+  >>> b = Unit(UnitKind.DW, 0, (), (), cost=1.0, util=0.5)
+  >>> simulate([[Action("X", 0, 0)], [Action("W", 0, 1)]], [a, b]).makespan
+  1.0
+  """
+  by_name = {u.name: u for u in units}
+  queues = [list(q) for q in streams]
+  where = {a.unit: i for i, q in enumerate(queues) for a in q}
+  pos = [0] * len(queues)
+  done: dict[str, float] = {}
+  running: dict[int, list] = {}  # stream -> [unit, remaining solo seconds, start]
+  spans: list[Span] = []
+  now = 0.0
+  total = len(where)
+
+  def ready_at(s: int) -> float | None:
+    """When the head of stream `s` may start, or None while a dep is unfinished."""
+    t = 0.0
+    for d in by_name[queues[s][pos[s]].unit].deps:
+      if d not in where:
+        continue  # not scheduled (e.g. empty): nothing to wait for
+      if d not in done:
+        return None
+      t = max(t, done[d] + (sync if where[d] != s else 0.0))
+    return t
+
+  while len(done) < total:
+    waiting = {}
+    for s in range(len(queues)):
+      if s in running or pos[s] >= len(queues[s]):
+        continue
+      t = ready_at(s)
+      if t is not None and t <= now + 1e-15:
+        running[s] = [by_name[queues[s][pos[s]].unit], by_name[queues[s][pos[s]].unit].cost, now]
+      elif t is not None:
+        waiting[s] = t
+    if not running:
+      if not waiting:
+        heads = [queues[s][pos[s]].unit for s in range(len(queues)) if pos[s] < len(queues[s])]
+        raise DeadlockError(f"schedule deadlocks: {heads} wait on units that never "
+                            "finish; check the stream order against the deps")
+      now = min(waiting.values())
+      continue
+    rate = 1.0 / max(1.0, sum(r[0].util for r in running.values()))
+    step = min(r[1] / rate for r in running.values())
+    if waiting:
+      step = min(step, min(waiting.values()) - now)
+    now += step
+    for s in list(running):
+      r = running[s]
+      r[1] -= step * rate
+      if r[1] <= 1e-15:
+        done[r[0].name] = now
+        spans.append(Span(r[0].name, s, r[2], now))
+        pos[s] += 1
+        del running[s]
+  return Timeline(tuple(spans), now)

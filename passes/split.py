@@ -1,0 +1,238 @@
+"""split: trace forward + vjp into one flat jaxpr and classify each equation.
+
+Contract: `split(flat_fun, in_avals, n_grads, param_names) -> Split`.
+
+`flat_fun(ct, *leaves)` must return `(value, *aux, *grads)` with the `n_grads`
+parameter gradients last, where every backward equation depends on the scalar
+cotangent `ct`. Equations are then classified:
+
+* FORWARD: does not depend on `ct`.
+* DX: depends on `ct` and reaches two or more gradient outputs. This is the
+  critical path: the next layer's backward is waiting for it.
+* DW: depends on `ct` and reaches exactly one gradient output. Nothing else is
+  waiting for it, so it may run out of order (a "cluster" per parameter).
+* DEAD: depends on `ct` and reaches no gradient output (DCE'd when emitted).
+
+Call-like equations (`jit`/`pjit`, `closed_call`, `custom_jvp_call`,
+`custom_vjp_call`, `checkpoint`) are inlined first so that their insides are
+classified too; higher-order equations with no inline rule (scan, while, cond)
+are kept whole and reported in `Split.opaque`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from passes import _compat
+from passes.ir import Cluster, Kind, Split
+
+# --- inline rules: primitive name -> params -> (jaxpr, consts, prevent_cse) ---
+InlineRule = Callable[[dict], tuple[Any, Sequence[Any], Any]]
+INLINE_RULES: dict[str, InlineRule] = {}
+
+
+def _closed(key: str) -> InlineRule:
+  def rule(params):
+    cj = params[key]
+    if isinstance(cj, _compat.ClosedJaxpr):
+      return cj.jaxpr, cj.consts, False
+    return cj, (), False
+  return rule
+
+
+for _name in ("jit", "pjit"):
+  INLINE_RULES[_name] = _closed("jaxpr")
+for _name in ("closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+              "custom_vjp_call_jaxpr"):
+  INLINE_RULES[_name] = _closed("call_jaxpr")
+
+
+def _remat_rule(params):
+  # Keep the rematerialisation: barrier the inputs of a differentiated remat
+  # (the backward recompute) so XLA cannot CSE it into the forward pass.
+  prevent = params["prevent_cse"] if params.get("differentiated") else False
+  return params["jaxpr"], (), prevent
+
+
+INLINE_RULES["checkpoint"] = _remat_rule
+INLINE_RULES["remat2"] = _remat_rule
+
+
+def _needs_inline(jaxpr) -> bool:
+  return any(e.primitive.name in INLINE_RULES for e in jaxpr.eqns)
+
+
+def _eval_inlined(jaxpr, consts, args, stats: dict) -> list[Any]:
+  env: dict[Any, Any] = {}
+
+  def read(v):
+    return v.val if isinstance(v, _compat.Literal) else env[v]
+
+  for v, x in zip(jaxpr.constvars, consts):
+    env[v] = x
+  for v, x in zip(jaxpr.invars, args):
+    env[v] = x
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    rule = INLINE_RULES.get(eqn.primitive.name)
+    if rule is not None:
+      inner, inner_consts, prevent = rule(eqn.params)
+      if prevent is True:
+        invals = list(jax.lax.optimization_barrier(invals))
+      elif isinstance(prevent, tuple) and any(prevent):
+        barred = jax.lax.optimization_barrier(
+            [x for x, p in zip(invals, prevent) if p])
+        it = iter(barred)
+        invals = [next(it) if p else x for x, p in zip(invals, prevent)]
+      outs = _eval_inlined(inner, inner_consts, invals, stats)
+      stats["inlined"] = stats.get("inlined", 0) + 1
+    else:
+      outs = _compat.bind_eqn(eqn, invals)
+    for v, x in zip(eqn.outvars, outs):
+      if not isinstance(v, _compat.DropVar):
+        env[v] = x
+  return [read(v) for v in jaxpr.outvars]
+
+
+def inline_calls(closed, stats: dict | None = None):
+  """Returns `(jaxpr, const_values)`: a flat jaxpr taking `(ct, *consts, *rest)`.
+
+  The closed jaxpr's consts become ordinary inputs after `ct`, so the result
+  can be re-bound in any trace (consts may be tracers of an outer trace).
+  """
+  stats = {} if stats is None else stats
+  jaxpr, consts = closed.jaxpr, list(closed.consts)
+  if not consts and not _needs_inline(jaxpr):
+    return closed, ()
+  ct_aval, *rest = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
+                                         weak_type=v.aval.weak_type)
+                    for v in jaxpr.invars]
+  const_avals = [jax.ShapeDtypeStruct(jax.numpy.shape(c), jax.numpy.result_type(c))
+                 for c in consts]
+
+  def flat(ct, consts_, *args):
+    return _eval_inlined(jaxpr, consts_, [ct, *args], stats)
+
+  return jax.make_jaxpr(flat)(ct_aval, const_avals, *rest), tuple(consts)
+
+
+# --- classification ----------------------------------------------------------
+_MANY = -2  # reaches two or more gradients
+
+
+def _join(a: int, b: int) -> int:
+  if a == -1:
+    return b
+  if b == -1 or a == b:
+    return a
+  return _MANY
+
+
+def classify(jaxpr, n_grads: int) -> tuple[tuple[Kind, ...], tuple[int, ...]]:
+  """Per-equation kinds and, for DW equations, the gradient leaf they feed."""
+  ct = jaxpr.invars[0]
+  tainted = {ct}
+  bwd = []
+  for eqn in jaxpr.eqns:
+    b = any(isinstance(v, _compat.Var) and v in tainted for v in eqn.invars)
+    if b:
+      tainted.update(eqn.outvars)
+    bwd.append(b)
+
+  # reach[v]: -1 none, i one gradient leaf, _MANY several.
+  reach: dict[Any, int] = {}
+  first = len(jaxpr.outvars) - n_grads
+  for i, v in enumerate(jaxpr.outvars[first:]):
+    if isinstance(v, _compat.Var):
+      reach[v] = _join(reach.get(v, -1), i)
+  eqn_reach = [-1] * len(jaxpr.eqns)
+  for k in range(len(jaxpr.eqns) - 1, -1, -1):
+    eqn = jaxpr.eqns[k]
+    r = -1
+    for v in eqn.outvars:
+      r = _join(r, reach.get(v, -1))
+    eqn_reach[k] = r
+    if r != -1:
+      for v in eqn.invars:
+        if isinstance(v, _compat.Var):
+          reach[v] = _join(reach.get(v, -1), r)
+
+  kinds, leaf = [], []
+  for eqn, b, r in zip(jaxpr.eqns, bwd, eqn_reach):
+    if not b:
+      kinds.append(Kind.FORWARD)
+      leaf.append(-1)
+    elif r == _MANY or (r == -1 and eqn.effects):
+      kinds.append(Kind.DX)
+      leaf.append(-1)
+    elif r == -1:
+      kinds.append(Kind.DEAD)
+      leaf.append(-1)
+    else:
+      kinds.append(Kind.DW)
+      leaf.append(r)
+  return tuple(kinds), tuple(leaf)
+
+
+def split(flat_fun: Callable[..., Sequence[Any]], in_avals: Sequence[Any],
+          n_grads: int, param_names: Sequence[str]) -> Split:
+  """Traces `flat_fun(ct, *leaves)` and classifies its equations.
+
+  Args:
+    flat_fun: `(ct, *leaves) -> (value, *aux, *grads)`; see the module docstring.
+    in_avals: abstract values (`jax.ShapeDtypeStruct`) of `(ct, *leaves)`.
+    n_grads: how many trailing outputs are parameter gradients.
+    param_names: one readable name per gradient leaf.
+
+  Returns:
+    A `Split`. Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> def f(ct, w, x):
+    ...   y, vjp = jax.vjp(lambda w: jnp.sum(jnp.tanh(x @ w)), w)
+    ...   return (y, *vjp(ct))
+    >>> avals = [jax.ShapeDtypeStruct((), jnp.float32),
+    ...          jax.ShapeDtypeStruct((3, 2), jnp.float32),
+    ...          jax.ShapeDtypeStruct((4, 3), jnp.float32)]
+    >>> s = split(f, avals, n_grads=1, param_names=["w"])
+    >>> len(s.clusters)
+    1
+  """
+  closed = jax.make_jaxpr(flat_fun)(*in_avals)
+  stats: dict = {}
+  flat, consts = inline_calls(closed, stats)
+  jaxpr = flat.jaxpr
+  kinds, leaf = classify(jaxpr, n_grads)
+
+  by_leaf: dict[int, list[int]] = {}
+  for k, (kind, l) in enumerate(zip(kinds, leaf)):
+    if kind is Kind.DW:
+      by_leaf.setdefault(l, []).append(k)
+  clusters, cluster_of = [], [-1] * len(kinds)
+  for ci, l in enumerate(sorted(by_leaf, key=lambda l: by_leaf[l][0])):
+    clusters.append(Cluster(ci, param_names[l], len(jaxpr.outvars) - n_grads + l,
+                            tuple(by_leaf[l])))
+    for k in by_leaf[l]:
+      cluster_of[k] = ci
+  opaque = tuple(e.primitive.name for e in jaxpr.eqns
+                 if e.primitive.name not in _COMBINER_PRIMS
+                 and any(True for _ in _compat_subjaxprs(e)))
+  return Split(flat, tuple(consts), kinds, tuple(cluster_of), tuple(clusters),
+               len(jaxpr.outvars) - n_grads, stats.get("inlined", 0), opaque)
+
+
+# Their sub-jaxprs are scalar combiners, not program regions to look inside.
+_COMBINER_PRIMS = frozenset({
+    "scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul",
+    "scatter-min", "scatter_min", "scatter-max", "scatter_max", "reduce",
+    "reduce_window", "select_and_scatter", "argsort", "sort"})
+
+
+def _compat_subjaxprs(eqn):
+  for p in eqn.params.values():
+    vals = p if isinstance(p, (tuple, list)) else (p,)
+    for x in vals:
+      if isinstance(x, (_compat.ClosedJaxpr, _compat.Jaxpr)):
+        yield x

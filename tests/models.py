@@ -1,0 +1,106 @@
+"""Small real flax models the tests compare against jax.grad."""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+
+class MLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(32)(x))
+    x = nn.gelu(nn.Dense(32)(x))
+    return nn.Dense(10)(x)
+
+
+class CNN(nn.Module):
+  """Conv + BatchNorm: mutable batch_stats come back through has_aux."""
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.Conv(8, (3, 3))(x)
+    x = nn.BatchNorm(use_running_average=not train)(x)
+    x = nn.relu(x)
+    x = nn.Conv(16, (3, 3), strides=2)(x)
+    x = nn.BatchNorm(use_running_average=not train)(x)
+    x = nn.relu(x)
+    x = x.mean(axis=(1, 2))
+    return nn.Dense(10)(x)
+
+
+class Block(nn.Module):
+  """Pre-LN transformer block: attention, LayerNorm, MLP, dropout."""
+  dim: int = 32
+  heads: int = 4
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    h = nn.LayerNorm()(x)
+    h = nn.MultiHeadDotProductAttention(num_heads=self.heads)(h, h, deterministic=not train)
+    x = x + nn.Dropout(0.1, deterministic=not train)(h)
+    h = nn.LayerNorm()(x)
+    h = nn.Dense(4 * self.dim)(h)
+    h = nn.gelu(h)
+    h = nn.Dense(self.dim)(h)
+    return x + nn.Dropout(0.1, deterministic=not train)(h)
+
+
+class TiedLM(nn.Module):
+  vocab: int = 50
+  dim: int = 32
+
+  @nn.compact
+  def __call__(self, tokens):
+    emb = nn.Embed(self.vocab, self.dim)
+    x = emb(tokens)
+    x = Block(self.dim, 4)(x, train=False)
+    x = nn.LayerNorm()(x)
+    return emb.attend(x)  # output projection shares the embedding
+
+
+def mlp_case():
+  m = MLP()
+  x = jax.random.normal(jax.random.PRNGKey(1), (8, 16))
+  y = jnp.arange(8) % 10
+  params = m.init(jax.random.PRNGKey(0), x)
+
+  def loss(params, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(m.apply(params, x), y).mean()
+  return loss, (params, x, y)
+
+
+def cnn_case():
+  m = CNN()
+  x = jax.random.normal(jax.random.PRNGKey(1), (4, 8, 8, 3))
+  y = jnp.arange(4) % 10
+  v = m.init(jax.random.PRNGKey(0), x)
+
+  def loss(params, batch_stats, x, y):
+    logits, upd = m.apply({"params": params, "batch_stats": batch_stats}, x,
+                          mutable=["batch_stats"])
+    l = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return l, upd["batch_stats"]
+  return loss, (v["params"], v["batch_stats"], x, y)
+
+
+def block_case():
+  m = Block()
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 6, 32))
+  params = m.init(jax.random.PRNGKey(0), x, train=False)
+
+  def loss(params, x, rng):
+    out = m.apply(params, x, train=True, rngs={"dropout": rng})
+    return jnp.mean(out ** 2)
+  return loss, (params, x, jax.random.PRNGKey(7))
+
+
+def tied_lm_case():
+  m = TiedLM()
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 7), 0, 50)
+  params = m.init(jax.random.PRNGKey(0), tokens)
+
+  def loss(params, tokens):
+    logits = m.apply(params, tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+  return loss, (params, tokens)
