@@ -1,11 +1,11 @@
-"""ooojax's compiler passes: split -> cost -> schedule -> emit (one module each)."""
-from passes.cost import DEVICE_SPECS, CostModel, DeviceSpec, get_spec
-from passes.emit import ORDERINGS, emit
-from passes.ir import Action, Cluster, Kind, Schedule, Split, Unit, UnitKind
-from passes.schedule import schedule
-from passes.simulate import Timeline, simulate
-from passes.split import split
+"""ooojax's compiler passes, one module each: split -> cost -> schedule -> emit.
 
-__all__ = ["DEVICE_SPECS", "ORDERINGS", "Action", "Cluster", "CostModel",
-           "DeviceSpec", "Kind", "Schedule", "Split", "Timeline", "Unit",
-           "UnitKind", "emit", "get_spec", "schedule", "simulate", "split"]
+Import each pass from its module (`from passes.split import split`); this
+package re-exports only the plain data types that flow between them.
+"""
+from passes.cost import DEVICE_SPECS, CostModel, DeviceSpec
+from passes.ir import Action, Cluster, Kind, Schedule, Split, Unit, UnitKind
+from passes.simulate import Span, Timeline
+
+__all__ = ["DEVICE_SPECS", "Action", "Cluster", "CostModel", "DeviceSpec", "Kind",
+           "Schedule", "Span", "Split", "Timeline", "Unit", "UnitKind"]
