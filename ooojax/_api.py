@@ -24,9 +24,9 @@ MODES = ("auto", "single_gpu", "in_order")
 class Options:
   """Keyword options shared by `grad`, `value_and_grad` and `explain`.
 
-  mode: "auto" (single_gpu for one device), "single_gpu" (dW clusters on a
-    second stream), or "in_order" (split and re-emit, one stream, no
-    annotations: the control to compare against).
+  mode: "auto" (single_gpu on a GPU backend, in_order elsewhere),
+    "single_gpu" (dW clusters on a second stream), or "in_order" (split and
+    re-emit on one stream, no annotations: the control to compare against).
   streams: 1 or 2 compute streams.
   device: device spec name for the cost model ("V100", "A100", "H100",
     "CPU") or a `passes.cost.DeviceSpec`; None guesses from `jax.devices()`.
@@ -50,7 +50,11 @@ class Options:
                        f"{('auto',) + ORDERINGS}")
 
   def resolved_mode(self) -> str:
-    return "single_gpu" if self.mode == "auto" else self.mode
+    if self.mode != "auto":
+      return self.mode
+    # CPUs have no streams, and on XLA:CPU an annotated call keeps its convs
+    # out of layout assignment (measured ~9x slower steps): see RESULTS.md.
+    return "single_gpu" if jax.default_backend() == "gpu" else "in_order"
 
   def resolved_ordering(self) -> str:
     if self.ordering != "auto":

@@ -103,5 +103,28 @@ def control_dep(src, dst) -> None:
                    vmap_method="expand_dims")(src, dst)
 
 
+def new_var(aval):
+  """A fresh jaxpr variable (the constructor's signature changed across JAX)."""
+  try:
+    return Var(aval)
+  except TypeError:  # pragma: no cover - older JAX: Var(suffix, aval)
+    return Var("", aval)
+
+
+def flat_debug_info(jaxpr, n_consts: int):
+  """`jaxpr`'s DebugInfo for a version whose consts became inputs after the first."""
+  dbg = getattr(jaxpr, "debug_info", None)
+  if dbg is None:
+    return None
+  names = getattr(dbg, "arg_names", None)
+  if names is None:
+    return dbg
+  names = (*names[:1], *(f"const{i}" for i in range(n_consts)), *names[1:])
+  try:
+    return dbg._replace(arg_names=names)
+  except (AttributeError, TypeError):  # pragma: no cover
+    return dbg
+
+
 def is_tracer(x) -> bool:
   return isinstance(x, jax.core.Tracer)

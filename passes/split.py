@@ -96,16 +96,53 @@ def _eval_inlined(jaxpr, consts, args, stats: dict) -> list[Any]:
   return [read(v) for v in jaxpr.outvars]
 
 
-def inline_calls(closed, stats: dict | None = None):
-  """Returns `(jaxpr, const_values)`: a flat jaxpr taking `(ct, *consts, *rest)`.
+class _NeedsRetrace(Exception):
+  """An inline needs new equations (remat's CSE barrier): re-trace instead."""
 
-  The closed jaxpr's consts become ordinary inputs after `ct`, so the result
-  can be re-bound in any trace (consts may be tracers of an outer trace).
-  """
-  stats = {} if stats is None else stats
+
+def _inline_by_substitution(closed, stats: dict):
+  jaxpr = closed.jaxpr
+  const_vars, const_vals = list(jaxpr.constvars), list(closed.consts)
+  eqns: list = []
+
+  def walk(inner, sub: dict, fresh: bool):
+    for eqn in inner.eqns:
+      invars = [sub.get(v, v) if isinstance(v, _compat.Var) else v for v in eqn.invars]
+      rule = INLINE_RULES.get(eqn.primitive.name)
+      if rule is None:
+        outvars = eqn.outvars
+        if fresh:
+          outvars = [v if isinstance(v, _compat.DropVar) else _compat.new_var(v.aval)
+                     for v in eqn.outvars]
+          sub.update(zip(eqn.outvars, outvars))
+        eqns.append(eqn.replace(invars=invars, outvars=outvars))
+        continue
+      body, body_consts, prevent = rule(eqn.params)
+      if prevent is True or (isinstance(prevent, tuple) and any(prevent)):
+        raise _NeedsRetrace
+      m: dict = {}
+      for v, c in zip(body.constvars, body_consts):
+        nv = _compat.new_var(v.aval)
+        const_vars.append(nv)
+        const_vals.append(c)
+        m[v] = nv
+      m.update(zip(body.invars, invars))
+      walk(body, m, True)
+      for ov, iv in zip(eqn.outvars, body.outvars):
+        sub[ov] = m.get(iv, iv) if isinstance(iv, _compat.Var) else iv
+      stats["inlined"] = stats.get("inlined", 0) + 1
+
+  top: dict = {}
+  walk(jaxpr, top, False)
+  ct, *rest = jaxpr.invars
+  outvars = [top.get(v, v) if isinstance(v, _compat.Var) else v for v in jaxpr.outvars]
+  flat = _compat.Jaxpr([], [ct, *const_vars, *rest], outvars, eqns, jaxpr.effects,
+                       _compat.flat_debug_info(jaxpr, len(const_vars)))
+  return _compat.ClosedJaxpr(flat, []), tuple(const_vals)
+
+
+def _inline_by_retrace(closed, stats: dict):
   jaxpr, consts = closed.jaxpr, list(closed.consts)
-  if not consts and not _needs_inline(jaxpr):
-    return closed, ()
   ct_aval, *rest = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
                                          weak_type=v.aval.weak_type)
                     for v in jaxpr.invars]
@@ -116,6 +153,24 @@ def inline_calls(closed, stats: dict | None = None):
     return _eval_inlined(jaxpr, consts_, [ct, *args], stats)
 
   return jax.make_jaxpr(flat)(ct_aval, const_avals, *rest), tuple(consts)
+
+
+def inline_calls(closed, stats: dict | None = None):
+  """Returns `(jaxpr, const_values)`: a flat jaxpr taking `(ct, *consts, *rest)`.
+
+  The closed jaxpr's consts become ordinary inputs after `ct`, so the result
+  can be re-bound in any trace (consts may be tracers of an outer trace).
+  Inlining substitutes variables (cheap); a remat that must keep its CSE
+  barrier is inlined by re-tracing instead, which inserts the barrier.
+  """
+  stats = {} if stats is None else stats
+  if not closed.consts and not _needs_inline(closed.jaxpr):
+    return closed, ()
+  try:
+    return _inline_by_substitution(closed, stats)
+  except _NeedsRetrace:
+    stats.clear()
+    return _inline_by_retrace(closed, stats)
 
 
 # --- classification ----------------------------------------------------------

@@ -30,7 +30,7 @@ def test_matches_under_jit(name, close):
   make, kw = CASES[name]
   loss, args = make()
   want = jax.jit(jax.value_and_grad(loss, **kw))(*args)
-  got = jax.jit(ooo.value_and_grad(loss, device="H100", **kw))(*args)
+  got = jax.jit(ooo.value_and_grad(loss, device="H100", mode="single_gpu", **kw))(*args)
   close(got, want)
 
 
@@ -45,8 +45,8 @@ def test_vmap_per_example_grads(close):
   loss, (params, x, y) = models.mlp_case()
   per_ex = lambda p, xi, yi: loss(p, xi[None], yi[None])
   want = jax.vmap(jax.grad(per_ex), in_axes=(None, 0, 0))(params, x, y)
-  got = jax.vmap(ooo.grad(per_ex, device="H100"), in_axes=(None, 0, 0))(params, x, y)
-  got_jit = jax.jit(jax.vmap(ooo.grad(per_ex, device="H100"), in_axes=(None, 0, 0)))(params, x, y)
+  got = jax.vmap(ooo.grad(per_ex, device="H100", mode="single_gpu"), in_axes=(None, 0, 0))(params, x, y)
+  got_jit = jax.jit(jax.vmap(ooo.grad(per_ex, device="H100", mode="single_gpu"), in_axes=(None, 0, 0)))(params, x, y)
   close(got, want)
   close(got_jit, want)
 
@@ -61,7 +61,7 @@ def test_inside_scan_and_closure(close):
       return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), None
     xs = (jnp.stack([x, 2 * x]), jnp.stack([y, y]))
     return jax.jit(lambda p: jax.lax.scan(body, p, xs)[0])(params)
-  close(run(lambda f: ooo.grad(f, device="H100")), run(jax.grad))
+  close(run(lambda f: ooo.grad(f, device="H100", mode="single_gpu")), run(jax.grad))
 
 
 def test_decorator_forms(close):
@@ -105,8 +105,8 @@ def test_remat_and_custom_vjp(close):
     return jnp.sum(jax.nn.softplus(h @ p["b"]))
   p = {"a": jnp.ones((4, 4)) * 0.3, "b": jnp.ones((4, 2))}
   x = jnp.ones((3, 4))
-  close(ooo.grad(f, device="H100")(p, x), jax.grad(f)(p, x))
-  close(jax.jit(ooo.grad(f, device="H100"))(p, x), jax.jit(jax.grad(f))(p, x))
+  close(ooo.grad(f, device="H100", mode="single_gpu")(p, x), jax.grad(f)(p, x))
+  close(jax.jit(ooo.grad(f, device="H100", mode="single_gpu"))(p, x), jax.jit(jax.grad(f))(p, x))
 
 
 def test_training_trajectory_matches(close):
@@ -123,7 +123,7 @@ def test_training_trajectory_matches(close):
     for _ in range(10):
       p, s = step(p, s)
     return p
-  close(train(lambda f: ooo.grad(f, device="H100")), train(jax.grad), rtol=1e-4)
+  close(train(lambda f: ooo.grad(f, device="H100", mode="single_gpu")), train(jax.grad), rtol=1e-4)
 
 
 def test_trace_is_cached():

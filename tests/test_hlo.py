@@ -44,8 +44,8 @@ def test_single_gpu_annotates_dw_and_pins_order():
 
 def test_pinned_order_is_the_schedule_order():
   loss, p, x = _wide_mlp()
-  g = ooo.grad(loss, device="H100", ordering="control_deps")
-  report = ooo.explain(loss, p, x, device="H100")
+  g = ooo.grad(loss, mode="single_gpu", device="H100", ordering="control_deps")
+  report = ooo.explain(loss, p, x, mode="single_gpu", device="H100")
   side = [report.schedule.unit(u).label for u in report.on_stream(1)]
   # backward visits the last layer first
   assert side == ["['w3']", "['w2']", "['w1']", "['w0']"]
@@ -61,7 +61,7 @@ def test_pinned_order_is_the_schedule_order():
 @pytest.mark.parametrize("ordering,edges", [("none", 0), ("scheduling_group", 0)])
 def test_other_orderings_compile(ordering, edges):
   loss, p, x = _wide_mlp()
-  f = jax.jit(ooo.grad(loss, device="H100", ordering=ordering))
+  f = jax.jit(ooo.grad(loss, mode="single_gpu", device="H100", ordering=ordering))
   lowered = f.lower(p, x)
   compiled = lowered.compile().as_text()
   assert _ctrl_edges(compiled) == edges
@@ -83,3 +83,12 @@ def test_cpu_spec_keeps_small_work_on_one_stream():
   loss, p, x = _wide_mlp()
   r = ooo.explain(loss, p, x, streams=1, device="H100")
   assert r.on_stream(1) == [] and len(r.schedule.streams) == 1
+
+
+def test_auto_mode_picks_by_backend():
+  # CPU has no streams: auto re-emits in order with no annotations.
+  assert ooo.Options().resolved_mode() == ("single_gpu" if jax.default_backend() == "gpu"
+                                           else "in_order")
+  loss, p, x = _wide_mlp()
+  text = jax.jit(ooo.grad(loss, device="H100")).lower(p, x).as_text()
+  assert ("_xla_stream_annotation" in text) == (jax.default_backend() == "gpu")

@@ -1,0 +1,1 @@
+"""Benchmark workloads (flax, synthetic data, shapes configurable)."""
