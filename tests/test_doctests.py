@@ -1,0 +1,16 @@
+"""The examples in public docstrings run."""
+import doctest
+import importlib
+
+import pytest
+
+MODULES = ["ooojax._api", "ooojax._explain", "passes.split", "passes.cost",
+           "passes.simulate"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+  mod = importlib.import_module(name)
+  result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
+  assert result.attempted > 0, f"{name} has no examples"
+  assert result.failed == 0
