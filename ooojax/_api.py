@@ -84,6 +84,14 @@ def _is_dynamic(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic)) or _compat.is_tracer(x)
 
 
+def _aval_key(x) -> tuple:
+  """(shape, dtype, weak_type) without converting x (PRNG keys can't be)."""
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    weak = bool(getattr(getattr(x, "aval", None), "weak_type", False))
+    return tuple(x.shape), x.dtype, weak
+  return (), jax.numpy.result_type(x), isinstance(x, (int, float, complex))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Plan:
   split: Split
@@ -123,10 +131,7 @@ class _Transformed:
     dyn_mask = tuple(_is_dynamic(x) for x in rest_leaves)
     statics = tuple(x for x, d in zip(rest_leaves, dyn_mask) if not d)
     dyn = [*diff_leaves, *(x for x, d in zip(rest_leaves, dyn_mask) if d)]
-    avals = tuple((jax.numpy.shape(x), jax.numpy.result_type(x),
-                   bool(getattr(getattr(x, "aval", None), "weak_type", False)
-                        or isinstance(x, (int, float, complex))))
-                  for x in dyn)
+    avals = tuple(_aval_key(x) for x in dyn)
     key = (diff_tree, rest_tree, dyn_mask, avals, self.options.key(),
            jax.config.jax_enable_x64)
     try:

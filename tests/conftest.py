@@ -15,6 +15,8 @@ def assert_trees_close(a, b, rtol=1e-5, atol_scale=1e-5):
   lb, tb = jax.tree_util.tree_flatten(b)
   assert ta == tb, f"tree mismatch: {ta} vs {tb}"
   for x, y in zip(la, lb):
+    if jax.dtypes.issubdtype(getattr(y, "dtype", np.float32), jax.dtypes.prng_key):
+      x, y = jax.random.key_data(x), jax.random.key_data(y)
     x, y = np.asarray(x), np.asarray(y)
     assert x.shape == y.shape and x.dtype == y.dtype, (x.shape, y.shape, x.dtype, y.dtype)
     scale = max(float(np.max(np.abs(y))) if y.size else 0.0, 1.0)

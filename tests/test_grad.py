@@ -138,3 +138,31 @@ def test_trace_is_cached():
   assert len(calls) == 1
   g(jnp.ones(4))
   assert len(calls) == 2
+
+
+def test_flax_nnx_model_with_batchnorm_and_dropout(close):
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.l1 = nnx.Linear(8, 16, rngs=rngs)
+      self.bn = nnx.BatchNorm(16, rngs=rngs)
+      self.drop = nnx.Dropout(0.2, rngs=rngs)
+      self.l2 = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+      return self.l2(self.drop(nnx.relu(self.bn(self.l1(x)))))
+
+  model = Net(nnx.Rngs(0, dropout=1))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  x = jax.random.normal(jax.random.PRNGKey(2), (6, 8))
+
+  def loss(params, rest, x):
+    # fresh Variables inside the trace, as nnx requires under jax transforms
+    m = nnx.merge(graphdef, params, jax.tree.map(jnp.asarray, rest))
+    out = jnp.mean(m(x) ** 2)
+    return out, nnx.state(m, nnx.Not(nnx.Param))  # BatchNorm stats, rng counts
+
+  want = jax.grad(loss, has_aux=True)(params, rest, x)
+  got = ooo.grad(loss, has_aux=True, mode="single_gpu", device="H100")(params, rest, x)
+  close(got, want)
