@@ -5,7 +5,8 @@ critical dX chain and out-of-order dW work, schedules it with a cost model and
 emits XLA that carries the schedule.
 """
 from ooojax._api import MODES, Options, grad, value_and_grad
+from ooojax._calibrate import calibrate
 from ooojax._explain import Report, explain
 
-__all__ = ["MODES", "Options", "Report", "explain", "grad", "value_and_grad"]
+__all__ = ["MODES", "Options", "Report", "calibrate", "explain", "grad", "value_and_grad"]
 __version__ = "0.1.0"

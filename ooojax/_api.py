@@ -32,7 +32,9 @@ class Options:
     "CPU") or a `passes.cost.DeviceSpec`; None guesses from `jax.devices()`.
   ordering: how the chosen order is pinned in XLA: "auto", "control_deps",
     "scheduling_group" or "none" (see `passes.emit`).
-  measured: unit label -> seconds, replacing cost-model estimates.
+  measured: unit label -> seconds, replacing cost-model estimates; labels are
+    "forward", "X<i>" (dX segment i) and parameter paths (dW clusters), as
+    returned by `ooo.calibrate`.
   """
   mode: str = "auto"
   streams: int = 2

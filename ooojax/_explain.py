@@ -5,6 +5,7 @@ import dataclasses
 import html
 from collections import Counter
 
+from passes.cost import get_spec
 from passes.ir import Kind, Schedule, Split, UnitKind
 from passes.simulate import Timeline, simulate
 
@@ -32,8 +33,9 @@ class Report:
     return [a.unit for a in self.schedule.streams[stream]]
 
   def timeline(self) -> Timeline:
-    spec_sync = 0.0
-    return simulate(self.schedule.streams, self.schedule.units, spec_sync)
+    """The simulated per-stream spans (what `plot` draws), cost-model estimates."""
+    sync = get_spec(self.schedule.device).sync if self.schedule.device else 0.0
+    return simulate(self.schedule.streams, self.schedule.units, sync)
 
   def summary(self) -> str:
     s, c = self.schedule, self.counts

@@ -58,7 +58,7 @@ def build_units(split: Split, cost: CostModel) -> tuple[Unit, ...]:
   prev = "F0"
   for i, seg in enumerate(segments):
     c = cost.unit_cost([eqns[k] for k in seg], label=f"X{i}")
-    units.append(Unit(UnitKind.DX, i, tuple(seg), (prev,), c.seconds, c.util, f"dX {i}"))
+    units.append(Unit(UnitKind.DX, i, tuple(seg), (prev,), c.seconds, c.util, f"X{i}"))
     prev = f"X{i}"
   for cl, r in zip(split.clusters, ready):
     dep = f"X{seg_of[r]}" if r >= 0 else "F0"
