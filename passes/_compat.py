@@ -99,8 +99,11 @@ def control_dep(src, dst) -> None:
   `jax.experimental.control_deps.control_dep` has no batching rule; this one
   broadcasts under `vmap`, so the order survives per-example gradients.
   """
+  # stop_gradient (free in HLO) gives the edge symbolic-zero tangents, so
+  # differentiating through ooo.grad skips the edge instead of failing.
   jax.ffi.ffi_call("control_dep", (), has_side_effect=True,
-                   vmap_method="expand_dims")(src, dst)
+                   vmap_method="expand_dims")(jax.lax.stop_gradient(src),
+                                              jax.lax.stop_gradient(dst))
 
 
 def new_var(aval):

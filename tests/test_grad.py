@@ -166,3 +166,17 @@ def test_flax_nnx_model_with_batchnorm_and_dropout(close):
   want = jax.grad(loss, has_aux=True)(params, rest, x)
   got = ooo.grad(loss, has_aux=True, mode="single_gpu", device="H100")(params, rest, x)
   close(got, want)
+
+
+@pytest.mark.parametrize("mode", ["single_gpu", "in_order"])
+def test_higher_order_derivatives(mode, close):
+  def f(p, x):
+    for w in p:
+      x = jnp.tanh(x @ w)
+    return jnp.sum(x ** 2)
+  p = [jnp.eye(4) * 0.5 + 0.1 * i for i in range(3)]
+  x = jnp.ones((2, 4))
+  g = ooo.grad(f, mode=mode, device="H100", ordering="control_deps")
+  close(jax.jacfwd(g)(p, x), jax.jacfwd(jax.grad(f))(p, x))
+  gg = lambda grad: jax.grad(lambda p: jnp.sum(grad(f)(p, x)[0] ** 2))(p)
+  close(gg(lambda f: ooo.grad(f, mode=mode, device="H100")), gg(jax.grad))
