@@ -137,7 +137,7 @@ class _Transformed:
     key = (diff_tree, rest_tree, dyn_mask, avals, self.options.key(),
            jax.config.jax_enable_x64)
     try:
-      key = key + (statics,)
+      key = key + (tuple((type(s), s) for s in statics),)  # 1.0 == True, but not alike
       hash(key)
     except TypeError:
       key = None

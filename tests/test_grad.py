@@ -180,3 +180,12 @@ def test_higher_order_derivatives(mode, close):
   close(jax.jacfwd(g)(p, x), jax.jacfwd(jax.grad(f))(p, x))
   gg = lambda grad: jax.grad(lambda p: jnp.sum(grad(f)(p, x)[0] ** 2))(p)
   close(gg(lambda f: ooo.grad(f, mode=mode, device="H100")), gg(jax.grad))
+
+
+def test_cache_tells_equal_statics_of_other_types_apart():
+  def f(w, flag):
+    return jnp.sum(w * 2.5) if flag is True else jnp.sum(w)
+  g = ooo.grad(f)
+  w = jnp.ones(2)
+  assert g(w, True).tolist() == [2.5, 2.5]
+  assert g(w, 1.0).tolist() == [1.0, 1.0]  # 1.0 == True, yet a different trace
