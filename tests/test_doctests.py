@@ -4,7 +4,7 @@ import importlib
 
 import pytest
 
-MODULES = ["ooojax._api", "ooojax._calibrate", "ooojax._explain", "passes.split", "passes.cost",
+MODULES = ["ooojax._api", "ooojax._calibrate", "ooojax._explain", "ooojax.flax", "passes.split", "passes.cost",
            "passes.simulate"]
 
 

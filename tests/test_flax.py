@@ -1,0 +1,119 @@
+"""flax glue: linen TrainState steps and nnx grads train like plain JAX.
+
+The loops use SGD with momentum: Adam turns float32 noise in near-zero
+gradients into full-size steps of either sign, which would test chaos, not
+ooojax (single-step gradients agree to ~1e-8 either way).
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+from ooojax import flax as oflax
+
+OPTS = {"mode": "single_gpu", "device": "H100"}
+
+
+class LinenNet(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.Conv(8, (3, 3))(x)
+    x = nn.BatchNorm(use_running_average=not train)(x)
+    x = nn.relu(x)
+    x = nn.Dropout(0.2, deterministic=not train)(x)
+    return nn.Dense(10)(x.mean(axis=(1, 2)))
+
+
+def _linen_state():
+  model = LinenNet()
+  x = jax.random.normal(jax.random.PRNGKey(0), (4, 8, 8, 3))
+  v = model.init(jax.random.PRNGKey(1), x, train=False)
+  state = oflax.TrainState.create(apply_fn=model.apply, params=v["params"],
+                                  batch_stats=v["batch_stats"], tx=optax.sgd(0.05, momentum=0.9))
+  batch = {"x": x, "y": jnp.arange(4) % 10}
+  return state, batch
+
+
+def _linen_loss(params, batch, apply):
+  logits = apply(params, batch["x"], train=True)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def test_linen_train_state_loop_matches_plain_jax(close):
+  state0, batch = _linen_state()
+  rng = jax.random.key(3)
+  out = {}
+  for use_ooo in (True, False):
+    step = oflax.make_train_step(_linen_loss, mutable=("batch_stats",), rngs=("dropout",),
+                                 use_ooo=use_ooo, **OPTS)
+    state = state0
+    for _ in range(10):
+      state, metrics = step(state, batch, rng)
+    out[use_ooo] = state
+  close(out[True].params, out[False].params, rtol=1e-4)
+  close(out[True].batch_stats, out[False].batch_stats, rtol=1e-4)
+  assert int(out[True].step) == 10
+  # the loop really trained and really updated the running statistics
+  assert not jnp.allclose(out[True].batch_stats["BatchNorm_0"]["mean"],
+                          state0.batch_stats["BatchNorm_0"]["mean"])
+
+
+def test_linen_step_errors():
+  state, batch = _linen_state()
+  plain = oflax.TrainState.create(apply_fn=state.apply_fn, params=state.params,
+                                  tx=optax.sgd(0.1))
+  from flax.training import train_state
+  bare = train_state.TrainState.create(apply_fn=state.apply_fn, params=state.params,
+                                       tx=optax.sgd(0.1))
+  step = oflax.make_train_step(_linen_loss, mutable=("batch_stats",), rngs=("dropout",))
+  with pytest.raises(TypeError, match="rng"):
+    step(state, batch)
+  with pytest.raises(TypeError, match="no field"):
+    step(bare, batch, jax.random.key(0))
+  del plain
+  with pytest.raises(ValueError, match="unknown option"):
+    oflax.make_train_step(_linen_loss, streem=2)
+
+
+class NnxNet(nnx.Module):
+  def __init__(self, rngs):
+    self.l1 = nnx.Linear(8, 16, rngs=rngs)
+    self.bn = nnx.BatchNorm(16, rngs=rngs)
+    self.drop = nnx.Dropout(0.2, rngs=rngs)
+    self.l2 = nnx.Linear(16, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.l2(self.drop(nnx.relu(self.bn(self.l1(x)))))
+
+
+def _nnx_train(grad_fn, steps=10):
+  model = NnxNet(nnx.Rngs(0, dropout=1))
+  opt = nnx.Optimizer(model, optax.sgd(0.05, momentum=0.9), wrt=nnx.Param)
+  x = jax.random.normal(jax.random.PRNGKey(2), (6, 8))
+  loss = lambda m, x: jnp.mean(m(x) ** 2)
+  for _ in range(steps):
+    grads = grad_fn(loss)(model, x)
+    opt.update(model, grads)
+  return nnx.state(model)
+
+
+def test_nnx_loop_matches_nnx_grad(close):
+  got = _nnx_train(lambda f: oflax.nnx_grad(f, **OPTS))
+  want = _nnx_train(nnx.grad)
+  close(jax.tree.map(jnp.asarray, got), jax.tree.map(jnp.asarray, want), rtol=1e-4)
+
+
+def test_nnx_value_and_grad_has_aux_and_bad_input(close):
+  model = NnxNet(nnx.Rngs(0, dropout=1))
+  model.eval()
+  x = jnp.ones((2, 8))
+  f = lambda m, x: (jnp.sum(m(x)), {"n": x.shape[0]})
+  (loss, aux), grads = oflax.nnx_value_and_grad(f, has_aux=True)(model, x)
+  (loss2, aux2), grads2 = nnx.value_and_grad(f, has_aux=True)(model, x)
+  close(loss, loss2)
+  assert aux == aux2
+  close(jax.tree.map(jnp.asarray, grads), jax.tree.map(jnp.asarray, grads2))
+  with pytest.raises(TypeError, match="nnx.Module"):
+    oflax.nnx_grad(lambda m: 0.0)({"not": "a module"})
