@@ -118,7 +118,7 @@ def nnx_value_and_grad(f: Callable, *, has_aux: bool = False, **ooo_options) -> 
   >>> from ooojax.flax import nnx_value_and_grad
   >>> m = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
   >>> loss, grads = nnx_value_and_grad(lambda m, x: jnp.sum(m(x) ** 2))(m, jnp.ones((1, 3)))
-  >>> grads["kernel"].value.shape
+  >>> grads["kernel"][...].shape
   (3, 2)
   """
   from flax import nnx

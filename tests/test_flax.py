@@ -117,3 +117,22 @@ def test_nnx_value_and_grad_has_aux_and_bad_input(close):
   close(jax.tree.map(jnp.asarray, grads), jax.tree.map(jnp.asarray, grads2))
   with pytest.raises(TypeError, match="nnx.Module"):
     oflax.nnx_grad(lambda m: 0.0)({"not": "a module"})
+
+
+def test_orbax_checkpoint_round_trip(tmp_path, close):
+  import orbax.checkpoint as ocp  # in the test extras: a missing install fails, not skips
+  state, batch = _linen_state()
+  step = oflax.make_train_step(_linen_loss, mutable=("batch_stats",), rngs=("dropout",), **OPTS)
+  rng = jax.random.key(5)
+  for _ in range(3):
+    state, _ = step(state, batch, rng)
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(tmp_path / "state", state)
+  ckpt.wait_until_finished()
+  restored = ckpt.restore(tmp_path / "state", jax.tree.map(ocp.utils.to_shape_dtype_struct, state))
+  close(restored.params, state.params)
+  close(restored.batch_stats, state.batch_stats)
+  assert int(restored.step) == 3
+  a, _ = step(state, batch, rng)
+  b, _ = step(restored, batch, rng)  # training resumes identically
+  close(a.params, b.params)
