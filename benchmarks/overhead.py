@@ -9,15 +9,13 @@ table; `--write` appends it to benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
-import subprocess
 import time
 
 import jax
 import numpy as np
 
 import ooojax as ooo
+from benchmarks import _report
 from benchmarks.models import resnet
 
 
@@ -29,7 +27,7 @@ def _lower_time(make_grad, loss_fn, args) -> float:
 
 
 def measure(depth: int, reps: int, mode: str) -> dict:
-  loss_fn, args = resnet.make(depth, batch=2, image=64)
+  loss_fn, args, _ = resnet.make(depth, batch=2, image=64, real_init=False)
   base = lambda f: jax.grad(f, has_aux=True)
   ours = lambda f: ooo.grad(f, has_aux=True, mode=mode, device="H100")
   _lower_time(base, loss_fn, args)  # warm caches of jnp / flax internals
@@ -55,15 +53,7 @@ def main(argv=None):
   ap.add_argument("--write", action="store_true")
   a = ap.parse_args(argv)
   rows = [measure(d, a.reps, m) for d in a.depths for m in a.modes]
-  try:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-  except OSError:
-    commit = "?"
-  lines = [
-      f"### Frontend overhead ({datetime.date.today()}, {jax.devices()[0].device_kind}, "
-      f"jax {jax.__version__}, Python {platform.python_version()}, commit {commit})",
-      "",
+  lines = _report.header("Frontend overhead") + [
       "Lower time (trace + split + schedule + emit + MLIR) under `jax.jit(...).lower`, "
       f"ResNet at batch 2, 64x64 images, median of {a.reps}, alternating in one process.",
       "",
@@ -74,11 +64,7 @@ def main(argv=None):
     lines.append(f"| ResNet-{r['depth']} | {r['mode']} | {r['eqns']} | {r['base']:.3f} | "
                  f"{r['ours']:.3f} | {r['ours'] / r['base']:.2f}x | {r['plan']:.3f} | "
                  f"{1e6 * r['ours'] / r['eqns']:.0f} |")
-  text = "\n".join(lines)
-  print(text)
-  if a.write:
-    with open("benchmarks/RESULTS.md", "a") as f:
-      f.write("\n" + text + "\n")
+  _report.emit(lines, a.write)
 
 
 if __name__ == "__main__":

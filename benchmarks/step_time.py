@@ -1,24 +1,26 @@
 """Training-step time of jax.grad vs ooo.grad variants on the current device.
 
-Each variant is a jitted SGD step on the demo's SmallCNN (BatchNorm, has_aux);
+Each variant is a jitted SGD step (gradient + update of the first argument);
 variants run alternating in one process, median over rounds. Prints a
 markdown table; `--write` appends it to benchmarks/RESULTS.md.
 
-  python -m benchmarks.step_time [--batch 32] [--rounds 5] [--write]
+  python -m benchmarks.step_time                       # the demo SmallCNN
+  python -m benchmarks.step_time --model mobilenet_v3_small --batch 32
+  python -m benchmarks.step_time --model densenet121 --tiny   # a CPU-sized copy
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
-import subprocess
 
 import jax
 import numpy as np
 import optax
 
 import ooojax as ooo
+from benchmarks import _report
+from benchmarks.models import ZOO
 from ooojax import demo
+from ooojax._calibrate import time_fn
 
 VARIANTS = {
     "jax.grad": None,
@@ -29,34 +31,63 @@ VARIANTS = {
 }
 
 
+def _demo_case(batch):
+  model = demo.SmallCNN()
+  x, y = demo._data(batch)
+  v = model.init(jax.random.PRNGKey(0), x)
+  _, loss_fn = demo.make_step(jax.grad, model, optax.sgd(0.1))
+  return loss_fn, (v["params"], v["batch_stats"], x, y), {"has_aux": True}
+
+
+def _sgd_step(grad_fn, loss_fn, kw):
+  @jax.jit
+  def step(*args):
+    g = grad_fn(loss_fn, **kw)(*args)
+    g = g[0] if kw.get("has_aux") else g
+    return jax.tree.map(lambda p, d: p - 0.01 * d, args[0], g)
+  return step
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser()
+  ap.add_argument("--model", default="demo_cnn", choices=["demo_cnn", *ZOO])
   ap.add_argument("--batch", type=int, default=32)
+  ap.add_argument("--tiny", action="store_true", help="the zoo model's tiny (CPU) size")
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--iters", type=int, default=5)
+  ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+  ap.add_argument("--no-sim-check", action="store_true")
   ap.add_argument("--write", action="store_true")
   a = ap.parse_args(argv)
-  model = demo.SmallCNN()
-  x, y = demo._data(a.batch)
-  v = model.init(jax.random.PRNGKey(0), x)
-  opt = optax.sgd(0.05)
-  state = (v["params"], v["batch_stats"], opt.init(v["params"]))
+  if a.model == "demo_cnn":
+    loss_fn, args, kw = _demo_case(a.batch)
+    desc = f"demo SmallCNN, batch {a.batch}"
+  else:
+    make, full, tiny = ZOO[a.model]
+    sizes = dict(tiny if a.tiny else full)
+    if not a.tiny:
+      sizes["batch"] = a.batch
+    loss_fn, args, kw = make(**sizes)
+    desc = f"{a.model} ({'tiny' if a.tiny else 'full'} size), batch {sizes['batch']}"
   steps = {}
-  for name, kw in VARIANTS.items():
-    g = jax.grad if kw is None else (lambda kw: lambda f, **k: ooo.grad(f, **kw, **k))(kw)
-    steps[name] = demo.make_step(g, model, opt)[0]
+  for name in a.variants:
+    opts = VARIANTS[name]
+    g = jax.grad if opts is None else (lambda o: lambda f, **k: ooo.grad(f, **o, **k))(opts)
+    steps[name] = _sgd_step(g, loss_fn, kw)
+  failed = {}
+  for name, step in list(steps.items()):  # compile each once; a failure is a result
+    try:
+      jax.block_until_ready(step(*args))
+    except Exception as e:  # noqa: BLE001 - reported in the table
+      failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+      del steps[name]
   times = {k: [] for k in steps}
   for _ in range(a.rounds):
     for name, step in steps.items():
-      times[name].append(demo._time(step, state, x, y, a.iters))
+      times[name].append(time_fn(step, args, a.iters))
   med = {k: float(np.median(t)) for k, t in times.items()}
-  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True).stdout.strip()
-  lines = [
-      f"### Step time, SmallCNN batch {a.batch} ({datetime.date.today()}, "
-      f"{jax.devices()[0].device_kind}, jax {jax.__version__}, "
-      f"Python {platform.python_version()}, commit {commit})",
-      "",
+  base = med.get("jax.grad")
+  lines = _report.header(f"Step time, {desc}") + [
       f"Measured: jitted SGD step, median of {a.rounds} rounds x {a.iters} steps, "
       "variants alternating in one process. Ratio = jax.grad time / variant time "
       "(>1 means faster than jax.grad).",
@@ -65,28 +96,22 @@ def main(argv=None):
       "|---|---|---|",
   ]
   for k, t in med.items():
-    lines.append(f"| {k} | {t * 1e3:.2f} | {med['jax.grad'] / t:.3f}x |")
-  # Simulator check: calibrated per-unit timings -> predicted in-order gradient
-  # time, against the measured jax.grad gradient computation alone.
-  _, loss_fn = demo.make_step(jax.grad, model, opt)
-  args = (v["params"], v["batch_stats"], x, y)
-  measured = ooo.calibrate(loss_fn, *args, has_aux=True)
-  report = ooo.explain(loss_fn, *args, has_aux=True, mode="in_order", measured=measured)
-  from ooojax._calibrate import time_fn
-  real = time_fn(jax.jit(jax.grad(loss_fn, has_aux=True)), args, 20)
-  pred = report.schedule.in_order_makespan
-  lines += [
-      "",
-      f"Simulator check (same model): calibrated in-order prediction (simulated) "
-      f"{pred * 1e3:.2f} ms vs measured `jit(jax.grad)` {real * 1e3:.2f} ms: error "
-      f"{100 * (pred - real) / real:+.0f}% ({len(measured)} units timed alone; "
-      "per-unit timing misses cross-unit fusion).",
-  ]
-  text = "\n".join(lines)
-  print(text)
-  if a.write:
-    with open("benchmarks/RESULTS.md", "a") as f:
-      f.write("\n" + text + "\n")
+    ratio = f"{base / t:.3f}x" if base else "-"
+    lines.append(f"| {k} | {t * 1e3:.2f} | {ratio} |")
+  for k, why in failed.items():
+    lines.append(f"| {k} | failed to compile or run: {why} | - |")
+  if not a.no_sim_check:
+    # Calibrated per-unit timings -> simulated in-order gradient time, against
+    # the measured jax.grad gradient computation alone.
+    measured = ooo.calibrate(loss_fn, *args, **kw)
+    pred = ooo.explain(loss_fn, *args, mode="in_order", measured=measured,
+                       **kw).schedule.in_order_makespan
+    real = time_fn(jax.jit(jax.grad(loss_fn, **kw)), args, 20)
+    lines += ["", f"Simulator check: calibrated in-order prediction (simulated) "
+              f"{pred * 1e3:.2f} ms vs measured `jit(jax.grad)` {real * 1e3:.2f} ms: "
+              f"error {100 * (pred - real) / real:+.0f}% ({len(measured)} units timed "
+              "alone; per-unit timing misses cross-unit fusion)."]
+  _report.emit(lines, a.write)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 
 class MLP(nn.Module):
@@ -57,6 +58,17 @@ class TiedLM(nn.Module):
     x = Block(self.dim, 4)(x, train=False)
     x = nn.LayerNorm()(x)
     return emb.attend(x)  # output projection shares the embedding
+
+
+class NnxNet(nnx.Module):
+  def __init__(self, rngs):
+    self.l1 = nnx.Linear(8, 16, rngs=rngs)
+    self.bn = nnx.BatchNorm(16, rngs=rngs)
+    self.drop = nnx.Dropout(0.2, rngs=rngs)
+    self.l2 = nnx.Linear(16, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.l2(self.drop(nnx.relu(self.bn(self.l1(x)))))
 
 
 def mlp_case():

@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from ooojax import flax as oflax
+from tests.models import NnxNet
 
 OPTS = {"mode": "single_gpu", "device": "H100"}
 
@@ -75,17 +76,6 @@ def test_linen_step_errors():
   del plain
   with pytest.raises(ValueError, match="unknown option"):
     oflax.make_train_step(_linen_loss, streem=2)
-
-
-class NnxNet(nnx.Module):
-  def __init__(self, rngs):
-    self.l1 = nnx.Linear(8, 16, rngs=rngs)
-    self.bn = nnx.BatchNorm(16, rngs=rngs)
-    self.drop = nnx.Dropout(0.2, rngs=rngs)
-    self.l2 = nnx.Linear(16, 4, rngs=rngs)
-
-  def __call__(self, x):
-    return self.l2(self.drop(nnx.relu(self.bn(self.l1(x)))))
 
 
 def _nnx_train(grad_fn, steps=10):

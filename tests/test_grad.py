@@ -143,17 +143,7 @@ def test_trace_is_cached():
 def test_flax_nnx_model_with_batchnorm_and_dropout(close):
   from flax import nnx
 
-  class Net(nnx.Module):
-    def __init__(self, rngs):
-      self.l1 = nnx.Linear(8, 16, rngs=rngs)
-      self.bn = nnx.BatchNorm(16, rngs=rngs)
-      self.drop = nnx.Dropout(0.2, rngs=rngs)
-      self.l2 = nnx.Linear(16, 4, rngs=rngs)
-
-    def __call__(self, x):
-      return self.l2(self.drop(nnx.relu(self.bn(self.l1(x)))))
-
-  model = Net(nnx.Rngs(0, dropout=1))
+  model = models.NnxNet(nnx.Rngs(0, dropout=1))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   x = jax.random.normal(jax.random.PRNGKey(2), (6, 8))
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import flax.linen as nn
-import jax
-import jax.numpy as jnp
-import optax
+
+from benchmarks.models._common import image_classifier
 
 STAGES = {26: (2, 2, 2, 2), 50: (3, 4, 6, 3), 101: (3, 4, 23, 3)}
 
@@ -43,16 +42,10 @@ class ResNet(nn.Module):
     return nn.Dense(self.classes)(x.mean(axis=(1, 2)))
 
 
-def make(depth: int = 50, batch: int = 8, image: int = 224, width: int = 64):
-  """Returns `(loss_fn, args)`; `loss_fn(params, batch_stats, x, y)` has aux."""
-  model = ResNet(STAGES[depth], width)
-  x = jnp.zeros((batch, image, image, 3), jnp.float32)
-  y = jnp.zeros((batch,), jnp.int32)
-  v = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), x))
-  v = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), v)
+def make(depth: int = 50, batch: int = 8, image: int = 224, width: int = 64,
+         real_init: bool = True):
+  """Returns `(loss_fn, args, kw)`; `loss_fn(params, batch_stats, x, y)` has aux.
 
-  def loss_fn(params, batch_stats, x, y):
-    logits, upd = model.apply({"params": params, "batch_stats": batch_stats}, x,
-                              mutable=["batch_stats"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), upd
-  return loss_fn, (v["params"], v["batch_stats"], x, y)
+  `real_init=False` gives zero parameters (shapes only): enough for tracing.
+  """
+  return image_classifier(ResNet(STAGES[depth], width), batch, image, 1000, real_init)

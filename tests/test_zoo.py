@@ -1,0 +1,15 @@
+"""Every benchmark model's ooo.grad equals jax.grad at a tiny size."""
+import jax
+import pytest
+
+import ooojax as ooo
+from benchmarks.models import ZOO
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zoo_model_matches_jax_grad(name, close):
+  make, _, tiny = ZOO[name]
+  loss_fn, args, kw = make(**tiny)
+  want = jax.jit(jax.grad(loss_fn, **kw))(*args)
+  got = jax.jit(ooo.grad(loss_fn, mode="single_gpu", device="H100", **kw))(*args)
+  close(got, want, rtol=2e-5, atol_scale=2e-5)
