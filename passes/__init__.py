@@ -5,7 +5,8 @@ package re-exports only the plain data types that flow between them.
 """
 from passes.cost import DEVICE_SPECS, CostModel, DeviceSpec
 from passes.ir import Action, Cluster, Kind, Schedule, Split, Unit, UnitKind
-from passes.simulate import Span, Timeline
+from passes.simulate import LINKS, Link, Span, Timeline
 
 __all__ = ["DEVICE_SPECS", "Action", "Cluster", "CostModel", "DeviceSpec", "Kind",
-           "Schedule", "Span", "Split", "Timeline", "Unit", "UnitKind"]
+           "LINKS", "Link", "Schedule", "Span", "Split", "Timeline", "Unit",
+           "UnitKind"]

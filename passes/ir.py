@@ -53,6 +53,7 @@ class UnitKind(enum.Enum):
   FORWARD = "F"
   DX = "X"
   DW = "W"
+  SEND = "S"  # a transfer on a network link (collectives, pipeline sends)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +72,7 @@ class Unit:
     return f"{self.kind.value}{self.index}"
 
 
-_ACTION_RE = re.compile(r"^([FXW])(\d+)@(\d+)$")
+_ACTION_RE = re.compile(r"^([FXWS])(\d+)@(\d+)$")
 
 
 @dataclasses.dataclass(frozen=True, order=True)

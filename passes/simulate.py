@@ -8,14 +8,35 @@ unit ran on another stream). Concurrent actions share the device: each one
 alone keeps a share `util` of it busy, and when the shares of the running
 actions add up to more than 1 they all slow down by that sum (processor
 sharing). Overlap is therefore only free for work that leaves the device
-partly idle: small, launch-bound kernels. All times are cost-model estimates.
+partly idle: small, launch-bound kernels. Streams listed in `links` are
+network links instead: their actions (transfers) run in order on the link
+and do not load the device. All times are cost-model estimates.
 """
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from passes.ir import Action, Unit
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+  """A network link: a transfer of `n` bytes takes `latency + n / bandwidth`."""
+  name: str
+  latency: float    # seconds
+  bandwidth: float  # bytes per second
+
+  def seconds(self, nbytes: float) -> float:
+    return self.latency + nbytes / self.bandwidth
+
+
+LINKS = {
+    "nvlink": Link("nvlink", 2e-6, 450e9),     # H100 NVLink 4, per direction
+    "100GbE": Link("100GbE", 10e-6, 100e9 / 8),
+    "25GbE": Link("25GbE", 15e-6, 25e9 / 8),
+    "10GbE": Link("10GbE", 20e-6, 10e9 / 8),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +64,7 @@ class DeadlockError(ValueError):
 
 
 def simulate(streams: Sequence[Sequence[Action]], units: Sequence[Unit],
-             sync: float = 0.0) -> Timeline:
+             sync: float = 0.0, links: Collection[int] = ()) -> Timeline:
   """Runs the schedule and returns per-unit spans and the makespan.
 
   >>> from passes.ir import Action, Unit, UnitKind
@@ -90,14 +111,15 @@ def simulate(streams: Sequence[Sequence[Action]], units: Sequence[Unit],
                             "finish; check the stream order against the deps")
       now = min(waiting.values())
       continue
-    rate = 1.0 / max(1.0, sum(r[0].util for r in running.values()))
-    step = min(r[1] / rate for r in running.values())
+    load = sum(r[0].util for s, r in running.items() if s not in links)
+    rates = {s: 1.0 if s in links else 1.0 / max(1.0, load) for s in running}
+    step = min(r[1] / rates[s] for s, r in running.items())
     if waiting:
       step = min(step, min(waiting.values()) - now)
     now += step
     for s in list(running):
       r = running[s]
-      r[1] -= step * rate
+      r[1] -= step * rates[s]
       if r[1] <= 1e-15:
         done[r[0].name] = now
         spans.append(Span(r[0].name, s, r[2], now))

@@ -131,3 +131,21 @@ def test_schedule_is_valid_and_round_trips():
     replace_streams(sched, [[Action("F", 0, 0)]])
   one = schedule(sp, cost.CostModel("H100"), streams=1)
   assert one.streams == in_order(one.units)
+
+
+def test_simulate_send_on_a_slow_link():
+  link = simulate.LINKS["10GbE"]
+  t_send = link.seconds(100e6)  # 100 MB at 10 Gb/s: 80 ms + latency
+  assert t_send == pytest.approx(0.08 + 20e-6)
+  units = [_u(UnitKind.DX, 0, cost_=0.05), _u(UnitKind.DX, 1, ["X0"], cost_=0.05),
+           Unit(UnitKind.SEND, 0, (), ("X0",), t_send, 1.0),
+           _u(UnitKind.DW, 0, ["S0"], cost_=0.01)]
+  streams = [[Action("X", 0, 0), Action("X", 1, 0), Action("W", 0, 0)], [Action("S", 0, 1)]]
+  t = simulate.simulate(streams, units, links={1})
+  spans = {s.unit: s for s in t.spans}
+  # the transfer overlaps X1 without slowing it (links do not load the device)
+  assert spans["X1"].end == pytest.approx(0.1)
+  assert spans["S0"].end == pytest.approx(0.05 + t_send)
+  assert spans["W0"].start == pytest.approx(0.05 + t_send)  # waits on the slow link
+  assert t.makespan == pytest.approx(0.05 + t_send + 0.01)
+  assert str(Action.parse("S0@1")) == "S0@1"
