@@ -14,8 +14,10 @@ def header(title: str) -> list[str]:
                             text=True, check=False).stdout.strip() or "?"
   except OSError:
     commit = "?"
+  import jaxlib
   return [f"### {title} ({datetime.date.today()}, {jax.devices()[0].device_kind}, "
-          f"jax {jax.__version__}, Python {platform.python_version()}, commit {commit})", ""]
+          f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
+          f"Python {platform.python_version()}, commit {commit})", ""]
 
 
 def emit(lines: list[str], write: bool, path: str = "benchmarks/RESULTS.md") -> None:
