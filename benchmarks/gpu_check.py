@@ -27,7 +27,7 @@ def main():
   args = (v["params"], v["batch_stats"], x, y)
   want = jax.jit(jax.grad(loss_fn, has_aux=True))(*args)[0]
   print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}")
-  for ordering in ("none", "control_deps", "scheduling_group"):
+  for ordering in ("none", "scheduling_group", "control_deps"):  # the last is expected to be rejected
     try:
       f = jax.jit(ooo.grad(loss_fn, has_aux=True, mode="single_gpu", ordering=ordering))
       hlo = f.lower(*args).compile().as_text()

@@ -61,8 +61,9 @@ class Options:
   def resolved_ordering(self) -> str:
     if self.ordering != "auto":
       return self.ordering
-    # control_dep is rewritten to control edges by a pass in the CPU compiler;
-    # it is unverified on GPU, so GPU relies on the stream order alone.
+    # control_dep becomes control edges only in the CPU compiler's
+    # control-dep-rewriter; on GPU it fails to compile, so GPU relies on the
+    # stream assignment alone.
     return "control_deps" if jax.default_backend() == "cpu" else "none"
 
   def key(self):

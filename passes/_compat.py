@@ -54,8 +54,26 @@ except ImportError:  # pragma: no cover - future JAX moved them; keep JAX's word
 
 # compute_on2 (function form) lowers to one non-inlined `call` carrying
 # `_xla_stream_annotation`, the only form XLA GPU wraps into an async call.
+# jax <= 0.11.0 calls the function form `compute_on2`; later JAX renamed it to
+# `compute_on` (same keywords) and dropped the context-manager `compute_on`.
+def _find_compute_on_fn():
+  import inspect
+  from jax.experimental import compute_on as mod
+  for name in ("compute_on2", "compute_on"):
+    fn = getattr(mod, name, None)
+    if fn is None:
+      continue
+    try:
+      params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+      continue
+    if "out_memory_spaces" in params:
+      return fn
+  return None
+
+
 try:
-  from jax.experimental.compute_on import compute_on2 as _compute_on2
+  _compute_on2 = _find_compute_on_fn()
 except ImportError:  # pragma: no cover
   _compute_on2 = None
 
@@ -70,8 +88,8 @@ def on_stream(fun, stream: int, n_out: int):
   """Wraps `fun` (returning `n_out` arrays) to lower to one call on GPU stream `stream`."""
   if _compute_on2 is None:  # pragma: no cover
     raise NotImplementedError(
-        "this JAX has no jax.experimental.compute_on.compute_on2; pass "
-        "streams=1 to ooo.grad to emit without stream annotations.")
+        "this JAX has no function-form compute_on (compute_on2) in "
+        "jax.experimental.compute_on; use ooo.grad(..., mode='in_order').")
   return _compute_on2(fun, compute_type=f"gpu_stream:{stream}",
                       out_memory_spaces=(_DEVICE_SPACE,) * n_out)
 

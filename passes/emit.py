@@ -16,6 +16,7 @@ Under `jax.jit` the result is an XLA module that carries the schedule:
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -91,6 +92,12 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
   """
   if ordering not in ORDERINGS:
     raise ValueError(f"ordering must be one of {ORDERINGS}, got {ordering!r}")
+  if ordering == "control_deps" and jax.default_backend() == "gpu":
+    # XLA's control-dep-rewriter runs in the CPU compiler only; on GPU the
+    # custom call reaches codegen and fails ("No FFI handler ... control_dep").
+    raise ValueError("ordering='control_deps' does not compile on GPU (XLA GPU has no "
+                     "control-dep-rewriter pass); use ordering='scheduling_group' or "
+                     "'none' (the GPU default).")
   jaxpr = split.jaxpr.jaxpr
   ct_aval = jaxpr.invars[0].aval
   env: dict = {}
@@ -110,7 +117,7 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
 
   def meta(gid):
     if ordering != "scheduling_group":
-      return _null()
+      return contextlib.nullcontext()
     from jax.experimental.xla_metadata import set_xla_metadata
     return set_xla_metadata(_scheduling_group_id=gid)
 
@@ -132,10 +139,3 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
           prev_side_out = outs[0]
   return [_read(env, v) for v in jaxpr.outvars]
 
-
-class _null:
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *a):
-    return False

@@ -92,3 +92,12 @@ def test_auto_mode_picks_by_backend():
   loss, p, x = _wide_mlp()
   text = jax.jit(ooo.grad(loss, device="H100")).lower(p, x).as_text()
   assert ("_xla_stream_annotation" in text) == (jax.default_backend() == "gpu")
+
+
+def test_control_deps_rejected_on_gpu(monkeypatch):
+  # XLA GPU has no control-dep-rewriter: fail early with advice, not in codegen.
+  loss, p, x = _wide_mlp()
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  with pytest.raises(ValueError, match="does not compile on GPU"):
+    ooo.grad(loss, mode="single_gpu", device="H100", ordering="control_deps")(p, x)
+  assert ooo.Options().resolved_ordering() == "none"
