@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from benchmarks.models._common import init_params
+
 
 class Layer(nn.Module):
   dim: int
@@ -44,7 +46,7 @@ class Stack(nn.Module):
 def _make(causal, layers, batch, seq, dim, heads, vocab):
   model = Stack(layers, dim, heads, vocab, causal)
   tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, seq), 0, vocab)
-  params = model.init(jax.random.PRNGKey(0), tokens, train=False)
+  params = init_params(lambda: model.init(jax.random.PRNGKey(0), tokens, train=False))
   rng = jax.random.PRNGKey(2)
   if causal:
     def loss_fn(params, tokens, rng):
