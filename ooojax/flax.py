@@ -26,7 +26,21 @@ from ooojax._api import _make_options, value_and_grad
 
 
 class TrainState(train_state.TrainState):
-  """`flax.training.train_state.TrainState` with a `batch_stats` field."""
+  """`flax.training.train_state.TrainState` with a `batch_stats` field.
+
+  Each collection named in `make_train_step(mutable=...)` must be a field of
+  the state; for others, subclass `TrainState` the same way (a field per
+  collection, default None) and pass the initial values to `create`.
+
+  >>> import flax.linen as nn, jax, jax.numpy as jnp, optax
+  >>> from ooojax.flax import TrainState
+  >>> model = nn.BatchNorm(use_running_average=False)
+  >>> v = model.init(jax.random.PRNGKey(0), jnp.ones((2, 3)))
+  >>> state = TrainState.create(apply_fn=model.apply, params=v["params"],
+  ...                           batch_stats=v["batch_stats"], tx=optax.sgd(0.1))
+  >>> sorted(state.batch_stats)
+  ['mean', 'var']
+  """
   batch_stats: Any = None
 
 
@@ -106,12 +120,31 @@ def make_train_step(loss_fn: Callable, *, mutable: Sequence[str] = (),
 
 
 # --- nnx -----------------------------------------------------------------------
-def nnx_value_and_grad(f: Callable, *, has_aux: bool = False, **ooo_options) -> Callable:
-  """Like `nnx.value_and_grad(f)` (gradients w.r.t. the module's `nnx.Param`s).
+def _in_first_module(path, value) -> bool:
+  # nnx filter: the Variables reached through the first argument (a shared
+  # Variable is reached there first, as in nnx.grad).
+  return path[0] == 0
 
-  `f(module, *args, **kwargs)` returns a scalar (or `(loss, aux)`). Other
-  state the call mutates (BatchNorm statistics, dropout RNG counters) is
-  written back into `module`, as `nnx.grad` does.
+
+def nnx_value_and_grad(f: Callable, *, has_aux: bool = False, **ooo_options) -> Callable:
+  """Like `nnx.value_and_grad(f)`: gradients w.r.t. the first module's `nnx.Param`s.
+
+  `f(module, *args, **kwargs)` returns a scalar (or `(loss, aux)` with
+  `has_aux`). The wrapper splits `module` and every other nnx object in the
+  arguments with `nnx.split`, runs `ooo.value_and_grad` on the pure function,
+  writes the other Variables the call mutated (BatchNorm statistics, dropout
+  RNG counters, in any argument) back into their modules, as `nnx.grad` does,
+  and returns the gradients as an `nnx.State` shaped like
+  `nnx.state(module, nnx.Param)`, which `nnx.Optimizer.update(module, grads)`
+  takes. Works eagerly and inside `nnx.jit`.
+
+  Args:
+    f: the function to differentiate; its first argument is an `nnx.Module`.
+    has_aux: `f` returns `(loss, aux)`; the result is then `((loss, aux), grads)`.
+    **ooo_options: options of `ooo.grad` (mode, streams, device, ...).
+
+  Returns:
+    `g(module, *args, **kwargs) -> (value, grads)`.
 
   >>> from flax import nnx
   >>> import jax.numpy as jnp
@@ -123,39 +156,55 @@ def nnx_value_and_grad(f: Callable, *, has_aux: bool = False, **ooo_options) -> 
   """
   from flax import nnx
   _make_options(ooo_options)
+  diff = nnx.All(nnx.Param, _in_first_module)
+  written = nnx.All(nnx.Variable, nnx.Not(diff))  # state the call may mutate
 
-  def pure(params, rest, graphdef, *args, **kwargs):
+  def pure(params, rest, graphdef):
     # Fresh Variables inside the trace, as nnx requires under JAX transforms.
-    module = nnx.merge(graphdef, params, jax.tree.map(jnp.asarray, rest))
+    module, args, kwargs = nnx.merge(graphdef, params, jax.tree.map(jnp.asarray, rest))
     out = f(module, *args, **kwargs)
     loss, aux = out if has_aux else (out, None)
-    return loss, (aux, nnx.state(module, nnx.Not(nnx.Param)))
+    return loss, (aux, nnx.state((module, args, kwargs), written))
 
-  per_graph: dict = {}  # one transformed function (and trace cache) per graphdef
+  vg = value_and_grad(pure, has_aux=True, **ooo_options)  # graphdef: a static, keys the trace cache
 
   @functools.wraps(f)
   def wrapped(module, *args, **kwargs):
     if not isinstance(module, nnx.Module):
-      raise TypeError(f"nnx_value_and_grad expects an nnx.Module as the first argument, "
-                      f"got {type(module).__name__}")
-    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-    vg = per_graph.get(graphdef)
-    if vg is None:
-      vg = per_graph[graphdef] = value_and_grad(
-          functools.partial(_with_graphdef, pure, graphdef), has_aux=True, **ooo_options)
-    (loss, (aux, new_rest)), grads = vg(params, rest, *args, **kwargs)
-    nnx.update(module, new_rest)
+      raise TypeError("nnx_grad / nnx_value_and_grad: the first argument must be the "
+                      f"nnx.Module to differentiate, got {type(module).__name__}")
+    tree = (module, args, kwargs)
+    graphdef, params, rest = nnx.split(tree, diff, ...)
+    (loss, (aux, new_state)), grads = vg(params, rest, graphdef)
+    nnx.update(tree, new_state)
+    grads = grads[0] if 0 in grads else nnx.State({})
     return ((loss, aux) if has_aux else loss), grads
 
   return wrapped
 
 
-def _with_graphdef(pure, graphdef, params, rest, *args, **kwargs):
-  return pure(params, rest, graphdef, *args, **kwargs)
-
-
 def nnx_grad(f: Callable, *, has_aux: bool = False, **ooo_options) -> Callable:
-  """Like `nnx.grad(f)`; see `nnx_value_and_grad`."""
+  """Like `nnx.grad(f)`; see `nnx_value_and_grad` for the details.
+
+  Args:
+    f: the function to differentiate; its first argument is an `nnx.Module`.
+    has_aux: `f` returns `(loss, aux)`; the result is then `(grads, aux)`.
+    **ooo_options: options of `ooo.grad` (mode, streams, device, ...).
+
+  Returns:
+    `g(module, *args, **kwargs) -> grads` (an `nnx.State` of the module's params).
+
+  >>> import optax
+  >>> from flax import nnx
+  >>> import jax.numpy as jnp
+  >>> from ooojax.flax import nnx_grad
+  >>> m = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  >>> opt = nnx.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param)
+  >>> grads = nnx_grad(lambda m, x: jnp.mean(m(x) ** 2))(m, jnp.ones((4, 3)))
+  >>> _ = opt.update(m, grads)
+  >>> int(opt.step[...])
+  1
+  """
   vg = nnx_value_and_grad(f, has_aux=has_aux, **ooo_options)
 
   @functools.wraps(f)

@@ -78,21 +78,56 @@ def test_linen_step_errors():
     oflax.make_train_step(_linen_loss, streem=2)
 
 
-def _nnx_train(grad_fn, steps=10):
+def test_linen_has_aux_without_mutable_collections(close):
+  model = nn.Dense(3)
+  x = jnp.linspace(-1, 1, 8).reshape(4, 2)
+  state = oflax.TrainState.create(apply_fn=model.apply, tx=optax.sgd(0.1),
+                                  params=model.init(jax.random.PRNGKey(0), x)["params"])
+
+  def loss(params, x, apply):
+    y = apply(params, x)
+    return jnp.mean(y ** 2), {"max": jnp.max(y)}
+  out = [oflax.make_train_step(loss, has_aux=True, use_ooo=u, **OPTS)(state, x) for u in (True, False)]
+  close(out[0], out[1])
+  assert set(out[0][1]) == {"loss", "aux"} and "max" in out[0][1]["aux"]
+
+
+def _nnx_train(grad_fn, steps, jit):
   model = NnxNet(nnx.Rngs(0, dropout=1))
   opt = nnx.Optimizer(model, optax.sgd(0.05, momentum=0.9), wrt=nnx.Param)
   x = jax.random.normal(jax.random.PRNGKey(2), (6, 8))
   loss = lambda m, x: jnp.mean(m(x) ** 2)
-  for _ in range(steps):
+
+  def step(model, opt, x):
     grads = grad_fn(loss)(model, x)
     opt.update(model, grads)
-  return nnx.state(model)
+  step = nnx.jit(step) if jit else step
+  for _ in range(steps):
+    step(model, opt, x)
+  return nnx.state(model), opt
 
 
-def test_nnx_loop_matches_nnx_grad(close):
-  got = _nnx_train(lambda f: oflax.nnx_grad(f, **OPTS))
-  want = _nnx_train(nnx.grad)
+@pytest.mark.parametrize("jit,steps", [(True, 10), (False, 3)])
+def test_nnx_loop_matches_nnx_grad(jit, steps, close):
+  got, opt = _nnx_train(lambda f: oflax.nnx_grad(f, **OPTS), steps, jit)
+  want, _ = _nnx_train(nnx.grad, steps, jit)
   close(jax.tree.map(jnp.asarray, got), jax.tree.map(jnp.asarray, want), rtol=1e-4)
+  assert int(opt.step[...]) == steps
+  # BatchNorm statistics and the dropout RNG counter moved, as with nnx.grad
+  assert int(got["drop"]["rngs"]["count"][...]) == steps
+  assert float(jnp.abs(got["bn"]["mean"][...]).sum()) > 0
+
+
+def test_nnx_other_module_arguments_are_updated(close):
+  def run(grad):
+    model, side = nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.BatchNorm(4, rngs=nnx.Rngs(1))
+    f = lambda m, side, x, scale=1.0: scale * jnp.sum(side(m(x)) ** 2)
+    grads = grad(f)(model, side, jnp.arange(12.0).reshape(3, 4)[:, :3], scale=0.5)
+    return grads, nnx.state(side)
+  (g_got, side_got), (g_want, side_want) = run(oflax.nnx_grad), run(nnx.grad)
+  close(jax.tree.map(jnp.asarray, g_got), jax.tree.map(jnp.asarray, g_want))
+  close(jax.tree.map(jnp.asarray, side_got), jax.tree.map(jnp.asarray, side_want))
+  assert float(jnp.abs(side_got["mean"][...]).sum()) > 0  # only the first module is differentiated
 
 
 def test_nnx_value_and_grad_has_aux_and_bad_input(close):
