@@ -87,6 +87,16 @@ def _is_dynamic(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic)) or _compat.is_tracer(x)
 
 
+_VALUE_TYPES = (type(None), bool, int, float, complex, str, bytes)
+
+
+def _value_hashable(x) -> bool:
+  """True for statics whose hash and equality are by value, so a cache hit is safe."""
+  if isinstance(x, tuple):
+    return all(_value_hashable(y) for y in x)
+  return isinstance(x, _VALUE_TYPES) or isinstance(x, (np.dtype, type))
+
+
 def _aval_key(x) -> tuple:
   """(shape, dtype, weak_type) without converting x (PRNG keys can't be)."""
   if hasattr(x, "shape") and hasattr(x, "dtype"):
@@ -137,11 +147,10 @@ class _Transformed:
     avals = tuple(_aval_key(x) for x in dyn)
     key = (diff_tree, rest_tree, dyn_mask, avals, self.options.key(),
            jax.config.jax_enable_x64)
-    try:
+    if all(_value_hashable(s) for s in statics):
       key = key + (tuple((type(s), s) for s in statics),)  # 1.0 == True, but not alike
-      hash(key)
-    except TypeError:
-      key = None
+    else:
+      key = None  # an object hashed by identity may change inside: re-trace
     cached = self._cache.get(key) if key is not None else None
     if cached is not None:
       return cached, dyn
@@ -186,7 +195,9 @@ class _Transformed:
     streams = 1 if opts.resolved_mode() == "in_order" else opts.streams
     sched = make_schedule(sp, CostModel(opts.device, opts.measured), streams)
     plan = _Plan(sp, sched, cell["trees"], cell["trees"][2])
-    if key is not None and not any(_compat.is_tracer(c) for c in sp.consts):
+    # A captured array (a global, or one held by an argument object) would be
+    # frozen into a cached trace: keep those traces uncached, never stale.
+    if key is not None and not sp.consts:
       self._cache[key] = plan
     return plan, dyn
 

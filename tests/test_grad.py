@@ -179,3 +179,20 @@ def test_cache_tells_equal_statics_of_other_types_apart():
   w = jnp.ones(2)
   assert g(w, True).tolist() == [2.5, 2.5]
   assert g(w, 1.0).tolist() == [1.0, 1.0]  # 1.0 == True, yet a different trace
+
+
+def test_no_stale_gradients_from_mutable_arguments_or_globals():
+  class Holder:
+    def __init__(self, a):
+      self.a = a
+  f = lambda w, h: jnp.sum(w * h.a)
+  g = ooo.grad(f)
+  h = Holder(jnp.ones(2))
+  assert g(jnp.ones(2), h).tolist() == [1.0, 1.0]
+  h.a = jnp.full(2, 5.0)  # same object, new array inside
+  assert g(jnp.ones(2), h).tolist() == [5.0, 5.0]
+  scale = {"v": jnp.ones(2)}
+  g2 = ooo.grad(lambda w: jnp.sum(w * scale["v"]))  # a captured global array
+  g2(jnp.ones(2))
+  scale["v"] = jnp.full(2, 3.0)
+  assert g2(jnp.ones(2)).tolist() == [3.0, 3.0]
