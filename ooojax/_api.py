@@ -30,7 +30,8 @@ class Options:
   streams: 1 or 2 compute streams.
   device: device spec name for the cost model ("V100", "A100", "H100",
     "CPU") or a `passes.cost.DeviceSpec`; None guesses from `jax.devices()`.
-  ordering: how the chosen order is pinned in XLA: "auto", "control_deps",
+  ordering: how the schedule is pinned in XLA: "auto" (barriers, plus
+    control edges when lowering for CPU), "barriers", "control_deps",
     "scheduling_group" or "none" (see `passes.emit`).
   measured: unit label -> seconds, replacing cost-model estimates; labels are
     "forward", "X<i>" (dX segment i) and parameter paths (dW clusters), as
@@ -47,9 +48,8 @@ class Options:
       raise ValueError(f"unknown mode {self.mode!r}; allowed: {MODES}")
     if self.streams not in (1, 2):
       raise ValueError(f"streams must be 1 or 2, got {self.streams!r}")
-    if self.ordering != "auto" and self.ordering not in ORDERINGS:
-      raise ValueError(f"unknown ordering {self.ordering!r}; allowed: "
-                       f"{('auto',) + ORDERINGS}")
+    if self.ordering not in ORDERINGS:
+      raise ValueError(f"unknown ordering {self.ordering!r}; allowed: {ORDERINGS}")
 
   def resolved_mode(self) -> str:
     if self.mode != "auto":
@@ -59,12 +59,10 @@ class Options:
     return "single_gpu" if jax.default_backend() == "gpu" else "in_order"
 
   def resolved_ordering(self) -> str:
-    if self.ordering != "auto":
-      return self.ordering
-    # control_dep becomes control edges only in the CPU compiler's
-    # control-dep-rewriter; on GPU it fails to compile, so GPU relies on the
-    # stream assignment alone.
-    return "control_deps" if jax.default_backend() == "cpu" else "none"
+    # Resolved per lowering platform inside the emitted program (see
+    # passes.emit), never by the default backend: AOT compiles for a GPU run
+    # on CPU hosts.
+    return self.ordering
 
   def key(self):
     m = tuple(sorted(self.measured.items())) if self.measured else None

@@ -111,17 +111,35 @@ def bind_eqn(eqn, invals: list[Any]) -> list[Any]:
   return list(ans) if eqn.primitive.multiple_results else [ans]
 
 
-def control_dep(src, dst) -> None:
-  """Orders the producer of `dst` after the producer of `src` (XLA control edge).
-
-  `jax.experimental.control_deps.control_dep` has no batching rule; this one
-  broadcasts under `vmap`, so the order survives per-example gradients.
-  """
+def _control_dep(src, dst) -> None:
   # stop_gradient (free in HLO) gives the edge symbolic-zero tangents, so
-  # differentiating through ooo.grad skips the edge instead of failing.
+  # differentiating through ooo.grad skips the edge instead of failing;
+  # vmap_method broadcasts under vmap, so the order survives per-example grads.
   jax.ffi.ffi_call("control_dep", (), has_side_effect=True,
                    vmap_method="expand_dims")(jax.lax.stop_gradient(src),
                                               jax.lax.stop_gradient(dst))
+
+
+def control_deps(pairs) -> None:
+  """Orders each `dst`'s producer after `src`'s producer, where XLA can (CPU).
+
+  XLA turns the `control_dep` custom call into a control edge only in the CPU
+  compiler (its control-dep-rewriter); XLA:GPU has no such pass and fails
+  with "No FFI handler registered for control_dep". The choice is made per
+  lowering platform (`lax.platform_dependent`), not by the default backend,
+  so one trace lowers for CPU with the edges and for GPU without them, as in
+  an AOT compile for a GPU from a CPU host.
+  """
+  pairs = list(pairs)
+  if not pairs:
+    return
+
+  def cpu():
+    for src, dst in pairs:
+      _control_dep(src, dst)
+    return jax.numpy.zeros((), jax.numpy.int32)
+
+  jax.lax.platform_dependent(cpu=cpu, default=lambda: jax.numpy.zeros((), jax.numpy.int32))
 
 
 def new_var(aval):

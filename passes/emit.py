@@ -4,15 +4,27 @@ Contract: `emit(split, schedule, consts, leaves, ordering=...) -> outputs`.
 
 Under `jax.jit` the result is an XLA module that carries the schedule:
 
-* each dW cluster placed on stream 1 becomes one non-inlined `call` with
-  `_xla_stream_annotation` (via `compute_on2("gpu_stream:1")`), the only form
-  XLA GPU turns into an async call on another stream;
-* the stream-1 order is pinned at cluster granularity, so XLA may still fuse
-  freely inside each cluster and along the dX chain. Ordering mechanisms:
-  "control_deps" (an XLA control edge between consecutive stream-1 calls),
-  "scheduling_group" (`_scheduling_group_id` metadata tying each dW cluster
-  to the dX segment that feeds it, read by XLA's latency-hiding scheduler),
-  or "none".
+* each side-stream `Call` of the schedule (the dW clusters issued after one
+  dX segment) becomes one non-inlined `call` with `_xla_stream_annotation`
+  (via `compute_on("gpu_stream:1")`), the only form XLA GPU turns into an
+  async call on another stream. Its outputs leave the call flattened, so a
+  layout change (a conv filter comes back in cuDNN's layout) happens inside
+  the call on the side stream rather than as a transpose right after it;
+* the call's window is pinned by data, because XLA:GPU's latency-hiding
+  scheduler never moves these calls (see `passes.ir.Call`): "barriers" ties
+  the call's inputs to the anchor equation's inputs (the anchor cannot run
+  before the call starts) and the call's outputs to the anchor's output (the
+  done cannot come before the anchor), with `lax.optimization_barrier`,
+  which compiles to tuples, not kernels;
+* "control_deps" adds XLA control edges between consecutive side calls where
+  XLA can keep them (the CPU compiler's control-dep-rewriter); the choice is
+  made per lowering platform, so one trace compiles for CPU and for GPU;
+* "scheduling_group" tags each call and the segment that runs beside it with
+  one `_scheduling_group_id` (read by XLA's latency-hiding scheduler).
+
+`ordering="auto"` is barriers plus control edges on CPU. Each unit's
+equations run under `jax.named_scope("ooo_<unit>")`, so compiled HLO names
+the unit in its op metadata.
 """
 from __future__ import annotations
 
@@ -21,25 +33,32 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from passes import _compat
-from passes.ir import Kind, Schedule, Split
+from passes.ir import Call, Kind, Schedule, Split
 
-ORDERINGS = ("control_deps", "scheduling_group", "none")
+ORDERINGS = ("auto", "barriers", "control_deps", "scheduling_group", "none")
 
 
 def _read(env, v):
   return v.val if isinstance(v, _compat.Literal) else env[v]
 
 
-def _run_eqns(eqns, env, skip=None):
+def _run_eqns(eqns, env, skip=None, anchors=None):
   for k, eqn in eqns:
     if skip is not None and skip[k]:
       continue
-    outs = _compat.bind_eqn(eqn, [_read(env, v) for v in eqn.invars])
+    invals = [_read(env, v) for v in eqn.invars]
+    hook = anchors.get(k) if anchors else None
+    if hook is not None:
+      invals = hook.before(invals)
+    outs = _compat.bind_eqn(eqn, invals)
     for v, x in zip(eqn.outvars, outs):
       if not isinstance(v, _compat.DropVar):
         env[v] = x
+    if hook is not None:
+      hook.after(outs)
 
 
 def _cluster_io(jaxpr, eqn_ids: Sequence[int]):
@@ -58,23 +77,84 @@ def _cluster_io(jaxpr, eqn_ids: Sequence[int]):
   return ins, outs
 
 
-def _on_stream(jaxpr, eqn_ids, env, stream: int) -> list:
+def _on_stream(jaxpr, eqn_ids, env, stream: int) -> tuple[list, list, list, Any]:
+  """Binds the equations as one stream-annotated call.
+
+  The call returns one flat buffer per dtype (its outputs flattened and
+  concatenated). Flat: the layout change XLA adds for a conv's filter
+  gradient then happens inside the call, on the side stream, instead of as a
+  transpose right after the done. One buffer: XLA schedules a done right
+  before its first user, and the element reads of a multi-output done are
+  users that the memory scheduler places early; a single output's first user
+  is whatever the emitter ties it to.
+
+  Returns (input vars, output vars, the flat buffers, unpack) where
+  `unpack(buffers)` gives the outputs in their shapes; `env` gets them now.
+  """
   ins, outs = _cluster_io(jaxpr, eqn_ids)
   eqns = [(k, jaxpr.eqns[k]) for k in eqn_ids]
+  shapes = [tuple(np.shape(v.aval)) for v in outs]
+  sizes = [int(np.prod(s)) for s in shapes]
+  dtypes = list(dict.fromkeys(v.aval.dtype for v in outs))
+  slot = [dtypes.index(v.aval.dtype) for v in outs]
 
   def body(*vals):
     local = dict(zip(ins, vals))
     _run_eqns(eqns, local)
-    return tuple(local[v] for v in outs)
+    parts: list[list] = [[] for _ in dtypes]
+    for v, i in zip(outs, slot):
+      parts[i].append(local[v].reshape(-1))
+    return tuple(p[0] if len(p) == 1 else jax.numpy.concatenate(p) for p in parts)
 
-  results = _compat.on_stream(body, stream, len(outs))(*[env[v] for v in ins])
-  for v, x in zip(outs, results):
-    env[v] = x
-  return list(results)
+  def unpack(bufs):
+    offset = [0] * len(dtypes)
+    res = []
+    for s, n, i in zip(shapes, sizes, slot):
+      res.append(bufs[i][offset[i]:offset[i] + n].reshape(s))
+      offset[i] += n
+    return res
+
+  results = list(_compat.on_stream(body, stream, len(dtypes))(*[env[v] for v in ins]))
+  env.update(zip(outs, unpack(results)))
+  return ins, outs, results, unpack
+
+
+def _calls_of(sched: Schedule, units) -> tuple[Call, ...]:
+  if sched.calls or len(sched.streams) < 2:
+    return sched.calls
+  # A schedule built by hand without calls: one call per side unit, no anchor.
+  return tuple(Call((a.unit,), a.stream, units[a.unit].deps[0])
+               for s in sched.streams[1:] for a in s)
+
+
+class _Anchor:
+  """The calls whose window closes at one main-stream equation.
+
+  `before` ties the calls' inputs to the equation's inputs, so the equation
+  cannot run before the calls start; `after` ties the calls' flat outputs to
+  its output, so the calls' dones cannot be scheduled before it.
+  """
+
+  def __init__(self, env):
+    self.env = env
+    self.calls: list = []  # (input values, output vars, flat buffers, unpack)
+
+  def before(self, invals):
+    ins = [x for c in self.calls for x in c[0]]
+    _, invals = jax.lax.optimization_barrier((ins, list(invals)))
+    return invals
+
+  def after(self, outs):
+    anchor = outs[0]
+    for _, out_vars, flat, unpack in self.calls:
+      # Tie the flat buffers themselves: any op on the done before the
+      # barrier (a slice, a reshape) is a user XLA may schedule early.
+      tied, _ = jax.lax.optimization_barrier((flat, anchor))
+      self.env.update(zip(out_vars, unpack(tied)))
 
 
 def emit(split: Split, sched: Schedule, consts: Sequence[Any],
-         leaves: Sequence[Any], *, ordering: str = "control_deps",
+         leaves: Sequence[Any], *, ordering: str = "auto",
          annotate: bool = True) -> list[Any]:
   """Evaluates the split jaxpr in schedule order in the current trace.
 
@@ -83,8 +163,8 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
     sched: from `passes.schedule.schedule` (units name equation indices of `split`).
     consts: values for the split's const inputs.
     leaves: the dynamic input leaves (arrays or tracers).
-    ordering: one of `ORDERINGS`.
-    annotate: wrap stream-1 clusters in a stream-annotated call. False keeps
+    ordering: one of `ORDERINGS` (see the module docstring).
+    annotate: wrap side-stream calls in a stream-annotated call. False keeps
       the order but emits plain equations (the in-order baseline's form).
 
   Returns:
@@ -92,12 +172,8 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
   """
   if ordering not in ORDERINGS:
     raise ValueError(f"ordering must be one of {ORDERINGS}, got {ordering!r}")
-  if ordering == "control_deps" and jax.default_backend() == "gpu":
-    # XLA's control-dep-rewriter runs in the CPU compiler only; on GPU the
-    # custom call reaches codegen and fails ("No FFI handler ... control_dep").
-    raise ValueError("ordering='control_deps' does not compile on GPU (XLA GPU has no "
-                     "control-dep-rewriter pass); use ordering='scheduling_group' or "
-                     "'none' (the GPU default).")
+  barriers = annotate and ordering in ("auto", "barriers")
+  edges = annotate and ordering in ("auto", "control_deps")
   jaxpr = split.jaxpr.jaxpr
   ct_aval = jaxpr.invars[0].aval
   env: dict = {}
@@ -106,14 +182,12 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
     env[v] = x
   dead = [k is Kind.DEAD for k in split.kinds]
   units = {u.name: u for u in sched.units}
-  main = list(sched.streams[0])
-  side = list(sched.streams[1]) if len(sched.streams) > 1 else []
-  side_after: dict[str, list] = {}
-  for a in side:
-    side_after.setdefault(units[a.unit].deps[0], []).append(a)
-
-  prev_side_out = None
-  group = 0
+  main = [units[a.unit] for a in sched.streams[0]]
+  calls_after: dict[str, list[Call]] = {}
+  for c in _calls_of(sched, units):
+    calls_after.setdefault(c.after, []).append(c)
+  anchors: dict[int, _Anchor] = {}
+  side_outs: list = []
 
   def meta(gid):
     if ordering != "scheduling_group":
@@ -121,21 +195,24 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
     from jax.experimental.xla_metadata import set_xla_metadata
     return set_xla_metadata(_scheduling_group_id=gid)
 
-  for a in main:
-    u = units[a.unit]
-    group += 1
-    with meta(group):
-      _run_eqns([(k, jaxpr.eqns[k]) for k in u.eqns], env, dead)
-      for s in side_after.get(a.unit, ()):
-        w = units[s.unit]
-        if annotate:
-          outs = _on_stream(jaxpr, w.eqns, env, s.stream)
-        else:
-          _run_eqns([(k, jaxpr.eqns[k]) for k in w.eqns], env, dead)
-          outs = [env[v] for v in _cluster_io(jaxpr, w.eqns)[1]]
-        if ordering == "control_deps" and outs:
-          if prev_side_out is not None:
-            _compat.control_dep(prev_side_out, outs[0])
-          prev_side_out = outs[0]
+  for group, u in enumerate(main, 1):
+    with jax.named_scope(f"ooo_{u.name}"), meta(group):
+      _run_eqns([(k, jaxpr.eqns[k]) for k in u.eqns], env, dead, anchors)
+    for c in calls_after.get(u.name, ()):
+      eqn_ids = [k for name in c.units for k in units[name].eqns]
+      label = "+".join(c.units)
+      if not annotate:
+        with jax.named_scope(f"ooo_{label}"):
+          _run_eqns([(k, jaxpr.eqns[k]) for k in eqn_ids], env, dead)
+        continue
+      # the call runs beside the next segment: it shares that segment's group
+      with jax.named_scope(f"ooo_{label}"), meta(group + 1):
+        ins, outs, flat, unpack = _on_stream(jaxpr, eqn_ids, env, c.stream)
+      if barriers and c.anchor >= 0 and outs:
+        hook = anchors.setdefault(c.anchor, _Anchor(env))
+        hook.calls.append(([env[v] for v in ins], outs, flat, unpack))
+      if flat:
+        side_outs.append(flat[0])
+  if edges and len(side_outs) > 1:
+    _compat.control_deps(list(zip(side_outs, side_outs[1:])))
   return [_read(env, v) for v in jaxpr.outvars]
-

@@ -98,12 +98,35 @@ class Action:
 
 
 @dataclasses.dataclass(frozen=True)
+class Call:
+  """One asynchronous call on a side stream and the window XLA must leave it.
+
+  XLA:GPU's latency-hiding scheduler never moves stream-annotated calls (they
+  run on the caller's own execution thread), so the window is set by data:
+  the call's inputs are pinned before main-stream unit `after` hands its
+  result on (the start goes early), and its outputs are tied to the output of
+  main-stream equation `anchor` (the done goes late), so the main-stream work
+  in between runs beside the call. `anchor` is an equation index of the split
+  jaxpr, or -1 for no anchor. Side units issued after the same main unit
+  share one call, so one cross-stream sync covers them all.
+  """
+  units: tuple[str, ...]  # side-stream units, in order
+  stream: int
+  after: str              # the main-stream unit the call is issued after
+  anchor: int = -1        # main-stream equation the done waits for
+
+  def __str__(self) -> str:
+    return f"call({' '.join(self.units)})@{self.stream} after {self.after} until e{self.anchor}"
+
+
+@dataclasses.dataclass(frozen=True)
 class Schedule:
   """Ordered work per stream plus the cross-stream waits.
 
   `syncs` holds `(before, after)` unit-name pairs whose units sit on different
-  streams: `after` may not start until `before` has finished. Makespans are
-  cost-model estimates in seconds, never measurements.
+  streams: `after` may not start until `before` has finished. `calls` groups
+  the side-stream units into asynchronous calls with their windows (see
+  `Call`). Makespans are cost-model estimates in seconds, never measurements.
   """
   streams: tuple[tuple[Action, ...], ...]
   syncs: tuple[tuple[str, str], ...]
@@ -111,6 +134,7 @@ class Schedule:
   makespan: float = dataclasses.field(default=0.0, compare=False)
   in_order_makespan: float = dataclasses.field(default=0.0, compare=False)
   device: str = dataclasses.field(default="", compare=False)
+  calls: tuple[Call, ...] = dataclasses.field(default=(), compare=False)
 
   @property
   def predicted_speedup(self) -> float:

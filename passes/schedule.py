@@ -4,22 +4,34 @@ Contract: `schedule(split, cost_model, streams=2) -> Schedule`.
 
 Units: `F0` (the forward pass), `X0..Xn` (dX chain segments, cut where a dW
 cluster's last input becomes ready) and `W0..Wm` (one per dW cluster). The dX
-chain runs on stream 0 in order: it is the critical path. Each dW cluster goes
-to stream 1 as soon as its inputs are ready (FIFO), unless the cost model says
-it is too small to pay for the cross-stream sync, in which case it stays on
-stream 0 right after the segment that feeds it (its in-order place). If the
-simulated two-stream schedule is not faster than the in-order one, the
-in-order schedule is returned. Linear in the number of equations.
+chain is the critical path (every segment's bottom level is the rest of the
+chain), so it runs on stream 0 in order. dW clusters are taken in the order
+they become ready; each goes to stream 1 when (a) it outlasts the sync it
+costs, (b) heavy dX work (a conv or matmul) is still to come on stream 0 to
+hide it, and (c) stream 1's backlog would let at least half of it finish
+before the dX chain does. Otherwise it stays on stream 0 right after the
+segment that feeds it (its in-order place); the first layer's dW, with no dX
+work left after it, is the usual case.
+
+Side units issued after the same segment form one asynchronous `Call` (one
+sync pays for a conv's dW and its bias's). Each call's window is chosen from
+the simulated timeline: its done is tied to the first heavy stream-0 equation
+expected to end after the call does, so XLA keeps that much dX work between
+the call's start and done. If the simulated two-stream schedule is not faster
+than the in-order one, the in-order schedule is returned. Linear in the
+number of equations, plus two simulations.
 """
 from __future__ import annotations
+
+import bisect
 
 import dataclasses
 from collections.abc import Sequence
 
 from passes import _compat
-from passes.cost import CostModel
-from passes.ir import Action, Kind, Schedule, Split, Unit, UnitKind
-from passes.simulate import simulate
+from passes.cost import MATMUL_PRIMS, CostModel, estimate
+from passes.ir import Action, Call, Kind, Schedule, Split, Unit, UnitKind
+from passes.simulate import Timeline, simulate
 
 
 def build_units(split: Split, cost: CostModel) -> tuple[Unit, ...]:
@@ -103,6 +115,125 @@ def _syncs(streams, units) -> tuple[tuple[str, str], ...]:
   return tuple(out)
 
 
+def _eqn_seconds(cost: CostModel, eqn) -> float:
+  c = estimate(eqn)
+  dtype = getattr(eqn.outvars[0].aval, "dtype", None) if eqn.outvars else None
+  t = cost.eqn_seconds(c, eqn.primitive.name in MATMUL_PRIMS, dtype)
+  return t + (cost.spec.launch if c.kernel else 0.0)
+
+
+def is_heavy(eqn) -> bool:
+  """A conv or matmul: the kernels worth overlapping, and worth hiding behind."""
+  return eqn.primitive.name in MATMUL_PRIMS
+
+
+# An anchor must surely stay a kernel of its own: XLA rewrites small matmuls
+# (split-K into a batched dot plus a reduction, fused into a neighbour), and a
+# barrier on a value that no longer exists is dropped with its window.
+ANCHOR_MIN_FLOPS = 2.0 ** 23
+ANCHOR_MIN_ELEMS = 2 ** 14
+
+
+def _anchorable(eqn) -> bool:
+  c = estimate(eqn)
+  return is_heavy(eqn) and c.flops >= ANCHOR_MIN_FLOPS and c.out_elems >= ANCHOR_MIN_ELEMS
+
+
+def _heavy_fractions(split: Split, cost: CostModel, units) -> dict[str, list[tuple[float, int]]]:
+  """Per dX unit: (fraction of the unit done when the eqn ends, eqn) for its anchorable eqns."""
+  eqns = split.jaxpr.jaxpr.eqns
+  out: dict[str, list[tuple[float, int]]] = {}
+  for u in units:
+    if u.kind is not UnitKind.DX:
+      continue
+    times = [_eqn_seconds(cost, eqns[k]) for k in u.eqns]
+    total = sum(times) or 1.0
+    acc, rows = 0.0, []
+    for k, t in zip(u.eqns, times):
+      acc += t
+      if _anchorable(eqns[k]):
+        rows.append((acc / total, k))
+    out[u.name] = rows
+  return out
+
+
+def _admit(units: Sequence[Unit], heavy: dict, sync: float) -> set[str]:
+  """Greedy side-stream admission in ready order; see the module docstring."""
+  main = [u for u in units if u.kind in (UnitKind.FORWARD, UnitKind.DX)]
+  ends, t = [], 0.0
+  for u in main:
+    t += u.cost
+    ends.append(t)
+  main_end = t
+  # time at which the last heavy eqn of the main stream ends (on an unloaded stream)
+  last_heavy = 0.0
+  for u, e in zip(main, ends):
+    if heavy.get(u.name):
+      last_heavy = e - u.cost * (1.0 - heavy[u.name][-1][0])
+  after: dict[str, list[Unit]] = {}
+  for u in units:
+    if u.kind is UnitKind.DW:
+      after.setdefault(u.deps[0], []).append(u)
+  side: set[str] = set()
+  t_side = 0.0
+  for u, issue in zip(main, ends):
+    if issue >= last_heavy:
+      break  # no heavy dX work left to hide anything behind
+    end = max(t_side, issue + sync)
+    for w in after.get(u.name, ()):
+      if w.cost <= sync or end + w.cost - main_end > w.cost / 2:
+        continue
+      side.add(w.name)
+      end += w.cost
+    t_side = max(t_side, end)
+  return side
+
+
+def plan_calls(streams, units: Sequence[Unit], timeline: Timeline | None = None,
+               heavy: dict | None = None) -> tuple[Call, ...]:
+  """Groups side-stream actions into calls and picks each call's anchor.
+
+  Side units issued after the same stream-0 unit share a call. With a
+  `timeline` and the `heavy` equations of each dX unit, the anchor is the
+  first heavy stream-0 equation expected to end after the call does (else
+  the last heavy one after its issue point); without them, no anchor.
+  """
+  if len(streams) < 2:
+    return ()
+  by = {u.name: u for u in units}
+  main = [a.unit for a in streams[0]]
+  spans = {s.unit: s for s in timeline.spans} if timeline is not None else {}
+  # heavy stream-0 equations as (expected end, eqn), in stream order
+  marks: list[tuple[float, int]] = []
+  pos: dict[str, int] = {}
+  for name in main:
+    pos[name] = len(marks)
+    sp = spans.get(name)
+    for frac, k in (heavy or {}).get(name, ()):
+      marks.append(((sp.start + frac * (sp.end - sp.start)) if sp else 0.0, k))
+  calls: list[Call] = []
+  for s_idx, stream in enumerate(streams[1:], 1):
+    group: list[str] = []
+    for i, a in enumerate(stream):
+      group.append(a.unit)
+      nxt = stream[i + 1].unit if i + 1 < len(stream) else None
+      after = by[a.unit].deps[0]
+      if nxt is not None and by[nxt].deps[0] == after:
+        continue
+      anchor = -1
+      first = pos.get(after, len(marks))
+      # marks of `after` itself end before the call starts
+      first += len((heavy or {}).get(after, ()))
+      cands = marks[first:]
+      if cands and spans:
+        end = max(spans[g].end for g in group if g in spans)
+        j = bisect.bisect_left([m[0] for m in cands], end)
+        anchor = cands[min(j, len(cands) - 1)][1]
+      calls.append(Call(tuple(group), s_idx, after, anchor))
+      group = []
+  return tuple(calls)
+
+
 def schedule(split: Split, cost: CostModel, streams: int = 2) -> Schedule:
   """Builds the schedule; see the module docstring.
 
@@ -117,22 +248,27 @@ def schedule(split: Split, cost: CostModel, streams: int = 2) -> Schedule:
   spec = cost.spec
   base = in_order(units)
   t_base = simulate(base, units, spec.sync).makespan
-  best, t_best = base, t_base
+  best, t_best, calls = base, t_base, ()
   if streams == 2:
-    # Overlap pays only when the cluster outlasts the sync it costs.
-    side = {u.name for u in units if u.kind is UnitKind.DW and u.cost > spec.sync}
+    heavy = _heavy_fractions(split, cost, units)
+    side = _admit(units, heavy, spec.sync)
     if side:
       cand = _assign(units, side)
-      t = simulate(cand, units, spec.sync).makespan
-      if t < t_base:
-        best, t_best = cand, t
+      tl = simulate(cand, units, spec.sync)
+      if tl.makespan < t_base:
+        best, t_best = cand, tl.makespan
+        calls = plan_calls(cand, units, tl, heavy)
   best = tuple(s for s in best if s) or ((),)
-  return Schedule(best, _syncs(best, units), units, t_best, t_base, spec.name)
+  return Schedule(best, _syncs(best, units), units, t_best, t_base, spec.name, calls)
 
 
 def replace_streams(sched: Schedule, streams: Sequence[Sequence[Action]],
                     sync: float = 0.0) -> Schedule:
-  """A hand-edited schedule (e.g. parsed from text), re-simulated."""
+  """A hand-edited schedule (e.g. parsed from text), re-simulated.
+
+  Its calls group side units by issue point, with no anchors (the hand edit
+  decides the order; XLA decides the windows).
+  """
   streams = tuple(tuple(s) for s in streams)
   names = sorted(a.unit for s in streams for a in s)
   want = sorted(u.name for u in sched.units)
@@ -141,4 +277,4 @@ def replace_streams(sched: Schedule, streams: Sequence[Sequence[Action]],
                      f"expected {want}")
   t = simulate(streams, sched.units, sync).makespan
   return dataclasses.replace(sched, streams=streams, syncs=_syncs(streams, sched.units),
-                             makespan=t)
+                             makespan=t, calls=plan_calls(streams, sched.units))

@@ -58,7 +58,8 @@ def test_pinned_order_is_the_schedule_order():
   assert set(preds.values()) <= set(names)
 
 
-@pytest.mark.parametrize("ordering,edges", [("none", 0), ("scheduling_group", 0)])
+@pytest.mark.parametrize("ordering,edges", [("none", 0), ("scheduling_group", 0),
+                                            ("barriers", 0)])
 def test_other_orderings_compile(ordering, edges):
   loss, p, x = _wide_mlp()
   f = jax.jit(ooo.grad(loss, mode="single_gpu", device="H100", ordering=ordering))
@@ -94,10 +95,18 @@ def test_auto_mode_picks_by_backend():
   assert ("_xla_stream_annotation" in text) == (jax.default_backend() == "gpu")
 
 
-def test_control_deps_rejected_on_gpu(monkeypatch):
-  # XLA GPU has no control-dep-rewriter: fail early with advice, not in codegen.
+def test_ordering_is_chosen_per_lowering_platform():
+  # One trace: control edges when lowering for CPU (XLA:CPU rewrites the
+  # control_dep custom call), none when lowering for CUDA (XLA:GPU has no
+  # rewriter and would fail on the custom call), whatever the default backend.
   loss, p, x = _wide_mlp()
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  with pytest.raises(ValueError, match="does not compile on GPU"):
-    ooo.grad(loss, mode="single_gpu", device="H100", ordering="control_deps")(p, x)
-  assert ooo.Options().resolved_ordering() == "none"
+  f = jax.jit(ooo.grad(loss, mode="single_gpu", device="H100"))
+  traced = f.trace(p, x)
+  cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
+  cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
+  assert "control_dep" in cpu and "control_dep" not in cuda
+  assert cuda.count('_xla_stream_annotation = "1"') >= 2
+  assert _ctrl_edges(f.lower(p, x).compile().as_text()) >= 1
+  assert ooo.Options().resolved_ordering() == "auto"
+  with pytest.raises(ValueError, match="unknown ordering"):
+    ooo.grad(loss, ordering="pinned")
