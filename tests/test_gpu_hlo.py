@@ -234,3 +234,15 @@ def test_eight_device_psum_has_all_reduce_pairs():
   (ar,) = s.pairs_of("all-reduce")
   assert ar.start.op == "all-reduce-start" and ar.callee == ()
   assert gpu_hlo.mesh("H100", 8) is m  # cached
+
+
+@needs_gpu_hlo
+def test_cli_hlo_on_demo(tmp_path, capsys):
+  from ooojax.__main__ import main
+  out = tmp_path / "demo.hlo"
+  assert main(["hlo", "--model", "demo", "--tiny", "--mode", "jax", "--out", str(out)]) == 0
+  text = capsys.readouterr().out
+  assert "compile-only H100 x1" in text and "heavy dW calls overlapped: 0 / 0" in text
+  assert "is_scheduled=true" in out.read_text()
+  with pytest.raises(ValueError, match="unknown model"):
+    main(["hlo", "--model", "nope"])
