@@ -88,18 +88,20 @@ def _on_stream(jaxpr, eqn_ids, env, stream: int) -> tuple[list, list, list, Any]
   users that the memory scheduler places early; a single output's first user
   is whatever the emitter ties it to.
 
-  Returns (input vars, output vars, the flat buffers, unpack) where
-  `unpack(buffers)` gives the outputs in their shapes; `env` gets them now.
+  Returns (the call's operands, output vars, the flat buffers, unpack)
+  where `unpack(buffers)` gives the outputs in their shapes; `env` gets
+  them now.
   """
   ins, outs = _cluster_io(jaxpr, eqn_ids)
   eqns = [(k, jaxpr.eqns[k]) for k in eqn_ids]
+  in_shapes = [tuple(np.shape(v.aval)) for v in ins]
   shapes = [tuple(np.shape(v.aval)) for v in outs]
   sizes = [int(np.prod(s)) for s in shapes]
   dtypes = list(dict.fromkeys(v.aval.dtype for v in outs))
   slot = [dtypes.index(v.aval.dtype) for v in outs]
 
   def body(*vals):
-    local = dict(zip(ins, vals))
+    local = {v: x.reshape(s) if len(s) >= 2 else x for v, x, s in zip(ins, vals, in_shapes)}
     _run_eqns(eqns, local)
     parts: list[list] = [[] for _ in dtypes]
     for v, i in zip(outs, slot):
@@ -114,9 +116,13 @@ def _on_stream(jaxpr, eqn_ids, env, stream: int) -> tuple[list, list, list, Any]
       offset[i] += n
     return res
 
-  results = list(_compat.on_stream(body, stream, len(dtypes))(*[env[v] for v in ins]))
+  # Inputs go in flat as well: a layout change XLA needs for an operand is
+  # then made on the value the emitter pins (see `_Anchor.before`), not on a
+  # copy the memory scheduler may compute late, holding back the start.
+  flat_ins = [env[v].reshape(-1) if len(s) >= 2 else env[v] for v, s in zip(ins, in_shapes)]
+  results = list(_compat.on_stream(body, stream, len(dtypes))(*flat_ins))
   env.update(zip(outs, unpack(results)))
-  return ins, outs, results, unpack
+  return flat_ins, outs, results, unpack
 
 
 def _calls_of(sched: Schedule, units) -> tuple[Call, ...]:
@@ -145,12 +151,15 @@ class _Anchor:
     return invals
 
   def after(self, outs):
-    anchor = outs[0]
-    for _, out_vars, flat, unpack in self.calls:
-      # Tie the flat buffers themselves: any op on the done before the
-      # barrier (a slice, a reshape) is a user XLA may schedule early.
-      tied, _ = jax.lax.optimization_barrier((flat, anchor))
-      self.env.update(zip(out_vars, unpack(tied)))
+    # Tie the flat buffers themselves: any op on the done before the
+    # barrier (a slice, a reshape) is a user XLA may schedule early.
+    tied, _ = jax.lax.optimization_barrier(([c[2] for c in self.calls], outs[0]))
+    # Again, chained: XLA's simplifier drops an unused barrier element whose
+    # only user is the barrier (e.g. a layout bitcast of the anchor made for
+    # it); two barriers make two users, so the anchor stays in both.
+    tied, _ = jax.lax.optimization_barrier((tied, outs[0]))
+    for (_, out_vars, _, unpack), flat in zip(self.calls, tied):
+      self.env.update(zip(out_vars, unpack(flat)))
 
 
 def emit(split: Split, sched: Schedule, consts: Sequence[Any],
@@ -210,7 +219,7 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
         ins, outs, flat, unpack = _on_stream(jaxpr, eqn_ids, env, c.stream)
       if barriers and c.anchor >= 0 and outs:
         hook = anchors.setdefault(c.anchor, _Anchor(env))
-        hook.calls.append(([env[v] for v in ins], outs, flat, unpack))
+        hook.calls.append((ins, outs, flat, unpack))
       if flat:
         side_outs.append(flat[0])
   if edges and len(side_outs) > 1:

@@ -37,11 +37,21 @@ SCOPE = "ooo_"
 
 
 def unit_of(instr: Instr) -> str | None:
-  """The ooojax unit ("W3", "X2", "F0") named in `instr`'s op_name, or None."""
+  """The ooojax unit ("W3", "X2", "F0") named in `instr`'s op_name, or None.
+
+  A call holding several units is named by their labels joined with "+"
+  (`ooo_W3+W4`); see `units_of`.
+  """
   for part in instr.op_name.split("/"):
     if part.startswith(SCOPE) and part[len(SCOPE):][:1] in ("F", "X", "W", "S"):
       return part[len(SCOPE):]
   return None
+
+
+def units_of(instr: Instr) -> tuple[str, ...]:
+  """Every unit named in `instr`'s op_name (a merged call names several)."""
+  u = unit_of(instr)
+  return tuple(u.split("+")) if u else ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,9 +90,12 @@ class Comparison:
 
   @property
   def heavy_overlap(self) -> tuple[int, int]:
-    """(k, n): heavy dW units in a stream call, k with a conv/GEMM between start and done."""
-    heavy = [u for u in self.units if u.heavy and u.xla_call]
-    return sum(bool(u.heavy_between) for u in heavy), len(heavy)
+    """(k, n): stream calls holding a conv/GEMM, k with one between start and done.
+
+    Counted per call: units merged into one call share it.
+    """
+    heavy = {u.xla_call: u for u in self.units if u.heavy and u.xla_call}
+    return sum(bool(u.heavy_between) for u in heavy.values()), len(heavy)
 
   def mismatches(self) -> tuple[UnitCompiled, ...]:
     """Units predicted to overlap that XLA did not overlap, or the reverse."""
@@ -134,14 +147,13 @@ def compare(schedule: Schedule, timeline: Timeline, hlo: HloSchedule,
   calls: dict[str, AsyncPair] = {}
   for p in hlo.pairs:
     if p.kind == "call":
-      u = unit_of(p.start)
-      if u is not None:
+      for u in units_of(p.start):
         calls.setdefault(u, p)
   heavy_inline: set[str] = set()
   for seq in hlo.computations.values():
     for i in seq:
-      if i.is_heavy and (u := unit_of(i)) is not None:
-        heavy_inline.add(u)
+      if i.is_heavy:
+        heavy_inline.update(units_of(i))
   spans = {s.unit: s for s in timeline.spans}
   units = {u.name: u for u in schedule.units}
   out = []
