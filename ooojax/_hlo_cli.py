@@ -8,7 +8,6 @@ a conv/GEMM kernel scheduled between start and done.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import time
