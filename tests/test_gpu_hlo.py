@@ -162,6 +162,25 @@ def test_reason_says_what_to_do(monkeypatch):
   assert gpu_hlo.unavailable_reason() is None
 
 
+def test_plugin_versions_fall_back_to_the_table(monkeypatch):
+  import importlib
+  real = importlib.import_module
+
+  def no_versions(name, *a):
+    if name.endswith("._versions"):
+      raise ImportError(name)
+    return real(name, *a)
+  monkeypatch.setattr(importlib, "import_module", no_versions)
+  monkeypatch.setattr(gpu_hlo, "_installed_plugin", lambda: "cuda12")
+  monkeypatch.setattr(gpu_hlo, "_dist_version", lambda name: "0.10.2")
+  gpu_hlo.plugin_versions.cache_clear()
+  try:
+    v = gpu_hlo.plugin_versions()
+    assert v["source"] == "table" and v["cudnn"] == (9, 8) and v["cuda"] == (12, 9)
+  finally:
+    gpu_hlo.plugin_versions.cache_clear()
+
+
 def test_target_configs_and_bad_input():
   for g in ("H100", "H200", "A100"):
     text = gpu_hlo.target_config(g)
