@@ -265,3 +265,27 @@ def test_cli_hlo_on_demo(tmp_path, capsys):
   assert "is_scheduled=true" in out.read_text()
   with pytest.raises(ValueError, match="unknown model"):
     main(["hlo", "--model", "nope"])
+
+
+def test_compare_prediction_with_compiled_snippet():
+  from passes import hlo_compare
+  from passes.ir import Action, Schedule, Unit, UnitKind
+  from passes.simulate import simulate
+  X, W = UnitKind.DX, UnitKind.DW
+  units = (Unit(X, 0, (), (), cost=1.0, util=0.5), Unit(X, 2, (), ("X0",), cost=3.0, util=0.5),
+           Unit(W, 3, (), ("X0",), cost=1.0, util=0.5, label="w3"),
+           Unit(W, 4, (), ("X0",), cost=1.0, util=0.5, label="w4"),
+           Unit(W, 5, (), ("X0",), cost=1.0, util=0.5, label="w5"))
+  streams = ((Action("X", 0, 0), Action("X", 2, 0)),
+             (Action("W", 3, 1), Action("W", 4, 1), Action("W", 5, 1)))
+  sched = Schedule(streams, (), units)
+  hlo = hlo_schedule.parse(SNIPPET)
+  assert hlo_compare.unit_of(hlo.find("gemm")) == "X2"
+  c = hlo_compare.compare(sched, simulate(streams, units), hlo, "H100")
+  assert [u.unit for u in c.units] == ["W3", "W4", "W5"]
+  w3, w4, w5 = c.units
+  assert w3.predicted_overlap and w3.heavy and w3.xla_call == "call-start"
+  assert w3.heavy_between == ("gemm", "conv_fusion") and w3.xla_overlapped and w3.agrees
+  assert not w4.heavy and w4.kernels_between == ("gemm",) and w4.xla_overlapped
+  assert w5.xla_call is None and not w5.xla_overlapped and c.mismatches() == (w5,)
+  assert c.heavy_overlap == (1, 1) and "<- differs" in c.summary()
