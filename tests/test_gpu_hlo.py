@@ -1,6 +1,7 @@
 """Compile-only GPU schedules: the HLO schedule parser and ooojax.gpu_hlo."""
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -132,7 +133,10 @@ def test_parse_tolerates_unscheduled_and_unnamed_entry():
 
 def test_parse_real_cpu_hlo():
   # XLA:CPU keeps stream-annotated calls as plain `call`s and collectives sync.
-  mesh = jax.make_mesh((8,), ("d",))
+  cpus = jax.devices("cpu")
+  if len(cpus) < 8:
+    pytest.skip(f"needs 8 CPU devices (XLA_FLAGS in conftest), have {len(cpus)}")
+  mesh = jax.sharding.Mesh(np.array(cpus[:8]), ("d",))  # CPU even where a GPU is the default
 
   def f(w, x):
     def body(w, x):
