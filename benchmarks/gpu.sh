@@ -14,8 +14,11 @@ mkdir -p "$OUT"
 timeout 150 python -m benchmarks.gpu_check > "$OUT/gpu_check.txt" 2>&1
 timeout 120 python -m pytest -x -q tests/test_hlo.py > "$OUT/pytest_hlo_gpu.txt" 2>&1
 
+# 1b. The compiled schedule on this GPU (autotuned) vs the compile-only H100's.
+timeout 240 python -m benchmarks.gpu_schedule --real > "$OUT/gpu_schedule_real.md" 2>&1
+
 # 2. Step times, command buffers on (XLA default) and off.
-V=("jax.grad" "ooo single_gpu (none)" "ooo single_gpu (scheduling_group)" "ooo in_order")
+V=("jax.grad" "ooo single_gpu" "ooo single_gpu (none)" "ooo in_order")
 run() {  # run NAME TIMEOUT ARGS...
   local name=$1 t=$2; shift 2
   { echo "XLA_FLAGS=${XLA_FLAGS:-<unset>}"; timeout "$t" python -m benchmarks.step_time "$@" --variants "${V[@]}" --rounds 5; } >> "$OUT/step_time_$name.md" 2>&1

@@ -36,7 +36,21 @@ DEFAULT = [
 VARIANTS = ("jax", "single_gpu")
 
 
-def row(title, model, tiny, sizes, batch, variant, gpu, ordering, compiler_options):
+def _compile_here(fn, args, compiler_options):
+  """Compiled for this machine's own device (a real GPU: autotuned layouts)."""
+  import jax
+
+  from passes import hlo_schedule
+  t0 = time.perf_counter()
+  lowered = jax.jit(fn).lower(*args)
+  t1 = time.perf_counter()
+  text = lowered.compile(compiler_options=dict(compiler_options or {})).as_text()
+  return _hlo_cli.CompiledModel(hlo_schedule.parse(text), text, t1 - t0,
+                                time.perf_counter() - t1)
+
+
+def row(title, model, tiny, sizes, batch, variant, gpu, ordering, compiler_options,
+        real=False):
   loss_fn, args, kw = _hlo_cli.load_model(model, tiny=tiny, batch=batch, sizes=sizes)
   fn = _hlo_cli.grad_fn(loss_fn, kw, variant, gpu, ordering)
   sim = None
@@ -51,7 +65,8 @@ def row(title, model, tiny, sizes, batch, variant, gpu, ordering, compiler_optio
              + (f" ({ordering})" if ordering else ""), sim=sim)
   t0 = time.perf_counter()
   try:
-    c = _hlo_cli.compile_model(fn, args, gpu=gpu, compiler_options=compiler_options)
+    c = (_compile_here(fn, args, compiler_options) if real else
+         _hlo_cli.compile_model(fn, args, gpu=gpu, compiler_options=compiler_options))
   except Exception as e:  # noqa: BLE001 - a row that says why, not a crash
     out.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}",
                seconds=time.perf_counter() - t0)
@@ -72,9 +87,11 @@ def main(argv=None):
   ap.add_argument("--ordering", default=None, help="ooo.grad ordering (default: ooo's)")
   ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=_hlo_cli.MODES)
   ap.add_argument("--opt", action="append", default=[], metavar="NAME=VALUE")
+  ap.add_argument("--real", action="store_true",
+                  help="compile for this machine's own GPU (autotuned) instead of a compile-only one")
   ap.add_argument("--write", action="store_true")
   a = ap.parse_args(argv)
-  reason = gpu_hlo.unavailable_reason()
+  reason = None if a.real else gpu_hlo.unavailable_reason()
   if reason is not None:
     sys.exit(f"cannot compile for a GPU here: {reason}")
   jobs = ([(m, m, a.tiny, {}) for m in a.models] if a.models else
@@ -83,9 +100,10 @@ def main(argv=None):
   for title, model, tiny, sizes in jobs:
     for v in a.variants:
       rows.append(row(title, model, tiny, sizes, a.batch, v, a.gpu, a.ordering,
-                      _hlo_cli.parse_kv(a.opt)))
+                      _hlo_cli.parse_kv(a.opt), a.real))
       print(f"{title} / {v}: {rows[-1]['seconds']:.1f} s", file=sys.stderr, flush=True)
-  lines = _report.header(f"Compiled {a.gpu} schedule (compile-only, jaxlib's CUDA plugin)") + [
+  where = "this machine's device, autotuned" if a.real else "compile-only, jaxlib's CUDA plugin"
+  lines = _report.header(f"Compiled {'local' if a.real else a.gpu} schedule ({where})") + [
       f"Each gradient compiled for a compile-only {a.gpu} on this host (no GPU ran). "
       "'heavy dW calls overlapped' = stream-annotated calls whose callee holds a conv/GEMM "
       "with a conv/GEMM kernel scheduled between start and done / all such calls. "

@@ -26,6 +26,7 @@ VARIANTS = {
     "jax.grad": None,
     "ooo auto": {},
     "ooo in_order": {"mode": "in_order"},
+    "ooo single_gpu": {"mode": "single_gpu"},  # default ordering: pinned windows
     "ooo single_gpu (control_deps)": {"mode": "single_gpu", "ordering": "control_deps"},
     "ooo single_gpu (scheduling_group)": {"mode": "single_gpu", "ordering": "scheduling_group"},
     "ooo single_gpu (none)": {"mode": "single_gpu", "ordering": "none"},

@@ -40,11 +40,19 @@ def test_compiled_schedule_beside_the_simulated_one(tmp_path):
                   ordering="none")
   c = r.compiled("H100")
   side = r.on_stream(1)
-  assert [u.unit for u in c.units if u.predicted_stream == 1] == side and len(side) == 16
+  assert [u.unit for u in c.units if u.predicted_stream == 1] == side and len(side) >= 8
   assert all(u.xla_call and u.xla_stream == "1" for u in c.units if u.predicted_stream == 1)
-  heavy = [u for u in c.units if u.heavy]
-  assert sorted(u.label for u in heavy) == sorted(
-      f"['{m}']['kernel']" for m in ("Conv_0", "Conv_1", "Conv_2", "Dense_0", "Dense_1"))
+  # units merged into one call share it (a conv's kernel and its bias)
+  calls = {}
+  for u in c.units:
+    if u.xla_call:
+      calls.setdefault(u.xla_call, []).append(u.unit)
+  assert any(len(v) > 1 for v in calls.values())
+  heavy = {u.label for u in c.units if u.heavy}
+  kernels = {f"['{m}']['kernel']" for m in ("Conv_0", "Conv_1", "Conv_2", "Dense_0", "Dense_1")}
+  assert kernels <= heavy
+  first = next(u for u in c.units if u.label == "['Conv_0']['kernel']")
+  assert first.predicted_stream == 0 and first.xla_call is None  # nothing left to hide it
   assert c.heavy_overlap == c.hlo.heavy_overlap()
   assert set(c.mismatches()) == {u for u in c.units if u.predicted_overlap != u.xla_overlapped}
   assert "heavy dW calls overlapped" in c.summary() and "<pre>" in c._repr_html_()

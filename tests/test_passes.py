@@ -149,3 +149,25 @@ def test_simulate_send_on_a_slow_link():
   assert spans["W0"].start == pytest.approx(0.05 + t_send)  # waits on the slow link
   assert t.makespan == pytest.approx(0.05 + t_send + 0.01)
   assert str(Action.parse("S0@1")) == "S0@1"
+
+
+def test_plan_calls_groups_by_issue_point_and_anchors_after_the_call():
+  from passes.schedule import plan_calls
+  units = [_u(UnitKind.FORWARD, 0), _u(UnitKind.DX, 0, ["F0"]), _u(UnitKind.DX, 1, ["X0"]),
+           _u(UnitKind.DX, 2, ["X1"]), _u(UnitKind.DW, 0, ["X0"], util=0.2),
+           _u(UnitKind.DW, 1, ["X0"], util=0.2), _u(UnitKind.DW, 2, ["X1"], util=0.2)]
+  streams = [[Action("F", 0, 0), Action("X", 0, 0), Action("X", 1, 0), Action("X", 2, 0)],
+             [Action("W", 0, 1), Action("W", 1, 1), Action("W", 2, 1)]]
+  tl = simulate.simulate(streams, units)
+  # heavy eqns: X1 holds eqn 10 (ends half way) and X2 eqns 20 and 21
+  heavy = {"X1": [(0.5, 10)], "X2": [(0.25, 20), (1.0, 21)]}
+  calls = plan_calls(streams, units, tl, heavy)
+  assert [c.units for c in calls] == [("W0", "W1"), ("W2",)]
+  assert [c.after for c in calls] == ["X0", "X1"]
+  spans = {s.unit: s for s in tl.spans}
+  # W0+W1 end after X1's heavy eqn: the first heavy eqn ending after them
+  ends = {10: spans["X1"].start + 0.5, 20: spans["X2"].start + 0.25, 21: spans["X2"].end}
+  assert ends[calls[0].anchor] >= spans["W1"].end or calls[0].anchor == 21
+  assert calls[1].anchor in (20, 21)  # never X1's own eqn: it ends before W2 starts
+  # no timeline: grouped, unanchored
+  assert all(c.anchor == -1 for c in plan_calls(streams, units))
