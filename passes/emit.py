@@ -75,7 +75,7 @@ def _on_stream(jaxpr, eqn_ids, env, stream: int) -> list:
 
 def emit(split: Split, sched: Schedule, consts: Sequence[Any],
          leaves: Sequence[Any], *, ordering: str = "control_deps",
-         annotate: bool = True) -> list[Any]:
+         annotate: bool = True, collectives=None) -> list[Any]:
   """Evaluates the split jaxpr in schedule order in the current trace.
 
   Args:
@@ -86,6 +86,8 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
     ordering: one of `ORDERINGS`.
     annotate: wrap stream-1 clusters in a stream-annotated call. False keeps
       the order but emits plain equations (the in-order baseline's form).
+    collectives: a `passes.emit_collectives.BucketEmitter` (data-parallel
+      mode): issues each gradient bucket's reduction after its last unit.
 
   Returns:
     The flat outputs `(value, *aux, *grads)`.
@@ -137,5 +139,8 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
           if prev_side_out is not None:
             _compat.control_dep(prev_side_out, outs[0])
           prev_side_out = outs[0]
-  return [_read(env, v) for v in jaxpr.outvars]
+    if collectives is not None:
+      collectives.after_unit(a.unit, env)
+  outs = [_read(env, v) for v in jaxpr.outvars]
+  return outs if collectives is None else collectives.outputs(outs, env)
 
