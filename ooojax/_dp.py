@@ -33,8 +33,7 @@ def emit(plan, dyn, opts) -> list:
   # also keeps AD's own psum of replicated parameters out (no double reduction).
   dyn = [_compat.to_varying(x, ax) for x in dyn]
   consts = [_compat.to_varying(x, ax) for x in plan.split.consts]
-  emitter = BucketEmitter(plan.collectives, plan.split, ax, opts.reduce,
-                          control_deps=opts.resolved_ordering() == "control_deps")
+  emitter = BucketEmitter(plan.collectives, plan.split, ax, opts.reduce)
   with _compat.vary_inputs(ax):
     return _emit(plan.split, plan.collectives.schedule, consts, dyn,
                  ordering="none", annotate=False, collectives=emitter)

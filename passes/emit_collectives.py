@@ -6,23 +6,17 @@ calls `emitter.after_unit(name, env)` after each compute unit, and
 
 What reaches XLA per bucket: the bucket's gradient leaves flattened into one
 buffer per dtype, one `psum` (one all-reduce), a scale by `1/n` for
-`reduce="mean"`, and a split back. Two `lax.optimization_barrier` ties keep
-the schedule in the compiled program (see `../README.md#data-parallel`):
-
-* **chain**: bucket b+1's inputs pass through a barrier with bucket b's
-  reduced buffer, so all-reduce b+1 depends on all-reduce b. XLA's all-reduce
-  combiners (CPU and GPU) merge only independent all-reduces, so buckets stay
-  apart without any compiler flag, and they run in bucket order.
-* **carry**: after issuing bucket b, the values the rest of the backward
-  reads pass through a barrier with the reduced buffer of bucket b-1, so the
-  remaining backward is scheduled after all-reduce b-1 is done: the
-  reductions are interleaved with the backward in the entry computation
-  instead of sinking to its end, while all-reduce b stays in flight over the
-  next dX segment.
+`reduce="mean"`, and a split back. One tie keeps the buckets apart
+and in order (see the README's "Data parallel" section): bucket b+1's inputs
+pass through a `lax.optimization_barrier` with bucket b's reduced buffer and
+take an exact zero computed from it (`_zero_from`), so all-reduce b+1
+data-depends on all-reduce b. XLA's all-reduce combiners (CPU and GPU) merge
+only independent all-reduces, so buckets stay apart without any compiler flag
+and run in bucket order; the backward itself never waits for a reduction (a
+slow link delays only the next reduction, not the compute).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -48,42 +42,21 @@ def _zero_from(x, dtype):
 class BucketEmitter:
   """Emits the bucketed reductions of a `CollectivePlan` during `emit`."""
 
-  def __init__(self, plan: CollectivePlan, split: Split, axis_name, reduce: str = "mean",
-               carry: bool = True, control_deps: bool = False):
+  def __init__(self, plan: CollectivePlan, split: Split, axis_name, reduce: str = "mean"):
     self.plan = plan
     self.split = split
     self.axis_name = axis_name
     self.reduce = reduce
-    self.carry = carry
-    self.control_deps = control_deps
     self._by_unit: dict[str, list] = {}
     for b in plan.buckets:
       self._by_unit.setdefault(b.after, []).append(b)
     self._reduced: dict[int, Any] = {}
     self._prev: Any = None       # the last issued bucket's reduced buffers
-    self._prev2: Any = None      # the one before (what the carry waits for)
-    jaxpr = split.jaxpr.jaxpr
-    self._grad_vars = jaxpr.outvars[split.grad_out_start:]
-    # Last compute-unit position at which each jaxpr variable is read: the
-    # carry barrier only needs the values still to be read.
-    order = [a.unit for a in plan.schedule.streams[0]]
-    units = {u.name: u for u in plan.schedule.units}
-    self._pos = {name: i for i, name in enumerate(order)}
-    self._last_read: dict = {}
-    for i, name in enumerate(order):
-      for k in units[name].eqns:
-        for v in jaxpr.eqns[k].invars:
-          if isinstance(v, _compat.Var):
-            self._last_read[v] = i
-    for v in jaxpr.outvars:
-      if isinstance(v, _compat.Var):
-        self._last_read[v] = len(order)
+    self._grad_vars = split.jaxpr.jaxpr.outvars[split.grad_out_start:]
 
   def after_unit(self, unit: str, env: dict) -> None:
     for b in self._by_unit.get(unit, ()):
       self._issue(b, env)
-      if self.carry:
-        self._pin_rest(unit, env)
 
   def outputs(self, outs: list, env: dict) -> list:
     """The flat outputs with every gradient replaced by its reduced value."""
@@ -105,6 +78,8 @@ class BucketEmitter:
   def _issue(self, bucket, env) -> None:
     vals = [self._value(env, i) for i in bucket.grads]
     if self._prev is not None:  # chain: this all-reduce after the previous one
+      # The barrier keeps XLA from seeing through the zero; the zero keeps the
+      # data edge on CPU, where barriers become control edges early.
       _, vals = jax.lax.optimization_barrier((self._prev, vals))
       vals[0] = vals[0] + _zero_from(self._prev[0], vals[0].dtype)
     groups: dict = {}
@@ -123,16 +98,4 @@ class BucketEmitter:
         n = x.size
         self._reduced[i] = buf[off:off + n].reshape(x.shape)
         off += n
-    self._prev2, self._prev = self._prev, reduced_bufs
-
-  def _pin_rest(self, unit: str, env: dict) -> None:
-    # The rest of the backward waits for the bucket issued before this one.
-    if self._prev2 is None:
-      return
-    here = self._pos.get(unit, -1)
-    live = [v for v, last in self._last_read.items() if last > here and v in env]
-    if not live:
-      return
-    _, vals = jax.lax.optimization_barrier((self._prev2, [env[v] for v in live]))
-    for v, x in zip(live, vals):
-      env[v] = x
+    self._prev = reduced_bufs
