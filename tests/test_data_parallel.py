@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import ooojax as ooo
 from passes import collectives
+from benchmarks.models._common import init_params
 from tests import models
 
 N = 8
@@ -28,7 +29,7 @@ def _shard_map(f, in_specs, out_specs=P(), check_vma=True):
 def _mean_of_shards(grad_fn, params, *batch):
   """Mean over the N equal shards of each shard's gradient (no collectives)."""
   shards = [b.reshape(N, b.shape[0] // N, *b.shape[1:]) for b in batch]
-  g = jax.vmap(grad_fn, in_axes=(None,) + (0,) * len(batch))(params, *shards)
+  g = jax.jit(jax.vmap(grad_fn, in_axes=(None,) + (0,) * len(batch)))(params, *shards)
   return jax.tree.map(lambda x: x.mean(0), g)
 
 
@@ -36,7 +37,7 @@ def _mlp():
   m = models.MLP()
   x = jax.random.normal(jax.random.PRNGKey(1), (2 * N, 16))
   y = jnp.arange(2 * N) % 10
-  params = m.init(jax.random.PRNGKey(0), x)
+  params = init_params(lambda: m.init(jax.random.PRNGKey(0), x))
 
   def loss(params, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(m.apply(params, x), y).mean()
@@ -74,7 +75,7 @@ def test_cnn_batchnorm_value_and_grad(close):
   m = models.CNN()
   x = jax.random.normal(jax.random.PRNGKey(1), (N, 8, 8, 3))
   y = jnp.arange(N) % 10
-  v = m.init(jax.random.PRNGKey(0), x)
+  v = init_params(lambda: m.init(jax.random.PRNGKey(0), x))
 
   def loss(params, batch_stats, x, y):
     logits, upd = m.apply({"params": params, "batch_stats": batch_stats}, x,
@@ -96,7 +97,7 @@ def test_cnn_batchnorm_value_and_grad(close):
 def test_transformer_block_with_dropout(close):
   m = models.Block()
   x = jax.random.normal(jax.random.PRNGKey(1), (N, 6, 32))
-  params = m.init(jax.random.PRNGKey(0), x, train=False)
+  params = init_params(lambda: m.init(jax.random.PRNGKey(0), x, train=False))
   rng = jax.random.PRNGKey(7)
 
   def loss(params, x, rng):
