@@ -25,15 +25,19 @@ def plan(sp, sched, cm, opts) -> _collectives.CollectivePlan:
                            opts.bucket_bytes, opts.first_k)
 
 
-def emit(plan, dyn, opts) -> list:
-  """Re-binds the local gradient jaxpr and issues each bucket's all-reduce early."""
+def emit(plan, dyn, opts, defer=frozenset()) -> list:
+  """Re-binds the local gradient jaxpr and issues each bucket's all-reduce early.
+
+  Gradient leaves in `defer` come back unreduced (per device): the cross-step
+  train step reduces them at the start of the next step.
+  """
   ax = opts.axis_name
   # Traced without vma types, the jaxpr is the per-device gradient; under
   # shard_map(check_vma=True) its inputs must be varying to type-check, which
   # also keeps AD's own psum of replicated parameters out (no double reduction).
   dyn = [_compat.to_varying(x, ax) for x in dyn]
   consts = [_compat.to_varying(x, ax) for x in plan.split.consts]
-  emitter = BucketEmitter(plan.collectives, plan.split, ax, opts.reduce)
+  emitter = BucketEmitter(plan.collectives, plan.split, ax, opts.reduce, defer)
   with _compat.vary_inputs(ax):
     return _emit(plan.split, plan.collectives.schedule, consts, dyn,
                  ordering="none", annotate=False, collectives=emitter)

@@ -17,6 +17,7 @@ slow link delays only the next reduction, not the compute).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -39,11 +40,50 @@ def _zero_from(x, dtype):
   return (x0 != x0).astype(dtype) * jnp.zeros((), dtype)
 
 
+def reduce_buffers(vals, axis_name, reduce: str = "mean"):
+  """One all-reduce per dtype of `vals` flattened together.
+
+  Returns `(reduced values shaped like vals, the reduced flat buffers)`.
+  """
+  groups: dict = {}
+  for j, x in enumerate(vals):
+    groups.setdefault(jnp.result_type(x), []).append(j)
+  out: list = [None] * len(vals)
+  bufs = []
+  for idx in groups.values():
+    flat = [jnp.ravel(vals[j]) for j in idx]
+    buf = flat[0] if len(flat) == 1 else jnp.concatenate(flat)
+    buf = jax.lax.psum(buf, axis_name)
+    if reduce == "mean":
+      buf = buf / jax.lax.axis_size(axis_name)
+    bufs.append(buf)
+    off = 0
+    for j in idx:
+      n = vals[j].size
+      out[j] = buf[off:off + n].reshape(vals[j].shape)
+      off += n
+  return out, bufs
+
+
+def chain_after(prev_bufs, vals):
+  """`vals`, made to data-depend on `prev_bufs` (so their all-reduce comes after)."""
+  if prev_bufs is None:
+    return list(vals)
+  # The barrier keeps XLA from seeing through the zero; the zero keeps the
+  # data edge on CPU, where barriers become control edges early.
+  _, vals = jax.lax.optimization_barrier((prev_bufs, list(vals)))
+  vals = list(vals)
+  vals[0] = vals[0] + _zero_from(prev_bufs[0], vals[0].dtype)
+  return vals
+
+
 class BucketEmitter:
   """Emits the bucketed reductions of a `CollectivePlan` during `emit`."""
 
-  def __init__(self, plan: CollectivePlan, split: Split, axis_name, reduce: str = "mean"):
+  def __init__(self, plan: CollectivePlan, split: Split, axis_name, reduce: str = "mean",
+               defer: frozenset = frozenset()):
     self.plan = plan
+    self.defer = frozenset(defer)  # leaves returned unreduced (cross-step overlap)
     self.split = split
     self.axis_name = axis_name
     self.reduce = reduce
@@ -76,26 +116,11 @@ class BucketEmitter:
     return env[v]
 
   def _issue(self, bucket, env) -> None:
+    grads = tuple(i for i in bucket.grads if i not in self.defer)
+    if not grads:
+      return
+    bucket = dataclasses.replace(bucket, grads=grads)
     vals = [self._value(env, i) for i in bucket.grads]
-    if self._prev is not None:  # chain: this all-reduce after the previous one
-      # The barrier keeps XLA from seeing through the zero; the zero keeps the
-      # data edge on CPU, where barriers become control edges early.
-      _, vals = jax.lax.optimization_barrier((self._prev, vals))
-      vals[0] = vals[0] + _zero_from(self._prev[0], vals[0].dtype)
-    groups: dict = {}
-    for i, x in zip(bucket.grads, vals):
-      groups.setdefault(jnp.result_type(x), []).append((i, x))
-    reduced_bufs = []
-    for items in groups.values():
-      flat = [jnp.ravel(x) for _, x in items]
-      buf = flat[0] if len(flat) == 1 else jnp.concatenate(flat)
-      buf = jax.lax.psum(buf, self.axis_name)
-      if self.reduce == "mean":
-        buf = buf / jax.lax.axis_size(self.axis_name)
-      reduced_bufs.append(buf)
-      off = 0
-      for i, x in items:
-        n = x.size
-        self._reduced[i] = buf[off:off + n].reshape(x.shape)
-        off += n
-    self._prev = reduced_bufs
+    vals = chain_after(self._prev, vals)  # this all-reduce after the previous one
+    reduced, self._prev = reduce_buffers(vals, self.axis_name, self.reduce)
+    self._reduced.update(zip(bucket.grads, reduced))
