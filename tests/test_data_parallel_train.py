@@ -10,8 +10,8 @@ from ooojax import data_parallel as dp
 N = 8
 
 
-def _setup():
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:N]), ("batch",))
+def make_problem(n_devices=N):
+  """Params, loss and 4 global batches (also used by the 2-process worker)."""
   k = jax.random.split(jax.random.PRNGKey(0), 4)
   params = {f"l{i}": {"w": jax.random.normal(k[i], (16, 16)) * 0.3, "b": jnp.zeros(16)}
             for i in range(4)}
@@ -20,8 +20,13 @@ def _setup():
     for i in range(4):
       x = jnp.tanh(x @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"])
     return jnp.mean(x ** 2)
-  xs = [jax.random.normal(jax.random.PRNGKey(10 + t), (4 * N, 16)) for t in range(4)]
-  return mesh, params, loss, xs
+  xs = [jax.random.normal(jax.random.PRNGKey(10 + t), (32, 16)) for t in range(4)]
+  return params, loss, xs
+
+
+def _setup():
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:N]), ("batch",))
+  return (mesh, *make_problem())
 
 
 def _plain(loss, tx, params, xs):
@@ -87,3 +92,29 @@ def test_errors():
   step = dp.make_train_step(loss, optax.sgd(0.1), mesh, first_k=9)
   with pytest.raises(ValueError, match="first_k=9 is larger than the number of layers"):
     step.init(params, xs[0])
+
+
+def test_two_processes_match_single_process(tmp_path, close):
+  """2 processes on localhost (jax.distributed + gloo CPU collectives), 1 device each."""
+  import os
+  import socket
+  import subprocess
+  import sys
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = str(s.getsockname()[1])
+  worker = os.path.join(os.path.dirname(__file__), "_dp_worker.py")
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  procs = [subprocess.Popen([sys.executable, worker, str(i), "2", port, str(tmp_path / f"{i}.npz")],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(2)]
+  logs = [p.communicate(timeout=120)[0] for p in procs]
+  for p, log in zip(procs, logs):
+    assert p.returncode == 0, log[-3000:]
+  params, loss, xs = make_problem()
+  ref, _ = _plain(loss, optax.adam(1e-2), params, xs)
+  ref = {jax.tree_util.keystr(k): np.asarray(v)
+         for k, v in jax.tree_util.tree_flatten_with_path(ref)[0]}
+  for i in range(2):
+    got = dict(np.load(tmp_path / f"{i}.npz"))
+    close(got, ref)

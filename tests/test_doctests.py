@@ -5,7 +5,7 @@ import importlib
 import pytest
 
 MODULES = ["ooojax._api", "ooojax._calibrate", "ooojax._explain", "ooojax.flax", "passes.split", "passes.cost",
-           "passes.simulate"]
+           "passes.simulate", "passes.collectives", "ooojax.data_parallel"]
 
 
 @pytest.mark.parametrize("name", MODULES)
