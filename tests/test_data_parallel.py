@@ -263,3 +263,20 @@ def test_h100_bucketed_all_reduces_overlap_backward_gemms():
   # default compiler options: one all-reduce per bucket, GEMMs inside all but the last
   assert len(ours) == L and sum(n > 0 for n in ours) == L - 1, ours
   assert len(base) < L  # jax.grad + pmean: combined by the GPU all-reduce combiner
+
+
+def test_linen_make_train_step_passes_the_mode_through(close):
+  from ooojax import flax as oflax
+  m = models.MLP()
+  x = jax.random.normal(jax.random.PRNGKey(1), (2 * N, 16))
+  y = jnp.arange(2 * N) % 10
+  state = oflax.TrainState.create(apply_fn=m.apply, tx=optax.sgd(0.1),
+                                  params=init_params(lambda: m.init(jax.random.PRNGKey(0), x))["params"])
+
+  def loss(params, batch, apply):
+    return optax.softmax_cross_entropy_with_integer_labels(apply(params, batch[0]), batch[1]).mean()
+  dp_step = oflax.make_train_step(loss, jit=False, mode="data_parallel", axis_name=AX)
+  new, _ = jax.pmap(dp_step, axis_name=AX, in_axes=(None, 0))(state, (x.reshape(N, 2, 16),
+                                                                        y.reshape(N, 2)))
+  ref, _ = oflax.make_train_step(loss, use_ooo=False)(state, (x, y))
+  close(jax.tree.map(lambda a: a[0], new.params), ref.params)
