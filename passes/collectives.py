@@ -214,8 +214,10 @@ def cross_step_time(units, order, s_actions, buckets, deferred: frozenset[int]) 
 
   A model, not a measurement: the step ends when the compute and the
   non-deferred reductions are done; the deferred reductions (layer 0 first)
-  then run on the link while the next step's forward runs, and only the part
-  longer than that forward is exposed.
+  then start once both the compute and the link are free and run while the
+  next step's forward runs; only the part longer than that forward is
+  exposed. The link carries every byte of every step, so the period is never
+  below the link's busy time, nor below the compute.
   """
   by_name = {u.name: u for u in units}
   late = {f"S{b.index}" for b in buckets if b.grads and set(b.grads) <= deferred}
@@ -224,7 +226,8 @@ def cross_step_time(units, order, s_actions, buckets, deferred: frozenset[int]) 
   t_c = sum(by_name[a.unit].cost for a in order)
   comm = sum(by_name[u].cost for u in late)
   fwd = by_name["F0"].cost if "F0" in by_name else 0.0
-  return max(t_nd, t_c + max(0.0, comm - fwd))
+  link_busy = sum(by_name[a.unit].cost for a in s_actions)
+  return max(t_c, t_nd, link_busy, max(t_c, t_nd) + comm - fwd)
 
 
 def _build(split, sched, k, bucket_bytes, link, n_devices) -> CollectivePlan:
