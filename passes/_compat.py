@@ -119,7 +119,7 @@ def _match_vma(invals):
   want = frozenset().union(*vmas) & frozenset(_VARY_AXES)
   if not want or all(v >= want for v in vmas):
     return invals
-  return [x if v >= want else jax.lax.pcast(x, tuple(sorted(want - v)), to="varying")
+  return [x if v >= want else _pcast_varying(x, tuple(sorted(want - v)))
           for x, v in zip(invals, vmas)]
 
 
@@ -203,4 +203,10 @@ def to_varying(x, axis_name):
   missing = tuple(a for a in axes if a not in varying_axes(x))
   if not missing:
     return x
-  return jax.lax.pcast(x, missing, to="varying")
+  return _pcast_varying(x, missing)
+
+
+def _pcast_varying(x, axes):
+  if hasattr(jax.lax, "pcast"):  # jax >= 0.8
+    return jax.lax.pcast(x, axes, to="varying")
+  return jax.lax.pvary(x, axes)  # pragma: no cover - older name
