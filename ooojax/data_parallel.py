@@ -168,7 +168,10 @@ class DataParallelStep:
     g = outs[plan.split.grad_out_start:]
     pending = Pending(tuple(g[i][None] for i in lay.deferred), tuple(g[i] for i in lay.ready),
                       jnp.ones((), bool))
-    return state.replace(pending=pending), loss
+    state = state.replace(pending=pending)
+    if not self.cross_step:  # apply now: params never lag
+      state = self._flush_body(state)
+    return state, loss
 
   def _flush_body(self, state):
     state = self._apply_pending(state)
@@ -211,9 +214,9 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
     mesh: a mesh holding `axis_name`; the batch's leading axis is split over it
       (with `jax.distributed.initialize`, a mesh over every process's devices).
     axis_name: the data-parallel mesh axis.
-    cross_step: defer the first-k layers' reduction and update into the next
-      step (False: everything is reduced and applied at the end of each step's
-      backward, still with early buckets).
+    cross_step: defer the first-k layers' reduction and the update into the
+      next step (False: k = 0 and the update is applied at the end of each
+      step, still with early bucketed reductions).
     **ooo_options: `reduce`, `bucket_bytes`, `first_k`, `link`, `device`
       (None: chosen by the cost and network model; see `ooo.grad`).
 

@@ -60,6 +60,12 @@ def test_cross_step_matches_plain_loop(close):
   close(state.params, ref)
   assert int(state.step) == len(xs) and not bool(state.pending.valid)
   close(step.flush(state).params, ref)  # flushing twice applies nothing more
+  plain = dp.make_train_step(loss, tx, mesh, cross_step=False)
+  state = plain.init(params, xs[0])
+  assert state.pending.local == ()
+  for x in xs:
+    state, _ = plain(state, x)
+  close(state.params, ref)  # applied at the end of each step: nothing lags
 
 
 def test_checkpoint_between_steps_restores_training(tmp_path, close):
