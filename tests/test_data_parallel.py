@@ -217,52 +217,33 @@ def test_cpu_reductions_interleave_with_backward_dots():
   assert _entry_ops(base).count("all-reduce") == 1
 
 
-def _h100():
-  """The shared compile-only H100 tool (until ooojax.gpu_hlo lands), or a skip reason."""
-  import importlib.util
-  import pathlib
-  path = pathlib.Path(__file__).resolve().parents[1] / ".." / "shared" / "tools" / "deviceless_h100.py"
-  for p in (path, pathlib.Path("/work/shared/tools/deviceless_h100.py")):
-    if p.exists():
-      spec = importlib.util.spec_from_file_location("deviceless_h100", p)
-      mod = importlib.util.module_from_spec(spec)
-      try:
-        spec.loader.exec_module(mod)
-        mod.h100_mesh(N, AX)
-      except Exception as e:  # no CUDA plugin: say why
-        return None, f"compile-only H100 unavailable: {type(e).__name__}: {e}"
-      return mod, None
-  return None, "compile-only H100 tool not found"
-
-
 def test_h100_bucketed_all_reduces_overlap_backward_gemms():
-  dh, why = _h100()
-  if dh is None:
-    pytest.skip(why)
+  from ooojax import gpu_hlo
+  if gpu_hlo.unavailable_reason() is not None:
+    pytest.skip(f"compile-only H100 unavailable: {gpu_hlo.unavailable_reason()}")
   from jax.sharding import NamedSharding
-  mesh = dh.h100_mesh(N, AX)
+  mesh = gpu_hlo.mesh("H100", N, (AX,))
   L, D = 6, 1024
-  ws = {f"l{i}": {"w": jax.ShapeDtypeStruct((D, D), jnp.float32,
-                                            sharding=NamedSharding(mesh, P()))} for i in range(L)}
+  ws = {f"l{i}": {"w": jax.ShapeDtypeStruct((D, D), jnp.float32)} for i in range(L)}
   x = jax.ShapeDtypeStruct((256 * N, D), jnp.float32, sharding=NamedSharding(mesh, P(AX)))
   loss, _, _ = _deep(L, D)
 
-  def heavy_in_windows(fn):
+  def heavy_in_windows(fn, **opts):
     f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P(AX)), out_specs=P(),
                               check_vma=False))
-    txt = dh.compile_h100(f, (ws, x), mesh=mesh)[0].as_text()
-    pairs = dh.async_pairs(txt, "all-reduce-start", "all-reduce-done")
-    return [sum('"gemm' in i["line"] or "__cublas" in i["line"] for i in b)
-            for _, _, _, b in pairs]
+    s = gpu_hlo.schedule(f, ws, x, mesh=mesh, compiler_options=opts)
+    return [len(p.overlapped_heavy) for p in s.pairs_of("all-reduce")]
 
   # ordering="none": control_dep custom calls do not compile for GPU
-  ours = heavy_in_windows(lambda w, x: ooo.grad(
-      loss, mode="data_parallel", axis_name=AX, ordering="none", device="H100",
-      bucket_bytes=1, first_k=0)(w, x))
-  base = heavy_in_windows(lambda w, x: jax.lax.pmean(jax.grad(loss)(w, x), AX))
+  ours = lambda w, x: ooo.grad(loss, mode="data_parallel", axis_name=AX, ordering="none",
+                               device="H100", bucket_bytes=1, first_k=0)(w, x)
+  base = lambda w, x: jax.lax.pmean(jax.grad(loss)(w, x), AX)
   # default compiler options: one all-reduce per bucket, GEMMs inside all but the last
-  assert len(ours) == L and sum(n > 0 for n in ours) == L - 1, ours
-  assert len(base) < L  # jax.grad + pmean: combined by the GPU all-reduce combiner
+  got = heavy_in_windows(ours)
+  assert len(got) == L and sum(n > 0 for n in got) == L - 1, got
+  assert len(heavy_in_windows(base)) < L  # jax.grad + pmean: combined
+  # the GPU combiner needs a whole-program flag to keep jax.grad's apart
+  assert len(heavy_in_windows(base, xla_gpu_all_reduce_combine_threshold_bytes=0)) == L
 
 
 def test_linen_make_train_step_passes_the_mode_through(close):
