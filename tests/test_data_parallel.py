@@ -261,3 +261,28 @@ def test_linen_make_train_step_passes_the_mode_through(close):
                                                                         y.reshape(N, 2)))
   ref, _ = oflax.make_train_step(loss, use_ooo=False)(state, (x, y))
   close(jax.tree.map(lambda a: a[0], new.params), ref.params)
+
+
+def test_nnx_grad_in_shard_map(close):
+  from flax import nnx
+
+  from ooojax.flax import nnx_grad
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.l1 = nnx.Linear(8, 16, rngs=rngs)
+      self.l2 = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+      return self.l2(nnx.relu(self.l1(x)))
+
+  m = Net(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.PRNGKey(1), (2 * N, 8))
+  y = jax.random.normal(jax.random.PRNGKey(2), (2 * N, 4))
+  loss = lambda m, x, y: jnp.mean((m(x) - y) ** 2)
+  graphdef, state = nnx.split(m)
+
+  def step(state, x, y):
+    return nnx_grad(loss, mode="data_parallel", axis_name=AX)(nnx.merge(graphdef, state), x, y)
+  g = _shard_map(step, (P(), P(AX), P(AX)))(state, x, y)
+  close(g, nnx.grad(loss)(m, x, y))
