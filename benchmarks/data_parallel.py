@@ -65,8 +65,8 @@ def rows(name: str, device: str, devices=DEVICES, links=LINKS) -> list[dict]:
   for link in links:
     l = collectives.get_link(link)
     for n in devices:
-      one = collectives._build(split, sched, 0, 1 << 62, l, n).makespan
-      per = collectives._build(split, sched, 0, 1, l, n).makespan
+      one = collectives.build_plan(split, sched, 0, 1 << 62, l, n).makespan
+      per = collectives.build_plan(split, sched, 0, 1, l, n).makespan
       best = collectives.plan(split, sched, cm, n, l, cross_step=True)
       bound = max(compute, collectives.allreduce_seconds(l, total, n))
       out.append(dict(model=name, link=link, n=n, compute=compute, one=one, per=per,

@@ -230,7 +230,9 @@ def cross_step_time(units, order, s_actions, buckets, deferred: frozenset[int]) 
   return max(t_c, t_nd, link_busy, max(t_c, t_nd) + comm - fwd)
 
 
-def _build(split, sched, k, bucket_bytes, link, n_devices) -> CollectivePlan:
+def build_plan(split: Split, sched: Schedule, k: int, bucket_bytes: int, link: Link,
+               n_devices: int) -> CollectivePlan:
+  """The plan for one choice of k and bucket size (what `plan` compares)."""
   base = sched.units
   order = reverse_first_k(split, base, sched.streams[0], k) if k else tuple(sched.streams[0])
   buckets = make_buckets(split, base, order, max(bucket_bytes, 1))
@@ -288,7 +290,7 @@ def plan(split: Split, sched: Schedule, cost: CostModel, n_devices: int,
   best, best_score = None, 0.0
   for b in sorted(sizes, reverse=True):
     for k in ks:
-      p = _build(split, sched, k, b, link, n_devices)
+      p = build_plan(split, sched, k, b, link, n_devices)
       score = p.cross_step if cross_step else p.makespan
       if best is None or score < best_score * (1 - 1e-9):
         best, best_score = p, score

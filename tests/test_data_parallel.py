@@ -184,7 +184,7 @@ def test_cost_model_chooses_bucket_and_k():
   assert sorted(i for b in p.buckets for i in b.grads) == list(range(6))  # each leaf once
   for b in collectives.BUCKET_CANDIDATES:  # no candidate simulates faster than the choice
     for k in range(7):
-      other = collectives._build(full.split, full.schedule, k, b, p.link, N)
+      other = collectives.build_plan(full.split, full.schedule, k, b, p.link, N)
       assert p.makespan <= other.makespan * (1 + 1e-9)
 
 

@@ -124,3 +124,22 @@ def test_two_processes_match_single_process(tmp_path, close):
   for i in range(2):
     got = dict(np.load(tmp_path / f"{i}.npz"))
     close(got, ref)
+
+
+def test_compiled_step_reduces_pending_first_k_before_the_forward():
+  import re
+  mesh, params, loss, xs = _setup()
+  step = dp.make_train_step(loss, optax.sgd(0.1), mesh, first_k=2, bucket_bytes=1)
+  state = step.init(params, xs[0])
+  step(state, xs[0])
+  hlo = step._step.lower(state, xs[0]).compile().as_text()
+  entry = hlo[hlo.index("\nENTRY"):].splitlines()
+  # 'A': an all-reduce; 'F': a forward matmul; 'B': a backward one (emit names each unit's
+  # ops ooo_<unit> in their metadata)
+  kinds = ["A" if " all-reduce(" in l else ("F" if "/ooo_F0/" in l else "B")
+           for l in entry if " all-reduce(" in l or "dot_general" in l]
+  order = "".join(kinds)
+  # 4 pending leaves (layers 0-1, reduced one by one at the start) + 4 buckets of this backward
+  assert order.count("A") == 8, order
+  assert order.index("A") < order.index("F"), order  # layer 0's reduction before any forward
+  assert "A" in order[order.index("B"):], order  # this step's buckets during its backward
