@@ -11,13 +11,15 @@ import jax
 import numpy as np
 
 from passes import _compat
+from passes import collectives as _collectives
 from passes.cost import CostModel, DeviceSpec
 from passes.emit import ORDERINGS, emit
 from passes.ir import Schedule, Split
 from passes.schedule import schedule as make_schedule
 from passes.split import split as make_split
+from ooojax import _dp
 
-MODES = ("auto", "single_gpu", "in_order")
+MODES = ("auto", "single_gpu", "in_order", "data_parallel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,12 +38,23 @@ class Options:
   measured: unit label -> seconds, replacing cost-model estimates; labels are
     "forward", "X<i>" (dX segment i) and parameter paths (dW clusters), as
     returned by `ooo.calibrate`.
+  axis_name, reduce, bucket_bytes, first_k, link: mode="data_parallel" only
+    (see `ooojax.data_parallel`): the mapped axis the batch is split over;
+    "mean" or "sum" of the per-device gradients; bytes per all-reduce bucket
+    and layers to reverse (None: chosen by the cost and network model); the
+    network preset ("nvlink", "100GbE", "25GbE", "10GbE") or a
+    `passes.simulate.Link`.
   """
   mode: str = "auto"
   streams: int = 2
   device: str | DeviceSpec | None = None
   ordering: str = "auto"
   measured: Mapping[str, float] | None = None
+  axis_name: Any = None
+  reduce: str = "mean"
+  bucket_bytes: int | None = None
+  first_k: int | None = None
+  link: Any = None
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -50,6 +63,8 @@ class Options:
       raise ValueError(f"streams must be 1 or 2, got {self.streams!r}")
     if self.ordering not in ORDERINGS:
       raise ValueError(f"unknown ordering {self.ordering!r}; allowed: {ORDERINGS}")
+    _collectives.validate_options(self.mode, self.axis_name, self.reduce,
+                                  self.bucket_bytes, self.first_k, self.link)
 
   def resolved_mode(self) -> str:
     if self.mode != "auto":
@@ -66,7 +81,8 @@ class Options:
 
   def key(self):
     m = tuple(sorted(self.measured.items())) if self.measured else None
-    return (self.mode, self.streams, self.device, self.ordering, m)
+    return (self.mode, self.streams, self.device, self.ordering, m, self.axis_name,
+            self.reduce, self.bucket_bytes, self.first_k, self.link)
 
 
 _OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options))
@@ -111,6 +127,7 @@ class _Plan:
   schedule: Schedule
   out_tree: Any
   n_aux: int
+  collectives: Any = None  # passes.collectives.CollectivePlan (data_parallel)
 
 
 class _Transformed:
@@ -146,7 +163,7 @@ class _Transformed:
     dyn = [*diff_leaves, *(x for x, d in zip(rest_leaves, dyn_mask) if d)]
     avals = tuple(_aval_key(x) for x in dyn)
     key = (diff_tree, rest_tree, dyn_mask, avals, self.options.key(),
-           jax.config.jax_enable_x64)
+           jax.config.jax_enable_x64, _dp.axis_size(self.options))
     if all(_value_hashable(s) for s in statics):
       key = key + (tuple((type(s), s) for s in statics),)  # 1.0 == True, but not alike
     else:
@@ -193,8 +210,12 @@ class _Transformed:
     sp = make_split(flat_fun, in_avals, n_diff, names)
     opts = self.options
     streams = 1 if opts.resolved_mode() == "in_order" else opts.streams
-    sched = make_schedule(sp, CostModel(opts.device, opts.measured), streams)
-    plan = _Plan(sp, sched, cell["trees"], cell["trees"][2])
+    cm = CostModel(opts.device, opts.measured)
+    if opts.mode == "data_parallel":
+      streams = 1
+    sched = make_schedule(sp, cm, streams)
+    plan = _Plan(sp, sched, cell["trees"], cell["trees"][2],
+                 _dp.plan(sp, sched, cm, opts) if opts.mode == "data_parallel" else None)
     # A captured array (a global, or one held by an argument object) would be
     # frozen into a cached trace: keep those traces uncached, never stale.
     if key is not None and not sp.consts:
@@ -206,8 +227,11 @@ class _Transformed:
     opts = self.options
     annotate = opts.resolved_mode() == "single_gpu"
     ordering = opts.resolved_ordering()
-    outs = emit(plan.split, plan.schedule, plan.split.consts, dyn,
-                ordering=ordering, annotate=annotate)
+    if plan.collectives is not None:
+      outs = _dp.emit(plan, dyn, opts)
+    else:
+      outs = emit(plan.split, plan.schedule, plan.split.consts, dyn,
+                  ordering=ordering, annotate=annotate)
     aux_tree, g_tree, n_aux = plan.out_tree
     ans = outs[0]
     aux = jax.tree_util.tree_unflatten(aux_tree, outs[1:1 + n_aux])

@@ -94,8 +94,39 @@ def on_stream(fun, stream: int, n_out: int):
                       out_memory_spaces=(_DEVICE_SPACE,) * n_out)
 
 
+# Set by `vary_inputs`: bind_eqn makes mixed invariant inputs varying over these axes.
+_VARY_AXES: tuple | None = None
+
+
+@contextlib.contextmanager
+def vary_inputs(axis_name):
+  """Within: `bind_eqn` casts invariant inputs of an equation with a varying input.
+
+  A jaxpr traced without vma types binds under `shard_map(check_vma=True)`
+  only if each equation's inputs agree; `lax` functions insert these casts
+  when tracing, `bind` does not.
+  """
+  global _VARY_AXES
+  prev, _VARY_AXES = _VARY_AXES, (axis_name if isinstance(axis_name, tuple) else (axis_name,))
+  try:
+    yield
+  finally:
+    _VARY_AXES = prev
+
+
+def _match_vma(invals):
+  vmas = [varying_axes(x) for x in invals]
+  want = frozenset().union(*vmas) & frozenset(_VARY_AXES)
+  if not want or all(v >= want for v in vmas):
+    return invals
+  return [x if v >= want else _pcast_varying(x, tuple(sorted(want - v)))
+          for x, v in zip(invals, vmas)]
+
+
 def bind_eqn(eqn, invals: list[Any]) -> list[Any]:
   """Binds one jaxpr equation in the current trace, as `jax.core.eval_jaxpr` does."""
+  if _VARY_AXES is not None and invals:
+    invals = _match_vma(invals)
   params = eqn.primitive.get_bind_params(eqn.params)
   subfuns: list[Any] = []
   if isinstance(params, tuple):  # older JAX returned (subfuns, params)
@@ -167,3 +198,33 @@ def flat_debug_info(jaxpr, n_consts: int):
 
 def is_tracer(x) -> bool:
   return isinstance(x, jax.core.Tracer)
+
+
+def varying_axes(x) -> frozenset:
+  """The manual mesh axes `x` varies over under `shard_map(check_vma=True)`."""
+  aval = jax.typeof(x)
+  vma = getattr(aval, "vma", None)  # later JAX
+  if vma is None:
+    mat = getattr(aval, "mat", None)  # jax 0.10: aval.mat.varying
+    vma = getattr(mat, "varying", frozenset()) if mat is not None else frozenset()
+  return frozenset(vma)
+
+
+def to_varying(x, axis_name):
+  """Marks `x` as varying over `axis_name` (a no-op without vma checking).
+
+  The data-parallel mode re-binds a per-device gradient jaxpr traced without
+  vma types; under `check_vma=True` every input must be varying so that the
+  equations type-check and AD inserts no reductions of its own.
+  """
+  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  missing = tuple(a for a in axes if a not in varying_axes(x))
+  if not missing:
+    return x
+  return _pcast_varying(x, missing)
+
+
+def _pcast_varying(x, axes):
+  if hasattr(jax.lax, "pcast"):  # jax >= 0.8
+    return jax.lax.pcast(x, axes, to="varying")
+  return jax.lax.pvary(x, axes)  # pragma: no cover - older name

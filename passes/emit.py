@@ -164,7 +164,7 @@ class _Anchor:
 
 def emit(split: Split, sched: Schedule, consts: Sequence[Any],
          leaves: Sequence[Any], *, ordering: str = "auto",
-         annotate: bool = True) -> list[Any]:
+         annotate: bool = True, collectives=None) -> list[Any]:
   """Evaluates the split jaxpr in schedule order in the current trace.
 
   Args:
@@ -175,6 +175,8 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
     ordering: one of `ORDERINGS` (see the module docstring).
     annotate: wrap side-stream calls in a stream-annotated call. False keeps
       the order but emits plain equations (the in-order baseline's form).
+    collectives: a `passes.emit_collectives.BucketEmitter` (data-parallel
+      mode): issues each gradient bucket's reduction after its last unit.
 
   Returns:
     The flat outputs `(value, *aux, *grads)`.
@@ -222,6 +224,9 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
         hook.calls.append((ins, outs, flat, unpack))
       if flat:
         side_outs.append(flat[0])
+    if collectives is not None:
+      collectives.after_unit(u.name, env)
   if edges and len(side_outs) > 1:
     _compat.control_deps(list(zip(side_outs, side_outs[1:])))
-  return [_read(env, v) for v in jaxpr.outvars]
+  outs = [_read(env, v) for v in jaxpr.outvars]
+  return outs if collectives is None else collectives.outputs(outs, env)

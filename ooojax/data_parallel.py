@@ -1,0 +1,240 @@
+"""Data-parallel training steps with cross-step overlap (the paper's full algorithm).
+
+`ooo.grad(loss, mode="data_parallel", axis_name=...)` inside `pmap` /
+`shard_map` gives mean gradients with each bucket's all-reduce issued right
+after its last dW cluster. This module adds the opt-in step in which the
+all-reduce and optimizer update of the first `k` layers finish at the START of
+the next step:
+
+* step t computes its gradients with the first `k` layers' dW after the dX
+  chain (reverse first-k) and reduces every other bucket during the backward;
+  the first-k gradients stay per-device and unreduced in `state.pending`;
+* step t+1 first reduces them (layer 0 first, one all-reduce per layer,
+  chained), applies the optimizer to the complete gradient of step t, then
+  runs its forward. Layer j's update depends only on layer j's reduction, so
+  XLA may run the later layers' reductions under the earlier layers' forward.
+
+The parameters each forward sees are exactly those of the plain synchronous
+loop (`params_{t+1} = update(params_t, g_t)`): only the moment the update is
+applied moves. `state.params` therefore lags one update behind until
+`flush(state)` applies what is pending; `pending` is part of the state, so
+a checkpoint taken between steps restores the same training.
+
+`Pending` is the general container for work one step leaves to the next
+(per-parameter values still to be reduced, values ready to apply, and whether
+they are real); the single-GPU deferred-dW mode can carry its late dW the same
+way.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ooojax import _dp
+from ooojax._api import _make_options, value_and_grad
+from passes import collectives
+from passes.cost import CostModel
+from passes.emit_collectives import chain_after, reduce_buffers
+
+
+class Pending(struct.PyTreeNode):
+  """Per-parameter work left for the next step, in leaf order of the params.
+
+  local: per-device values still to be reduced over the data axis, one per
+    deferred leaf, each with a leading device axis (sharded over the mesh).
+  ready: values already complete on every device, one per other leaf.
+  valid: False before the first step and after `flush` (nothing to apply).
+  """
+  local: tuple
+  ready: tuple
+  valid: jax.Array
+
+
+class DPTrainState(struct.PyTreeNode):
+  """Parameters, optimizer state and pending work of a cross-step data-parallel loop.
+
+  `params` lags one update behind the plain loop while `pending.valid`; use
+  `step.flush(state)` for the parameters of the plain loop.
+  """
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  pending: Pending
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  treedef: Any
+  deferred: tuple[int, ...]   # leaf positions reduced next step, layer 0 first
+  ready: tuple[int, ...]
+  first_k: int
+  bucket_bytes: int
+
+
+class DataParallelStep:
+  """`state, loss = step(state, batch)`; built by `make_train_step`."""
+
+  def __init__(self, loss_fn, tx, mesh, axis_name, cross_step, options):
+    self.loss_fn, self.tx, self.mesh, self.axis_name = loss_fn, tx, mesh, axis_name
+    self.cross_step = cross_step
+    self.options = options
+    self.n = mesh.shape[axis_name]
+    self._layout: _Layout | None = None
+    self._step = self._flush = None
+
+  # --- setup ---------------------------------------------------------------------
+  def _plan_layout(self, params, batch) -> _Layout:
+    """Traces one device's gradient to choose k and bucket size, and the deferred leaves."""
+    opts = self.options
+    vg = value_and_grad(self.loss_fn, mode="in_order", device=opts.get("device"))
+    local = jax.tree.map(lambda b: jax.ShapeDtypeStruct((b.shape[0] // self.n, *b.shape[1:]),
+                                                        b.dtype), batch)
+    box = {}
+
+    def trace(p, b):
+      box["plan"], _ = vg.plan((p, b), {})
+      return 0.0
+    jax.eval_shape(trace, params, local)
+    plan = box["plan"]
+    cp = collectives.plan(plan.split, plan.schedule, CostModel(opts.get("device")), self.n,
+                          opts.get("link"), opts.get("bucket_bytes"), opts.get("first_k"),
+                          cross_step=self.cross_step)
+    k = cp.first_k if self.cross_step else 0
+    deferred = collectives.first_k_leaves(plan.split, k)
+    layers = collectives.layers_forward(plan.split)
+    names = {c.grad_out - plan.split.grad_out_start: c.param for c in plan.split.clusters}
+    order = sorted(deferred, key=lambda i: layers.index(collectives.layer_of(names[i])))
+    leaves, treedef = jax.tree.flatten(params)
+    ready = tuple(i for i in range(len(leaves)) if i not in deferred)
+    return _Layout(treedef, tuple(order), ready, k, cp.bucket_bytes)
+
+  def init(self, params, batch) -> DPTrainState:
+    """The first state: nothing pending. `batch` is only traced (shapes)."""
+    lay = self._layout = self._plan_layout(params, batch)
+    leaves = jax.tree.leaves(params)
+    rep = NamedSharding(self.mesh, P())
+    dev = NamedSharding(self.mesh, P(self.axis_name))
+    local = tuple(jax.device_put(jnp.zeros((self.n, *leaves[i].shape), leaves[i].dtype), dev)
+                  for i in lay.deferred)
+    ready = tuple(jax.device_put(jnp.zeros_like(leaves[i]), rep) for i in lay.ready)
+    state = DPTrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params),
+                         Pending(local, ready, jnp.zeros((), bool)))
+    return jax.device_put(state, self._specs(state, sharding=True))
+
+  def _specs(self, state, sharding=False):
+    wrap = (lambda s: NamedSharding(self.mesh, s)) if sharding else (lambda s: s)
+    specs = jax.tree.map(lambda _: wrap(P()), state)
+    local = tuple(wrap(P(self.axis_name)) for _ in state.pending.local)
+    return specs.replace(pending=specs.pending.replace(local=local))
+
+  # --- the per-device program ------------------------------------------------------
+  def _apply_pending(self, state: DPTrainState) -> DPTrainState:
+    lay, pend = self._layout, state.pending
+    vals = [x[0] for x in pend.local]  # drop the device axis of this shard
+    reduced, prev = [], None
+    for x in vals:  # one all-reduce per leaf, layer 0 first, chained
+      (r,), prev = reduce_buffers(chain_after(prev, [x]), self.axis_name,
+                                  self.options.get("reduce", "mean"))
+      reduced.append(r)
+    flat = [None] * (len(lay.deferred) + len(lay.ready))
+    for i, r in zip(lay.deferred, reduced):
+      flat[i] = r
+    for i, r in zip(lay.ready, pend.ready):
+      flat[i] = r
+    grads = jax.tree.unflatten(lay.treedef, flat)
+    updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(pend.valid, a, b), new, old)
+    return state.replace(step=state.step + pend.valid.astype(state.step.dtype),
+                         params=keep(params, state.params),
+                         opt_state=keep(opt_state, state.opt_state))
+
+  def _body(self, state, batch):
+    lay = self._layout
+    state = self._apply_pending(state)
+    opts = {k: v for k, v in self.options.items() if k not in ("first_k", "bucket_bytes")}
+    vg = value_and_grad(self.loss_fn, mode="data_parallel", axis_name=self.axis_name,
+                        first_k=lay.first_k, bucket_bytes=lay.bucket_bytes, **opts)
+    plan, dyn = vg.plan((state.params, batch), {})
+    outs = _dp.emit(plan, dyn, vg.options, defer=frozenset(lay.deferred))
+    loss = jax.lax.pmean(outs[0], self.axis_name)
+    g = outs[plan.split.grad_out_start:]
+    pending = Pending(tuple(g[i][None] for i in lay.deferred), tuple(g[i] for i in lay.ready),
+                      jnp.ones((), bool))
+    state = state.replace(pending=pending)
+    if not self.cross_step:  # apply now: params never lag
+      state = self._flush_body(state)
+    return state, loss
+
+  def _flush_body(self, state):
+    state = self._apply_pending(state)
+    pend = state.pending
+    zeros = jax.tree.map(jnp.zeros_like, pend)
+    return state.replace(pending=zeros.replace(valid=jnp.zeros((), bool)))
+
+  def _build(self, state):
+    specs = self._specs(state)
+    batch_spec = P(self.axis_name)
+    self._step = jax.jit(jax.shard_map(self._body, mesh=self.mesh,
+                                       in_specs=(specs, batch_spec), out_specs=(specs, P())))
+    self._flush = jax.jit(jax.shard_map(self._flush_body, mesh=self.mesh,
+                                        in_specs=(specs,), out_specs=specs))
+
+  def __call__(self, state: DPTrainState, batch) -> tuple[DPTrainState, jax.Array]:
+    if self._layout is None:
+      raise ValueError("call step.init(params, batch) first: it chooses k and the buckets")
+    if self._step is None:
+      self._build(state)
+    return self._step(state, batch)
+
+  def flush(self, state: DPTrainState) -> DPTrainState:
+    """Applies the pending update: `state.params` become those of the plain loop."""
+    if self._step is None:
+      self._build(state)
+    return self._flush(state)
+
+
+def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
+                    mesh: jax.sharding.Mesh, *, axis_name: str = "batch",
+                    cross_step: bool = True, **ooo_options) -> DataParallelStep:
+  """A jitted data-parallel step over `mesh[axis_name]` with cross-step overlap.
+
+  Args:
+    loss_fn: `loss_fn(params, batch) -> scalar`, the mean loss of one device's
+      shard (the step's loss is its mean over devices; its gradient is the
+      full-batch gradient for equal shards).
+    tx: the optax optimizer.
+    mesh: a mesh holding `axis_name`; the batch's leading axis is split over it
+      (with `jax.distributed.initialize`, a mesh over every process's devices).
+    axis_name: the data-parallel mesh axis.
+    cross_step: defer the first-k layers' reduction and the update into the
+      next step (False: k = 0 and the update is applied at the end of each
+      step, still with early bucketed reductions).
+    **ooo_options: `reduce`, `bucket_bytes`, `first_k`, `link`, `device`
+      (None: chosen by the cost and network model; see `ooo.grad`).
+
+  Returns:
+    A `DataParallelStep`: `state = step.init(params, batch)`,
+    `state, loss = step(state, batch)`, `state = step.flush(state)`.
+
+  >>> import jax, jax.numpy as jnp, numpy as np, optax
+  >>> from ooojax import data_parallel as dp
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("batch",))
+  >>> loss = lambda w, b: jnp.mean((b @ w) ** 2)
+  >>> step = dp.make_train_step(loss, optax.sgd(0.1), mesh, first_k=1)
+  >>> state = step.init(jnp.ones((3, 2)), jnp.ones((4, 3)))
+  >>> state, l = step(state, jnp.ones((4, 3)))
+  >>> float(l), int(step.flush(state).step)
+  (9.0, 1)
+  """
+  _make_options({"mode": "data_parallel", "axis_name": axis_name, **ooo_options})
+  if axis_name not in mesh.shape:
+    raise NameError(f"unbound axis name: {axis_name} (the mesh has axes {tuple(mesh.shape)})")
+  return DataParallelStep(loss_fn, tx, mesh, axis_name, cross_step, dict(ooo_options))

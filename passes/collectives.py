@@ -1,0 +1,297 @@
+"""collectives: data-parallel gradient buckets, reverse first-k, and the link schedule.
+
+Contract: `plan(split, sched, cost, n_devices, link, bucket_bytes=None,
+first_k=None) -> CollectivePlan`.
+
+Input is the compute schedule of one device (`passes.schedule`, in-order on
+stream 0). This pass
+
+1. **reverse first-k**: moves the dW clusters of the first `k` layers (in
+   forward order) after the whole dX chain and runs them in forward order, so
+   layer 0's gradient is ready, and reduced, first (the paper's "reverse
+   first-k"). A layer is a parameter path without its last key
+   (`['params']['Dense_0']` holds `kernel` and `bias`).
+2. **buckets**: walks the dW clusters in the order they finish and closes a
+   bucket once it holds `bucket_bytes` of gradients (DDP's `bucket_cap_mb`);
+   each bucket becomes one all-reduce, a `SEND` unit `S<b>` on a network link,
+   issued right after its last dW cluster.
+3. **choice**: `bucket_bytes=None` / `first_k=None` are chosen by simulating
+   the compute stream next to the link (`passes.simulate`, ring all-reduce
+   cost `2 (n-1)/n * bytes / bandwidth + 2 (n-1) * latency`) over a few
+   candidates and keeping the shortest step. Ties keep the larger bucket /
+   smaller k.
+
+All times are cost-model estimates.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from passes.cost import CostModel, _nbytes
+from passes.ir import Action, Schedule, Split, Unit, UnitKind
+from passes.simulate import LINKS, Link, Timeline, simulate
+
+REDUCTIONS = ("mean", "sum")
+# Bucket candidates when the cost model chooses (bytes); 0 = one per dW cluster.
+BUCKET_CANDIDATES = (0, 256 << 10, 1 << 20, 4 << 20, 25 << 20)
+LINK_STREAM = 1
+
+
+def get_link(link: str | Link | None) -> Link:
+  """A `Link` by preset name ("nvlink", "100GbE", "25GbE", "10GbE") or passed through."""
+  if isinstance(link, Link):
+    return link
+  if link is None:
+    return LINKS["nvlink"]
+  for name, l in LINKS.items():
+    if name.lower() == str(link).lower():
+      return l
+  raise ValueError(f"unknown link {link!r}; use one of {sorted(LINKS)} or pass a "
+                   "passes.simulate.Link(name, latency_s, bytes_per_s)")
+
+
+def validate_options(mode: str, axis_name, reduce: str, bucket_bytes, first_k, link) -> None:
+  """Raises `ValueError` for data-parallel options that can never work."""
+  if mode == "data_parallel" and axis_name is None:
+    raise ValueError("mode='data_parallel' needs axis_name, the mapped axis the batch is "
+                     "split over, e.g. ooo.grad(loss, mode='data_parallel', axis_name='batch') "
+                     "inside jax.pmap(..., axis_name='batch') or jax.shard_map")
+  if axis_name is not None and mode != "data_parallel":
+    raise ValueError(f"axis_name={axis_name!r} applies to mode='data_parallel' only "
+                     f"(got mode={mode!r})")
+  if reduce not in REDUCTIONS:
+    raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
+  if bucket_bytes is not None and (not isinstance(bucket_bytes, int)
+                                   or isinstance(bucket_bytes, bool) or bucket_bytes <= 0):
+    raise ValueError(f"bucket_bytes must be a positive int (bytes per all-reduce bucket) "
+                     f"or None to let the cost model choose, got {bucket_bytes!r}")
+  if first_k is not None and (not isinstance(first_k, int) or isinstance(first_k, bool)
+                              or first_k < 0):
+    raise ValueError(f"first_k must be an int >= 0 (layers whose dW runs after the dX "
+                     f"chain, in forward order) or None to choose, got {first_k!r}")
+  get_link(link)
+
+
+def allreduce_seconds(link: Link, nbytes: float, n_devices: int) -> float:
+  """Ring all-reduce of `nbytes` over `n_devices` on `link` (0 on one device)."""
+  if n_devices <= 1:
+    return 0.0
+  steps = 2 * (n_devices - 1)
+  return steps * link.latency + steps / n_devices * nbytes / link.bandwidth
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+  """Gradient leaves reduced by one all-reduce, issued after unit `after`."""
+  index: int
+  grads: tuple[int, ...]   # gradient leaf positions (0 = first gradient output)
+  nbytes: int
+  after: str               # compute unit after which it is issued ("" = at the end)
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectivePlan:
+  """The compute schedule (first-k reversed) plus buckets on a link."""
+  schedule: Schedule          # compute: stream 0 only; emit reads this
+  buckets: tuple[Bucket, ...]
+  link_actions: tuple[Action, ...]   # S<b>@1, in issue order
+  units: tuple[Unit, ...]     # compute units + S units (for simulation/plotting)
+  first_k: int
+  n_layers: int
+  bucket_bytes: int
+  link: Link
+  n_devices: int
+  makespan: float             # simulated, compute + link
+  cross_step: float = 0.0     # simulated steady-state step with the first-k reductions
+                              # deferred into the next step's forward (see `cross_step_time`)
+
+  @property
+  def streams(self) -> tuple[tuple[Action, ...], ...]:
+    return (self.schedule.streams[0], self.link_actions)
+
+  def timeline(self) -> Timeline:
+    return simulate(self.streams, self.units, 0.0, links=(LINK_STREAM,))
+
+  def to_text(self) -> str:
+    return "\n".join(" ".join(str(a) for a in s) for s in self.streams)
+
+
+def layer_of(param: str) -> str:
+  """`['params']['Dense_0']['kernel']` -> `['params']['Dense_0']`."""
+  i = param.rfind("[")
+  return param[:i] if i > 0 else param
+
+
+def layers_forward(split: Split) -> list[str]:
+  """Layers in forward order: the backward meets the last layer's dW first."""
+  seen: dict[str, None] = {}
+  for c in split.clusters:
+    seen.setdefault(layer_of(c.param), None)
+  return list(reversed(seen))
+
+
+def reverse_first_k(split: Split, units: Sequence[Unit], order: Sequence[Action],
+                    k: int) -> tuple[Action, ...]:
+  """Moves the first `k` layers' dW actions after the dX chain, in forward order."""
+  layers = layers_forward(split)
+  if k > len(layers):
+    raise ValueError(f"first_k={k} is larger than the number of layers with weight "
+                     f"gradients ({len(layers)}); use first_k <= {len(layers)}")
+  rank = {l: i for i, l in enumerate(layers[:k])}
+  by_name = {u.name: u for u in units}
+  moved = [a for a in order if a.kind == "W" and layer_of(by_name[a.unit].label) in rank]
+  kept = [a for a in order if a not in moved]
+  # stable by layer: a layer's clusters keep their relative order
+  moved.sort(key=lambda a: rank[layer_of(by_name[a.unit].label)])
+  return tuple(kept) + tuple(moved)
+
+
+def _grad_bytes(split: Split) -> list[int]:
+  outs = split.jaxpr.jaxpr.outvars[split.grad_out_start:]
+  return [_nbytes(v.aval) for v in outs]
+
+
+def make_buckets(split: Split, units: Sequence[Unit], order: Sequence[Action],
+                 bucket_bytes: int) -> tuple[Bucket, ...]:
+  """Groups gradient leaves into buckets in the order their dW clusters finish."""
+  nbytes = _grad_bytes(split)
+  by_name = {u.name: u for u in units}
+  leaf_of_cluster = {c.index: c.grad_out - split.grad_out_start for c in split.clusters}
+  buckets: list[Bucket] = []
+  cur: list[int] = []
+  size = 0
+  for a in order:
+    if a.kind != "W":
+      continue
+    leaf = leaf_of_cluster[by_name[a.unit].index]
+    if leaf in cur or any(leaf in b.grads for b in buckets):
+      continue
+    cur.append(leaf)
+    size += nbytes[leaf]
+    if size >= bucket_bytes:
+      buckets.append(Bucket(len(buckets), tuple(cur), size, a.unit))
+      cur, size = [], 0
+  if cur:
+    buckets.append(Bucket(len(buckets), tuple(cur), size, _last_w(order, cur, by_name,
+                                                                   leaf_of_cluster)))
+  # Leaves no dW cluster produces (unused parameters, pass-through gradients).
+  rest = [i for i in range(len(nbytes)) if not any(i in b.grads for b in buckets)]
+  if rest:
+    buckets.append(Bucket(len(buckets), tuple(rest), sum(nbytes[i] for i in rest), ""))
+  return tuple(buckets)
+
+
+def _last_w(order, leaves, by_name, leaf_of_cluster) -> str:
+  last = ""
+  for a in order:
+    if a.kind == "W" and leaf_of_cluster[by_name[a.unit].index] in leaves:
+      last = a.unit
+  return last
+
+
+def _link_units(buckets, link, n_devices, order) -> tuple[list[Unit], tuple[Action, ...]]:
+  last = order[-1].unit if order else "F0"
+  units, actions = [], []
+  for b in buckets:
+    deps = (b.after or last,)
+    units.append(Unit(UnitKind.SEND, b.index, (), deps,
+                      allreduce_seconds(link, b.nbytes, n_devices), 0.0, f"bucket{b.index}"))
+    actions.append(Action("S", b.index, LINK_STREAM))
+  return units, tuple(actions)
+
+
+def first_k_leaves(split: Split, k: int) -> frozenset[int]:
+  """Gradient leaf positions of the first `k` layers (forward order)."""
+  first = set(layers_forward(split)[:k])
+  return frozenset(c.grad_out - split.grad_out_start for c in split.clusters
+                   if layer_of(c.param) in first)
+
+
+def cross_step_time(units, order, s_actions, buckets, deferred: frozenset[int]) -> float:
+  """Steady-state step time when the deferred buckets' reductions finish next step.
+
+  A model, not a measurement: the step ends when the compute and the
+  non-deferred reductions are done; the deferred reductions (layer 0 first)
+  then start once both the compute and the link are free and run while the
+  next step's forward runs; only the part longer than that forward is
+  exposed. The link carries every byte of every step, so the period is never
+  below the link's busy time, nor below the compute.
+  """
+  by_name = {u.name: u for u in units}
+  late = {f"S{b.index}" for b in buckets if b.grads and set(b.grads) <= deferred}
+  kept = tuple(a for a in s_actions if a.unit not in late)
+  t_nd = simulate((order, kept), units, 0.0, links=(LINK_STREAM,)).makespan
+  t_c = sum(by_name[a.unit].cost for a in order)
+  comm = sum(by_name[u].cost for u in late)
+  fwd = by_name["F0"].cost if "F0" in by_name else 0.0
+  link_busy = sum(by_name[a.unit].cost for a in s_actions)
+  return max(t_c, t_nd, link_busy, max(t_c, t_nd) + comm - fwd)
+
+
+def build_plan(split: Split, sched: Schedule, k: int, bucket_bytes: int, link: Link,
+               n_devices: int) -> CollectivePlan:
+  """The plan for one choice of k and bucket size (what `plan` compares)."""
+  base = sched.units
+  order = reverse_first_k(split, base, sched.streams[0], k) if k else tuple(sched.streams[0])
+  buckets = make_buckets(split, base, order, max(bucket_bytes, 1))
+  s_units, s_actions = _link_units(buckets, link, n_devices, order)
+  units = tuple(base) + tuple(s_units)
+  t = simulate((order, s_actions), units, 0.0, links=(LINK_STREAM,)).makespan
+  compute = dataclasses.replace(sched, streams=(order,), syncs=(), makespan=t)
+  cross = cross_step_time(units, order, s_actions, buckets, first_k_leaves(split, k))
+  return CollectivePlan(compute, buckets, s_actions, units, k, len(layers_forward(split)),
+                        bucket_bytes, link, n_devices, t, cross)
+
+
+def plan(split: Split, sched: Schedule, cost: CostModel, n_devices: int,
+         link: str | Link | None = None, bucket_bytes: int | None = None,
+         first_k: int | None = None, cross_step: bool = False) -> CollectivePlan:
+  """Reverse first-k, buckets and the link schedule; see the module docstring.
+
+  Args:
+    split: from `passes.split.split`.
+    sched: an in-order compute schedule of `split` (one stream).
+    cost: prices the candidate schedules (its spec names the device).
+    n_devices: size of the data-parallel axis.
+    link: the network the all-reduces run on (a preset name or a `Link`).
+    bucket_bytes: bytes per bucket; None chooses from `BUCKET_CANDIDATES`.
+    first_k: layers to reverse; None chooses.
+    cross_step: choose by `cross_step_time` (the first-k reductions finish in
+      the next step, as in `ooojax.data_parallel`) instead of the makespan.
+
+  Returns:
+    A `CollectivePlan`. Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from passes import split as sp, schedule as sc
+    >>> def f(ct, w0, w1, x):
+    ...   y, vjp = jax.vjp(lambda w0, w1: jnp.sum(jnp.tanh(x @ w0) @ w1), w0, w1)
+    ...   return (y, *vjp(ct))
+    >>> avals = [jax.ShapeDtypeStruct(s, jnp.float32) for s in [(), (3, 3), (3, 3), (4, 3)]]
+    >>> s = sp.split(f, avals, n_grads=2, param_names=["['a']['w']", "['b']['w']"])
+    >>> cm = CostModel("H100")
+    >>> p = plan(s, sc.schedule(s, cm, streams=1), cm, 8, bucket_bytes=1, first_k=1)
+    >>> [b.grads for b in p.buckets]
+    [(1,), (0,)]
+  """
+  link = get_link(link)
+  n_layers = len(layers_forward(split))
+  if first_k is not None and first_k > n_layers:
+    raise ValueError(f"first_k={first_k} is larger than the number of layers with weight "
+                     f"gradients ({n_layers}); use first_k <= {n_layers}")
+  sizes = (bucket_bytes,) if bucket_bytes is not None else BUCKET_CANDIDATES
+  if first_k is not None:
+    ks: Sequence[int] = (first_k,)
+  else:
+    step = max(1, math.ceil(n_layers / 12))
+    ks = sorted(set(range(0, n_layers + 1, step)) | {n_layers})
+  best, best_score = None, 0.0
+  for b in sorted(sizes, reverse=True):
+    for k in ks:
+      p = build_plan(split, sched, k, b, link, n_devices)
+      score = p.cross_step if cross_step else p.makespan
+      if best is None or score < best_score * (1 - 1e-9):
+        best, best_score = p, score
+  return best
