@@ -7,6 +7,7 @@ emits XLA that carries the schedule.
 from ooojax._api import MODES, Options, grad, value_and_grad
 from ooojax._calibrate import calibrate
 from ooojax._explain import Report, explain
+from ooojax import pipeline  # noqa: E402
 
 __all__ = ["MODES", "Options", "Report", "calibrate", "explain", "grad", "value_and_grad"]
 __version__ = "0.1.0"
