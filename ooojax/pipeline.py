@@ -39,7 +39,7 @@ def schedule(name: str, stages: int, microbatches: int, chunks: int | None = Non
 
   >>> s = schedule("ooo", stages=2, microbatches=2)
   >>> print(s.to_text().splitlines()[1])
-  0F0 0F1 . 0B0 0W0 0B1 0W1
+  0F0+0SF0 0F1+0SF1 0RB0 0B0 0W0+0RB1 0B1 0W1
   """
   return generate(name, stages, microbatches, chunks)
 

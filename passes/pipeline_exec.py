@@ -251,7 +251,10 @@ def plan_table(sched: PipelineSchedule, flavor_of: Callable[[int, int], int]):
           r[6] = slots[("act", *key)]
         elif a.kind == "RB":
           r[7] = slots[("grad", *key)]
-  return rows, counts
+  # Only the (flavor, kind) branches the table uses are compiled.
+  used = sorted(set(rows[:, :, 0].ravel().tolist()) | {0})
+  rows[:, :, 0] = np.searchsorted(np.asarray(used), rows[:, :, 0])
+  return rows, counts, tuple(used)
 
 
 # --- the program ------------------------------------------------------------------
@@ -308,12 +311,12 @@ def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
     flavors = [make_flavor(fi, la, stage_fn, loss_fn, input_fn, p_aval, sh_aval, x_aval,
                            in_aval, tg_aval) for fi, la in kinds]
     flavor_of = lambda s, c: kinds.index((c * S + s == 0, c * S + s == V - 1))  # noqa: E731
-    rows, counts = plan_table(sched, flavor_of)
+    rows, counts, used = plan_table(sched, flavor_of)
     # (V, ...) -> (S, v, ...): device s holds virtual stages c * S + s.
     to_dev = lambda x: jnp.swapaxes(jnp.reshape(x, (v, S, *x.shape[1:])), 0, 1)  # noqa: E731
     from_dev = lambda x: jnp.reshape(jnp.swapaxes(x, 0, 1), (V, *x.shape[2:]))  # noqa: E731
     consts = [fl.consts for fl in flavors]
-    body = _body(flavors, counts, rows, S, M, x_aval, axis_name)
+    body = _body(flavors, counts, rows, used, S, M, x_aval, axis_name)
     p_spec = jax.tree.map(lambda _: P(axis_name), stage_params)
     rep = lambda t: jax.tree.map(lambda _: P(), t)  # noqa: E731
     fn = jax.shard_map(body, mesh=mesh,
@@ -339,7 +342,7 @@ def _explicit(mesh) -> bool:
   return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ()))
 
 
-def _body(flavors, counts, rows, S, M, x_aval, axis_name):
+def _body(flavors, counts, rows, used, S, M, x_aval, axis_name):
   n_kinds = len(_KINDS)
 
   def body(params, shared, inputs_m, targets_m, consts):
@@ -441,6 +444,7 @@ def _body(flavors, counts, rows, S, M, x_aval, axis_name):
           lambda st, r, i=i, fl=fl: do_b(i, fl, st, r, True),
       ]
     assert len(branches) == 1 + n_kinds * len(flavors)
+    branches = [branches[u] for u in used]
     ring_f = [(k, (k + 1) % S) for k in range(S)]
     ring_b = [(k, (k - 1) % S) for k in range(S)]
 

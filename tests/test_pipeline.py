@@ -10,6 +10,11 @@ from tests.conftest import assert_trees_close
 from tests.models import Block
 
 
+def _jit(f):
+  # Correctness tests compile at XLA O0: a third less compile time on 2 shared cores.
+  return jax.jit(f, compiler_options={"xla_backend_optimization_level": 0})
+
+
 def _mesh(n):
   return jax.make_mesh((n,), ("stage",), devices=jax.devices()[:n])
 
@@ -18,7 +23,8 @@ def _stack(trees):
   return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
-def _reference(stage_fn, loss_fn, params, inputs, targets, input_fn=None, shared=None):
+def _reference(stage_fn, loss_fn, params, inputs, targets, input_fn=None, shared=None,
+               jit=_jit):
   """The same model without a pipeline: jax.value_and_grad of the plain stack."""
   extra = () if shared is None else (shared,)
 
@@ -29,8 +35,8 @@ def _reference(stage_fn, loss_fn, params, inputs, targets, input_fn=None, shared
     return loss_fn(h, targets, *extra)
 
   if shared is None:
-    return jax.value_and_grad(loss)(params)
-  return jax.value_and_grad(loss, argnums=(0, 1))(params, shared)
+    return jit(jax.value_and_grad(loss))(params)
+  return jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, shared)
 
 
 class Layer(nn.Module):
@@ -52,30 +58,29 @@ def _mlp(n_vstages):
 
 @pytest.mark.parametrize("stages,name", [
     (2, "gpipe"), (2, "1f1b"), (2, "ooo"), (2, "zb-h1"), (2, "zb-h2"), (2, "interleaved"),
-    (4, "ooo"), (4, "zb-h2"), (4, "interleaved")])
+    (4, "ooo"), (4, "interleaved")])
 def test_mlp_matches_jax_grad(stages, name):
   sched = ooo.pipeline.schedule(name, stages=stages, microbatches=4)
   stage_fn, loss_fn, params, x, t = _mlp(sched.virtual_stages)
   step = ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=_mesh(stages),
                                      axis_name="stage", schedule=sched)
-  loss, grads = jax.jit(step)(params, (x, t))
+  loss, grads = _jit(step)(params, (x, t))
   ref_loss, ref_grads = _reference(stage_fn, loss_fn, params, x, t)
   assert_trees_close(loss, ref_loss)
   assert_trees_close(grads, ref_grads)
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
-def test_transformer_stack_matches_jax_grad(name):
+def test_transformer_stack_matches_jax_grad():
   block = Block(dim=16, heads=2)
   x = jax.random.normal(jax.random.key(1), (4, 5, 16))
   params = _stack([block.init(k, x[:1], train=False)["params"]
-                   for k in jax.random.split(jax.random.key(0), 4)])
+                   for k in jax.random.split(jax.random.key(0), 2)])
   stage_fn = lambda p, h: block.apply({"params": p}, h, train=False)  # noqa: E731
   loss_fn = lambda y, t: jnp.mean((y - t) ** 2)  # noqa: E731
   t = jax.random.normal(jax.random.key(2), x.shape)
-  step = ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=_mesh(4), axis_name="stage",
-                                     schedule=name, microbatches=4)
-  loss, grads = jax.jit(step)(params, (x, t))
+  step = ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=_mesh(2), axis_name="stage",
+                                     schedule="zb-h1", microbatches=4)
+  loss, grads = _jit(step)(params, (x, t))
   ref_loss, ref_grads = _reference(stage_fn, loss_fn, params, x, t)
   assert_trees_close(loss, ref_loss)
   assert_trees_close(grads, ref_grads)
@@ -99,12 +104,11 @@ def _tied():
   return stage_fn, loss_fn, input_fn, params, shared, tokens, labels
 
 
-@pytest.mark.parametrize("name", ["ooo", "1f1b"])
-def test_tied_embeddings_reduced_once(name):
+def test_tied_embeddings_reduced_once():
   stage_fn, loss_fn, input_fn, params, shared, tokens, labels = _tied()
   step = ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=_mesh(2), axis_name="stage",
-                                     schedule=name, microbatches=2, input_fn=input_fn)
-  loss, grads = jax.jit(step)(params, (tokens, labels), shared)
+                                     schedule="ooo", microbatches=2, input_fn=input_fn)
+  loss, grads = _jit(step)(params, (tokens, labels), shared)
   ref_loss, ref_grads = _reference(stage_fn, loss_fn, params, tokens, labels, input_fn, shared)
   assert_trees_close(loss, ref_loss)
   assert_trees_close(grads, ref_grads)   # (stage grads, shared grads): not double-counted
@@ -115,7 +119,7 @@ def test_checkpoint_inside_a_stage():
   remat = jax.checkpoint(stage_fn)
   step = ooo.pipeline.value_and_grad(remat, loss_fn, mesh=_mesh(2), axis_name="stage",
                                      schedule="zb-h1", microbatches=2)
-  loss, grads = jax.jit(step)(params, (x, t))
+  loss, grads = _jit(step)(params, (x, t))
   ref_loss, ref_grads = _reference(stage_fn, loss_fn, params, x, t)
   assert_trees_close(loss, ref_loss)
   assert_trees_close(grads, ref_grads)
@@ -136,7 +140,7 @@ def test_jitted_optax_step_trains_identically():
     return train
 
   pipe = make(lambda p: step(p, (x, t)))
-  ref = make(lambda p: _reference(stage_fn, loss_fn, p, x, t))
+  ref = make(lambda p: _reference(stage_fn, loss_fn, p, x, t, jit=lambda f: f))
   pa, sa = params, opt.init(params)
   pb, sb = params, opt.init(params)
   for _ in range(3):

@@ -1,4 +1,4 @@
-"""Pipeline schedule tables: generators, validator, metrics, text form (no jax)."""
+"""Pipeline schedule tables: generators, validator, metrics, text form."""
 import dataclasses
 
 import pytest
@@ -129,7 +129,8 @@ def test_plot():
   assert "ooo" in ax.get_title()
 
 
-@pytest.mark.parametrize("name", ["passes.pipeline_schedule", "passes.pipeline_simulate"])
+@pytest.mark.parametrize("name", ["passes.pipeline_schedule", "passes.pipeline_simulate",
+                                  "ooojax.pipeline"])
 def test_docstring_examples(name):
   import doctest
   import importlib
