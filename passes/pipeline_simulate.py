@@ -119,7 +119,8 @@ def plot(sched: PipelineSchedule, costs: Mapping[str, float] | None = None, ax=N
   for a, b, e in tl.spans:
     ax.barh(a.stage, e - b, left=b, color=COLORS[a.kind], edgecolor="white", height=0.9)
     label = f"{a.microbatch}" + (f".{a.chunk}" if sched.chunks > 1 else "")
-    ax.text((b + e) / 2, a.stage, label, ha="center", va="center", fontsize=7, color="white")
+    if (e - b) * 2.5 >= len(label) * min(1.0, tl.makespan / 30):  # skip labels that cannot fit
+      ax.text((b + e) / 2, a.stage, label, ha="center", va="center", fontsize=7, color="white")
   ax.set_yticks(range(sched.stages))
   ax.set_yticklabels([f"stage {s}" for s in range(sched.stages)])
   ax.invert_yaxis()
@@ -129,5 +130,5 @@ def plot(sched: PipelineSchedule, costs: Mapping[str, float] | None = None, ax=N
   kinds = sorted({a.kind for a, _, _ in tl.spans}, key="F B W BW".split().index)
   from matplotlib.patches import Patch
   ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in kinds],
-            loc="upper right", fontsize=7, ncol=len(kinds))
+            loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
   return ax
