@@ -22,8 +22,8 @@ __all__ = ["SCHEDULES", "Action", "PipelineSchedule", "ScheduleError", "schedule
            "value_and_grad"]
 
 
-def schedule(name: str, stages: int, microbatches: int, chunks: int | None = None
-             ) -> PipelineSchedule:
+def schedule(name: str, stages: int, microbatches: int, chunks: int | None = None,
+             lag: int = 0) -> PipelineSchedule:
   """A validated schedule table by name (one of `SCHEDULES`).
 
   Args:
@@ -32,6 +32,8 @@ def schedule(name: str, stages: int, microbatches: int, chunks: int | None = Non
     stages: pipeline stages (devices on the stage mesh axis).
     microbatches: microbatches per step.
     chunks: virtual stages per device for "interleaved" (default 2).
+    lag: 1 receives each transfer one tick after its send, so the executor
+      overlaps it with the next tick's compute (more ticks, hidden transfers).
 
   Returns:
     A `PipelineSchedule`: `validate()`, `bubble_fraction(costs)`,
@@ -41,7 +43,7 @@ def schedule(name: str, stages: int, microbatches: int, chunks: int | None = Non
   >>> print(s.to_text().splitlines()[1])
   0F0+0SF0 0F1+0SF1 0RB0 0B0 0W0+0RB1 0B1 0W1
   """
-  return generate(name, stages, microbatches, chunks)
+  return generate(name, stages, microbatches, chunks, lag)
 
 
 def value_and_grad(stage_fn: Callable, loss_fn: Callable, *, mesh, axis_name: str,

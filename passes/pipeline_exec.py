@@ -277,6 +277,8 @@ def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
                      f"{mesh.shape[axis_name]}")
   if S == 1 and v > 1:
     raise ValueError("an interleaved schedule needs at least 2 stages to execute")
+  if sched.lag not in (0, 1):
+    raise ValueError(f"the executor runs tables with lag 0 or 1, got {sched.lag}")
 
   def step(stage_params, batch, shared=None):
     inputs, targets = batch
@@ -316,7 +318,7 @@ def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
     to_dev = lambda x: jnp.swapaxes(jnp.reshape(x, (v, S, *x.shape[1:])), 0, 1)  # noqa: E731
     from_dev = lambda x: jnp.reshape(jnp.swapaxes(x, 0, 1), (V, *x.shape[2:]))  # noqa: E731
     consts = [fl.consts for fl in flavors]
-    body = _body(flavors, counts, rows, used, S, M, x_aval, axis_name)
+    body = _body(flavors, counts, rows, used, S, M, x_aval, axis_name, sched.lag)
     p_spec = jax.tree.map(lambda _: P(axis_name), stage_params)
     rep = lambda t: jax.tree.map(lambda _: P(), t)  # noqa: E731
     fn = jax.shard_map(body, mesh=mesh,
@@ -342,7 +344,7 @@ def _explicit(mesh) -> bool:
   return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ()))
 
 
-def _body(flavors, counts, rows, used, S, M, x_aval, axis_name):
+def _body(flavors, counts, rows, used, S, M, x_aval, axis_name, lag):
   n_kinds = len(_KINDS)
 
   def body(params, shared, inputs_m, targets_m, consts):
@@ -449,9 +451,13 @@ def _body(flavors, counts, rows, used, S, M, x_aval, axis_name):
     ring_b = [(k, (k - 1) % S) for k in range(S)]
 
     def tick(st, r):
+      if lag:  # last tick's sends travel while this tick computes
+        recv_f = lax.ppermute(st["send_f"], axis_name, ring_f)
+        recv_b = lax.ppermute(st["send_b"], axis_name, ring_b)
       st = lax.switch(r[0], branches, st, r)
-      recv_f = lax.ppermute(st["send_f"], axis_name, ring_f)
-      recv_b = lax.ppermute(st["send_b"], axis_name, ring_b)
+      if not lag:
+        recv_f = lax.ppermute(st["send_f"], axis_name, ring_f)
+        recv_b = lax.ppermute(st["send_b"], axis_name, ring_b)
       st = dict(st)
       st["act"] = put(st["act"], r[6], recv_f)
       st["grad"] = put(st["grad"], r[7], recv_b)

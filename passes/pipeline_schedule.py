@@ -66,7 +66,10 @@ class PipelineSchedule:
   """A stage x tick table of actions. See the module docstring.
 
   `bound[s]` is the most (microbatch, chunk) activations stage `s` may hold
-  (F done, W not yet done) -- the schedule's declared memory bound.
+  (F done, W not yet done) -- the schedule's declared memory bound. `lag`: a
+  value sent at tick t is received at tick t + lag (0: at the end of the
+  producer's own tick; 1: during the next tick, so the executor can overlap the
+  transfer with that tick's compute).
   """
   name: str
   stages: int
@@ -74,6 +77,7 @@ class PipelineSchedule:
   chunks: int
   grid: tuple[tuple[tuple[Action, ...], ...], ...]
   bound: tuple[int, ...]
+  lag: int = 0
 
   # --- shape --------------------------------------------------------------
   @property
@@ -116,7 +120,8 @@ class PipelineSchedule:
   # --- text form ----------------------------------------------------------
   def to_text(self) -> str:
     head = (f"# {self.name} stages={self.stages} microbatches={self.microbatches} "
-            f"chunks={self.chunks} bound={','.join(map(str, self.bound))}")
+            f"chunks={self.chunks} bound={','.join(map(str, self.bound))}"
+            + (f" lag={self.lag}" if self.lag else ""))
     rows = [" ".join("+".join(map(str, cell)) or "." for cell in row) for row in self.grid]
     return "\n".join([head, *rows])
 
@@ -132,7 +137,7 @@ class PipelineSchedule:
     grid = tuple(tuple(() if tok == "." else tuple(Action.parse(a) for a in tok.split("+"))
                        for tok in line.split()) for line in lines[1:])
     return cls(name, int(kv["stages"]), int(kv["microbatches"]), int(kv["chunks"]),
-               grid, tuple(int(b) for b in kv["bound"].split(",")))
+               grid, tuple(int(b) for b in kv["bound"].split(",")), int(kv.get("lag", 0)))
 
   def __str__(self) -> str:
     return render(self)
@@ -270,17 +275,20 @@ def validate(sched: PipelineSchedule) -> None:
             ch = "F" if kind == "F" else "B"
             if sends.get((ch, dvs, m)) != (ps, tp):
               fail(f"{a} needs S{ch}{m} from stage {ps} at tick {tp} (missing send)", (s, t))
-            if recvs.get((ch, sched.vstage(s, a.chunk), m)) != (s, tp):
-              fail(f"{a} needs R{ch} of microbatch {m} on stage {s} at tick {tp} "
-                   "(missing receive)", (s, t))
+            if recvs.get((ch, sched.vstage(s, a.chunk), m)) != (s, tp + sched.lag):
+              fail(f"{a} needs R{ch} of microbatch {m} on stage {s} at tick "
+                   f"{tp + sched.lag} (missing receive)", (s, t))
+            if tp + sched.lag >= t:
+              fail(f"{a} at tick {t} runs before its input arrives (tick "
+                   f"{tp + sched.lag}, lag {sched.lag})", (s, t))
   for (ch, vs, m), (s, t) in sends.items():
     tvs = vs + 1 if ch == "F" else vs - 1
     if not 0 <= tvs < sched.virtual_stages:
       fail(f"S{ch}{m} on stage {s} has no destination stage", (s, t))
     ds, _ = sched.place(tvs)
-    if recvs.get((ch, tvs, m)) != (ds, t):
+    if recvs.get((ch, tvs, m)) != (ds, t + sched.lag):
       fail(f"the send {s}S{ch}{m} at tick {t} has no matching receive on stage {ds} "
-           f"at tick {t}", (s, t))
+           f"at tick {t + sched.lag}", (s, t))
     if done.get((ch, vs, m)) != t:
       fail(f"the send {s}S{ch}{m} at tick {t} is not at its producer's tick", (s, t))
   for (ch, vs, m), (s, t) in recvs.items():
@@ -351,8 +359,8 @@ def _policy(name: str, S: int, M: int, v: int) -> Policy:
 SCHEDULES = ("gpipe", "1f1b", "ooo", "zb-h1", "zb-h2", "interleaved")
 
 
-def generate(name: str, stages: int, microbatches: int, chunks: int | None = None
-             ) -> PipelineSchedule:
+def generate(name: str, stages: int, microbatches: int, chunks: int | None = None,
+             lag: int = 0) -> PipelineSchedule:
   """Generates and validates a named schedule.
 
   Args:
@@ -360,6 +368,8 @@ def generate(name: str, stages: int, microbatches: int, chunks: int | None = Non
     stages: pipeline stages (devices on the stage axis).
     microbatches: microbatches per step.
     chunks: virtual stages per device (only `interleaved`; default 2).
+    lag: ticks a transfer takes after its producer's tick (0 or 1; see
+      `PipelineSchedule`).
 
   Returns:
     A valid `PipelineSchedule`. Example:
@@ -383,9 +393,11 @@ def generate(name: str, stages: int, microbatches: int, chunks: int | None = Non
     raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
   pol = _policy(name, stages, microbatches, chunks)
   orders = _greedy(stages, microbatches, chunks, pol)
-  grid = _place(stages, microbatches, chunks, orders)
+  if lag not in (0, 1):
+    raise ValueError(f"lag must be 0 or 1, got {lag!r}")
+  grid = _place(stages, microbatches, chunks, orders, lag)
   sched = PipelineSchedule(name, stages, microbatches, chunks, _lower_comms(
-      stages, chunks, grid), pol.limit)
+      stages, chunks, grid, lag), pol.limit, lag)
   return sched.validate()
 
 
@@ -468,14 +480,14 @@ def _greedy(S: int, M: int, v: int, pol: Policy) -> list[list[Action]]:
   return orders
 
 
-def _place(S: int, M: int, v: int, orders: Sequence[Sequence[Action]]
+def _place(S: int, M: int, v: int, orders: Sequence[Sequence[Action]], lag: int = 0
            ) -> list[list[list[Action]]]:
   """As-soon-as-possible unit-tick placement of per-stage orders."""
   V = S * v
   done: dict[tuple[str, int, int], int] = {}
   pos = [0] * S
   grid: list[list[list[Action]]] = [[] for _ in range(S)]
-  t = 0
+  t = idle = 0
   while any(pos[s] < len(orders[s]) for s in range(S)):
     placed = []
     for s in range(S):
@@ -489,11 +501,13 @@ def _place(S: int, M: int, v: int, orders: Sequence[Sequence[Action]]
         need = [("F", vs)] + ([("B", vs + 1)] if vs < V - 1 else [])
       else:
         need = [("B", vs)]
-      if all(done.get((k, d, a.microbatch), t) < t for k, d in need):
+      if all(done.get((k, d, a.microbatch), t) + (lag if d % S != s else 0) < t
+             for k, d in need):
         placed.append(a)
     for s in range(S):
       grid[s].append([])
-    if not placed:
+    idle = 0 if placed else idle + 1
+    if idle > lag + 1:  # nothing placed and nothing still in transit
       raise ScheduleError(f"per-stage orders deadlock at tick {t}")
     for a in placed:
       grid[a.stage][t].append(a)
@@ -504,7 +518,8 @@ def _place(S: int, M: int, v: int, orders: Sequence[Sequence[Action]]
   return grid
 
 
-def _lower_comms(S: int, v: int, grid) -> tuple[tuple[tuple[Action, ...], ...], ...]:
+def _lower_comms(S: int, v: int, grid, lag: int = 0
+                 ) -> tuple[tuple[tuple[Action, ...], ...], ...]:
   """Adds the send/receive pair of every value crossing devices, at its producer's tick."""
   V = S * v
   out = [[list(cell) for cell in row] for row in grid]
@@ -524,5 +539,5 @@ def _lower_comms(S: int, v: int, grid) -> tuple[tuple[tuple[Action, ...], ...], 
         if ds == s:  # same device (one-stage interleaving): no transfer
           continue
         out[s][t].append(Action(s, "S" + ch, a.microbatch, a.chunk))
-        out[ds][t].append(Action(ds, "R" + ch, a.microbatch, dc))
+        out[ds][t + lag].append(Action(ds, "R" + ch, a.microbatch, dc))
   return tuple(tuple(tuple(cell) for cell in row) for row in out)

@@ -56,11 +56,12 @@ def _mlp(n_vstages):
   return stage_fn, loss_fn, params, x, t
 
 
-@pytest.mark.parametrize("stages,name", [
-    (2, "gpipe"), (2, "1f1b"), (2, "ooo"), (2, "zb-h1"), (2, "zb-h2"), (2, "interleaved"),
-    (4, "ooo"), (4, "interleaved")])
-def test_mlp_matches_jax_grad(stages, name):
-  sched = ooo.pipeline.schedule(name, stages=stages, microbatches=4)
+@pytest.mark.parametrize("stages,name,lag", [
+    (2, "gpipe", 0), (2, "1f1b", 0), (2, "ooo", 0), (2, "zb-h1", 1), (2, "zb-h2", 0),
+    (2, "interleaved", 0), (4, "ooo", 0), (4, "interleaved", 0)])
+def test_mlp_matches_jax_grad(stages, name, lag):
+  # lag=1: transfers received a tick after the send (overlapped with compute).
+  sched = ooo.pipeline.schedule(name, stages=stages, microbatches=4, lag=lag)
   stage_fn, loss_fn, params, x, t = _mlp(sched.virtual_stages)
   step = ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=_mesh(stages),
                                      axis_name="stage", schedule=sched)
@@ -166,3 +167,4 @@ def test_bad_arguments():
                                      schedule="interleaved", microbatches=2)
   with pytest.raises(ValueError, match="leading axis of 4"):
     step(params, (x, t))
+

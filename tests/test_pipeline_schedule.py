@@ -136,3 +136,15 @@ def test_docstring_examples(name):
   import importlib
   result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
   assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_lag_one_tables(name):
+  s = generate(name, 4, 8, lag=1)
+  assert s.lag == 1 and PipelineSchedule.parse(s.to_text()) == s
+  assert s.ticks >= generate(name, 4, 8).ticks
+  sends = {(a.kind[1], a.microbatch, a.chunk, a.stage): t for r in s.grid
+           for t, c in enumerate(r) for a in c if a.kind in ("SF", "SB")}
+  assert sends  # every receive is one tick after its send
+  with pytest.raises(ScheduleError, match="no matching receive|missing receive"):
+    dataclasses.replace(s, lag=0).validate()
