@@ -277,6 +277,11 @@ def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
                      f"{mesh.shape[axis_name]}")
   if S == 1 and v > 1:
     raise ValueError("an interleaved schedule needs at least 2 stages to execute")
+  if sched.placement != "modulo":
+    raise NotImplementedError(
+        f"{sched.name!r} tables (placement {sched.placement!r}) are not executable yet: "
+        "the V placement needs a same-device hand-off and both ring directions per "
+        "chunk; use 'zb-h1', 'zb-h2' or 'interleaved'")
   if sched.lag not in (0, 1):
     raise ValueError(f"the executor runs tables with lag 0 or 1, got {sched.lag}")
 

@@ -15,7 +15,8 @@ interleaved schedule).
 Virtual stages (interleaved / modulo allocation): with `S` devices and `v`
 chunks per device, chunk `c` of device `s` is virtual stage `c * S + s`, so
 layer block `l` lives on device `l mod S` (the paper's modulo allocation with
-k = 1 layer block per hop).
+k = 1 layer block per hop). ZB-V uses a V instead (`placement="v"`): device
+`s` holds virtual stages `s` and `2S - 1 - s`.
 
 Generators are pure functions: a greedy list scheduler picks, at each unit
 tick and on each stage, the next action allowed by the schedule's policy (what
@@ -57,6 +58,21 @@ class Action:
     return cls(int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4) or 0))
 
 
+def vstage_of(S: int, stage: int, chunk: int, placement: str = "modulo") -> int:
+  """Virtual stage of (device stage, chunk): modulo `chunk * S + stage`, or the
+  V shape of ZB-V (chunk 0 goes down the devices, chunk 1 comes back up)."""
+  if placement == "v":
+    return stage if chunk == 0 else 2 * S - 1 - stage
+  return chunk * S + stage
+
+
+def place_of(S: int, vs: int, placement: str = "modulo") -> tuple[int, int]:
+  """(device stage, chunk) of a virtual stage; inverse of `vstage_of`."""
+  if placement == "v":
+    return (vs, 0) if vs < S else (2 * S - 1 - vs, 1)
+  return vs % S, vs // S
+
+
 class ScheduleError(ValueError):
   """An invalid pipeline table; the message shows the grid with the bad action marked."""
 
@@ -78,6 +94,7 @@ class PipelineSchedule:
   grid: tuple[tuple[tuple[Action, ...], ...], ...]
   bound: tuple[int, ...]
   lag: int = 0
+  placement: str = "modulo"   # or "v" (ZB-V)
 
   # --- shape --------------------------------------------------------------
   @property
@@ -93,11 +110,11 @@ class PipelineSchedule:
     return any(a.kind == "BW" for a in self.compute_actions())
 
   def vstage(self, stage: int, chunk: int) -> int:
-    return chunk * self.stages + stage
+    return vstage_of(self.stages, stage, chunk, self.placement)
 
   def place(self, vstage: int) -> tuple[int, int]:
     """(device stage, chunk) of a virtual stage."""
-    return vstage % self.stages, vstage // self.stages
+    return place_of(self.stages, vstage, self.placement)
 
   def compute(self, stage: int, tick: int) -> Action | None:
     for a in self.grid[stage][tick]:
@@ -121,7 +138,8 @@ class PipelineSchedule:
   def to_text(self) -> str:
     head = (f"# {self.name} stages={self.stages} microbatches={self.microbatches} "
             f"chunks={self.chunks} bound={','.join(map(str, self.bound))}"
-            + (f" lag={self.lag}" if self.lag else ""))
+            + (f" lag={self.lag}" if self.lag else "")
+            + (f" placement={self.placement}" if self.placement != "modulo" else ""))
     rows = [" ".join("+".join(map(str, cell)) or "." for cell in row) for row in self.grid]
     return "\n".join([head, *rows])
 
@@ -137,7 +155,8 @@ class PipelineSchedule:
     grid = tuple(tuple(() if tok == "." else tuple(Action.parse(a) for a in tok.split("+"))
                        for tok in line.split()) for line in lines[1:])
     return cls(name, int(kv["stages"]), int(kv["microbatches"]), int(kv["chunks"]),
-               grid, tuple(int(b) for b in kv["bound"].split(",")), int(kv.get("lag", 0)))
+               grid, tuple(int(b) for b in kv["bound"].split(",")), int(kv.get("lag", 0)),
+               kv.get("placement", "modulo"))
 
   def __str__(self) -> str:
     return render(self)
@@ -349,6 +368,10 @@ def _policy(name: str, S: int, M: int, v: int) -> Policy:
     # stage's first and last action (the parallelogram of Zero Bubble's ZB-H2).
     return Policy(False, "B", "fill", (2 * S - 1,) * S,
                   tuple(2 * (S - s) - 1 for s in range(S)))
+  if name == "zb-v":
+    # Two chunks per device in a V (device s holds layer blocks s and 2S-1-s);
+    # within 1F1B's peak memory: 2S chunk activations = S whole-stage ones.
+    return Policy(False, "F", "fill", (2 * S,) * S, (2 * S,) * S)
   if name == "interleaved":
     # Megatron's interleaved warm-up depth, in chunk activations.
     lim = tuple((v - 1) * S + 2 * (S - s) - 1 for s in range(S))
@@ -356,7 +379,7 @@ def _policy(name: str, S: int, M: int, v: int) -> Policy:
   raise ValueError(f"unknown pipeline schedule {name!r}; use one of {SCHEDULES}")
 
 
-SCHEDULES = ("gpipe", "1f1b", "ooo", "zb-h1", "zb-h2", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "ooo", "zb-h1", "zb-h2", "interleaved", "zb-v")
 
 
 def generate(name: str, stages: int, microbatches: int, chunks: int | None = None,
@@ -384,24 +407,30 @@ def generate(name: str, stages: int, microbatches: int, chunks: int | None = Non
     raise ValueError(f"stages must be an int >= 1, got {stages!r}")
   if not (isinstance(microbatches, int) and microbatches >= 1):
     raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
+  placement = "v" if name == "zb-v" else "modulo"
   if name == "interleaved":
     chunks = 2 if chunks is None else chunks
+  elif name == "zb-v":
+    if chunks not in (None, 2):
+      raise ValueError(f"zb-v has exactly 2 chunks per device, got chunks={chunks}")
+    chunks = 2
   elif chunks not in (None, 1):
     raise ValueError(f"chunks={chunks} is for name='interleaved' only")
   chunks = chunks or 1
   if not (isinstance(chunks, int) and chunks >= 1):
     raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
   pol = _policy(name, stages, microbatches, chunks)
-  orders = _greedy(stages, microbatches, chunks, pol)
+  orders = _greedy(stages, microbatches, chunks, pol, placement)
   if lag not in (0, 1):
     raise ValueError(f"lag must be 0 or 1, got {lag!r}")
-  grid = _place(stages, microbatches, chunks, orders, lag)
+  grid = _place(stages, microbatches, chunks, orders, lag, placement)
   sched = PipelineSchedule(name, stages, microbatches, chunks, _lower_comms(
-      stages, chunks, grid, lag), pol.limit, lag)
+      stages, chunks, grid, lag, placement), pol.limit, lag, placement)
   return sched.validate()
 
 
-def _greedy(S: int, M: int, v: int, pol: Policy) -> list[list[Action]]:
+def _greedy(S: int, M: int, v: int, pol: Policy, placement: str = "modulo"
+            ) -> list[list[Action]]:
   """Unit-time list scheduling (F = B = W = 1, BW = 2) under the policy."""
   V = S * v
   fin: dict[tuple[str, int, int], int] = {}   # finish tick (exclusive)
@@ -426,11 +455,18 @@ def _greedy(S: int, M: int, v: int, pol: Policy) -> list[list[Action]]:
         continue
       # candidates
       b_ok = [(m, c) for m, c in pending_b[s]
-              if s + c * S == V - 1 or ready(("B", s + c * S + 1, m))]
+              if (vs := vstage_of(S, s, c, placement)) == V - 1 or ready(("B", vs + 1, m))]
       b_ok.sort(key=lambda mc: (mc[0] // S, -mc[1], mc[0] % S))
-      f_next = fwd_order[s][nf[s]] if nf[s] < len(fwd_order[s]) else None
-      f_in = f_next is not None and (s + f_next[1] * S == 0
-                                     or ready(("F", s + f_next[1] * S - 1, f_next[0])))
+      def f_ready(mc):
+        vs = vstage_of(S, s, mc[1], placement)
+        return vs == 0 or ready(("F", vs - 1, mc[0]))
+      rest = fwd_order[s][nf[s]:]
+      if placement == "v":  # any arrived forward, the deeper chunk first
+        cands = sorted((mc for mc in rest if f_ready(mc)), key=lambda mc: (-mc[1], mc[0]))
+        f_next = cands[0] if cands else (rest[0] if rest else None)
+      else:
+        f_next = rest[0] if rest else None
+      f_in = f_next is not None and f_ready(f_next)
       f_ok = (f_in and live[s] < pol.limit[s]
               and len(pending_b[s]) < pol.limit_b[s])
       wpol = "lazy" if s in pol.lazy_stages else pol.w
@@ -448,12 +484,14 @@ def _greedy(S: int, M: int, v: int, pol: Policy) -> list[list[Action]]:
       if choice is None:
         continue
       kind, (m, c) = choice
-      vs = s + c * S
+      vs = vstage_of(S, s, c, placement)
       dur = 2 if kind == "BW" else 1
       orders[s].append(Action(s, kind, m, c))
       free[s] = t + dur
       progressed = True
       if kind == "F":
+        fwd_order[s].remove((m, c))
+        fwd_order[s].insert(nf[s], (m, c))
         nf[s] += 1
         live[s] += 1
         pending_b[s].append((m, c))
@@ -480,8 +518,8 @@ def _greedy(S: int, M: int, v: int, pol: Policy) -> list[list[Action]]:
   return orders
 
 
-def _place(S: int, M: int, v: int, orders: Sequence[Sequence[Action]], lag: int = 0
-           ) -> list[list[list[Action]]]:
+def _place(S: int, M: int, v: int, orders: Sequence[Sequence[Action]], lag: int = 0,
+           placement: str = "modulo") -> list[list[list[Action]]]:
   """As-soon-as-possible unit-tick placement of per-stage orders."""
   V = S * v
   done: dict[tuple[str, int, int], int] = {}
@@ -494,14 +532,15 @@ def _place(S: int, M: int, v: int, orders: Sequence[Sequence[Action]], lag: int 
       if pos[s] >= len(orders[s]):
         continue
       a = orders[s][pos[s]]
-      vs = s + a.chunk * S
+      vs = vstage_of(S, s, a.chunk, placement)
       if a.kind == "F":
         need = [("F", vs - 1)] if vs > 0 else []
       elif a.kind in ("B", "BW"):
         need = [("F", vs)] + ([("B", vs + 1)] if vs < V - 1 else [])
       else:
         need = [("B", vs)]
-      if all(done.get((k, d, a.microbatch), t) + (lag if d % S != s else 0) < t
+      if all(done.get((k, d, a.microbatch), t)
+             + (lag if place_of(S, d, placement)[0] != s else 0) < t
              for k, d in need):
         placed.append(a)
     for s in range(S):
@@ -512,13 +551,13 @@ def _place(S: int, M: int, v: int, orders: Sequence[Sequence[Action]], lag: int 
     for a in placed:
       grid[a.stage][t].append(a)
       pos[a.stage] += 1
-      vs = a.stage + a.chunk * S
+      vs = vstage_of(S, a.stage, a.chunk, placement)
       done[("B" if a.kind == "BW" else a.kind, vs, a.microbatch)] = t
     t += 1
   return grid
 
 
-def _lower_comms(S: int, v: int, grid, lag: int = 0
+def _lower_comms(S: int, v: int, grid, lag: int = 0, placement: str = "modulo"
                  ) -> tuple[tuple[tuple[Action, ...], ...], ...]:
   """Adds the send/receive pair of every value crossing devices, at its producer's tick."""
   V = S * v
@@ -526,7 +565,7 @@ def _lower_comms(S: int, v: int, grid, lag: int = 0
   for s, row in enumerate(grid):
     for t, cell in enumerate(row):
       for a in cell:
-        vs = s + a.chunk * S
+        vs = vstage_of(S, s, a.chunk, placement)
         if a.kind == "F" and vs < V - 1:
           tvs = vs + 1
           ch = "F"
@@ -535,7 +574,7 @@ def _lower_comms(S: int, v: int, grid, lag: int = 0
           ch = "B"
         else:
           continue
-        ds, dc = tvs % S, tvs // S
+        ds, dc = place_of(S, tvs, placement)
         if ds == s:  # same device (one-stage interleaving): no transfer
           continue
         out[s][t].append(Action(s, "S" + ch, a.microbatch, a.chunk))

@@ -167,4 +167,7 @@ def test_bad_arguments():
                                      schedule="interleaved", microbatches=2)
   with pytest.raises(ValueError, match="leading axis of 4"):
     step(params, (x, t))
+  with pytest.raises(NotImplementedError, match="not executable yet"):
+    ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=_mesh(2), axis_name="stage",
+                                schedule="zb-v", microbatches=2)
 

@@ -41,6 +41,14 @@ def test_known_bubbles(p, m):
   assert generate("interleaved", p, m).bubble_fraction() < one_f_one_b
 
 
+@pytest.mark.parametrize("p,m", [(4, 8), (8, 16), (8, 32)])
+def test_zb_v(p, m):
+  v = generate("zb-v", p, m)
+  assert v.placement == "v" and v.place(2 * p - 1) == (0, 1)   # the V: back to device 0
+  assert max(v.peak_activations()) <= 2 * p   # chunk activations: 1F1B's peak of whole stages
+  assert v.bubble_fraction() < generate("zb-h1", p, m).bubble_fraction()
+
+
 def test_costs_change_the_bubble():
   s = generate("zb-h1", 4, 8)
   assert s.bubble_fraction({"F": 1, "B": 2, "W": 1}) != s.bubble_fraction()
