@@ -29,7 +29,7 @@ def schedule(name: str, stages: int, microbatches: int, chunks: int | None = Non
   Args:
     name: "gpipe", "1f1b", "ooo" (gradient fast-forwarding), "zb-h1", "zb-h2",
       "interleaved" (modulo allocation, `chunks` virtual stages per device) or
-      "zb-v" (two chunks per device in a V; tables only, not executable yet).
+      "zb-v" (two chunks per device in a V: device s holds blocks s and 2S-1-s).
     stages: pipeline stages (devices on the stage mesh axis).
     microbatches: microbatches per step.
     chunks: virtual stages per device for "interleaved" (default 2).

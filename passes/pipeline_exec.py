@@ -18,8 +18,10 @@ keeps its memory saving.
 
 The program is a `lax.scan` over the table's ticks; at each tick every device
 runs its cell's compute action through `lax.switch` (branch = flavor x kind),
-then activations move one hop down the ring and input gradients one hop up
-with `ppermute`; the receive columns of the table say which slot keeps them.
+then the tick's output (an activation or an input gradient) moves one hop
+with `ppermute` on the ring towards its consumer (up or down: interleaved and
+ZB-V chunks flow both ways); the receive columns of the table say which slot
+keeps what arrives. A hand-off to the same device (ZB-V's tip) is local.
 Slots are assigned from the table by interval colouring, so a device's buffers
 hold what `peak_activations()` says, not one per microbatch. Weights shared by
 the first and the last stage (tied embeddings) get one gradient contribution
@@ -195,12 +197,19 @@ def _colour(intervals):
   return slot, len(free_at)
 
 
-_FIELDS = ("branch", "mb", "chunk", "in_slot", "fres_slot", "bres_slot", "recv_f", "recv_b")
+# Per (tick, stage) integers. Transfers: a device sends at most one value a tick
+# (its F output or its B output), to stage s + 1 ("up" ring) or s - 1 ("dn");
+# the receiver writes what arrives on each ring into an activation or gradient
+# slot (trash slots absorb the rest). A hand-off to the same device (the tip of
+# ZB-V's V) is written locally at the end of the producer's tick.
+_FIELDS = ("branch", "mb", "chunk", "in_slot", "fres_slot", "bres_slot", "up_src", "dn_src",
+           "up_act", "up_grad", "dn_act", "dn_grad", "loc_act", "loc_grad")
+_F = {name: i for i, name in enumerate(_FIELDS)}
 
 
 def plan_table(sched: PipelineSchedule, flavor_of: Callable[[int, int], int]):
   """Per (tick, stage) integer rows for the scan, and slot counts per buffer."""
-  S, T = sched.stages, sched.ticks
+  S, T, V = sched.stages, sched.ticks, sched.virtual_stages
   ev: dict[tuple, int] = {}
   for s, row in enumerate(sched.grid):
     for t, cell in enumerate(row):
@@ -215,10 +224,19 @@ def plan_table(sched: PipelineSchedule, flavor_of: Callable[[int, int], int]):
       b = ev.get(("B", s, m, c), ev.get(("BW", s, m, c)))
       ivs["grad"].append((t, b, (s, m, c)))
     elif kind == "F":
+      vs = sched.vstage(s, c)
+      if vs < V - 1 and sched.place(vs + 1)[0] == s:  # local hand-off to the next chunk
+        nc = sched.place(vs + 1)[1]
+        ivs["act"].append((t, ev[("F", s, m, nc)], (s, m, nc)))
       end = ev.get(("W", s, m, c), ev.get(("BW", s, m, c)))
       # +1: a closed interval (F writes and W reads its slot during compute).
       ivs.setdefault(f"fres{f}", []).append((t, end + 1, (s, m, c)))
-    elif kind == "B":
+    if kind in ("B", "BW"):
+      vs = sched.vstage(s, c)
+      if vs > 0 and sched.place(vs - 1)[0] == s:
+        pc = sched.place(vs - 1)[1]
+        ivs["grad"].append((t, ev.get(("B", s, m, pc), ev.get(("BW", s, m, pc))), (s, m, pc)))
+    if kind == "B":
       ivs.setdefault(f"bres{f}", []).append((t, ev[("W", s, m, c)] + 1, (s, m, c)))
   slots, counts = {}, {}
   for name, iv in ivs.items():
@@ -230,8 +248,11 @@ def plan_table(sched: PipelineSchedule, flavor_of: Callable[[int, int], int]):
       n = max(n, k)
     counts[name] = n
   rows = np.zeros((T, S, len(_FIELDS)), np.int32)
-  rows[:, :, _FIELDS.index("recv_f")] = counts["act"]    # the trash slot
-  rows[:, :, _FIELDS.index("recv_b")] = counts["grad"]
+  for name in ("up_act", "dn_act", "loc_act"):
+    rows[:, :, _F[name]] = counts["act"]    # the trash slot
+  for name in ("up_grad", "dn_grad", "loc_grad"):
+    rows[:, :, _F[name]] = counts["grad"]
+  lag = sched.lag
   for s, row in enumerate(sched.grid):
     for t, cell in enumerate(row):
       for a in cell:
@@ -247,10 +268,23 @@ def plan_table(sched: PipelineSchedule, flavor_of: Callable[[int, int], int]):
             r[3] = slots.get(("grad", *key), 0)
           r[4] = slots[(f"fres{f}", *key)]
           r[5] = slots.get((f"bres{f}", *key), 0)
-        elif a.kind == "RF":
-          r[6] = slots[("act", *key)]
-        elif a.kind == "RB":
-          r[7] = slots[("grad", *key)]
+          vs = sched.vstage(s, a.chunk)
+          tvs = vs + 1 if a.kind == "F" else vs - 1
+          if 0 <= tvs < V:
+            ds, dc = sched.place(tvs)
+            buf = "act" if a.kind == "F" else "grad"
+            if ds == s:
+              r[_F["loc_" + buf]] = slots[(buf, s, a.microbatch, dc)]
+            else:  # the sender's ring; S == 2 sends everything "up"
+              ring = "up" if ds == (s + 1) % S else "dn"
+              # with lag 1 the ring carries this tick's send during the next tick
+              rows[t + lag, s, _F[ring + "_src"]] = 0 if a.kind == "F" else 1
+        elif a.kind in ("RF", "RB"):
+          vs = sched.vstage(s, a.chunk)
+          ps = sched.place(vs - 1 if a.kind == "RF" else vs + 1)[0]
+          ring = "up" if s == (ps + 1) % S else "dn"
+          buf = "act" if a.kind == "RF" else "grad"
+          r[_F[f"{ring}_{buf}"]] = slots[(buf, *key)]
   # Only the (flavor, kind) branches the table uses are compiled.
   used = sorted(set(rows[:, :, 0].ravel().tolist()) | {0})
   rows[:, :, 0] = np.searchsorted(np.asarray(used), rows[:, :, 0])
@@ -277,11 +311,6 @@ def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
                      f"{mesh.shape[axis_name]}")
   if S == 1 and v > 1:
     raise ValueError("an interleaved schedule needs at least 2 stages to execute")
-  if sched.placement != "modulo":
-    raise NotImplementedError(
-        f"{sched.name!r} tables (placement {sched.placement!r}) are not executable yet: "
-        "the V placement needs a same-device hand-off and both ring directions per "
-        "chunk; use 'zb-h1', 'zb-h2' or 'interleaved'")
   if sched.lag not in (0, 1):
     raise ValueError(f"the executor runs tables with lag 0 or 1, got {sched.lag}")
 
@@ -317,11 +346,14 @@ def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
     kinds = sorted({(vs == 0, vs == V - 1) for vs in range(V)}, reverse=True)
     flavors = [make_flavor(fi, la, stage_fn, loss_fn, input_fn, p_aval, sh_aval, x_aval,
                            in_aval, tg_aval) for fi, la in kinds]
-    flavor_of = lambda s, c: kinds.index((c * S + s == 0, c * S + s == V - 1))  # noqa: E731
+    flavor_of = lambda s, c: kinds.index(  # noqa: E731
+        (sched.vstage(s, c) == 0, sched.vstage(s, c) == V - 1))
     rows, counts, used = plan_table(sched, flavor_of)
-    # (V, ...) -> (S, v, ...): device s holds virtual stages c * S + s.
-    to_dev = lambda x: jnp.swapaxes(jnp.reshape(x, (v, S, *x.shape[1:])), 0, 1)  # noqa: E731
-    from_dev = lambda x: jnp.reshape(jnp.swapaxes(x, 0, 1), (V, *x.shape[2:]))  # noqa: E731
+    # (V, ...) -> (S, v, ...): device s holds virtual stages sched.vstage(s, c).
+    idx = np.array([[sched.vstage(s, c) for c in range(v)] for s in range(S)])
+    inv = np.argsort(idx.ravel())
+    to_dev = lambda x: x[idx]  # noqa: E731
+    from_dev = lambda x: jnp.reshape(x, (V, *x.shape[2:]))[inv]  # noqa: E731
     consts = [fl.consts for fl in flavors]
     body = _body(flavors, counts, rows, used, S, M, x_aval, axis_name, sched.lag)
     p_spec = jax.tree.map(lambda _: P(axis_name), stage_params)
@@ -452,20 +484,28 @@ def _body(flavors, counts, rows, used, S, M, x_aval, axis_name, lag):
       ]
     assert len(branches) == 1 + n_kinds * len(flavors)
     branches = [branches[u] for u in used]
-    ring_f = [(k, (k + 1) % S) for k in range(S)]
-    ring_b = [(k, (k - 1) % S) for k in range(S)]
+    ring_up = [(k, (k + 1) % S) for k in range(S)]
+    ring_dn = [(k, (k - 1) % S) for k in range(S)]
+    F = _F
+
+    def send(st, r):
+      up = jnp.where(r[F["up_src"]] == 0, st["send_f"], st["send_b"])
+      dn = jnp.where(r[F["dn_src"]] == 0, st["send_f"], st["send_b"])
+      return lax.ppermute(up, axis_name, ring_up), lax.ppermute(dn, axis_name, ring_dn)
 
     def tick(st, r):
-      if lag:  # last tick's sends travel while this tick computes
-        recv_f = lax.ppermute(st["send_f"], axis_name, ring_f)
-        recv_b = lax.ppermute(st["send_b"], axis_name, ring_b)
+      if lag:  # last tick's send travels while this tick computes
+        from_below, from_above = send(st, r)
       st = lax.switch(r[0], branches, st, r)
       if not lag:
-        recv_f = lax.ppermute(st["send_f"], axis_name, ring_f)
-        recv_b = lax.ppermute(st["send_b"], axis_name, ring_b)
+        from_below, from_above = send(st, r)
       st = dict(st)
-      st["act"] = put(st["act"], r[6], recv_f)
-      st["grad"] = put(st["grad"], r[7], recv_b)
+      act, grad = st["act"], st["grad"]
+      act = put(act, r[F["loc_act"]], st["send_f"])
+      grad = put(grad, r[F["loc_grad"]], st["send_b"])
+      act = put(put(act, r[F["up_act"]], from_below), r[F["dn_act"]], from_above)
+      grad = put(put(grad, r[F["up_grad"]], from_below), r[F["dn_grad"]], from_above)
+      st["act"], st["grad"] = act, grad
       return st, None
 
     st, _ = lax.scan(tick, state, table)
