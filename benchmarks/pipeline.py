@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 from benchmarks import _report  # noqa: E402
 from passes.cost import CostModel  # noqa: E402
 from passes.pipeline_exec import make_flavor  # noqa: E402
-from passes.pipeline_schedule import SCHEDULES, generate  # noqa: E402
+from passes.pipeline_generate import SCHEDULES, generate  # noqa: E402
 from passes.simulate import LINKS  # noqa: E402
 
 STAGES = (4, 8, 16)

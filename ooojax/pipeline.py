@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from passes.pipeline_exec import lower
-from passes.pipeline_schedule import (SCHEDULES, Action, PipelineSchedule, ScheduleError,
-                                      generate)
+from passes.pipeline_generate import SCHEDULES, generate
+from passes.pipeline_schedule import Action, PipelineSchedule, ScheduleError
 
 __all__ = ["SCHEDULES", "Action", "PipelineSchedule", "ScheduleError", "schedule",
            "value_and_grad"]

@@ -58,7 +58,7 @@ def simulate(sched: PipelineSchedule, costs: Mapping[str, float] | None = None,
              comm: float = 0.0) -> PipelineTimeline:
   """Event replay of the table's per-stage orders.
 
-  >>> from passes.pipeline_schedule import generate
+  >>> from passes.pipeline_generate import generate
   >>> simulate(generate("gpipe", 2, 2)).makespan   # 3 ticks of F, then BW = 2 x 3
   9.0
   """

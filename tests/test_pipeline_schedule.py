@@ -3,8 +3,8 @@ import dataclasses
 
 import pytest
 
-from passes.pipeline_schedule import (SCHEDULES, Action, PipelineSchedule, ScheduleError,
-                                      generate)
+from passes.pipeline_generate import SCHEDULES, generate
+from passes.pipeline_schedule import Action, PipelineSchedule, ScheduleError
 
 SIZES = [(1, 3), (2, 2), (2, 5), (3, 4), (4, 4), (4, 8), (4, 3), (8, 16), (16, 8)]
 
@@ -137,7 +137,7 @@ def test_plot():
   assert "ooo" in ax.get_title()
 
 
-@pytest.mark.parametrize("name", ["passes.pipeline_schedule", "passes.pipeline_simulate",
+@pytest.mark.parametrize("name", ["passes.pipeline_generate", "passes.pipeline_simulate",
                                   "ooojax.pipeline"])
 def test_docstring_examples(name):
   import doctest
