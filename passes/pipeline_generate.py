@@ -60,7 +60,7 @@ SCHEDULES = ("gpipe", "1f1b", "ooo", "zb-h1", "zb-h2", "interleaved", "zb-v")
 
 
 def generate(name: str, stages: int, microbatches: int, chunks: int | None = None,
-             lag: int = 0) -> PipelineSchedule:
+             lag: int = 0, costs=None) -> PipelineSchedule:
   """Generates and validates a named schedule.
 
   Args:
@@ -70,6 +70,8 @@ def generate(name: str, stages: int, microbatches: int, chunks: int | None = Non
     chunks: virtual stages per device (only `interleaved`; default 2).
     lag: ticks a transfer takes after its producer's tick (0 or 1; see
       `PipelineSchedule`).
+    costs: `{"F", "B", "W"}` durations per whole stage the greedy generator
+      plans with (default 1 each), e.g. from the cost model.
 
   Returns:
     A valid `PipelineSchedule`. Example:
@@ -97,7 +99,7 @@ def generate(name: str, stages: int, microbatches: int, chunks: int | None = Non
   if not (isinstance(chunks, int) and chunks >= 1):
     raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
   pol = _policy(name, stages, microbatches, chunks)
-  orders = _greedy(stages, microbatches, chunks, pol, placement)
+  orders = _greedy(stages, microbatches, chunks, pol, placement, costs)
   if lag not in (0, 1):
     raise ValueError(f"lag must be 0 or 1, got {lag!r}")
   grid = _place(stages, microbatches, chunks, orders, lag, placement)
@@ -106,11 +108,14 @@ def generate(name: str, stages: int, microbatches: int, chunks: int | None = Non
   return sched.validate()
 
 
-def _greedy(S: int, M: int, v: int, pol: Policy, placement: str = "modulo"
-            ) -> list[list[Action]]:
-  """Unit-time list scheduling (F = B = W = 1, BW = 2) under the policy."""
+def _greedy(S: int, M: int, v: int, pol: Policy, placement: str = "modulo",
+            costs=None) -> list[list[Action]]:
+  """Event-driven list scheduling under the policy; durations from `costs`
+  (per whole stage, default F = B = W = 1; a chunk costs 1 / v; BW = B + W)."""
   V = S * v
-  fin: dict[tuple[str, int, int], int] = {}   # finish tick (exclusive)
+  c = {"F": 1.0, "B": 1.0, "W": 1.0, **(costs or {})}
+  dur_of = {"F": c["F"] / v, "B": c["B"] / v, "W": c["W"] / v, "BW": (c["B"] + c["W"]) / v}
+  fin: dict[tuple[str, int, int], float] = {}   # finish time
   free = [0] * S
   live = [0] * S
   fwd_order = [sorted(((m, c) for m in range(M) for c in range(v)),
@@ -120,7 +125,7 @@ def _greedy(S: int, M: int, v: int, pol: Policy, placement: str = "modulo"
   pending_w: list[list[tuple[int, int]]] = [[] for _ in range(S)]
   orders: list[list[Action]] = [[] for _ in range(S)]
   total = S * M * v * 3
-  count, t, idle = 0, 0, 0
+  count, t, idle = 0, 0.0, 0
 
   def ready(key):
     return key in fin and fin[key] <= t
@@ -162,7 +167,7 @@ def _greedy(S: int, M: int, v: int, pol: Policy, placement: str = "modulo"
         continue
       kind, (m, c) = choice
       vs = vstage_of(S, s, c, placement)
-      dur = 2 if kind == "BW" else 1
+      dur = dur_of[kind]
       orders[s].append(Action(s, kind, m, c))
       free[s] = t + dur
       progressed = True
@@ -172,7 +177,7 @@ def _greedy(S: int, M: int, v: int, pol: Policy, placement: str = "modulo"
         nf[s] += 1
         live[s] += 1
         pending_b[s].append((m, c))
-        fin[("F", vs, m)] = t + 1
+        fin[("F", vs, m)] = t + dur
         count += 1
       elif kind in ("B", "BW"):
         pending_b[s].remove((m, c))
@@ -187,11 +192,12 @@ def _greedy(S: int, M: int, v: int, pol: Policy, placement: str = "modulo"
         pending_w[s].remove((m, c))
         live[s] -= 1
         count += 1
-    idle = 0 if progressed or any(f > t for f in free) else idle + 1
-    if idle > 2:
+    later = [x for x in (*free, *fin.values()) if x > t]
+    idle = 0 if progressed or later else idle + 1
+    if idle > 2 or (not later and not progressed):
       raise ScheduleError(f"schedule generation deadlocked at tick {t} (policy {pol}); "
                           "use more microbatches or another schedule")
-    t += 1
+    t = min(later) if later else t + 1  # the next finish: nothing changes before it
   return orders
 
 

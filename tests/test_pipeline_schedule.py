@@ -49,6 +49,13 @@ def test_zb_v(p, m):
   assert v.bubble_fraction() < generate("zb-h1", p, m).bubble_fraction()
 
 
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_generated_for_costs(name):
+  costs = {"F": 1.0, "B": 1.4, "W": 0.25}
+  s = generate(name, 4, 8, costs=costs)   # planned with these durations, still a valid table
+  assert s.validate() is s and s.bubble_fraction(costs) < 0.5
+
+
 def test_costs_change_the_bubble():
   s = generate("zb-h1", 4, 8)
   assert s.bubble_fraction({"F": 1, "B": 2, "W": 1}) != s.bubble_fraction()
