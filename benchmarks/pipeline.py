@@ -1,0 +1,193 @@
+"""Pipeline schedules: bubble and memory from the tables, simulated BERT step
+time from the cost model, and measured wall time of the real CPU execution.
+
+  python -m benchmarks.pipeline            # print the tables
+  python -m benchmarks.pipeline --write    # and append them to benchmarks/RESULTS.md
+  python -m benchmarks.pipeline --no-cpu   # tables and simulation only (no compiles)
+
+Simulated numbers come from `passes.cost` (H100 roofline) priced on the F / B / W
+phases that `passes.pipeline_exec` cuts from a BERT layer with the split pass;
+they are estimates, never measurements. The CPU table is measured on forced
+host devices (one process, shared cores): it checks that the programs run and
+what the table machinery costs, not GPU speed.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+import argparse  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import _report  # noqa: E402
+from passes.cost import CostModel  # noqa: E402
+from passes.pipeline_exec import make_flavor  # noqa: E402
+from passes.pipeline_generate import SCHEDULES, generate  # noqa: E402
+from passes.simulate import LINKS  # noqa: E402
+
+STAGES = (4, 8, 16)
+MICROBATCHES = (8, 16, 32, 64)
+
+
+def _bert_layer(p, x):
+  """Post-LN BERT encoder layer (attention + GELU MLP), heads of 64."""
+  b, s, d = x.shape
+  h = d // 64
+  qkv = x @ p["qkv"]
+  q, k, v = jnp.split(qkv.reshape(b, s, 3 * h, 64), 3, axis=2)
+  att = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / 8.0, axis=-1)
+  o = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, s, d) @ p["out"]
+  x = _ln(x + o)
+  return _ln(x + jax.nn.gelu(x @ p["up"]) @ p["down"])
+
+
+def _ln(x):
+  m = x.mean(-1, keepdims=True)
+  return (x - m) * jax.lax.rsqrt(((x - m) ** 2).mean(-1, keepdims=True) + 1e-5)
+
+
+def bert_costs(hidden=1024, seq=512, micro=4, dtype=jnp.bfloat16, spec="H100"):
+  """(F, B, W) seconds of one BERT layer on one microbatch, from the cost model."""
+  sd = lambda *s: jax.ShapeDtypeStruct(s, dtype)  # noqa: E731
+  p = {"qkv": sd(hidden, 3 * hidden), "out": sd(hidden, hidden),
+       "up": sd(hidden, 4 * hidden), "down": sd(4 * hidden, hidden)}
+  fl = make_flavor(False, False, _bert_layer, None, None, p, None, sd(micro, seq, hidden),
+                   None, None)
+  cm = CostModel(spec)
+  cost = lambda ids: cm.unit_cost([fl.jaxpr.eqns[k] for k in ids]).seconds  # noqa: E731
+  act_bytes = micro * seq * hidden * jnp.dtype(dtype).itemsize
+  return cost(fl.f_eqns), cost(fl.b_eqns), cost(fl.w_eqns), act_bytes
+
+
+def table_metrics() -> list[str]:
+  lines = ["Bubble fraction (F = B = W = 1) / peak activations per stage (max over stages), "
+           "from the generated tables (interleaved and zb-v: 2 chunks per device, peak in chunk "
+           "activations, each half a stage's).", "",
+           "| stages | microbatches | " + " | ".join(SCHEDULES) + " |",
+           "|---|---|" + "---|" * len(SCHEDULES)]
+  for s in STAGES:
+    for m in MICROBATCHES:
+      cells = []
+      for name in SCHEDULES:
+        t = generate(name, s, m)
+        cells.append(f"{t.bubble_fraction():.3f} / {max(t.peak_activations())}")
+      lines.append(f"| {s} | {m} | " + " | ".join(cells) + " |")
+  return lines
+
+
+def table_simulated() -> tuple[list[str], dict]:
+  f, b, w, nbytes = bert_costs()
+  comm = LINKS["nvlink"].seconds(nbytes)
+  lines = [f"Simulated step time (ms), BERT-24 / BERT-48 (hidden 1024, seq 512, microbatch 4, "
+           f"bf16), per-layer F / B / W = {f * 1e3:.3f} / {b * 1e3:.3f} / {w * 1e3:.3f} ms "
+           f"from the H100 cost model, activation transfer {comm * 1e6:.1f} us (NVLink); "
+           "tables generated with these costs; in brackets: speedup over GPipe. "
+           "**simulated**, not measured.", "",
+           "| model | stages | microbatches | " + " | ".join(SCHEDULES) + " |",
+           "|---|---|---|" + "---|" * len(SCHEDULES)]
+  speed = {}
+  for layers in (24, 48):
+    for s in STAGES:
+      for m in (8, 32, 64):
+        k = layers / s
+        costs = {"F": f * k, "B": b * k, "W": w * k}
+        # Tables generated for these costs (as Zero Bubble plans with profiled times).
+        times = {n: generate(n, s, m, costs=costs).simulate(costs, comm).makespan
+                 for n in SCHEDULES}
+        speed[(layers, s, m)] = {n: times["gpipe"] / t for n, t in times.items()}
+        speed[(layers, s, m)]["ooo/1f1b"] = times["1f1b"] / times["ooo"]
+        cells = [f"{times[n] * 1e3:.1f} ({times['gpipe'] / times[n]:.2f}x)" for n in SCHEDULES]
+        lines.append(f"| BERT-{layers} | {s} | {m} | " + " | ".join(cells) + " |")
+  return lines, speed
+
+
+def table_cpu(stages=4, micro=8, batch=64, dim=128, reps=5) -> list[str]:
+  from passes.pipeline_exec import lower
+  devs = jax.devices()[:stages]
+  if len(devs) < stages:
+    return [f"(CPU table skipped: {len(devs)} devices, need {stages})"]
+  mesh = jax.make_mesh((stages,), ("stage",), devices=devs)
+  stage_fn = lambda p, x: x + jnp.tanh(x @ p["w1"]) @ p["w2"]  # noqa: E731
+  loss_fn = lambda y, t: jnp.mean((y - t) ** 2)  # noqa: E731
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((batch, dim)), jnp.float32)
+  t = jnp.asarray(rng.standard_normal((batch, dim)), jnp.float32)
+
+  def params(v):
+    return {k: jnp.asarray(rng.standard_normal((v, dim, dim)) / dim ** 0.5, jnp.float32)
+            for k in ("w1", "w2")}
+
+  def ref_loss(p):
+    h = x
+    for j in range(p["w1"].shape[0]):
+      h = stage_fn(jax.tree.map(lambda a: a[j], p), h)
+    return loss_fn(h, t)
+
+  def timeit(f, *args):
+    jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(reps):
+      t0 = time.perf_counter()
+      jax.block_until_ready(f(*args))
+      ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+  lines = [f"Measured wall time per step on {stages} forced **CPU** host devices (one process, "
+           f"the machine's shared cores), residual tanh MLP stages, dim {dim}, batch {batch}, "
+           f"{micro} microbatches; median of {reps}. Not a GPU number.", "",
+           "| schedule | step (ms) | ticks |", "|---|---|---|"]
+  p1 = params(stages)
+  lines.append(f"| unpipelined jax.value_and_grad, 1 device | "
+               f"{timeit(jax.jit(jax.value_and_grad(ref_loss)), p1) * 1e3:.1f} | - |")
+  for name in SCHEDULES:
+    sched = generate(name, stages, micro)
+    p = params(sched.virtual_stages)
+    step = jax.jit(lower(stage_fn, loss_fn, sched, mesh, "stage"))
+    lines.append(f"| {name} | {timeit(step, p, (x, t)) * 1e3:.1f} | {sched.ticks} |")
+  return lines
+
+
+def summary(speed) -> list[str]:
+  ooo = [v["ooo"] for v in speed.values()]
+  zb1 = [v["zb-h1"] for v in speed.values()]
+  zbv = [v["zb-v"] for v in speed.values()]
+  vs1 = [v["ooo/1f1b"] for v in speed.values()]
+  ratios = []
+  for s in STAGES:
+    for m in MICROBATCHES:
+      base = generate("1f1b", s, m).bubble_fraction()
+      ratios.append((generate("ooo", s, m).bubble_fraction() / base,
+                     generate("zb-h1", s, m).bubble_fraction() / base))
+  r_ooo = [r[0] for r in ratios]
+  r_zb = [r[1] for r in ratios]
+  return [
+      f"- ooo (gradient fast-forwarding) over GPipe, simulated BERT rows above: "
+      f"{min(ooo):.2f}x-{max(ooo):.2f}x (the paper reports 1.41-1.99x on 8-32 GPUs with its "
+      f"baseline GPipe implementation); over 1F1B {min(vs1):.2f}x-{max(vs1):.2f}x; "
+      f"ZB-H1 over GPipe {min(zb1):.2f}x-{max(zb1):.2f}x; ZB-V {min(zbv):.2f}x-{max(zbv):.2f}x.",
+      f"- Bubble relative to 1F1B's (F = B = W, tables above): ooo {min(r_ooo):.2f}-"
+      f"{max(r_ooo):.2f}, ZB-H1 {min(r_zb):.2f}-{max(r_zb):.2f} (Zero Bubble's B/3 = 0.33).",
+  ]
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--write", action="store_true")
+  ap.add_argument("--no-cpu", action="store_true")
+  args = ap.parse_args(argv)
+  lines = _report.header("Pipeline schedules (benchmarks/pipeline.py)")
+  lines += table_metrics() + [""]
+  sim, speed = table_simulated()
+  lines += sim + [""] + summary(speed) + [""]
+  if not args.no_cpu:
+    lines += table_cpu()
+  _report.emit(lines, args.write)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,103 @@
+"""Pipeline parallelism: schedules as tables, executed as one SPMD program.
+
+>>> import ooojax as ooo
+>>> sched = ooo.pipeline.schedule("zb-h1", stages=4, microbatches=8)
+>>> round(sched.bubble_fraction(), 3), max(sched.peak_activations())
+(0.111, 4)
+
+`value_and_grad(stage_fn, loss_fn, mesh=..., axis_name=..., schedule=...)`
+returns `step(stage_params, batch, shared=None) -> (loss, grads)` that runs the
+table with `jax.shard_map` over the stage axis; B and W of each stage come from
+the split pass (no recomputation of the dX chain, no hand-written backward).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from passes.pipeline_exec import lower
+from passes.pipeline_generate import SCHEDULES, generate
+from passes.pipeline_schedule import Action, PipelineSchedule, ScheduleError
+
+__all__ = ["SCHEDULES", "Action", "PipelineSchedule", "ScheduleError", "schedule",
+           "value_and_grad"]
+
+
+def schedule(name: str, stages: int, microbatches: int, chunks: int | None = None,
+             lag: int = 0) -> PipelineSchedule:
+  """A validated schedule table by name (one of `SCHEDULES`).
+
+  Args:
+    name: "gpipe", "1f1b", "ooo" (gradient fast-forwarding), "zb-h1", "zb-h2",
+      "interleaved" (modulo allocation, `chunks` virtual stages per device) or
+      "zb-v" (two chunks per device in a V: device s holds blocks s and 2S-1-s).
+    stages: pipeline stages (devices on the stage mesh axis).
+    microbatches: microbatches per step.
+    chunks: virtual stages per device for "interleaved" (default 2).
+    lag: 1 receives each transfer one tick after its send, so the executor
+      overlaps it with the next tick's compute (more ticks, hidden transfers).
+
+  Returns:
+    A `PipelineSchedule`: `validate()`, `bubble_fraction(costs)`,
+    `peak_activations()`, `simulate()`, `plot()`, `to_text()`, `print()`.
+
+  >>> s = schedule("ooo", stages=2, microbatches=2)
+  >>> print(s.to_text().splitlines()[1])
+  0F0+0SF0 0F1+0SF1 0RB0 0B0 0W0+0RB1 0B1 0W1
+  """
+  return generate(name, stages, microbatches, chunks, lag)
+
+
+def value_and_grad(stage_fn: Callable, loss_fn: Callable, *, mesh, axis_name: str,
+                   schedule: str | PipelineSchedule = "ooo",
+                   microbatches: int | None = None, chunks: int | None = None,
+                   input_fn: Callable | None = None) -> Callable:
+  """Pipelined loss and gradients of a stack of stages.
+
+  The model is `loss_fn(stage_fn(p[V-1], ... stage_fn(p[0], x)), targets)`
+  averaged over microbatches, with `x = inputs` or `input_fn(inputs)`.
+
+  Args:
+    stage_fn: `(params_of_one_stage, activation) -> activation` (same shape).
+    loss_fn: `(activation, targets) -> scalar` (a mean over the microbatch).
+      With `shared` weights (see below): `(activation, targets, shared)`.
+    mesh: a `jax.sharding.Mesh` with a stage axis.
+    axis_name: the stage axis's name; its size is the number of stages.
+    schedule: a schedule name or a `PipelineSchedule` for this many stages.
+    microbatches: with a schedule name: how many (default: 2 x stages).
+    chunks: with "interleaved": virtual stages per device.
+    input_fn: optional `(inputs[, shared]) -> activation` run by the first stage
+      (e.g. an embedding).
+
+  Returns:
+    `step(stage_params, batch, shared=None) -> (loss, grads)`; `stage_params`
+    leaves are stacked on a leading axis of (virtual) stages; `batch` is
+    `(inputs, targets)`; `grads` mirrors `stage_params`, or is
+    `(stage_grads, shared_grads)` when `shared` is given. `shared` weights (tied
+    embeddings) are replicated; their gradient is reduced once over the stages.
+    `step` may be wrapped in `jax.jit`.
+
+  >>> import jax, jax.numpy as jnp, numpy as np
+  >>> mesh = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+  >>> step = value_and_grad(lambda w, x: jnp.tanh(x @ w),
+  ...                       lambda y, t: jnp.mean((y - t) ** 2),
+  ...                       mesh=mesh, axis_name="stage", schedule="ooo", microbatches=2)
+  >>> w = jnp.ones((2, 3, 3)) * 0.1
+  >>> loss, g = jax.jit(step)(w, (jnp.ones((4, 3)), jnp.zeros((4, 3))))
+  >>> g.shape
+  (2, 3, 3)
+  """
+  if axis_name not in mesh.shape:
+    raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
+                     f"{dict(mesh.shape)}")
+  stages = mesh.shape[axis_name]
+  if isinstance(schedule, str):
+    sched = generate(schedule, stages, microbatches or 2 * stages, chunks)
+  elif isinstance(schedule, PipelineSchedule):
+    if microbatches not in (None, schedule.microbatches):
+      raise ValueError(f"microbatches={microbatches} disagrees with the schedule's "
+                       f"{schedule.microbatches}; pass one or the other")
+    sched = schedule.validate()
+  else:
+    raise TypeError(f"schedule must be a name {SCHEDULES} or a PipelineSchedule, got "
+                    f"{type(schedule).__name__}")
+  return lower(stage_fn, loss_fn, sched, mesh, axis_name, input_fn)

@@ -1,0 +1,332 @@
+"""pipeline_schedule: pipeline-parallel schedules as plain tables of actions.
+
+Contract: `PipelineSchedule.validate()` (raises `ScheduleError`, a `ValueError`), and
+`PipelineSchedule.parse(text)` / `to_text()` (round-trip).
+
+A schedule is a grid, stage x tick; each cell holds a tuple of small hashable
+`Action`s: at most one compute action (F, B, W or the fused BW of GPipe and
+1F1B) plus the transfers of that tick (SF/RF: send/receive an activation;
+SB/RB: send/receive an input gradient). A send and its receive sit at the same
+tick: the value arrives at the end of that tick. Text form of an action:
+`{stage}{kind}{microbatch}[.{chunk}]`, e.g. `2B5` or `0F3.1` (chunk 1 of an
+interleaved schedule).
+
+Virtual stages (interleaved / modulo allocation): with `S` devices and `v`
+chunks per device, chunk `c` of device `s` is virtual stage `c * S + s`, so
+layer block `l` lives on device `l mod S` (the paper's modulo allocation with
+k = 1 layer block per hop). ZB-V uses a V instead (`placement="v"`): device
+`s` holds virtual stages `s` and `2S - 1 - s`.
+
+Generators (`passes.pipeline_generate`) are pure functions returning these
+tables. The validator, the simulator
+(`passes.pipeline_simulate`), `plot()` and the executor
+(`passes.pipeline_exec`) all read the same grid.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+COMPUTE = ("F", "B", "W", "BW")
+COMMS = ("SF", "RF", "SB", "RB")
+_ACTION_RE = re.compile(r"^(\d+)(BW|SF|RF|SB|RB|F|B|W)(\d+)(?:\.(\d+))?$")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Action:
+  """One action of one stage: `kind` of `microbatch` for virtual-stage `chunk`."""
+  stage: int
+  kind: str
+  microbatch: int
+  chunk: int = 0
+
+  def __str__(self) -> str:
+    c = f".{self.chunk}" if self.chunk else ""
+    return f"{self.stage}{self.kind}{self.microbatch}{c}"
+
+  @classmethod
+  def parse(cls, text: str) -> Action:
+    m = _ACTION_RE.match(text.strip())
+    if m is None:
+      raise ValueError(f"cannot parse pipeline action {text!r}; expected e.g. '2B5' "
+                       "(stage 2, B of microbatch 5) or '0F3.1' (chunk 1)")
+    return cls(int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4) or 0))
+
+
+def vstage_of(S: int, stage: int, chunk: int, placement: str = "modulo") -> int:
+  """Virtual stage of (device stage, chunk): modulo `chunk * S + stage`, or the
+  V shape of ZB-V (chunk 0 goes down the devices, chunk 1 comes back up)."""
+  if placement == "v":
+    return stage if chunk == 0 else 2 * S - 1 - stage
+  return chunk * S + stage
+
+
+def place_of(S: int, vs: int, placement: str = "modulo") -> tuple[int, int]:
+  """(device stage, chunk) of a virtual stage; inverse of `vstage_of`."""
+  if placement == "v":
+    return (vs, 0) if vs < S else (2 * S - 1 - vs, 1)
+  return vs % S, vs // S
+
+
+class ScheduleError(ValueError):
+  """An invalid pipeline table; the message shows the grid with the bad action marked."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSchedule:
+  """A stage x tick table of actions. See the module docstring.
+
+  `bound[s]` is the most (microbatch, chunk) activations stage `s` may hold
+  (F done, W not yet done) -- the schedule's declared memory bound. `lag`: a
+  value sent at tick t is received at tick t + lag (0: at the end of the
+  producer's own tick; 1: during the next tick, so the executor can overlap the
+  transfer with that tick's compute).
+  """
+  name: str
+  stages: int
+  microbatches: int
+  chunks: int
+  grid: tuple[tuple[tuple[Action, ...], ...], ...]
+  bound: tuple[int, ...]
+  lag: int = 0
+  placement: str = "modulo"   # or "v" (ZB-V)
+
+  # --- shape --------------------------------------------------------------
+  @property
+  def ticks(self) -> int:
+    return len(self.grid[0]) if self.grid else 0
+
+  @property
+  def virtual_stages(self) -> int:
+    return self.stages * self.chunks
+
+  @property
+  def fused(self) -> bool:
+    return any(a.kind == "BW" for a in self.compute_actions())
+
+  def vstage(self, stage: int, chunk: int) -> int:
+    return vstage_of(self.stages, stage, chunk, self.placement)
+
+  def place(self, vstage: int) -> tuple[int, int]:
+    """(device stage, chunk) of a virtual stage."""
+    return place_of(self.stages, vstage, self.placement)
+
+  def compute(self, stage: int, tick: int) -> Action | None:
+    for a in self.grid[stage][tick]:
+      if a.kind in COMPUTE:
+        return a
+    return None
+
+  def compute_actions(self):
+    for row in self.grid:
+      for cell in row:
+        for a in cell:
+          if a.kind in COMPUTE:
+            yield a
+
+  def orders(self) -> tuple[tuple[Action, ...], ...]:
+    """Per stage, its compute actions in tick order."""
+    return tuple(tuple(a for cell in row for a in cell if a.kind in COMPUTE)
+                 for row in self.grid)
+
+  # --- text form ----------------------------------------------------------
+  def to_text(self) -> str:
+    head = (f"# {self.name} stages={self.stages} microbatches={self.microbatches} "
+            f"chunks={self.chunks} bound={','.join(map(str, self.bound))}"
+            + (f" lag={self.lag}" if self.lag else "")
+            + (f" placement={self.placement}" if self.placement != "modulo" else ""))
+    rows = [" ".join("+".join(map(str, cell)) or "." for cell in row) for row in self.grid]
+    return "\n".join([head, *rows])
+
+  @classmethod
+  def parse(cls, text: str) -> PipelineSchedule:
+    """Inverse of `to_text()`; does not validate (call `.validate()`)."""
+    lines = [l for l in text.strip().splitlines() if l.strip()]
+    if not lines or not lines[0].startswith("#"):
+      raise ValueError("a pipeline table starts with '# name stages=S microbatches=M "
+                       "chunks=V bound=b0,b1,...'")
+    name, *fields = lines[0][1:].split()
+    kv = dict(f.split("=", 1) for f in fields)
+    grid = tuple(tuple(() if tok == "." else tuple(Action.parse(a) for a in tok.split("+"))
+                       for tok in line.split()) for line in lines[1:])
+    return cls(name, int(kv["stages"]), int(kv["microbatches"]), int(kv["chunks"]),
+               grid, tuple(int(b) for b in kv["bound"].split(",")), int(kv.get("lag", 0)),
+               kv.get("placement", "modulo"))
+
+  def __str__(self) -> str:
+    return render(self)
+
+  # --- checks and metrics (thin: the work is in the functions below) -------
+  def validate(self) -> PipelineSchedule:
+    """Raises `ScheduleError` (a `ValueError`) unless the table is valid; returns self."""
+    validate(self)
+    return self
+
+  def peak_activations(self) -> tuple[int, ...]:
+    """Per stage, the most (microbatch, chunk) activations held at once (F done, W not).
+
+    An interleaved chunk holds 1/chunks of a whole stage's activations.
+    """
+    return _peaks(self)
+
+  def simulate(self, costs=None, comm: float = 0.0):
+    from passes import pipeline_simulate
+    return pipeline_simulate.simulate(self, costs, comm)
+
+  def bubble_fraction(self, costs=None, comm: float = 0.0) -> float:
+    """Idle share of `stages x makespan` when each action takes `costs[kind]`.
+
+    `costs`: `{"F": tf, "B": tb, "W": tw}` per chunk (default all 1; BW = B + W).
+    """
+    return self.simulate(costs, comm).bubble_fraction
+
+  def plot(self, costs=None, ax=None, comm: float = 0.0):
+    from passes import pipeline_simulate
+    return pipeline_simulate.plot(self, costs, ax=ax, comm=comm)
+
+
+# --- rendering --------------------------------------------------------------
+def render(sched: PipelineSchedule, mark: tuple[int, int] | None = None,
+           max_ticks: int = 64) -> str:
+  """The stage x tick grid of compute actions; `mark=(stage, tick)` is flagged `>..<`."""
+  t0 = 0
+  if mark is not None and mark[1] >= max_ticks:
+    t0 = max(0, mark[1] - max_ticks // 2)
+  t1 = min(sched.ticks, t0 + max_ticks)
+  width = max([len(str(a)) for a in sched.compute_actions()] + [3]) + 2
+  lines = [f"{sched.name}: {sched.stages} stages x {sched.ticks} ticks, "
+           f"{sched.microbatches} microbatches, {sched.chunks} chunk(s)"]
+  lines.append("tick  " + "".join(str(t).center(width) for t in range(t0, t1)))
+  for s, row in enumerate(sched.grid):
+    cells = []
+    for t in range(t0, min(t1, len(row))):
+      a = next((x for x in row[t] if x.kind in COMPUTE), None)
+      txt = str(a) if a is not None else "."
+      if mark == (s, t):
+        txt = f">{txt}<"
+      cells.append(txt.center(width))
+    lines.append(f"s{s:<4} " + "".join(cells))
+  if t1 < sched.ticks:
+    lines.append(f"... {sched.ticks - t1} more ticks")
+  return "\n".join(lines)
+
+
+# --- dependencies -------------------------------------------------------------
+def _deps(sched: PipelineSchedule, a: Action) -> list[tuple[str, int, int]]:
+  """(kind, vstage, microbatch) the compute action `a` waits for; kind "B" means B or BW."""
+  vs, last = sched.vstage(a.stage, a.chunk), sched.virtual_stages - 1
+  if a.kind == "F":
+    return [("F", vs - 1, a.microbatch)] if vs > 0 else []
+  if a.kind in ("B", "BW"):
+    d = [("F", vs, a.microbatch)]
+    return d + ([("B", vs + 1, a.microbatch)] if vs < last else [])
+  return [("B", vs, a.microbatch)]  # W
+
+
+def validate(sched: PipelineSchedule) -> None:
+  """Checks shapes, exactly-once, dependencies, transfers and the memory bound."""
+  S, M, V = sched.stages, sched.microbatches, sched.chunks
+
+  def fail(msg, where=None):
+    raise ScheduleError(f"invalid pipeline schedule {sched.name!r}: {msg}\n"
+                        + render(sched, where))
+
+  if len(sched.grid) != S or len({len(r) for r in sched.grid}) > 1:
+    fail(f"the grid must have {S} rows of equal length (one per stage)")
+  if len(sched.bound) != S:
+    fail(f"bound must list one number per stage ({S}), got {sched.bound}")
+  done: dict[tuple[str, int, int], int] = {}
+  sends: dict[tuple[str, int, int], tuple[int, int]] = {}  # (kind, vs, mb) -> (stage, tick)
+  recvs: dict[tuple[str, int, int], tuple[int, int]] = {}
+  for s, row in enumerate(sched.grid):
+    for t, cell in enumerate(row):
+      n_compute = 0
+      for a in cell:
+        if a.stage != s:
+          fail(f"{a} is in row {s}; an action sits in its own stage's row", (s, t))
+        if not (0 <= a.microbatch < M and 0 <= a.chunk < V):
+          fail(f"{a}: microbatch must be in [0, {M}) and chunk in [0, {V})", (s, t))
+        vs = sched.vstage(s, a.chunk)
+        if a.kind in COMPUTE:
+          n_compute += 1
+          key = ("B" if a.kind == "BW" else a.kind, vs, a.microbatch)
+          if key in done or (a.kind == "BW" and ("W", vs, a.microbatch) in done):
+            fail(f"{a} runs twice; every F, B and W runs exactly once", (s, t))
+          done[key] = t
+          if a.kind == "BW":
+            done[("W", vs, a.microbatch)] = t
+        else:
+          book = sends if a.kind[0] == "S" else recvs
+          key = (a.kind[1], vs, a.microbatch)
+          if key in book:
+            fail(f"{a} appears twice", (s, t))
+          book[key] = (s, t)
+      if n_compute > 1:
+        fail(f"stage {s} has {n_compute} compute actions at tick {t}; at most one", (s, t))
+  # exactly once
+  for vs in range(sched.virtual_stages):
+    st, c = sched.place(vs)
+    for m in range(M):
+      for k in ("F", "B", "W"):
+        if (k, vs, m) not in done:
+          fail(f"{Action(st, k, m, c)} is missing; every F, B and W runs exactly once")
+  # dependencies and transfers
+  bw = {a for a in sched.compute_actions() if a.kind == "BW"}
+  for t in range(sched.ticks):  # in tick order: the earliest violation is reported
+    for s in range(S):
+      for a in sched.grid[s][t]:
+        if a.kind not in COMPUTE:
+          continue
+        if a.kind == "W" and Action(s, "BW", a.microbatch, a.chunk) in bw:
+          continue
+        for kind, dvs, m in _deps(sched, a):
+          tp = done[(kind, dvs, m)]
+          if tp >= t:
+            ps, pc = sched.place(dvs)
+            fail(f"{a} at tick {t} needs {Action(ps, kind, m, pc)} (tick {tp}) first", (s, t))
+          ps, _ = sched.place(dvs)
+          if ps != s:  # crosses devices: needs a send at tp and a receive at tp
+            ch = "F" if kind == "F" else "B"
+            if sends.get((ch, dvs, m)) != (ps, tp):
+              fail(f"{a} needs S{ch}{m} from stage {ps} at tick {tp} (missing send)", (s, t))
+            if recvs.get((ch, sched.vstage(s, a.chunk), m)) != (s, tp + sched.lag):
+              fail(f"{a} needs R{ch} of microbatch {m} on stage {s} at tick "
+                   f"{tp + sched.lag} (missing receive)", (s, t))
+            if tp + sched.lag >= t:
+              fail(f"{a} at tick {t} runs before its input arrives (tick "
+                   f"{tp + sched.lag}, lag {sched.lag})", (s, t))
+  for (ch, vs, m), (s, t) in sends.items():
+    tvs = vs + 1 if ch == "F" else vs - 1
+    if not 0 <= tvs < sched.virtual_stages:
+      fail(f"S{ch}{m} on stage {s} has no destination stage", (s, t))
+    ds, _ = sched.place(tvs)
+    if recvs.get((ch, tvs, m)) != (ds, t + sched.lag):
+      fail(f"the send {s}S{ch}{m} at tick {t} has no matching receive on stage {ds} "
+           f"at tick {t + sched.lag}", (s, t))
+    if done.get((ch, vs, m)) != t:
+      fail(f"the send {s}S{ch}{m} at tick {t} is not at its producer's tick", (s, t))
+  for (ch, vs, m), (s, t) in recvs.items():
+    svs = vs - 1 if ch == "F" else vs + 1
+    if not 0 <= svs < sched.virtual_stages or (ch, svs, m) not in sends:
+      fail(f"the receive {s}R{ch}{m} at tick {t} has no matching send", (s, t))
+  # memory bound
+  peaks = _peaks(sched, sched.bound, fail)
+  del peaks
+
+
+def _peaks(sched: PipelineSchedule, bound=None, fail=None) -> tuple[int, ...]:
+  peaks = []
+  for s, row in enumerate(sched.grid):
+    live = peak = 0
+    for t, cell in enumerate(row):
+      for a in cell:
+        if a.kind == "F":
+          live += 1
+          peak = max(peak, live)
+          if bound is not None and live > bound[s]:
+            fail(f"stage {s} holds {live} activations at tick {t}, over its bound "
+                 f"{bound[s]}", (s, t))
+        elif a.kind in ("W", "BW"):
+          live -= 1
+    peaks.append(peak)
+  return tuple(peaks)
