@@ -32,12 +32,8 @@ def _demo_case(batch=32):
 
 
 def _zoo_case(name, **sizes):
-  from benchmarks.models import ZOO
-  make, full, _ = ZOO[name]
-  kw = {**full, "batch": 32, **sizes}
-  if name != "bert":
-    kw["real_init"] = False
-  loss, args, k = make(**kw)
+  from ooojax import _hlo_cli  # full size, parameters as shapes only
+  loss, args, k = _hlo_cli.load_model(name, batch=32, sizes=sizes)
   return loss, _shapes(args), k
 
 
