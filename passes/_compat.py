@@ -149,3 +149,12 @@ def flat_debug_info(jaxpr, n_consts: int):
 
 def is_tracer(x) -> bool:
   return isinstance(x, jax.core.Tracer)
+
+
+def stacked_aval(length: int, aval):
+  """`aval` with a leading axis of `length` (a scan's ys), keeping weak type and sharding."""
+  try:
+    from jax._src import core as _core
+    return _core.unmapped_aval(length, 0, aval)
+  except (ImportError, AttributeError, TypeError):  # pragma: no cover
+    return aval.update(shape=(length, *aval.shape))
