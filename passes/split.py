@@ -283,7 +283,8 @@ def split(flat_fun: Callable[..., Sequence[Any]], in_avals: Sequence[Any],
                  if e.primitive.name not in _COMBINER_PRIMS and id(e) not in made
                  and any(True for _ in _compat_subjaxprs(e)))
   return Split(flat, tuple(consts), kinds, tuple(cluster_of), tuple(clusters),
-               len(jaxpr.outvars) - n_grads, stats.get("inlined", 0), opaque)
+               len(jaxpr.outvars) - n_grads, stats.get("inlined", 0), opaque,
+               stats.get("loops_split", 0))
 
 
 # Their sub-jaxprs are scalar combiners, not program regions to look inside.
