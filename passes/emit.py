@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from passes import _compat
+from passes import _compat, scan_skew
 from passes.ir import Kind, Schedule, Split
 
 ORDERINGS = ("control_deps", "scheduling_group", "none")
@@ -98,6 +98,8 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
     raise ValueError("ordering='control_deps' does not compile on GPU (XLA GPU has no "
                      "control-dep-rewriter pass); use ordering='scheduling_group' or "
                      "'none' (the GPU default).")
+  if annotate:  # a split backward scan becomes one scan overlapping B(i) and W(i-1)
+    split, sched = scan_skew.fuse(split, sched)
   jaxpr = split.jaxpr.jaxpr
   ct_aval = jaxpr.invars[0].aval
   env: dict = {}
