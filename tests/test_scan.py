@@ -132,8 +132,7 @@ def test_split_composes_with_vmap_and_grad():
   assert_trees_close(jax.jit(jax.grad(outer))(p), jax.jit(jax.grad(ref))(p), rtol=1e-4)
 
 
-def test_lstm_shared_weights_accumulate_in_w_scan():
-  d, t = 6, 5
+def _lstm(d=6, t=5):
   k = jax.random.split(jax.random.PRNGKey(0), 3)
   p = {"wx": jax.random.normal(k[0], (d, 4 * d)) * 0.3,
        "wh": jax.random.normal(k[1], (d, 4 * d)) * 0.3, "b": jnp.zeros(4 * d)}
@@ -148,7 +147,11 @@ def test_lstm_shared_weights_accumulate_in_w_scan():
       return (h, c), h
     _, hs = jax.lax.scan(cell, (jnp.zeros((2, d)), jnp.zeros((2, d))), xs)
     return jnp.mean(hs ** 2)
+  return loss, p, xs
 
+
+def test_lstm_shared_weights_accumulate_in_w_scan():
+  loss, p, xs = _lstm()
   _, scans = _check(loss, p, xs, n_w=3)
   # The shared weights' gradients stay accumulators, in W-scans off the chain.
   assert [c for k, c in scans if k == "DW"] == [1, 1, 1]
@@ -261,3 +264,66 @@ def test_explain_reports_per_layer_loop_rows():
   w = [row for row in r.loops if row.kind == "DW" and row.param == "['w']"][0]
   assert w.flops == pytest.approx(6 * 2 * 5 * 16 * 16, rel=0.15)  # + the transpose
   assert "per trip (per layer)" in r.summary() and "split into B-scan" in r.summary()
+
+
+# --- skewed scan -----------------------------------------------------------------
+from passes import hlo_schedule  # noqa: E402
+
+
+def _skew_loss(reverse=False):
+  def loss(p, x):
+    h, _ = jax.lax.scan(_mlp_layer, x, {"w": p["w"], "b": p["b"]}, reverse=reverse)
+    return jnp.sum((h @ p["out"]) ** 2)
+  return loss
+
+
+def _single_gpu(loss):
+  return ooo.grad(loss, mode="single_gpu", ordering="none", device="H100")
+
+
+@pytest.mark.parametrize("reverse,n", [(False, 4), (True, 4), (False, 1)])
+def test_skewed_scan_matches_grad(reverse, n):
+  p, x = _stack(n=n)
+  loss = _skew_loss(reverse)
+  assert_trees_close(jax.jit(_single_gpu(loss))(p, x), jax.grad(loss)(p, x))
+
+
+def test_skewed_lstm_and_remat_match_grad():
+  loss, p, xs = _lstm()  # W-scans with accumulator carries
+  assert_trees_close(jax.jit(_single_gpu(loss))(p, xs), jax.grad(loss)(p, xs))
+  m = _flax_stack("full")
+  x = jax.random.normal(jax.random.PRNGKey(1), (4, 5))
+  params = m.init(jax.random.PRNGKey(0), x)
+  loss = lambda params, x: jnp.mean(m.apply(params, x) ** 2)
+  assert_trees_close(jax.jit(_single_gpu(loss))(params, x), jax.grad(loss)(params, x))
+
+
+def test_skewed_scan_hlo_cpu_has_stream_call_beside_dx_in_loop_body():
+  p, x = _stack(n=4)
+  txt = jax.jit(_single_gpu(_skew_loss())).lower(p, x).compile().as_text()
+  s = hlo_schedule.parse(txt)
+  bodies = [instrs for name, instrs in s.computations.items()
+            if any(i.stream == "1" and i.op == "call" for i in instrs)
+            and any(i.op in ("dot", "fusion") and "dot_general" in i.op_name and i.stream is None
+                    for i in instrs)]
+  assert bodies, "no loop body holds both a stream-1 call and dX work"
+  whiles = [i for i in s.computations.values() for i in i if i.op == "while"]
+  assert any(set(i.calls) & {n for n, c in s.computations.items() if c in bodies}
+             for i in whiles)
+
+
+def test_skewed_scan_compile_only_h100():
+  from ooojax import gpu_hlo
+  reason = gpu_hlo.unavailable_reason()
+  if reason is not None:
+    pytest.skip(f"compile-only GPU unavailable: {reason}")
+  p, x = _stack(n=4, d=64)
+  s = gpu_hlo.schedule(_single_gpu(_skew_loss()), p, x)
+  # Inside the loop body: a stream-1 call (the W of the previous layer) and
+  # the dX GEMM of this layer, independent of each other.
+  bodies = {c for i in s.entry for c in i.calls if i.op == "while"}
+  in_body = [q for q in s.pairs_of("call") if q.computation in bodies and q.heavy_callee
+             and q.start.stream == "1"]
+  assert in_body, "no stream-1 call with a GEMM inside a while body"
+  body = s.computations[in_body[0].computation]
+  assert any(i.is_heavy and i.stream is None for i in body), "no dX GEMM beside the W call"
