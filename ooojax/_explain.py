@@ -74,6 +74,12 @@ class Report:
       parts = [f"{k} {sum(r.per_trip for r in rs) * 1e3:.4f} ms ({len(rs)} loops)"
                for k, rs in sorted(kinds.items())]
       lines.append(f"    x{trips:g} per trip (per layer): " + ", ".join(parts))
+    from passes.scan_skew import predict
+    io, sk = predict(self.split, CostModel(self.schedule.device or None))
+    if sk:
+      lines.append(f"    skewed scan (single_gpu emits B(i) beside W(i-1)): split backward "
+                   f"scans {io * 1e3:.3f} -> {sk * 1e3:.3f} ms (cost model, not in the "
+                   "predicted step above)")
     return lines
 
   def on_stream(self, stream: int) -> list[str]:

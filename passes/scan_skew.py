@@ -29,7 +29,9 @@ import jax
 import jax.numpy as jnp
 
 from passes import _compat
-from passes.ir import Kind, Schedule, Split
+from passes.cost import CostModel
+from passes.ir import Action, Kind, Schedule, Split, Unit, UnitKind
+from passes.simulate import simulate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,3 +270,33 @@ def fuse(split: Split, sched: Schedule, stream: int = 1) -> tuple[Split, Schedul
   empty = {u.name for u in units if not u.eqns and u.kind.value == "W"}
   streams = tuple(tuple(a for a in s if a.unit not in empty) for s in sched.streams)
   return new_split, dataclasses.replace(sched, units=units, streams=streams)
+
+
+def predict(split: Split, cost: CostModel) -> tuple[float, float]:
+  """(in-order, skewed) seconds of the split backward scans: cost-model estimates.
+
+  Each B-scan trip and the trip of its W-scans for the previous layer run as
+  two concurrent units on `passes.simulate`'s processor-sharing model, plus a
+  cross-stream sync per trip; a prologue B and an epilogue W run alone.
+  Returns (0, 0) when the split has no split backward scan.
+  """
+  eqns = split.jaxpr.jaxpr.eqns
+  spec = cost.spec
+  io = sk = 0.0
+  for k, e in enumerate(eqns):
+    if e.primitive.name != "scan" or split.kinds[k] is not Kind.DX:
+      continue
+    outs = {v for v in e.outvars[e.params["num_carry"]:]}
+    ws = [w for j, w in enumerate(eqns) if j > k and w.primitive.name == "scan"
+          and split.kinds[j] is Kind.DW
+          and any(isinstance(v, _compat.Var) and v in outs for v in w.invars)]
+    if not ws:
+      continue
+    n = float(e.params["length"])
+    cb, cw = cost.unit_cost([e]), cost.unit_cost(ws)
+    tb, tw = cb.seconds / n, cw.seconds / n
+    units = [Unit(UnitKind.DX, 0, (), (), tb, cb.util), Unit(UnitKind.DW, 0, (), (), tw, cw.util)]
+    pair = simulate([[Action("X", 0, 0)], [Action("W", 0, 1)]], units, 0.0).makespan
+    io += n * (tb + tw)
+    sk += tb + (n - 1) * (pair + spec.sync) + tw
+  return io, sk
