@@ -98,8 +98,9 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
     raise ValueError("ordering='control_deps' does not compile on GPU (XLA GPU has no "
                      "control-dep-rewriter pass); use ordering='scheduling_group' or "
                      "'none' (the GPU default).")
-  if annotate:  # a split backward scan becomes one scan overlapping B(i) and W(i-1)
-    split, sched = scan_skew.fuse(split, sched)
+  # A split backward scan becomes one scan running B(i) and W(i-1) together
+  # (W on stream 1 when annotating): one loop instead of 1 + #W-scans.
+  split, sched = scan_skew.fuse(split, sched, stream=1 if annotate else None)
   jaxpr = split.jaxpr.jaxpr
   ct_aval = jaxpr.invars[0].aval
   env: dict = {}

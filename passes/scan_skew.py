@@ -227,8 +227,10 @@ def _fused_outputs(b_eqn, w_eqns):
   return [v for v in outs if not isinstance(v, _compat.DropVar)]
 
 
-def fuse(split: Split, sched: Schedule, stream: int = 1) -> tuple[Split, Schedule]:
+def fuse(split: Split, sched: Schedule, stream: int | None = 1) -> tuple[Split, Schedule]:
   """Replaces each split backward scan (a dX B-scan and its dW W-scans) by one skewed scan.
+
+  `stream` is where the W part of each step runs (None: inline, one stream).
 
   The fused equation takes the B-scan's place (its unit on the dX chain);
   the W-scans leave their dW units, and a unit left with no equations leaves

@@ -288,14 +288,9 @@ def test_skewed_scan_matches_grad(reverse, n):
   assert_trees_close(jax.jit(_single_gpu(loss))(p, x), jax.grad(loss)(p, x))
 
 
-def test_skewed_lstm_and_remat_match_grad():
+def test_skewed_lstm_matches_grad():
   loss, p, xs = _lstm()  # W-scans with accumulator carries
   assert_trees_close(jax.jit(_single_gpu(loss))(p, xs), jax.grad(loss)(p, xs))
-  m = _flax_stack("full")
-  x = jax.random.normal(jax.random.PRNGKey(1), (4, 5))
-  params = m.init(jax.random.PRNGKey(0), x)
-  loss = lambda params, x: jnp.mean(m.apply(params, x) ** 2)
-  assert_trees_close(jax.jit(_single_gpu(loss))(params, x), jax.grad(loss)(params, x))
 
 
 def test_skewed_scan_hlo_cpu_has_stream_call_beside_dx_in_loop_body():
@@ -333,12 +328,12 @@ def test_scanned_stack_costs_like_unrolled_in_explain():
   from benchmarks.models import scanned
   rep = {}
   for scan in (True, False):
-    loss, args, _ = scanned.make(layers=6, batch=2, seq=16, dim=64, heads=4, vocab=64, scan=scan)
+    loss, args, _ = scanned.make(layers=4, batch=2, seq=16, dim=64, heads=4, vocab=64, scan=scan)
     rep[scan] = ooo.explain(loss, *args, device="H100")
   ratio = rep[True].schedule.in_order_makespan / rep[False].schedule.in_order_makespan
   assert 0.9 < ratio < 1.1, ratio
   dw = [r for r in rep[True].loops if r.kind == "DW"]
-  assert len(dw) == 16 and all(r.trips == 6 for r in dw)  # per-layer dW of every stacked leaf
+  assert len(dw) == 16 and all(r.trips == 4 for r in dw)  # per-layer dW of every stacked leaf
   assert "skewed scan" in rep[True].summary()
 
 
@@ -354,3 +349,9 @@ def test_custom_vjp_bwd_is_looked_into():
   assert not r.split.opaque  # the bwd rule's equations are split like any others
   assert len(r.split.clusters) == 2
   assert_trees_close(ooo.grad(loss)((w1, w2), x), jax.grad(loss)((w1, w2), x))
+
+
+def test_scan_split_docstring_examples():
+  import doctest
+  result = doctest.testmod(scan_split, optionflags=doctest.ELLIPSIS)
+  assert result.attempted > 0 and result.failed == 0
