@@ -31,8 +31,9 @@ from passes.scan_skew import predict
 
 VARIANTS = {
     "jax.grad": None,
-    "ooo in_order (B-scan + W-scans)": {"mode": "in_order"},
-    "ooo single_gpu (skewed scan, ordering none)": {"mode": "single_gpu", "ordering": "none"},
+    "ooo in_order (one scan: B(i) and W(i-1) inline)": {"mode": "in_order"},
+    "ooo single_gpu (skewed scan, W in a stream call, ordering none)":
+        {"mode": "single_gpu", "ordering": "none"},
 }
 
 
