@@ -8,7 +8,6 @@ a conv/GEMM kernel scheduled between start and done.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import time
@@ -177,8 +176,15 @@ def run(args) -> int:
   import jax
   print(f"{args.model} ({'tiny' if args.tiny else 'full'} size), mode={args.mode}, "
         f"compile-only {args.gpu} x{args.devices}, jax {jax.__version__}")
-  c = compile_model(fn, fargs, gpu=args.gpu, devices=args.devices,
-                    compiler_options=parse_kv(args.opt))
+  try:
+    c = compile_model(fn, fargs, gpu=args.gpu, devices=args.devices,
+                      compiler_options=parse_kv(args.opt))
+  except Exception as e:  # noqa: BLE001 - say what to change, not a traceback
+    msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    hint = (" (XLA:GPU cannot compile ordering='control_deps': pass --ordering none)"
+            if "control_dep" in str(e) else "")
+    print(f"compile failed: {type(e).__name__}: {msg}{hint}")
+    return 1
   print(f"lower {c.lower_s:.2f} s, compile {c.compile_s:.2f} s")
   print(c.schedule.summary())
   if not any(ln.startswith("heavy dW calls overlapped") for ln in c.schedule.summary().splitlines()):

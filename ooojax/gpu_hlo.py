@@ -107,9 +107,11 @@ def plugin_versions() -> dict[str, Any]:
     return {"plugin": p, "version": version, "source": "plugin build info",
             "cudnn": (dnn // 10000, dnn % 10000 // 100), "cuda": (rt // 1000, rt % 1000 // 10)}
   except Exception:  # no plugin, or a build whose version helpers moved
-    known = _KNOWN_BUILDS.get(version or "", _DEFAULT_BUILD)
-    return {"plugin": p, "version": version,
-            "source": "table" if version in _KNOWN_BUILDS else "default", **known}
+    if version in _KNOWN_BUILDS:
+      return {"plugin": p, "version": version, "source": "table", **_KNOWN_BUILDS[version]}
+    # A guess: the plugin's CUDA major, and the cuDNN of the last known build.
+    return {"plugin": p, "version": version, "source": "default (guessed)",
+            **_DEFAULT_BUILD, **({"cuda": (13, 0)} if p == "cuda13" else {})}
 
 
 def target_config(gpu: str = "H100") -> str:
@@ -219,6 +221,12 @@ def mesh(gpu: str = "H100", devices: int | Sequence[int] = 1,
   return _mesh(gpu, _mesh_shape(devices, axis_names), tuple(axis_names))
 
 
+def _default_mesh(gpu: str, devices: int | Sequence[int]) -> jax.sharding.Mesh:
+  if isinstance(devices, (int, np.integer)):
+    return mesh(gpu, devices, ("d",))
+  return mesh(gpu, devices, tuple(f"d{i}" for i in range(len(devices))))
+
+
 def _place(args, m: jax.sharding.Mesh):
   """Every leaf as a ShapeDtypeStruct on `m`: replicated unless it already
   carries a sharding on `m`'s devices."""
@@ -249,8 +257,7 @@ def compiled(fn, *args, gpu: str = "H100", devices: int | Sequence[int] = 1,
   reason = unavailable_reason()
   if reason is not None:
     raise RuntimeError(f"cannot compile for a GPU here: {reason}")
-  m = mesh if mesh is not None else globals()["mesh"](gpu, devices, ("d",) if isinstance(
-      devices, (int, np.integer)) else tuple(f"d{i}" for i in range(len(devices))))
+  m = mesh if mesh is not None else _default_mesh(gpu, devices)
   f = fn if hasattr(fn, "lower") else jax.jit(fn)
   return f.lower(*_place(args, m)).compile(compiler_options=dict(compiler_options or {}))
 

@@ -1,6 +1,7 @@
 """Compile-only GPU schedules: the HLO schedule parser and ooojax.gpu_hlo."""
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -132,7 +133,10 @@ def test_parse_tolerates_unscheduled_and_unnamed_entry():
 
 def test_parse_real_cpu_hlo():
   # XLA:CPU keeps stream-annotated calls as plain `call`s and collectives sync.
-  mesh = jax.make_mesh((8,), ("d",))
+  cpus = jax.devices("cpu")
+  if len(cpus) < 8:
+    pytest.skip(f"needs 8 CPU devices (XLA_FLAGS in conftest), have {len(cpus)}")
+  mesh = jax.sharding.Mesh(np.array(cpus[:8]), ("d",))  # CPU even where a GPU is the default
 
   def f(w, x):
     def body(w, x):
@@ -160,6 +164,25 @@ def test_reason_says_what_to_do(monkeypatch):
   monkeypatch.setattr(gpu_hlo, "_dist_version", lambda name: None)
   monkeypatch.setattr(gpu_hlo, "_probe", lambda: None)
   assert gpu_hlo.unavailable_reason() is None
+
+
+def test_plugin_versions_fall_back_to_the_table(monkeypatch):
+  import importlib
+  real = importlib.import_module
+
+  def no_versions(name, *a):
+    if name.endswith("._versions"):
+      raise ImportError(name)
+    return real(name, *a)
+  monkeypatch.setattr(importlib, "import_module", no_versions)
+  monkeypatch.setattr(gpu_hlo, "_installed_plugin", lambda: "cuda12")
+  monkeypatch.setattr(gpu_hlo, "_dist_version", lambda name: "0.10.2")
+  gpu_hlo.plugin_versions.cache_clear()
+  try:
+    v = gpu_hlo.plugin_versions()
+    assert v["source"] == "table" and v["cudnn"] == (9, 8) and v["cuda"] == (12, 9)
+  finally:
+    gpu_hlo.plugin_versions.cache_clear()
 
 
 def test_target_configs_and_bad_input():
@@ -246,3 +269,27 @@ def test_cli_hlo_on_demo(tmp_path, capsys):
   assert "is_scheduled=true" in out.read_text()
   with pytest.raises(ValueError, match="unknown model"):
     main(["hlo", "--model", "nope"])
+
+
+def test_compare_prediction_with_compiled_snippet():
+  from passes import hlo_compare
+  from passes.ir import Action, Schedule, Unit, UnitKind
+  from passes.simulate import simulate
+  X, W = UnitKind.DX, UnitKind.DW
+  units = (Unit(X, 0, (), (), cost=1.0, util=0.5), Unit(X, 2, (), ("X0",), cost=3.0, util=0.5),
+           Unit(W, 3, (), ("X0",), cost=1.0, util=0.5, label="w3"),
+           Unit(W, 4, (), ("X0",), cost=1.0, util=0.5, label="w4"),
+           Unit(W, 5, (), ("X0",), cost=1.0, util=0.5, label="w5"))
+  streams = ((Action("X", 0, 0), Action("X", 2, 0)),
+             (Action("W", 3, 1), Action("W", 4, 1), Action("W", 5, 1)))
+  sched = Schedule(streams, (), units)
+  hlo = hlo_schedule.parse(SNIPPET)
+  assert hlo_compare.unit_of(hlo.find("gemm")) == "X2"
+  c = hlo_compare.compare(sched, simulate(streams, units), hlo, "H100")
+  assert [u.unit for u in c.units] == ["W3", "W4", "W5"]
+  w3, w4, w5 = c.units
+  assert w3.predicted_overlap and w3.heavy and w3.xla_call == "call-start"
+  assert w3.heavy_between == ("gemm", "conv_fusion") and w3.xla_overlapped and w3.agrees
+  assert not w4.heavy and w4.kernels_between == ("gemm",) and w4.xla_overlapped
+  assert w5.xla_call is None and not w5.xla_overlapped and c.mismatches() == (w5,)
+  assert c.heavy_overlap == (1, 1) and "<- differs" in c.summary()
