@@ -96,7 +96,7 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
     _, _, _, which, _ = w_in[i_w]
     return Ws[i_w](consts, carries, plain_xs + [res[r] for r in which])
 
-  def w_step(w_carries, w_xs, res, anchor=None):
+  def w_step(w_carries, w_xs, res):
     def f(*flat):
       it = iter(flat)
       cs = [[next(it) for _ in w_in[i][1]] for i in range(len(Ws))]
@@ -121,10 +121,6 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
         shapes[:] = [x.shape for x in o]
         return tuple(x.reshape(-1) for x in o)
       outs = _compat.on_stream(flat_f, stream, n_out)(*flat)
-      if anchor is not None:
-        # The done waits for the dX work of this step (see ../shared/gpu-hlo.md:
-        # XLA:GPU places a stream call's done right before its first user).
-        outs, _ = jax.lax.optimization_barrier((tuple(outs), anchor))
       outs = [x.reshape(sh) for x, sh in zip(outs, shapes)]
     it = iter(outs)
     k_out, ys = [], []
@@ -149,7 +145,7 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
       bk, wk, res = carry
       bx, wx = xs
       nbk_, b_out = B(b_c, bk, bx)          # B(i): the dX chain
-      nwk, w_ys = w_step(wk, wx, res, tuple(nbk_))  # W(i-1), beside it on the side stream
+      nwk, w_ys = w_step(wk, wx, res)       # W(i-1), beside it on the side stream
       return (nbk_, nwk, b_out[n_bys:]), (b_out[:n_bys], w_ys)
 
     (bk, w_k, res_last), (b_ys_rest, w_ys_rest) = jax.lax.scan(
