@@ -6,9 +6,25 @@ import html
 from collections import Counter
 from typing import Any
 
-from passes.cost import get_spec
+from passes.cost import LOOP_RULES, CostModel, get_spec
 from passes.ir import Kind, Schedule, Split, UnitKind
 from passes.simulate import Timeline, simulate
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopRow:
+  """One loop equation (scan / while / cond) of the split, priced from its body."""
+  eqn: int          # index in the split jaxpr
+  primitive: str
+  kind: str         # "FORWARD" / "DX" / "DW" / "DEAD"
+  param: str        # the parameter a dW loop feeds, else ""
+  trips: float      # body runs (scan length, while trip count; 1 for cond)
+  seconds: float    # whole loop, cost-model estimate
+  flops: float
+
+  @property
+  def per_trip(self) -> float:
+    return self.seconds / self.trips if self.trips else self.seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +44,43 @@ class Report:
   def clusters(self) -> dict[str, int]:
     """Parameter path -> number of dW equations in its cluster."""
     return {c.param: len(c.eqns) for c in self.split.clusters}
+
+  @property
+  def loops(self) -> tuple[LoopRow, ...]:
+    """Every loop equation with its kind and cost (per layer = `per_trip`)."""
+    from passes.cost import estimate
+    cm = CostModel(self.schedule.device or None)
+    eqns = self.split.jaxpr.jaxpr.eqns
+    rows = []
+    for k, e in enumerate(eqns):
+      if e.primitive.name not in LOOP_RULES:
+        continue
+      ci = self.split.cluster_of[k]
+      rows.append(LoopRow(k, e.primitive.name, self.split.kinds[k].name,
+                          self.split.clusters[ci].param if ci >= 0 else "",
+                          cm.loop_trips(e), cm.unit_cost([e]).seconds, estimate(e).flops))
+    return tuple(rows)
+
+  def _loop_lines(self) -> list[str]:
+    rows = self.loops
+    if not rows:
+      return []
+    by_trips: dict[float, dict[str, list[LoopRow]]] = {}
+    for r in rows:
+      by_trips.setdefault(r.trips, {}).setdefault(r.kind, []).append(r)
+    lines = [f"  loops: {len(rows)} ({self.split.loops_split} backward scans split into "
+             "B-scan + W-scans)"]
+    for trips, kinds in sorted(by_trips.items()):
+      parts = [f"{k} {sum(r.per_trip for r in rs) * 1e3:.4f} ms ({len(rs)} loops)"
+               for k, rs in sorted(kinds.items())]
+      lines.append(f"    x{trips:g} per trip (per layer): " + ", ".join(parts))
+    from passes.scan_skew import predict
+    io, sk = predict(self.split, CostModel(self.schedule.device or None))
+    if sk:
+      lines.append(f"    skewed scan (single_gpu emits B(i) beside W(i-1)): split backward "
+                   f"scans {io * 1e3:.3f} -> {sk * 1e3:.3f} ms (cost model, not in the "
+                   "predicted step above)")
+    return lines
 
   def on_stream(self, stream: int) -> list[str]:
     if stream >= len(self.schedule.streams):
@@ -54,6 +107,7 @@ class Report:
         f"{s.in_order_makespan * 1e3:.3f} ms, scheduled {s.makespan * 1e3:.3f} ms, "
         f"speedup {s.predicted_speedup:.3f}x",
     ]
+    lines += self._loop_lines()
     for i, stream in enumerate(s.streams):
       text = " ".join(str(a) for a in stream)
       lines.append(f"  stream {i}: {text[:200]}{' ...' if len(text) > 200 else ''}")

@@ -228,3 +228,12 @@ def _pcast_varying(x, axes):
   if hasattr(jax.lax, "pcast"):  # jax >= 0.8
     return jax.lax.pcast(x, axes, to="varying")
   return jax.lax.pvary(x, axes)  # pragma: no cover - older name
+
+
+def stacked_aval(length: int, aval):
+  """`aval` with a leading axis of `length` (a scan's ys), keeping weak type and sharding."""
+  try:
+    from jax._src import core as _core
+    return _core.unmapped_aval(length, 0, aval)
+  except (ImportError, AttributeError, TypeError):  # pragma: no cover
+    return aval.update(shape=(length, *aval.shape))

@@ -10,6 +10,12 @@ primitives are assumed fused into a neighbouring kernel (as XLA does), so they
 add their memory traffic but no launch. `util` is the share of the device a
 unit keeps busy when it runs alone: launch-bound and small kernels leave SMs
 idle, which is exactly the room a second stream can fill.
+
+Loops (`LOOP_RULES`): a `scan` is priced as its body x `length`, a `while`
+with a known trip count (the `fori_loop` pattern: a counter from a literal
+compared with a literal bound) likewise, and a `cond` by its dearest branch;
+nested loops recurse. A `while` whose trip count is unknown is priced as one
+trip. A trip costs at least one launch (the loop's counter and condition).
 """
 from __future__ import annotations
 
@@ -126,9 +132,89 @@ KERNEL_PRIMS = frozenset({
 })
 
 
+@dataclasses.dataclass(frozen=True)
+class Loop:
+  """How a control-flow equation runs its bodies.
+
+  `regions` are `(body equations, trips)`; with `alternatives` only the
+  dearest region runs (a `cond`'s branches), else all of them run.
+  """
+  regions: tuple[tuple[tuple, float], ...]
+  alternatives: bool = False
+
+
+def _body(j):
+  return tuple(getattr(j, "jaxpr", j).eqns)
+
+
+def _scan_loop(eqn) -> Loop:
+  return Loop(((_body(eqn.params["jaxpr"]), float(eqn.params["length"])),))
+
+
+def _lit(v):
+  val = getattr(v, "val", None)
+  try:
+    return int(val) if val is not None and getattr(val, "shape", ()) == () else None
+  except (TypeError, ValueError):
+    return None
+
+
+def while_trips(eqn) -> int | None:
+  """Trip count of a `while` in the `fori_loop` pattern, or None when unknown.
+
+  The pattern: the condition is `lt(carry[i], bound)` where carry[i] starts
+  at a literal and the body adds the literal 1 to it; `bound` is a literal or
+  a carry passed through unchanged that starts at a literal.
+  """
+  p = eqn.params
+  cond, body = getattr(p["cond_jaxpr"], "jaxpr", p["cond_jaxpr"]), getattr(
+      p["body_jaxpr"], "jaxpr", p["body_jaxpr"])
+  nc, nb = p["cond_nconsts"], p["body_nconsts"]
+  init = eqn.invars[nc + nb:]
+  if len(cond.eqns) != 1 or cond.eqns[0].primitive.name != "lt":
+    return None
+  carries = cond.invars[nc:]
+  a, b = cond.eqns[0].invars
+  if a not in carries:
+    return None
+  i = carries.index(a)
+  lo = _lit(init[i])
+  hi = _lit(b) if b not in carries else _lit(init[carries.index(b)])
+  if b in carries and body.outvars[carries.index(b)] is not body.invars[nb + carries.index(b)]:
+    return None
+  step = [e for e in body.eqns if body.outvars[i] in e.outvars]
+  if (lo is None or hi is None or len(step) != 1 or step[0].primitive.name != "add"
+      or body.invars[nb + i] not in step[0].invars
+      or 1 not in [_lit(v) for v in step[0].invars]):
+    return None
+  return max(hi - lo, 0)
+
+
+def _while_loop(eqn) -> Loop:
+  trips = while_trips(eqn)
+  p = eqn.params
+  t = float(trips if trips is not None else 1)
+  return Loop(((_body(p["body_jaxpr"]), t), (_body(p["cond_jaxpr"]), t + 1)))
+
+
+def _cond_loop(eqn) -> Loop:
+  return Loop(tuple((_body(b), 1.0) for b in eqn.params["branches"]), True)
+
+
+LoopRule = Callable[[object], Loop]
+LOOP_RULES: dict[str, LoopRule] = {
+    "scan": _scan_loop,
+    "while": _while_loop,
+    "cond": _cond_loop,
+}
+
+
 def estimate(eqn) -> EqnCost:
   """FLOPs, bytes and kernel-ness of one equation (device independent)."""
   name = eqn.primitive.name
+  loop = LOOP_RULES.get(name)
+  if loop is not None:
+    return _loop_estimate(eqn, loop(eqn))
   out_bytes = sum(_nbytes(v.aval) for v in eqn.outvars)
   out_elems = sum(_size(v.aval) for v in eqn.outvars)
   rule = FLOP_RULES.get(name)
@@ -141,6 +227,17 @@ def estimate(eqn) -> EqnCost:
     flops = float(out_elems)
   in_bytes = sum(_nbytes(getattr(v, "aval", None)) for v in eqn.invars) if kernel else 0
   return EqnCost(flops, float(in_bytes + out_bytes), kernel, out_elems)
+
+
+def _loop_estimate(eqn, loop: Loop) -> EqnCost:
+  per = []
+  for eqns, trips in loop.regions:
+    cs = [estimate(e) for e in eqns]
+    per.append((trips * sum(c.flops for c in cs), trips * sum(c.bytes for c in cs)))
+  if loop.alternatives:
+    per = [max(per, key=lambda fb: fb[0])] if per else []
+  out_elems = sum(_size(v.aval) for v in eqn.outvars)
+  return EqnCost(sum(f for f, _ in per), sum(b for _, b in per), True, out_elems)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,10 +276,25 @@ class CostModel:
 
   def unit_cost(self, eqns, label: str = "") -> UnitCost:
     """Cost of running `eqns` (jaxpr equations) back to back on one stream."""
-    kernels = 0
+    work, busy, kernels = self._price(eqns)
+    kernels = max(int(round(kernels)), 1 if eqns else 0)
+    seconds = work + kernels * self.spec.launch
+    if label in self.measured:
+      return UnitCost(self.measured[label], 1.0, kernels)
+    util = busy / seconds if seconds > 0 else 0.0
+    return UnitCost(seconds, min(max(util, 0.01), 1.0), kernels)
+
+  def _price(self, eqns) -> tuple[float, float, float]:
+    """(work seconds, busy seconds, kernels) of `eqns`; loops priced from their bodies."""
+    kernels = 0.0
     work = 0.0
     busy = 0.0
     for eqn in eqns:
+      rule = LOOP_RULES.get(eqn.primitive.name)
+      if rule is not None:
+        w, b, k = self._price_loop(rule(eqn))
+        work, busy, kernels = work + w, busy + b, kernels + k
+        continue
       c = estimate(eqn)
       dtype = getattr(eqn.outvars[0].aval, "dtype", None) if eqn.outvars else None
       matmul = eqn.primitive.name in MATMUL_PRIMS
@@ -193,9 +305,25 @@ class CostModel:
         busy += t * self.occupancy(c, matmul)
       else:
         busy += t
-    kernels = max(kernels, 1 if eqns else 0)
-    seconds = work + kernels * self.spec.launch
-    if label in self.measured:
-      return UnitCost(self.measured[label], 1.0, kernels)
-    util = busy / seconds if seconds > 0 else 0.0
-    return UnitCost(seconds, min(max(util, 0.01), 1.0), kernels)
+    return work, busy, kernels
+
+  def _price_loop(self, loop: Loop) -> tuple[float, float, float]:
+    priced = []
+    for eqns, trips in loop.regions:
+      w, b, k = self._price(eqns)
+      priced.append((trips * w, trips * b, trips * k))
+    if loop.alternatives:
+      seconds = lambda p: p[0] + p[2] * self.spec.launch
+      return max(priced, key=seconds) if priced else (0.0, 0.0, 0.0)
+    # A trip is at least one kernel: the loop counter and condition.
+    trips = max((t for _, t in loop.regions), default=0.0)
+    w, b, k = (sum(p[i] for p in priced) for i in range(3))
+    return w, b, max(k, trips)
+
+  def loop_trips(self, eqn) -> float:
+    """How many times a loop equation runs its body (1 for non-loops)."""
+    rule = LOOP_RULES.get(eqn.primitive.name)
+    if rule is None:
+      return 1.0
+    loop = rule(eqn)
+    return 1.0 if loop.alternatives else max((t for _, t in loop.regions), default=1.0)

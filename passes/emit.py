@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from passes import _compat
+from passes import _compat, scan_skew
 from passes.ir import Call, Kind, Schedule, Split
 
 ORDERINGS = ("auto", "barriers", "control_deps", "scheduling_group", "none")
@@ -185,6 +185,9 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
     raise ValueError(f"ordering must be one of {ORDERINGS}, got {ordering!r}")
   barriers = annotate and ordering in ("auto", "barriers")
   edges = annotate and ordering in ("auto", "control_deps")
+  # A split backward scan becomes one scan running B(i) and W(i-1) together
+  # (W on stream 1 when annotating): one loop instead of 1 + #W-scans.
+  split, sched = scan_skew.fuse(split, sched, stream=1 if annotate else None)
   jaxpr = split.jaxpr.jaxpr
   ct_aval = jaxpr.invars[0].aval
   env: dict = {}

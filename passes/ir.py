@@ -44,6 +44,7 @@ class Split:
   grad_out_start: int
   inlined: int                  # call-like equations inlined
   opaque: tuple[str, ...]       # primitives kept whole (e.g. scan, while)
+  loops_split: int = 0          # backward scans split into B-scan + W-scans
 
   def count(self, kind: Kind) -> int:
     return sum(k is kind for k in self.kinds)

@@ -15,8 +15,9 @@ cotangent `ct`. Equations are then classified:
 
 Call-like equations (`jit`/`pjit`, `closed_call`, `custom_jvp_call`,
 `custom_vjp_call`, `checkpoint`) are inlined first so that their insides are
-classified too; higher-order equations with no inline rule (scan, while, cond)
-are kept whole and reported in `Split.opaque`.
+classified too; a backward `scan` is split into a B-scan and W-scans
+(`REWRITE_RULES`, `passes.scan_split`); other higher-order equations (while,
+cond, scans that do not split) are kept whole and reported in `Split.opaque`.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from typing import Any
 
 import jax
 
-from passes import _compat
+from passes import _compat, scan_split
 from passes.ir import Cluster, Kind, Split
 
 # --- inline rules: primitive name -> params -> (jaxpr, consts, prevent_cse) ---
@@ -58,6 +59,11 @@ def _remat_rule(params):
 
 INLINE_RULES["checkpoint"] = _remat_rule
 INLINE_RULES["remat2"] = _remat_rule
+
+# --- rewrite rules for backward equations: primitive name -> eqn -> new eqns ---
+# A backward scan becomes a B-scan (the dX chain) and W-scans (per-parameter
+# dW); see passes/scan_split.py.
+REWRITE_RULES: dict[str, scan_split.RewriteRule] = dict(scan_split.REWRITE_RULES)
 
 
 def _needs_inline(jaxpr) -> bool:
@@ -258,6 +264,7 @@ def split(flat_fun: Callable[..., Sequence[Any]], in_avals: Sequence[Any],
   closed = jax.make_jaxpr(flat_fun)(*in_avals)
   stats: dict = {}
   flat, consts = inline_calls(closed, stats)
+  flat = scan_split.rewrite_backward(flat, REWRITE_RULES, stats)  # B-scan / W-scans
   jaxpr = flat.jaxpr
   kinds, leaf = classify(jaxpr, n_grads)
 
@@ -271,11 +278,13 @@ def split(flat_fun: Callable[..., Sequence[Any]], in_avals: Sequence[Any],
                             tuple(by_leaf[l])))
     for k in by_leaf[l]:
       cluster_of[k] = ci
+  made = stats.get("split_eqns", set())
   opaque = tuple(e.primitive.name for e in jaxpr.eqns
-                 if e.primitive.name not in _COMBINER_PRIMS
+                 if e.primitive.name not in _COMBINER_PRIMS and id(e) not in made
                  and any(True for _ in _compat_subjaxprs(e)))
   return Split(flat, tuple(consts), kinds, tuple(cluster_of), tuple(clusters),
-               len(jaxpr.outvars) - n_grads, stats.get("inlined", 0), opaque)
+               len(jaxpr.outvars) - n_grads, stats.get("inlined", 0), opaque,
+               stats.get("loops_split", 0))
 
 
 # Their sub-jaxprs are scalar combiners, not program regions to look inside.

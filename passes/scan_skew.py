@@ -1,0 +1,302 @@
+"""scan_skew: one scan whose step i computes B(i) and W(i-1) side by side.
+
+Contract: `skewed_scan(b_eqn, w_eqns, invals, stream=1) -> {outvar: value}`
+evaluates a B-scan and its W-scans (from `passes.scan_split`) as ONE scan in
+the current trace; `fuse(split, sched) -> (split, sched)` rewrites a split and
+its schedule so that `passes.emit` emits every split backward scan that way.
+
+After `scan_split`, the W-scans can only start once the whole B-scan has
+finished, so in a scan over layers nothing overlaps the dW work. Skewing
+restores the overlap the paper gets between layers: step i of the loop runs
+B on layer i and W on layer i-1 (whose residuals B produced one step before
+and which ride in the carry), the W part wrapped in a stream-annotated call
+(`_compat.on_stream`) so XLA GPU runs it on a second stream beside the dX
+work. A prologue runs B on the first layer alone and an epilogue W on the
+last. Residuals are carried one step instead of stacked over all layers, so
+the skewed scan also gives back the B/W split's extra memory. Its outputs are
+exactly the B-scan's and W-scans' outputs (the same variables).
+
+`ooo.grad(..., mode="single_gpu")` emits it; `tests/test_scan.py` checks the
+compiled loop body on CPU and on a compile-only H100.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from passes import _compat
+from passes.cost import CostModel
+from passes.ir import Action, Kind, Schedule, Split, Unit, UnitKind
+from passes.simulate import simulate
+
+
+@dataclasses.dataclass(frozen=True)
+class _Body:
+  """A scan equation's body as a function of (consts, carries, x slices)."""
+  eqn: Any
+
+  @property
+  def p(self):
+    return self.eqn.params
+
+  def split_in(self, vals):
+    nc, nk = self.p["num_consts"], self.p["num_carry"]
+    return list(vals[:nc]), list(vals[nc:nc + nk]), list(vals[nc + nk:])
+
+  def __call__(self, consts, carries, xs):
+    j = self.p["jaxpr"]
+    outs = jax.core.eval_jaxpr(j.jaxpr, j.consts, *consts, *carries, *xs)
+    nk = self.p["num_carry"]
+    return list(outs[:nk]), list(outs[nk:])
+
+
+def _at(x, i):
+  return jax.lax.index_in_dim(x, i, 0, keepdims=False)
+
+
+def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
+                stream: int | None = 1) -> dict:
+  """Runs a B-scan and its W-scans as one skewed scan; returns {outvar: value}.
+
+  Args:
+    b_eqn: the B-scan equation (`ScanSplit.b_eqn`).
+    w_eqns: W-scan equations reading the B-scan's residual outputs.
+    read: maps an outer input atom (Var or Literal) to its value.
+    stream: the GPU stream the W part runs on inside the loop (a
+      stream-annotated call); None runs it inline.
+  """
+  B = _Body(b_eqn)
+  Ws = [_Body(e) for e in w_eqns]
+  length, reverse = B.p["length"], B.p["reverse"]
+  for w in Ws:
+    if w.p["length"] != length or w.p["reverse"] != reverse:
+      raise ValueError("a W-scan must run over the B-scan's length and direction")
+  b_c, b_k, b_x = B.split_in([read(v) for v in b_eqn.invars])
+  nbk = len(b_k)
+  n_res = len(b_eqn.outvars) - nbk - _n_b_ys(b_eqn, w_eqns)
+  res_vars = list(b_eqn.outvars[len(b_eqn.outvars) - n_res:])
+  res_pos = {v: i for i, v in enumerate(res_vars)}
+  is_res = lambda a: isinstance(a, _compat.Var) and a in res_pos
+  # Per W: its consts, accumulator inits, plain xs, and which residuals it reads.
+  w_in = []
+  for w in Ws:
+    c, k, xs_atoms = w.split_in(list(w.eqn.invars))
+    xs_plain = [a for a in xs_atoms if not is_res(a)]
+    w_in.append(([read(a) for a in c], [read(a) for a in k], [read(a) for a in xs_plain],
+                 [res_pos[a] for a in xs_atoms if is_res(a)], len(xs_plain)))
+
+  first = length - 1 if reverse else 0
+  last = 0 if reverse else length - 1
+
+  def run_w(i_w, consts, carries, plain_xs, res):
+    _, _, _, which, _ = w_in[i_w]
+    return Ws[i_w](consts, carries, plain_xs + [res[r] for r in which])
+
+  def w_step(w_carries, w_xs, res):
+    def f(*flat):
+      it = iter(flat)
+      cs = [[next(it) for _ in w_in[i][1]] for i in range(len(Ws))]
+      xs = [[next(it) for _ in range(w_in[i][4])] for i in range(len(Ws))]
+      r = [next(it) for _ in range(n_res)]
+      outs = []
+      for i in range(len(Ws)):
+        k_out, ys = run_w(i, w_in[i][0], cs[i], xs[i], r)
+        outs += k_out + ys
+      return tuple(outs)
+    flat = [x for c in w_carries for x in c] + [x for xs in w_xs for x in xs] + list(res)
+    n_out = sum(len(w.eqn.outvars) for w in Ws)
+    if stream is None or n_out == 0:
+      outs = f(*flat)
+    else:
+      # Outputs leave the call flat, so a layout change happens inside it
+      # rather than as a main-stream transpose that pulls the done early.
+      shapes = []
+
+      def flat_f(*a):
+        o = f(*a)
+        shapes[:] = [x.shape for x in o]
+        return tuple(x.reshape(-1) for x in o)
+      outs = _compat.on_stream(flat_f, stream, n_out)(*flat)
+      outs = [x.reshape(sh) for x, sh in zip(outs, shapes)]
+    it = iter(outs)
+    k_out, ys = [], []
+    for i, w in enumerate(Ws):
+      k_out.append([next(it) for _ in w_in[i][1]])
+      ys.append([next(it) for _ in range(len(w.eqn.outvars) - len(w_in[i][1]))])
+    return k_out, ys
+
+  # Prologue: B on the first position.
+  bk, b_out = B(b_c, b_k, [_at(x, first) for x in b_x])
+  n_bys = len(b_out) - n_res
+  b_ys0, res0 = b_out[:n_bys], b_out[n_bys:]
+  w_k = [list(k) for _, k, _, _, _ in w_in]
+
+  b_rest = [jax.lax.slice_in_dim(x, 0 if reverse else 1, length - 1 if reverse else length)
+            for x in b_x]
+  w_rest = [[jax.lax.slice_in_dim(x, 1 if reverse else 0, length if reverse else length - 1)
+             for x in plain] for _, _, plain, _, _ in w_in]
+
+  if length > 1:
+    def body(carry, xs):
+      bk, wk, res = carry
+      bx, wx = xs
+      nbk_, b_out = B(b_c, bk, bx)          # B(i): the dX chain
+      nwk, w_ys = w_step(wk, wx, res)       # W(i-1), beside it on the side stream
+      return (nbk_, nwk, b_out[n_bys:]), (b_out[:n_bys], w_ys)
+
+    (bk, w_k, res_last), (b_ys_rest, w_ys_rest) = jax.lax.scan(
+        body, (bk, w_k, res0), (b_rest, w_rest), reverse=reverse,
+        unroll=B.p.get("unroll", 1))
+  else:
+    res_last, b_ys_rest, w_ys_rest = res0, [], [[] for _ in Ws]
+
+  # Epilogue: W on the last position.
+  w_last = [[_at(x, last) for x in plain] for _, _, plain, _, _ in w_in]
+  w_k, w_ys_last = w_step(w_k, w_last, res_last)
+
+  def stack(one, many, one_first):
+    one = jnp.expand_dims(one, 0)
+    if length == 1:
+      return one
+    return jnp.concatenate([one, many] if one_first else [many, one], axis=0)
+
+  out: dict = {}
+  for v, x in zip(b_eqn.outvars[:nbk], bk):
+    out[v] = x
+  b_ys_vars = b_eqn.outvars[nbk:nbk + n_bys]
+  for j, v in enumerate(b_ys_vars):
+    out[v] = stack(b_ys0[j], b_ys_rest[j] if length > 1 else None, not reverse)
+  for i, w in enumerate(Ws):
+    nk = len(w_in[i][1])
+    for v, x in zip(w.eqn.outvars[:nk], w_k[i]):
+      out[v] = x
+    for j, v in enumerate(w.eqn.outvars[nk:]):
+      out[v] = stack(w_ys_last[i][j], w_ys_rest[i][j] if length > 1 else None, reverse)
+  return {v: x for v, x in out.items() if not isinstance(v, _compat.DropVar)}
+
+
+def _n_b_ys(b_eqn, w_eqns) -> int:
+  """How many of the B-scan's ys are its own (the rest are residuals for W)."""
+  read = {v for e in w_eqns for v in e.invars if isinstance(v, _compat.Var)}
+  nk = b_eqn.params["num_carry"]
+  ys = b_eqn.outvars[nk:]
+  n = len(ys)
+  while n and ys[n - 1] in read:
+    n -= 1
+  return n
+
+
+# --- fusing into a schedule for emission ---------------------------------------
+class _SkewPrimitive:
+  """Stands in for the fused equation's primitive: `emit` binds it like any other."""
+  name = "skewed_scan"
+  multiple_results = True
+
+  def get_bind_params(self, params):
+    return params
+
+  def bind(self, *args, b_eqn, w_eqns, stream):
+    env = dict(zip([v for v in _fused_inputs(b_eqn, w_eqns)], args))
+    read = lambda a: env[a] if isinstance(a, _compat.Var) else a.val
+    out = skewed_scan(b_eqn, w_eqns, read, stream)
+    return [out[v] for v in _fused_outputs(b_eqn, w_eqns)]
+
+
+_SKEW = _SkewPrimitive()
+
+
+def _fused_inputs(b_eqn, w_eqns):
+  res = set(b_eqn.outvars)
+  ins = [a for a in b_eqn.invars if isinstance(a, _compat.Var)]
+  ins += [a for e in w_eqns for a in e.invars if isinstance(a, _compat.Var) and a not in res]
+  return list(dict.fromkeys(ins))
+
+
+def _fused_outputs(b_eqn, w_eqns):
+  n_res = len(b_eqn.outvars) - b_eqn.params["num_carry"] - _n_b_ys(b_eqn, w_eqns)
+  outs = list(b_eqn.outvars[:len(b_eqn.outvars) - n_res])
+  outs += [v for e in w_eqns for v in e.outvars]
+  return [v for v in outs if not isinstance(v, _compat.DropVar)]
+
+
+def fuse(split: Split, sched: Schedule, stream: int | None = 1) -> tuple[Split, Schedule]:
+  """Replaces each split backward scan (a dX B-scan and its dW W-scans) by one skewed scan.
+
+  `stream` is where the W part of each step runs (None: inline, one stream).
+
+  The fused equation takes the B-scan's place (its unit on the dX chain);
+  the W-scans leave their dW units, and a unit left with no equations leaves
+  the schedule. Returns the split and schedule unchanged when nothing fuses.
+  """
+  eqns = list(split.jaxpr.jaxpr.eqns)
+  producer = {v: k for k, e in enumerate(eqns) for v in e.outvars}
+  fused_w: set[int] = set()
+  changed = False
+  for k, e in enumerate(eqns):
+    if e.primitive.name != "scan" or split.kinds[k] is not Kind.DX:
+      continue
+    outs = set(e.outvars[e.params["num_carry"]:])
+    ws = [j for j, w in enumerate(eqns) if j > k and w.primitive is not _SKEW
+          and w.primitive.name == "scan" and split.kinds[j] is Kind.DW
+          and any(isinstance(v, _compat.Var) and v in outs for v in w.invars)
+          and all(producer.get(v, -1) < k or producer.get(v) == k for v in w.invars
+                  if isinstance(v, _compat.Var))]
+    if not ws or _n_b_ys(e, [eqns[j] for j in ws]) + e.params["num_carry"] == len(e.outvars):
+      continue
+    w_eqns = tuple(eqns[j] for j in ws)
+    # Every residual must go to the fused W-scans only.
+    res = e.outvars[e.params["num_carry"] + _n_b_ys(e, w_eqns):]
+    res_set = set(res)
+    users = {j for j, u in enumerate(eqns) for v in u.invars
+             if isinstance(v, _compat.Var) and v in res_set}
+    if not users <= set(ws):
+      continue
+    eqns[k] = e.replace(primitive=_SKEW, params=dict(b_eqn=e, w_eqns=w_eqns, stream=stream),
+                        invars=_fused_inputs(e, w_eqns), outvars=_fused_outputs(e, w_eqns))
+    fused_w.update(ws)
+    changed = True
+  if not changed:
+    return split, sched
+  jaxpr = split.jaxpr.jaxpr.replace(eqns=eqns)
+  new_split = dataclasses.replace(split, jaxpr=_compat.ClosedJaxpr(jaxpr, split.jaxpr.consts))
+  units = tuple(dataclasses.replace(u, eqns=tuple(i for i in u.eqns if i not in fused_w))
+                for u in sched.units)
+  empty = {u.name for u in units if not u.eqns and u.kind.value == "W"}
+  streams = tuple(tuple(a for a in s if a.unit not in empty) for s in sched.streams)
+  calls = tuple(dataclasses.replace(c, units=kept) for c in sched.calls
+                if (kept := tuple(u for u in c.units if u not in empty)))
+  return new_split, dataclasses.replace(sched, units=units, streams=streams, calls=calls)
+
+
+def predict(split: Split, cost: CostModel) -> tuple[float, float]:
+  """(in-order, skewed) seconds of the split backward scans: cost-model estimates.
+
+  Each B-scan trip and the trip of its W-scans for the previous layer run as
+  two concurrent units on `passes.simulate`'s processor-sharing model, plus a
+  cross-stream sync per trip; a prologue B and an epilogue W run alone.
+  Returns (0, 0) when the split has no split backward scan.
+  """
+  eqns = split.jaxpr.jaxpr.eqns
+  spec = cost.spec
+  io = sk = 0.0
+  for k, e in enumerate(eqns):
+    if e.primitive.name != "scan" or split.kinds[k] is not Kind.DX:
+      continue
+    outs = {v for v in e.outvars[e.params["num_carry"]:]}
+    ws = [w for j, w in enumerate(eqns) if j > k and w.primitive.name == "scan"
+          and split.kinds[j] is Kind.DW
+          and any(isinstance(v, _compat.Var) and v in outs for v in w.invars)]
+    if not ws:
+      continue
+    n = float(e.params["length"])
+    cb, cw = cost.unit_cost([e]), cost.unit_cost(ws)
+    tb, tw = cb.seconds / n, cw.seconds / n
+    units = [Unit(UnitKind.DX, 0, (), (), tb, cb.util), Unit(UnitKind.DW, 0, (), (), tw, cw.util)]
+    pair = simulate([[Action("X", 0, 0)], [Action("W", 0, 1)]], units, 0.0).makespan
+    io += n * (tb + tw)
+    sk += tb + (n - 1) * (pair + spec.sync) + tw
+  return io, sk
