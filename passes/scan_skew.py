@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from passes import _compat
 from passes.cost import CostModel
@@ -59,7 +60,7 @@ def _at(x, i):
 
 
 def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
-                stream: int | None = 1) -> dict:
+                stream: int | None = 1, pin: bool = True) -> dict:
   """Runs a B-scan and its W-scans as one skewed scan; returns {outvar: value}.
 
   Args:
@@ -68,6 +69,9 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
     read: maps an outer input atom (Var or Literal) to its value.
     stream: the GPU stream the W part runs on inside the loop (a
       stream-annotated call); None runs it inline.
+    pin: pin the call's window to B's work in each step by data (as
+      `passes.emit` does for unrolled layers): XLA:GPU keeps W(i-1)'s start
+      before B(i) and its done after B(i)'s dX carry.
   """
   B = _Body(b_eqn)
   Ws = [_Body(e) for e in w_eqns]
@@ -96,7 +100,8 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
     _, _, _, which, _ = w_in[i_w]
     return Ws[i_w](consts, carries, plain_xs + [res[r] for r in which])
 
-  def w_step(w_carries, w_xs, res):
+  def w_call(w_carries, w_xs, res):
+    """Issues W; returns (call operands, flat results, unpack -> (carries, ys))."""
     def f(*flat):
       it = iter(flat)
       cs = [[next(it) for _ in w_in[i][1]] for i in range(len(Ws))]
@@ -107,27 +112,50 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
         k_out, ys = run_w(i, w_in[i][0], cs[i], xs[i], r)
         outs += k_out + ys
       return tuple(outs)
+
+    def split(outs):
+      it = iter(outs)
+      k_out, ys = [], []
+      for i, w in enumerate(Ws):
+        k_out.append([next(it) for _ in w_in[i][1]])
+        ys.append([next(it) for _ in range(len(w.eqn.outvars) - len(w_in[i][1]))])
+      return k_out, ys
+
     flat = [x for c in w_carries for x in c] + [x for xs in w_xs for x in xs] + list(res)
     n_out = sum(len(w.eqn.outvars) for w in Ws)
     if stream is None or n_out == 0:
-      outs = f(*flat)
-    else:
-      # Outputs leave the call flat, so a layout change happens inside it
-      # rather than as a main-stream transpose that pulls the done early.
-      shapes = []
+      return flat, None, lambda _: split(f(*flat))
+    # As in passes.emit: operands in flat, one flat buffer per dtype out, so
+    # layout changes happen inside the call and the done's only user is the
+    # barrier that ties it to B's dX work (see `body`).
+    in_shapes = [jnp.shape(x) for x in flat]
+    operands = [x.reshape(-1) if len(sh) >= 2 else x for x, sh in zip(flat, in_shapes)]
+    meta = []
 
-      def flat_f(*a):
-        o = f(*a)
-        shapes[:] = [x.shape for x in o]
-        return tuple(x.reshape(-1) for x in o)
-      outs = _compat.on_stream(flat_f, stream, n_out)(*flat)
-      outs = [x.reshape(sh) for x, sh in zip(outs, shapes)]
-    it = iter(outs)
-    k_out, ys = [], []
-    for i, w in enumerate(Ws):
-      k_out.append([next(it) for _ in w_in[i][1]])
-      ys.append([next(it) for _ in range(len(w.eqn.outvars) - len(w_in[i][1]))])
-    return k_out, ys
+    def flat_f(*a):
+      o = f(*[x.reshape(sh) if len(sh) >= 2 else x for x, sh in zip(a, in_shapes)])
+      dtypes = list(dict.fromkeys(x.dtype for x in o))
+      meta[:] = [(x.shape, dtypes.index(x.dtype)) for x in o]
+      parts = [[x.reshape(-1) for x in o if x.dtype == d] for d in dtypes]
+      return tuple(p[0] if len(p) == 1 else jnp.concatenate(p) for p in parts)
+
+    n_bufs = len({jnp.result_type(v.aval.dtype) for w in Ws for v in w.eqn.outvars})
+    bufs = _compat.on_stream(flat_f, stream, n_bufs)(*operands)
+
+    def unpack(bufs):
+      offset = [0] * len(bufs)
+      outs = []
+      for sh, i in meta:
+        n = int(np.prod(sh))
+        outs.append(bufs[i][offset[i]:offset[i] + n].reshape(sh))
+        offset[i] += n
+      return split(outs)
+
+    return operands, list(bufs), unpack
+
+  def w_step(w_carries, w_xs, res):
+    _, bufs, unpack = w_call(w_carries, w_xs, res)
+    return unpack(bufs)
 
   # Prologue: B on the first position.
   bk, b_out = B(b_c, b_k, [_at(x, first) for x in b_x])
@@ -144,8 +172,18 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
     def body(carry, xs):
       bk, wk, res = carry
       bx, wx = xs
+      ops, bufs, unpack = w_call(wk, wx, res)  # W(i-1), beside B(i) on the side stream
+      if bufs is not None and pin:
+        # B(i) may not start before W's operands are ready (the start goes first)...
+        _, (bk, bx) = jax.lax.optimization_barrier((ops, (list(bk), list(bx))))
       nbk_, b_out = B(b_c, bk, bx)          # B(i): the dX chain
-      nwk, w_ys = w_step(wk, wx, res)       # W(i-1), beside it on the side stream
+      if bufs is not None and pin:
+        # ...and W's done may not come before B(i)'s dX carry (tied twice: XLA
+        # drops an unused barrier element whose only user is the barrier).
+        anchor = list(nbk_) or list(b_out)
+        for _ in range(2):
+          bufs, _ = jax.lax.optimization_barrier((bufs, anchor))
+      nwk, w_ys = unpack(bufs)
       return (nbk_, nwk, b_out[n_bys:]), (b_out[:n_bys], w_ys)
 
     (bk, w_k, res_last), (b_ys_rest, w_ys_rest) = jax.lax.scan(
@@ -199,10 +237,10 @@ class _SkewPrimitive:
   def get_bind_params(self, params):
     return params
 
-  def bind(self, *args, b_eqn, w_eqns, stream):
+  def bind(self, *args, b_eqn, w_eqns, stream, pin=True):
     env = dict(zip([v for v in _fused_inputs(b_eqn, w_eqns)], args))
     read = lambda a: env[a] if isinstance(a, _compat.Var) else a.val
-    out = skewed_scan(b_eqn, w_eqns, read, stream)
+    out = skewed_scan(b_eqn, w_eqns, read, stream, pin)
     return [out[v] for v in _fused_outputs(b_eqn, w_eqns)]
 
 
@@ -223,7 +261,8 @@ def _fused_outputs(b_eqn, w_eqns):
   return [v for v in outs if not isinstance(v, _compat.DropVar)]
 
 
-def fuse(split: Split, sched: Schedule, stream: int | None = 1) -> tuple[Split, Schedule]:
+def fuse(split: Split, sched: Schedule, stream: int | None = 1,
+         pin: bool = True) -> tuple[Split, Schedule]:
   """Replaces each split backward scan (a dX B-scan and its dW W-scans) by one skewed scan.
 
   `stream` is where the W part of each step runs (None: inline, one stream).
@@ -255,7 +294,7 @@ def fuse(split: Split, sched: Schedule, stream: int | None = 1) -> tuple[Split, 
              if isinstance(v, _compat.Var) and v in res_set}
     if not users <= set(ws):
       continue
-    eqns[k] = e.replace(primitive=_SKEW, params=dict(b_eqn=e, w_eqns=w_eqns, stream=stream),
+    eqns[k] = e.replace(primitive=_SKEW, params=dict(b_eqn=e, w_eqns=w_eqns, stream=stream, pin=pin),
                         invars=_fused_inputs(e, w_eqns), outvars=_fused_outputs(e, w_eqns))
     fused_w.update(ws)
     changed = True

@@ -298,8 +298,8 @@ def _skew_loss(reverse=False):
   return loss
 
 
-def _single_gpu(loss):
-  return ooo.grad(loss, mode="single_gpu", ordering="none", device="H100")
+def _single_gpu(loss, ordering="auto"):
+  return ooo.grad(loss, mode="single_gpu", ordering=ordering, device="H100")
 
 
 @pytest.mark.parametrize("reverse,n", [(False, 4), (True, 4), (False, 1)])
@@ -343,6 +343,10 @@ def test_skewed_scan_compile_only_h100():
   assert in_body, "no stream-1 call with a GEMM inside a while body"
   body = s.computations[in_body[0].computation]
   assert any(i.is_heavy and i.stream is None for i in body), "no dX GEMM beside the W call"
+  # Open: inside a while body XLA:GPU still schedules the done before the dX
+  # GEMM, although scan_skew ties the done to the dX carry (the rule that
+  # places an entry computation's dones before their first user does not
+  # hold there). Unrolled layers keep their windows (tests/test_overlap.py).
 
 
 def test_scanned_stack_costs_like_unrolled_in_explain():
