@@ -9,7 +9,7 @@ the next step:
 * step t computes its gradients with the first `k` layers' dW after the dX
   chain (reverse first-k) and reduces every other bucket during the backward;
   the first-k gradients stay per-device and unreduced in `state.pending`;
-* step t+1 first reduces them (layer 0 first, one all-reduce per layer,
+* step t+1 first reduces them (layer 0 first, one all-reduce per leaf,
   chained), applies the optimizer to the complete gradient of step t, then
   runs its forward. Layer j's update depends only on layer j's reduction, so
   XLA may run the later layers' reductions under the earlier layers' forward.
