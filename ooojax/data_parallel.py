@@ -9,7 +9,7 @@ the next step:
 * step t computes its gradients with the first `k` layers' dW after the dX
   chain (reverse first-k) and reduces every other bucket during the backward;
   the first-k gradients stay per-device and unreduced in `state.pending`;
-* step t+1 first reduces them (layer 0 first, one all-reduce per layer,
+* step t+1 first reduces them (layer 0 first, one all-reduce per leaf,
   chained), applies the optimizer to the complete gradient of step t, then
   runs its forward. Layer j's update depends only on layer j's reduction, so
   XLA may run the later layers' reductions under the earlier layers' forward.
@@ -127,6 +127,26 @@ class DataParallelStep:
     state = DPTrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params),
                          Pending(local, ready, jnp.zeros((), bool)))
     return jax.device_put(state, self._specs(state, sharding=True))
+
+  def abstract_state(self, params, batch) -> DPTrainState:
+    """`init`'s state as `jax.ShapeDtypeStruct`s (for `lower` on compile-only devices)."""
+    lay = self._layout = self._plan_layout(params, batch)
+    leaves = jax.tree.leaves(params)
+    rep = NamedSharding(self.mesh, P())
+    dev = NamedSharding(self.mesh, P(self.axis_name))
+    sds = lambda shape, dtype, s: jax.ShapeDtypeStruct(shape, dtype, sharding=s)
+    on = lambda tree: jax.tree.map(lambda a: sds(a.shape, a.dtype, rep), tree)
+    return DPTrainState(
+        sds((), jnp.int32, rep), on(params), on(jax.eval_shape(self.tx.init, params)),
+        Pending(tuple(sds((self.n, *leaves[i].shape), leaves[i].dtype, dev) for i in lay.deferred),
+                tuple(sds(leaves[i].shape, leaves[i].dtype, rep) for i in lay.ready),
+                sds((), bool, rep)))
+
+  def lower(self, state, batch):
+    """`jax.jit(step).lower(state, batch)` (state may be `abstract_state`'s)."""
+    if self._step is None:
+      self._build(state)
+    return self._step.lower(state, batch)
 
   def _specs(self, state, sharding=False):
     wrap = (lambda s: NamedSharding(self.mesh, s)) if sharding else (lambda s: s)

@@ -29,15 +29,17 @@ from passes.ir import Split
 
 
 def _zero_from(x, dtype):
-  """An exact 0 that data-depends on `x` (NaN/inf safe: a predicate times 0).
+  """An exact 0 (or -0.0) that data-depends on `x`, NaN/inf safe.
 
-  XLA:CPU expands optimization barriers into control edges before its
-  all-reduce combiner runs, and the combiner ignores control edges; a data
-  edge is what keeps two all-reduces apart there. XLA does not fold a float
-  multiply by zero, so this survives to the compiled program (one scalar op).
+  XLA expands optimization barriers early (into control edges on CPU, away
+  on GPU) and all-reduce combiners ignore control edges; a data edge is what
+  keeps two all-reduces apart. XLA's algebraic simplifier does not fold a
+  float multiply by zero (it cannot prove the other side finite), but it does
+  fold `convert(pred) * 0` (into `select(p, 0, 0)`), so the finite value is
+  taken with a select: `where(isfinite(x0), x0, 0) * 0`. One scalar op.
   """
   x0 = jnp.ravel(x)[0]
-  return (x0 != x0).astype(dtype) * jnp.zeros((), dtype)
+  return (jnp.where(jnp.isfinite(x0), x0, 0) * 0).astype(dtype)
 
 
 def reduce_buffers(vals, axis_name, reduce: str = "mean"):

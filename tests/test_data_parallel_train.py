@@ -143,3 +143,45 @@ def test_compiled_step_reduces_pending_first_k_before_the_forward():
   assert order.count("A") == 8, order
   assert order.index("A") < order.index("F"), order  # layer 0's reduction before any forward
   assert "A" in order[order.index("B"):], order  # this step's buckets during its backward
+
+
+def test_h100_cross_step_overlaps_pending_reductions_with_the_forward():
+  import re
+
+  from ooojax import gpu_hlo
+  if gpu_hlo.unavailable_reason() is not None:
+    pytest.skip(f"compile-only H100 unavailable: {gpu_hlo.unavailable_reason()}")
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  L, D = 6, 1024
+  mesh = gpu_hlo.mesh("H100", N, ("batch",))
+  params = {f"l{i}": {"w": jax.ShapeDtypeStruct((D, D), jnp.float32)} for i in range(L)}
+
+  def loss(p, x):
+    for i in range(L):
+      x = jnp.tanh(x @ p[f"l{i}"]["w"])
+    return jnp.mean(x ** 2)
+  x = jax.ShapeDtypeStruct((256 * N, D), jnp.float32, sharding=NamedSharding(mesh, P("batch")))
+
+  def order(k):
+    step = dp.make_train_step(loss, optax.sgd(0.1), mesh, first_k=k, bucket_bytes=1,
+                              device="H100", ordering="none")
+    txt = step.lower(step.abstract_state(params, x), x).compile().as_text()
+    out = []
+    for l in txt[txt.index("\nENTRY"):].splitlines():
+      if re.search(r"\sall-reduce-start\(", l):
+        out.append("S")
+      elif re.search(r"\sall-reduce-done\(", l):
+        out.append("D")
+      elif re.search(r"\sall-reduce\(", l):  # a pair with nothing inside becomes synchronous
+        out.append("A")
+      elif "__cublas" in l or '"gemm' in l:
+        out.append("F" if "/ooo_F0/" in l else "B")
+    return "".join(out)
+
+  # k=0: the last bucket (layer 0) has no backward left to hide under
+  assert order(0).endswith("SD")
+  # k=3: layers 0-2 are reduced at the start of the next step, a later one under the
+  # forward of the earlier ones; every bucket of this backward has GEMMs in its window
+  o = order(3)
+  assert o.count("S") == L and re.search(r"SF+D", o), o
+  assert not re.search(r"SD", o[o.index("B"):]), o
