@@ -5,10 +5,18 @@ fresh function objects each time so no trace cache is hit. Prints a markdown
 table; `--write` appends it to benchmarks/RESULTS.md.
 
   python -m benchmarks.overhead [--depths 26 50 101] [--reps 3] [--write]
+  python -m benchmarks.overhead --lm 12 48 --depths     # GPT-2-small-width LM only
+
+`--lm` lowers a GPT-style flax LM (d 768, 12 heads, vocab 50257, seq 128,
+batch 8) with `value_and_grad` against `jax.value_and_grad` on abstract
+arguments (no parameters are allocated), and also reports the peak resident
+memory added during one lowering (Linux `VmHWM` after resetting it through
+/proc/self/clear_refs).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import jax
@@ -45,25 +53,116 @@ def measure(depth: int, reps: int, mode: str) -> dict:
               ours=float(np.median(to)), plan=t_plan)
 
 
+def _status_kb(field: str) -> int | None:
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith(field + ":"):
+          return int(line.split()[1])
+  except OSError:
+    pass
+  return None
+
+
+def _peak_lower_mb(make_grad, loss_fn, args) -> float | None:
+  """Peak RSS added while lowering once (MB), or None where Linux's VmHWM is unavailable."""
+  gc.collect()
+  try:
+    with open("/proc/self/clear_refs", "w") as f:
+      f.write("5")  # resets VmHWM to the current RSS
+  except OSError:
+    return None
+  before = _status_kb("VmRSS")
+  fresh = lambda *a: loss_fn(*a)
+  lowered = jax.jit(make_grad(fresh)).lower(*args)
+  peak = _status_kb("VmHWM")
+  del lowered
+  if before is None or peak is None:
+    return None
+  return (peak - before) / 1024
+
+
+def measure_lm(layers: int, reps: int, modes) -> list[dict]:
+  from benchmarks.models.transformer import Stack
+  import optax
+  model = Stack(layers, 768, 12, 50257, causal=True)
+  tokens = jax.ShapeDtypeStruct((8, 128), np.int32)
+  params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
+                                             jax.numpy.zeros((8, 128), np.int32),
+                                             train=False))
+  rng = jax.eval_shape(lambda: jax.random.PRNGKey(2))
+  args = (params, tokens, rng)
+
+  def loss_fn(params, tokens, rng):
+    logits = model.apply(params, tokens, rngs={"dropout": rng})[:, :-1]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+  base = lambda f: jax.value_and_grad(f)
+  impls = {"jax": base}
+  for m in modes:
+    impls[m] = lambda f, m=m: ooo.value_and_grad(f, mode=m, device="H100")
+  for mk in impls.values():  # warm caches of jnp / flax internals
+    _lower_time(mk, loss_fn, args)
+  times: dict = {k: [] for k in impls}
+  for _ in range(reps):
+    for k, mk in impls.items():
+      times[k].append(_lower_time(mk, loss_fn, args))
+  mem = {k: _peak_lower_mb(mk, loss_fn, args) for k, mk in impls.items()}
+  vg = ooo.value_and_grad(loss_fn, mode=modes[0], device="H100")
+  cell = {}
+
+  def count(*a):  # under a trace: the arguments are abstract
+    cell["n"] = len(vg.plan(a, {})[0].split.jaxpr.jaxpr.eqns)
+    return 0
+  jax.jit(count).trace(*args)
+  n_eqns = cell["n"]
+  tb = float(np.median(times["jax"]))
+  return [dict(layers=layers, mode=m, eqns=n_eqns, base=tb, ours=float(np.median(times[m])),
+               mem_base=mem["jax"], mem_ours=mem[m]) for m in modes]
+
+
+def _mb(x):
+  return "n/a" if x is None else f"{x:.0f}"
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser()
-  ap.add_argument("--depths", type=int, nargs="+", default=[26, 50, 101])
+  ap.add_argument("--depths", type=int, nargs="*", default=[26, 50, 101])
+  ap.add_argument("--lm", type=int, nargs="*", default=[], help="LM layer counts, e.g. 12 48")
   ap.add_argument("--reps", type=int, default=3)
   ap.add_argument("--modes", nargs="+", default=["single_gpu", "in_order"])
   ap.add_argument("--write", action="store_true")
   a = ap.parse_args(argv)
-  rows = [measure(d, a.reps, m) for d in a.depths for m in a.modes]
-  lines = _report.header("Frontend overhead") + [
-      "Lower time (trace + split + schedule + emit + MLIR) under `jax.jit(...).lower`, "
-      f"ResNet at batch 2, 64x64 images, median of {a.reps}, alternating in one process.",
-      "",
-      "| model | mode | jaxpr eqns | jax.grad lower s | ooo.grad lower s | ratio | split+schedule s | µs/eqn (ooo) |",
-      "|---|---|---|---|---|---|---|---|",
-  ]
-  for r in rows:
-    lines.append(f"| ResNet-{r['depth']} | {r['mode']} | {r['eqns']} | {r['base']:.3f} | "
-                 f"{r['ours']:.3f} | {r['ours'] / r['base']:.2f}x | {r['plan']:.3f} | "
-                 f"{1e6 * r['ours'] / r['eqns']:.0f} |")
+  lines = _report.header("Frontend overhead")
+  if a.depths:
+    rows = [measure(d, a.reps, m) for d in a.depths for m in a.modes]
+    lines += [
+        "Lower time (trace + split + schedule + emit + MLIR) under `jax.jit(...).lower`, "
+        f"ResNet at batch 2, 64x64 images, median of {a.reps}, alternating in one process.",
+        "",
+        "| model | mode | jaxpr eqns | jax.grad lower s | ooo.grad lower s | ratio | split+schedule s | µs/eqn (ooo) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+      lines.append(f"| ResNet-{r['depth']} | {r['mode']} | {r['eqns']} | {r['base']:.3f} | "
+                   f"{r['ours']:.3f} | {r['ours'] / r['base']:.2f}x | {r['plan']:.3f} | "
+                   f"{1e6 * r['ours'] / r['eqns']:.0f} |")
+    lines.append("")
+  if a.lm:
+    rows = [r for n in a.lm for r in measure_lm(n, a.reps, a.modes)]
+    lines += [
+        "Lower time of `value_and_grad` under `jax.jit(...).lower` on abstract arguments, "
+        "GPT-style flax LM (d 768, 12 heads, vocab 50257, seq 128, batch 8), "
+        f"median of {a.reps}, alternating in one process; peak memory = resident memory "
+        "added during one lowering (VmHWM).",
+        "",
+        "| model | mode | jaxpr eqns | jax lower s | ooo lower s | overhead | jax peak MB | ooo peak MB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+      lines.append(f"| GPT {r['layers']} layers | {r['mode']} | {r['eqns']} | {r['base']:.3f} | "
+                   f"{r['ours']:.3f} | {100 * (r['ours'] / r['base'] - 1):+.0f}% | "
+                   f"{_mb(r['mem_base'])} | {_mb(r['mem_ours'])} |")
   _report.emit(lines, a.write)
 
 

@@ -149,3 +149,24 @@ def flat_debug_info(jaxpr, n_consts: int):
 
 def is_tracer(x) -> bool:
   return isinstance(x, jax.core.Tracer)
+
+
+try:
+  from jax._src.lax.lax import _convert_element_type as _cet
+except ImportError:  # pragma: no cover
+  _cet = None
+
+
+def convert_element_type(x, dtype, weak_type: bool):
+  """`x` as `dtype`, weakly typed when `weak_type` (jax.grad's cotangent keeps the output's)."""
+  if _cet is None:  # pragma: no cover - loses weak typing only
+    return jax.lax.convert_element_type(x, dtype)
+  return _cet(x, dtype, weak_type)
+
+
+# Errors raised when Python needs a traced value (`if x > 0`, `int(x)`, `np.asarray(x)`).
+TRACER_VALUE_ERRORS = tuple(
+    t for t in (getattr(jax.errors, n, None) for n in (
+        "ConcretizationTypeError", "TracerBoolConversionError",
+        "TracerIntegerConversionError", "TracerArrayConversionError"))
+    if t is not None)

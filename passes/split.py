@@ -258,6 +258,12 @@ def split(flat_fun: Callable[..., Sequence[Any]], in_avals: Sequence[Any],
   closed = jax.make_jaxpr(flat_fun)(*in_avals)
   stats: dict = {}
   flat, consts = inline_calls(closed, stats)
+  return from_flat(flat, consts, n_grads, param_names, stats.get("inlined", 0))
+
+
+def from_flat(flat, consts: Sequence[Any], n_grads: int, param_names: Sequence[str],
+              inlined: int = 0) -> Split:
+  """Classifies an already traced and inlined `(flat, consts)` (see `inline_calls`)."""
   jaxpr = flat.jaxpr
   kinds, leaf = classify(jaxpr, n_grads)
 
@@ -275,7 +281,7 @@ def split(flat_fun: Callable[..., Sequence[Any]], in_avals: Sequence[Any],
                  if e.primitive.name not in _COMBINER_PRIMS
                  and any(True for _ in _compat_subjaxprs(e)))
   return Split(flat, tuple(consts), kinds, tuple(cluster_of), tuple(clusters),
-               len(jaxpr.outvars) - n_grads, stats.get("inlined", 0), opaque)
+               len(jaxpr.outvars) - n_grads, inlined, opaque)
 
 
 # Their sub-jaxprs are scalar combiners, not program regions to look inside.
