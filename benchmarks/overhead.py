@@ -9,15 +9,15 @@ table; `--write` appends it to benchmarks/RESULTS.md.
 
 `--lm` lowers a GPT-style flax LM (d 768, 12 heads, vocab 50257, seq 128,
 batch 8) with `value_and_grad` against `jax.value_and_grad` on abstract
-arguments (no parameters are allocated), and also reports the peak resident
-memory added during one lowering (Linux `VmHWM` after resetting it through
-/proc/self/clear_refs).
+arguments (no parameters are allocated), and also reports the peak Python-heap
+memory (tracemalloc) of one lowering.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import time
+import tracemalloc
 
 import jax
 import numpy as np
@@ -53,33 +53,18 @@ def measure(depth: int, reps: int, mode: str) -> dict:
               ours=float(np.median(to)), plan=t_plan)
 
 
-def _status_kb(field: str) -> int | None:
-  try:
-    with open("/proc/self/status") as f:
-      for line in f:
-        if line.startswith(field + ":"):
-          return int(line.split()[1])
-  except OSError:
-    pass
-  return None
-
-
-def _peak_lower_mb(make_grad, loss_fn, args) -> float | None:
-  """Peak RSS added while lowering once (MB), or None where Linux's VmHWM is unavailable."""
+def _peak_lower_mb(make_grad, loss_fn, args) -> float:
+  """Peak Python-heap memory (tracemalloc, MB) while lowering once: jaxprs, tracers, MLIR objects' Python side."""
   gc.collect()
-  try:
-    with open("/proc/self/clear_refs", "w") as f:
-      f.write("5")  # resets VmHWM to the current RSS
-  except OSError:
-    return None
-  before = _status_kb("VmRSS")
   fresh = lambda *a: loss_fn(*a)
-  lowered = jax.jit(make_grad(fresh)).lower(*args)
-  peak = _status_kb("VmHWM")
+  tracemalloc.start()
+  try:
+    lowered = jax.jit(make_grad(fresh)).lower(*args)
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
   del lowered
-  if before is None or peak is None:
-    return None
-  return (peak - before) / 1024
+  return peak / 2**20
 
 
 def measure_lm(layers: int, reps: int, modes) -> list[dict]:
@@ -121,10 +106,6 @@ def measure_lm(layers: int, reps: int, modes) -> list[dict]:
                mem_base=mem["jax"], mem_ours=mem[m]) for m in modes]
 
 
-def _mb(x):
-  return "n/a" if x is None else f"{x:.0f}"
-
-
 def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--depths", type=int, nargs="*", default=[26, 50, 101])
@@ -153,8 +134,8 @@ def main(argv=None):
     lines += [
         "Lower time of `value_and_grad` under `jax.jit(...).lower` on abstract arguments, "
         "GPT-style flax LM (d 768, 12 heads, vocab 50257, seq 128, batch 8), "
-        f"median of {a.reps}, alternating in one process; peak memory = resident memory "
-        "added during one lowering (VmHWM).",
+        f"median of {a.reps}, alternating in one process; peak memory = Python-heap peak "
+        "(tracemalloc) of one more lowering.",
         "",
         "| model | mode | jaxpr eqns | jax lower s | ooo lower s | overhead | jax peak MB | ooo peak MB |",
         "|---|---|---|---|---|---|---|---|",
@@ -162,7 +143,7 @@ def main(argv=None):
     for r in rows:
       lines.append(f"| GPT {r['layers']} layers | {r['mode']} | {r['eqns']} | {r['base']:.3f} | "
                    f"{r['ours']:.3f} | {100 * (r['ours'] / r['base'] - 1):+.0f}% | "
-                   f"{_mb(r['mem_base'])} | {_mb(r['mem_ours'])} |")
+                   f"{r['mem_base']:.0f} | {r['mem_ours']:.0f} ({100 * (r['mem_ours'] / r['mem_base'] - 1):+.0f}%) |")
   _report.emit(lines, a.write)
 
 
