@@ -129,6 +129,11 @@ KERNEL_PRIMS = frozenset({
 def estimate(eqn) -> EqnCost:
   """FLOPs, bytes and kernel-ness of one equation (device independent)."""
   name = eqn.primitive.name
+  body = _call_body(eqn)
+  if body is not None:  # a forward call kept whole by split: price its insides
+    cs = [estimate(e) for e in body.eqns]
+    return EqnCost(sum(c.flops for c in cs), sum(c.bytes for c in cs),
+                   any(c.kernel for c in cs), sum(c.out_elems for c in cs))
   out_bytes = sum(_nbytes(v.aval) for v in eqn.outvars)
   out_elems = sum(_size(v.aval) for v in eqn.outvars)
   rule = FLOP_RULES.get(name)
@@ -141,6 +146,14 @@ def estimate(eqn) -> EqnCost:
     flops = float(out_elems)
   in_bytes = sum(_nbytes(getattr(v, "aval", None)) for v in eqn.invars) if kernel else 0
   return EqnCost(flops, float(in_bytes + out_bytes), kernel, out_elems)
+
+
+def _call_body(eqn):
+  if eqn.primitive.name not in ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
+                                "custom_vjp_call", "checkpoint", "remat2"):
+    return None
+  j = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+  return getattr(j, "jaxpr", j)
 
 
 @dataclasses.dataclass(frozen=True)
