@@ -290,7 +290,8 @@ class _Transformed:
     stats: dict = {}
     flat, consts = inline_calls(closed, stats)
     opts = self.options
-    key = (n_aux, n_grads, opts.key())
+    # g_tree (its key paths name the clusters) and which grads are traced
+    key = (n_aux, g_tree, tuple(p is None for p in g_parts), opts.key())
     hit, fp = self._lookup(key, flat)
     if hit is not None:
       sp = dataclasses.replace(hit.split, jaxpr=flat, consts=tuple(consts),
@@ -305,10 +306,12 @@ class _Transformed:
       sched = make_schedule(sp, CostModel(opts.device, opts.measured), streams)
     plan = _Plan(sp, sched, layout, n_aux)
     if hit is None:
+      # Cached without values: consts may be large arrays or an outer trace's tracers.
+      kept = _Plan(dataclasses.replace(sp, consts=()), sched, None, n_aux)
       if fp is None:
-        self._pending = (key, flat, plan)
+        self._pending = (key, flat, kept)
       else:
-        self._store(fp, plan)
+        self._store(fp, kept)
     return plan, dyn
 
   def _store(self, fp, plan) -> None:

@@ -7,6 +7,7 @@ plan; the equations themselves are always taken from the newest trace.
 """
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 from passes import _compat
@@ -19,12 +20,15 @@ def _param(x) -> Any:
     return ("jaxpr", fingerprint(x))
   if isinstance(x, (tuple, list)):
     return tuple(_param(y) for y in x)
-  if callable(x) and not isinstance(x, type):
-    return ("fn", type(x).__name__)  # costs never depend on a callback's identity
+  t = type(x)
+  if (callable(x) and not isinstance(x, type)) or hasattr(x, "call_wrapped"):
+    return ("fn", t.__name__)  # rules and thunks (lu.WrappedFun): new objects every trace
+  if t.__eq__ is object.__eq__ and not isinstance(x, enum.Enum):
+    return ("obj", t.__name__)  # compared by identity: would never match a new trace
   try:
     hash(x)
   except TypeError:
-    return ("?", type(x).__name__)
+    return ("?", t.__name__)
   return x
 
 

@@ -211,3 +211,14 @@ def test_nan_inputs_and_infinities_flow_like_jax():
   f = lambda w: jnp.sum(jnp.sqrt(w))
   for w in [jnp.array([0.0, 1.0]), jnp.array([math.inf, 4.0]), jnp.array([math.nan, 1.0])]:
     assert_same(*both(f, w))
+
+
+@pytest.mark.parametrize("case", ["mlp_case", "block_case", "cnn_case"])
+def test_flax_models_reuse_their_plan(case):
+  from tests import models
+  loss, args = getattr(models, case)()
+  vg = ooo.value_and_grad(loss, has_aux=case == "cnn_case", mode="in_order")
+  p1, _ = vg.plan(args, {})
+  p2, _ = vg.plan(args, {})
+  assert p2.schedule is p1.schedule  # fingerprints of two traces agree
+  assert p2.split.jaxpr is not p1.split.jaxpr  # the equations are the new trace's
