@@ -195,7 +195,7 @@ class _Transformed:
 
   # --- tracing -----------------------------------------------------------------
   def _trace(self, args, kwargs):
-    """Traces forward + vjp; returns (closed jaxpr, dynamic leaves, output layout, names)."""
+    """Traces forward + vjp; returns (closed jaxpr, dynamic leaves, output layout, diff args)."""
     idx = _resolve_argnums(self.argnums, len(args))
     fun, has_aux, holomorphic = self.fun, self.has_aux, self.holomorphic
     dyn: list = []
