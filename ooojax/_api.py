@@ -92,7 +92,7 @@ def _is_dynamic(x) -> bool:
 def _aval(x) -> jax.ShapeDtypeStruct:
   """x's abstract value, weak type included, without converting x (PRNG keys can't be)."""
   if hasattr(x, "shape") and hasattr(x, "dtype"):
-    weak = bool(getattr(getattr(x, "aval", None), "weak_type", False))
+    weak = bool(getattr(getattr(x, "aval", x), "weak_type", False))  # arrays, ShapeDtypeStructs
     return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, weak_type=weak)
   return jax.ShapeDtypeStruct((), jax.numpy.result_type(x),
                               weak_type=isinstance(x, (int, float, complex)))
