@@ -86,7 +86,9 @@ def _make_options(kwargs: dict) -> Options:
 def _is_dynamic(x) -> bool:
   # Arrays are traced; everything else (Python scalars, strings, modules) is
   # closed over as jax.grad closes over non-differentiated arguments.
-  return isinstance(x, (jax.Array, np.ndarray, np.generic)) or _compat.is_tracer(x)
+  # ShapeDtypeStructs too: `explain` and AOT lowering need shapes only.
+  return (isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+          or _compat.is_tracer(x))
 
 
 def _aval(x) -> jax.ShapeDtypeStruct:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import html
 from collections import Counter
+from typing import Any
 
 from passes.cost import get_spec
 from passes.ir import Kind, Schedule, Split, UnitKind
@@ -16,6 +17,7 @@ class Report:
   split: Split
   schedule: Schedule
   mode: str
+  call: Any = dataclasses.field(default=None, compare=False, repr=False)  # for compiled()
 
   @property
   def counts(self) -> dict[str, int]:
@@ -63,10 +65,34 @@ class Report:
   def _repr_html_(self) -> str:
     return f"<pre>{html.escape(self.summary())}</pre>"
 
-  def plot(self, ax=None):
-    """Gantt chart of the (simulated) schedule; returns the matplotlib Axes."""
+  def compiled(self, gpu: str = "H100", *, devices: int = 1, compiler_options=None):
+    """Compiles the same gradient for a compile-only `gpu` (`ooojax.gpu_hlo`):
+    per dW unit, the predicted stream and overlap beside what XLA scheduled.
+
+    Returns a `passes.hlo_compare.Comparison` (`.units`, `.summary()`,
+    `.mismatches()`, `.hlo`). Needs the `gpu-hlo` extra; see
+    `gpu_hlo.unavailable_reason()`.
+    """
+    from ooojax._compiled import compile_report
+    return compile_report(self, gpu, devices=devices, compiler_options=compiler_options)
+
+  def plot(self, ax=None, compiled=None):
+    """Gantt chart of the (simulated) schedule; returns the matplotlib Axes.
+
+    With `compiled=` (from `compiled()`) a second panel shows what XLA
+    actually scheduled; `ax` is then a pair of Axes (or None) and the pair
+    is returned.
+    """
     import matplotlib.pyplot as plt
     tl = self.timeline()
+    if compiled is not None:
+      from ooojax._compiled import plot_compiled
+      if ax is None:
+        fig, ax = plt.subplots(2, 1, figsize=(10, 3.4 + 0.6 * len(self.schedule.streams)))
+        fig.subplots_adjust(hspace=0.7)
+      self.plot(ax[0])
+      plot_compiled(compiled, ax[1])
+      return ax
     if ax is None:
       _, ax = plt.subplots(figsize=(10, 1.2 + 0.6 * len(self.schedule.streams)))
     colors = {"F": "#9e9e9e", "X": "#d62728", "W": "#1f77b4"}
@@ -90,7 +116,9 @@ def explain(fun, *args, argnums=0, has_aux=False, **options) -> Report:
   True
   """
   from ooojax._api import value_and_grad
+  from ooojax._compiled import Call
   kwargs = options.pop("kwargs", {})
   vg = value_and_grad(fun, argnums, has_aux, **options)
   plan, _ = vg.plan(args, kwargs)
-  return Report(plan.split, plan.schedule, vg.options.resolved_mode())
+  return Report(plan.split, plan.schedule, vg.options.resolved_mode(),
+                Call(fun, args, argnums, has_aux, dict(options), dict(kwargs)))

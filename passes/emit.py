@@ -141,14 +141,18 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
     u = units[a.unit]
     group += 1
     with meta(group):
-      _run_eqns([(k, jaxpr.eqns[k]) for k in u.eqns], env, dead)
+      # `ooo_<unit>` in every op's name stack maps compiled HLO back to units
+      # (passes.hlo_compare reads it from op_name metadata).
+      with jax.named_scope(f"ooo_{a.unit}"):
+        _run_eqns([(k, jaxpr.eqns[k]) for k in u.eqns], env, dead)
       for s in side_after.get(a.unit, ()):
         w = units[s.unit]
-        if annotate:
-          outs = _on_stream(jaxpr, w.eqns, env, s.stream)
-        else:
-          _run_eqns([(k, jaxpr.eqns[k]) for k in w.eqns], env, dead)
-          outs = [env[v] for v in _cluster_io(jaxpr, w.eqns)[1]]
+        with jax.named_scope(f"ooo_{s.unit}"):
+          if annotate:
+            outs = _on_stream(jaxpr, w.eqns, env, s.stream)
+          else:
+            _run_eqns([(k, jaxpr.eqns[k]) for k in w.eqns], env, dead)
+            outs = [env[v] for v in _cluster_io(jaxpr, w.eqns)[1]]
         if ordering == "control_deps" and outs:
           if prev_side_out is not None:
             _compat.control_dep(prev_side_out, outs[0])

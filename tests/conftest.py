@@ -3,6 +3,10 @@ import os
 # Fake CPU devices for the multi-device modes; must precede the jax import.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("MPLBACKEND", "Agg")
+# CPU tests; the CUDA plugin then registers for compile-only GPU compiles
+# (ooojax.gpu_hlo). A machine with a GPU keeps it.
+if not (os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidia0")):
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

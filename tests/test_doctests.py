@@ -5,7 +5,7 @@ import importlib
 import pytest
 
 MODULES = ["ooojax._api", "ooojax._calibrate", "ooojax._explain", "ooojax.flax", "passes.split", "passes.cost",
-           "passes.simulate"]
+           "passes.simulate", "passes.hlo_schedule", "passes.hlo_compare", "ooojax.gpu_hlo"]
 
 
 @pytest.mark.parametrize("name", MODULES)
