@@ -1,6 +1,7 @@
 """`ooo.grad` / `ooo.value_and_grad`: drop-ins for `jax.grad` / `jax.value_and_grad`."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import inspect
@@ -16,7 +17,8 @@ from passes.cost import CostModel, DeviceSpec
 from passes.emit import ORDERINGS, emit
 from passes.ir import Schedule, Split
 from passes.schedule import schedule as make_schedule
-from passes.split import split as make_split
+from passes.fingerprint import fingerprint
+from passes.split import from_flat, inline_calls, rewrite
 from ooojax import _dp
 
 MODES = ("auto", "single_gpu", "in_order", "data_parallel")
@@ -103,35 +105,99 @@ def _is_dynamic(x) -> bool:
           or _compat.is_tracer(x))
 
 
-_VALUE_TYPES = (type(None), bool, int, float, complex, str, bytes)
-
-
-def _value_hashable(x) -> bool:
-  """True for statics whose hash and equality are by value, so a cache hit is safe."""
-  if isinstance(x, tuple):
-    return all(_value_hashable(y) for y in x)
-  return isinstance(x, _VALUE_TYPES) or isinstance(x, (np.dtype, type))
-
-
-def _aval_key(x) -> tuple:
-  """(shape, dtype, weak_type) without converting x (PRNG keys can't be)."""
+def _aval(x) -> jax.ShapeDtypeStruct:
+  """x's abstract value, weak type included, without converting x (PRNG keys can't be)."""
   if hasattr(x, "shape") and hasattr(x, "dtype"):
-    weak = bool(getattr(getattr(x, "aval", None), "weak_type", False))
-    return tuple(x.shape), x.dtype, weak
-  return (), jax.numpy.result_type(x), isinstance(x, (int, float, complex))
+    weak = bool(getattr(getattr(x, "aval", x), "weak_type", False))  # arrays, ShapeDtypeStructs
+    return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, weak_type=weak)
+  return jax.ShapeDtypeStruct((), jax.numpy.result_type(x),
+                              weak_type=isinstance(x, (int, float, complex)))
+
+
+class _Static:
+  """Stands for a static leaf in the traced argument tree: an empty pytree node,
+  so the dynamic leaves keep the key paths (and debug names) of the user's call."""
+  __slots__ = ("i",)
+
+  def __init__(self, i):
+    self.i = i
+
+
+jax.tree_util.register_pytree_node(_Static, lambda s: ((), s.i), lambda i, _: _Static(i))
+_is_static = lambda x: isinstance(x, _Static)  # noqa: E731
+
+
+def _fun_name(fun) -> str:
+  f = fun
+  while isinstance(f, functools.partial):
+    f = f.func
+  return getattr(f, "__qualname__", None) or getattr(f, "__name__", None) or repr(f)
+
+
+def _describe(x) -> str:
+  """A value's type without tracer reprs, e.g. `(float32[], float32[3])`."""
+  class _T(str):
+    __repr__ = str.__str__
+
+  def one(y):
+    try:
+      return _T(jax.typeof(y).str_short())
+    except TypeError:
+      return _T(type(y).__name__)
+  return repr(jax.tree_util.tree_map(one, x))
+
+
+def _resolve_argnums(argnums, n_args: int) -> tuple[int, ...]:
+  """jax.grad's argnums checks, plus a TypeError for an argument named twice."""
+  idx = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+  out = []
+  for a in idx:
+    if a < -n_args:
+      raise ValueError(
+          "Positional argument indices, e.g. for `static_argnums`, must have value "
+          f"greater than or equal to -len(args) and less than len(args), but got "
+          f"value {a} for len(args) == {n_args}.")
+    if a >= n_args:
+      raise TypeError(f"differentiating with respect to argnums={argnums} requires "
+                      f"at least {a + 1} positional arguments to be passed "
+                      f"by the caller, but got only {n_args} positional arguments.")
+    out.append(a % n_args)
+  if len(set(out)) != len(out):
+    raise TypeError(f"argnums={argnums} names the same positional argument more than "
+                    f"once (resolved to {tuple(out)} for {n_args} arguments); jax.grad "
+                    "fails on repeated argnums too: list each argument once.")
+  return tuple(out)
+
+
+_CONTROL_FLOW_NOTE = (
+    "ooo.grad traces {name} once per call with abstract values (as jax.jit does) "
+    "so that it can split and schedule the backward pass; Python control flow or "
+    "conversions on the value of a differentiated or array argument cannot run there, "
+    "although eager jax.grad runs them. Use jax.lax.cond / jnp.where / lax.select for "
+    "value-dependent branches, pass the value as a non-array Python argument (it is "
+    "then a static), or use jax.grad for this function.")
 
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
   split: Split
   schedule: Schedule
-  out_tree: Any
-  n_aux: int
+  out_tree: Any   # (aux_tree, aux_parts, g_tree, g_parts): see `_Transformed._trace`
+  n_aux: int      # traced aux leaves among the outputs
   collectives: Any = None  # passes.collectives.CollectivePlan (data_parallel)
 
 
+_PLAN_CACHE_SIZE = 8
+
+
 class _Transformed:
-  """The callable `ooo.value_and_grad(fun, ...)` returns."""
+  """The callable `ooo.value_and_grad(fun, ...)` returns.
+
+  Every call traces `fun` afresh (like eager `jax.grad`, so Python state read by
+  `fun` is never stale). Only the split's classification and the schedule, which
+  depend on the program's structure alone, are reused: when the new trace's
+  `passes.fingerprint` equals a cached one's.
+  """
 
   def __init__(self, fun, argnums, has_aux, holomorphic, allow_int, options):
     self.fun = fun
@@ -140,87 +206,157 @@ class _Transformed:
     self.holomorphic = holomorphic
     self.allow_int = allow_int
     self.options = options
-    self._cache: dict = {}
+    self._cache: collections.OrderedDict = collections.OrderedDict()  # fingerprint -> plan
+    self._pending: tuple | None = None  # (key, flat jaxpr, plan): fingerprinted when reused
     functools.update_wrapper(self, fun)
 
   # --- tracing -----------------------------------------------------------------
-  def plan(self, args, kwargs) -> tuple[_Plan, list]:
-    argnums = self.argnums
-    idx = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    max_arg = max(idx) if idx else -1
-    if max_arg >= len(args):
-      raise TypeError(f"differentiating with respect to argnums={argnums} requires "
-                      f"at least {max_arg + 1} positional arguments to be passed "
-                      f"by the caller, but got only {len(args)} positional arguments.")
-    diff = tuple(args[i] for i in idx)
-    diff_leaves, diff_tree = jax.tree_util.tree_flatten(diff)
-    for leaf in diff_leaves:
-      _compat.check_input_dtype_grad(self.holomorphic, self.allow_int, leaf)
-    rest = tuple(None if i in idx else a for i, a in enumerate(args))
-    rest_leaves, rest_tree = jax.tree_util.tree_flatten((rest, kwargs))
-    dyn_mask = tuple(_is_dynamic(x) for x in rest_leaves)
-    statics = tuple(x for x, d in zip(rest_leaves, dyn_mask) if not d)
-    dyn = [*diff_leaves, *(x for x, d in zip(rest_leaves, dyn_mask) if d)]
-    avals = tuple(_aval_key(x) for x in dyn)
-    key = (diff_tree, rest_tree, dyn_mask, avals, self.options.key(),
-           jax.config.jax_enable_x64, _dp.axis_size(self.options))
-    if all(_value_hashable(s) for s in statics):
-      key = key + (tuple((type(s), s) for s in statics),)  # 1.0 == True, but not alike
-    else:
-      key = None  # an object hashed by identity may change inside: re-trace
-    cached = self._cache.get(key) if key is not None else None
-    if cached is not None:
-      return cached, dyn
+  def _trace(self, args, kwargs):
+    """Traces forward + vjp; returns (closed jaxpr, dynamic leaves, output layout, diff args)."""
+    idx = _resolve_argnums(self.argnums, len(args))
+    fun, has_aux, holomorphic = self.fun, self.has_aux, self.holomorphic
+    dyn: list = []
+    statics: list = []
 
-    n_diff = len(diff_leaves)
-    fun, has_aux = self.fun, self.has_aux
-    holomorphic, allow_int = self.holomorphic, self.allow_int
+    def mark(x, diff):
+      if diff or _is_dynamic(x):
+        dyn.append(x)
+        return _aval(x)
+      statics.append(x)
+      return _Static(len(statics) - 1)
+
+    marked_args = []
+    for i, a in enumerate(args):
+      diff = i in idx
+      leaves, tree = jax.tree_util.tree_flatten(a)
+      if diff:
+        for leaf in leaves:
+          _compat.check_input_dtype_grad(holomorphic, self.allow_int, leaf)
+      marked_args.append(jax.tree_util.tree_unflatten(tree, [mark(x, diff) for x in leaves]))
+    # kwargs are flattened in sorted-key order, as make_jaxpr flattens them
+    marked_kwargs = {k: jax.tree_util.tree_map(lambda x: mark(x, False), kwargs[k])
+                     for k in sorted(kwargs)}
+    name = _fun_name(fun)
     cell: dict = {}
 
-    def flat_fun(ct, *leaves):
-      diff_vals = jax.tree_util.tree_unflatten(diff_tree, leaves[:n_diff])
-      it_dyn, it_static = iter(leaves[n_diff:]), iter(statics)
-      rest_vals = [next(it_dyn) if d else next(it_static) for d in dyn_mask]
-      rest_args, kw = jax.tree_util.tree_unflatten(rest_tree, rest_vals)
+    def traced(ct, *t_args, **t_kwargs):
+      t_args, t_kwargs = jax.tree_util.tree_map(
+          lambda x: statics[x.i] if isinstance(x, _Static) else x, (t_args, t_kwargs),
+          is_leaf=_is_static)
 
       def f_partial(*dargs):
-        full = list(rest_args)
-        for i, a in zip(idx, dargs):
-          full[i] = a
-        return fun(*full, **kw)
+        full = list(t_args)
+        for i, d in zip(idx, dargs):
+          full[i] = d
+        out = fun(*full, **t_kwargs)
+        if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+          raise TypeError("expected function with aux output to return a two-element "
+                          f"tuple, but {name} returned {_describe(out)}")
+        return out
 
-      out = jax.vjp(f_partial, *diff_vals, has_aux=has_aux)
+      out = jax.vjp(f_partial, *(t_args[i] for i in idx), has_aux=has_aux)
       ans, vjp_fn = out[0], out[1]
       aux = out[2] if has_aux else None
+      if isinstance(ans, (tuple, list, dict)) or not hasattr(ans, "shape") and not isinstance(
+          ans, (int, float, complex)):
+        raise TypeError("Gradient only defined for scalar-output functions. Output was "
+                        f"{_describe(ans)} from {name}"
+                        + ("; with several outputs, pass has_aux=True and return "
+                           "(loss, aux)" if not has_aux else ""))
       _compat.check_scalar(ans)
-      jax.tree_util.tree_map(functools.partial(_compat.check_output_dtype_grad,
-                                               holomorphic), ans)
-      g = vjp_fn(ct.astype(jax.numpy.result_type(ans)))
-      g = g[0] if isinstance(argnums, int) else g
+      _compat.check_output_dtype_grad(holomorphic, ans)
+      a_aval = jax.typeof(ans)
+      g = vjp_fn(_compat.convert_element_type(ct, a_aval.dtype, a_aval.weak_type))
+      g = g[0] if isinstance(self.argnums, int) else g
+      # Only traced leaves are outputs of the jaxpr; Python values (an int or
+      # str aux, float0 zeros) come back as the trace produced them.
       aux_leaves, aux_tree = jax.tree_util.tree_flatten(aux)
       g_leaves, g_tree = jax.tree_util.tree_flatten(g)
-      cell["trees"] = (aux_tree, g_tree, len(aux_leaves))
-      return [ans, *aux_leaves, *g_leaves]
+      aux_parts = tuple(None if _compat.is_tracer(x) else (x,) for x in aux_leaves)
+      g_parts = tuple(None if _compat.is_tracer(x) else (x,) for x in g_leaves)
+      cell["layout"] = (aux_tree, aux_parts, g_tree, g_parts)
+      return [ans, *(x for x in aux_leaves if _compat.is_tracer(x)),
+              *(x for x in g_leaves if _compat.is_tracer(x))]
 
-    in_avals = [jax.ShapeDtypeStruct((), jax.numpy.float32)]
-    for x, (shape, dtype, weak) in zip(dyn, avals):
-      in_avals.append(jax.ShapeDtypeStruct(shape, dtype, weak_type=weak))
-    names = [jax.tree_util.keystr(p) for p, _ in
-             jax.tree_util.tree_flatten_with_path(diff if not isinstance(argnums, int) else diff[0])[0]]
-    sp = make_split(flat_fun, in_avals, n_diff, names)
+    traced.__name__ = getattr(fun, "__name__", "fun")
+    traced.__qualname__ = name
+    traced.__wrapped__ = fun  # debug info (error messages) names the user's function
+    try:
+      sig = inspect.signature(fun)
+      ct_param = inspect.Parameter("_ooo_cotangent", inspect.Parameter.POSITIONAL_ONLY)
+      traced.__signature__ = sig.replace(parameters=[ct_param, *sig.parameters.values()])
+    except (TypeError, ValueError):  # no signature: jax falls back to args[i] names
+      traced.__signature__ = inspect.Signature(
+          [inspect.Parameter("_ooo_cotangent", inspect.Parameter.POSITIONAL_ONLY),
+           inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL),
+           inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
+    ct_aval = jax.ShapeDtypeStruct((), jax.numpy.float32)
+    try:
+      closed = jax.make_jaxpr(traced)(ct_aval, *marked_args, **marked_kwargs)
+    except _compat.TRACER_VALUE_ERRORS as e:
+      e.add_note(_CONTROL_FLOW_NOTE.format(name=name))
+      raise
+    diff = tuple(args[i] for i in idx)
+    return closed, dyn, cell["layout"], diff
+
+  def plan(self, args, kwargs) -> tuple[_Plan, list]:
+    closed, dyn, layout, diff = self._trace(args, kwargs)
+    aux_tree, aux_parts, g_tree, g_parts = layout
+    n_aux = sum(p is None for p in aux_parts)
+    n_grads = sum(p is None for p in g_parts)
+    stats: dict = {}
+    flat, consts = inline_calls(closed, stats)
     opts = self.options
-    streams = 1 if opts.resolved_mode() == "in_order" else opts.streams
-    cm = CostModel(opts.device, opts.measured)
-    if opts.mode == "data_parallel":
-      streams = 1
-    sched = make_schedule(sp, cm, streams)
-    plan = _Plan(sp, sched, cell["trees"], cell["trees"][2],
-                 _dp.plan(sp, sched, cm, opts) if opts.mode == "data_parallel" else None)
-    # A captured array (a global, or one held by an argument object) would be
-    # frozen into a cached trace: keep those traces uncached, never stale.
-    if key is not None and not sp.consts:
-      self._cache[key] = plan
+    # g_tree (its key paths name the clusters) and which grads are traced
+    key = (n_aux, g_tree, tuple(p is None for p in g_parts), opts.key(),
+           _dp.axis_size(opts))
+    hit, fp = self._lookup(key, flat)
+    if hit is not None:
+      # the same deterministic rewrite (scan split) the cached split went through
+      sp = dataclasses.replace(hit.split, jaxpr=rewrite(flat), consts=tuple(consts),
+                               inlined=stats.get("inlined", 0))
+      sched, coll = hit.schedule, hit.collectives
+    else:
+      tree = diff[0] if isinstance(self.argnums, int) else diff
+      names = [jax.tree_util.keystr(p) for (p, _), part in
+               zip(jax.tree_util.tree_flatten_with_path(tree)[0], g_parts) if part is None]
+      sp = from_flat(flat, consts, n_grads, names, stats.get("inlined", 0))
+      streams = 1 if opts.resolved_mode() in ("in_order", "data_parallel") else opts.streams
+      cm = CostModel(opts.device, opts.measured)
+      sched = make_schedule(sp, cm, streams)
+      coll = _dp.plan(sp, sched, cm, opts) if opts.mode == "data_parallel" else None
+    plan = _Plan(sp, sched, layout, n_aux, coll)
+    if hit is None:
+      # Cached without values: consts may be large arrays or an outer trace's tracers.
+      kept = _Plan(dataclasses.replace(sp, consts=()), sched, None, n_aux, coll)
+      if fp is None:
+        self._pending = (key, flat, kept)
+      else:
+        self._store(fp, kept)
     return plan, dyn
+
+  def _store(self, fp, plan) -> None:
+    self._cache[fp] = plan
+    while len(self._cache) > _PLAN_CACHE_SIZE:
+      self._cache.popitem(last=False)
+
+  def _lookup(self, key, flat) -> tuple[_Plan | None, Any]:
+    """(a cached plan for a structurally identical program or None, its fingerprint).
+
+    The first plan is kept unfingerprinted (a function traced once, e.g. under
+    `jax.jit`, pays nothing); both are fingerprinted when a second trace comes.
+    """
+    if self._pending is None and not self._cache:
+      return None, None
+    if self._pending is not None:
+      p_key, p_flat, p_plan = self._pending
+      self._pending = None
+      self._store((p_key, fingerprint(p_flat.jaxpr)), p_plan)
+    fp = (key, fingerprint(flat.jaxpr))
+    hit = self._cache.get(fp)
+    if hit is not None:
+      self._cache.move_to_end(fp)
+    return hit, fp
 
   def __call__(self, *args, **kwargs):
     plan, dyn = self.plan(args, kwargs)
@@ -232,10 +368,12 @@ class _Transformed:
     else:
       outs = emit(plan.split, plan.schedule, plan.split.consts, dyn,
                   ordering=ordering, annotate=annotate)
-    aux_tree, g_tree, n_aux = plan.out_tree
+    aux_tree, aux_parts, g_tree, g_parts = plan.out_tree
     ans = outs[0]
-    aux = jax.tree_util.tree_unflatten(aux_tree, outs[1:1 + n_aux])
-    g = jax.tree_util.tree_unflatten(g_tree, outs[1 + n_aux:])
+    it = iter(outs[1:])
+    aux = jax.tree_util.tree_unflatten(
+        aux_tree, [next(it) if p is None else p[0] for p in aux_parts])
+    g = jax.tree_util.tree_unflatten(g_tree, [next(it) if p is None else p[0] for p in g_parts])
     return ((ans, aux) if self.has_aux else ans), g
 
 
@@ -244,7 +382,14 @@ def _check_argnums(argnums):
     return int(argnums)
   if isinstance(argnums, Sequence) and all(
       isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in argnums):
-    return tuple(int(a) for a in argnums)
+    out = tuple(int(a) for a in argnums)
+    if not out:
+      raise ValueError("argnums=() selects no argument to differentiate; pass an int "
+                       "or a non-empty tuple of ints")
+    if len(set(out)) != len(out):
+      raise TypeError(f"argnums={out} names the same argument more than once "
+                      "(jax.grad fails on repeated argnums too): list each argument once")
+    return out
   raise TypeError(f"argnums must be an int or a tuple of ints, got {argnums!r}")
 
 

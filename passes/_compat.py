@@ -237,3 +237,24 @@ def stacked_aval(length: int, aval):
     return _core.unmapped_aval(length, 0, aval)
   except (ImportError, AttributeError, TypeError):  # pragma: no cover
     return aval.update(shape=(length, *aval.shape))
+
+
+try:
+  from jax._src.lax.lax import _convert_element_type as _cet
+except ImportError:  # pragma: no cover
+  _cet = None
+
+
+def convert_element_type(x, dtype, weak_type: bool):
+  """`x` as `dtype`, weakly typed when `weak_type` (jax.grad's cotangent keeps the output's)."""
+  if _cet is None:  # pragma: no cover - loses weak typing only
+    return jax.lax.convert_element_type(x, dtype)
+  return _cet(x, dtype, weak_type)
+
+
+# Errors raised when Python needs a traced value (`if x > 0`, `int(x)`, `np.asarray(x)`).
+TRACER_VALUE_ERRORS = tuple(
+    t for t in (getattr(jax.errors, n, None) for n in (
+        "ConcretizationTypeError", "TracerBoolConversionError",
+        "TracerIntegerConversionError", "TracerArrayConversionError"))
+    if t is not None)

@@ -215,6 +215,11 @@ def estimate(eqn) -> EqnCost:
   loop = LOOP_RULES.get(name)
   if loop is not None:
     return _loop_estimate(eqn, loop(eqn))
+  body = _call_body(eqn)
+  if body is not None:  # a forward call kept whole by split: price its insides
+    cs = [estimate(e) for e in body.eqns]
+    return EqnCost(sum(c.flops for c in cs), sum(c.bytes for c in cs),
+                   any(c.kernel for c in cs), sum(c.out_elems for c in cs))
   out_bytes = sum(_nbytes(v.aval) for v in eqn.outvars)
   out_elems = sum(_size(v.aval) for v in eqn.outvars)
   rule = FLOP_RULES.get(name)
@@ -238,6 +243,14 @@ def _loop_estimate(eqn, loop: Loop) -> EqnCost:
     per = [max(per, key=lambda fb: fb[0])] if per else []
   out_elems = sum(_size(v.aval) for v in eqn.outvars)
   return EqnCost(sum(f for f, _ in per), sum(b for _, b in per), True, out_elems)
+
+
+def _call_body(eqn):
+  if eqn.primitive.name not in ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
+                                "custom_vjp_call", "checkpoint", "remat2"):
+    return None
+  j = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+  return getattr(j, "jaxpr", j)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,7 @@ the unit in its op metadata.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -72,9 +73,24 @@ def _cluster_io(jaxpr, eqn_ids: Sequence[int]):
         seen.add(v)
         ins.append(v)
     defined.update(eqns[k].outvars)
-  outs = [v for v in dict.fromkeys(jaxpr.outvars)
-          if isinstance(v, _compat.Var) and v in defined]
+  pos = _out_positions(jaxpr)
+  outs = sorted({v for v in defined if v in pos}, key=pos.__getitem__)
   return ins, outs
+
+
+_last_outs: list = [None, {}]  # (weakref to a jaxpr, its outvar -> first position)
+
+
+def _out_positions(jaxpr) -> dict:
+  # Built once per jaxpr: scanning all outputs per cluster was quadratic in depth.
+  ref = _last_outs[0]
+  if ref is None or ref() is not jaxpr:
+    pos: dict = {}
+    for i, v in enumerate(jaxpr.outvars):
+      if isinstance(v, _compat.Var):
+        pos.setdefault(v, i)
+    _last_outs[:] = [weakref.ref(jaxpr), pos]
+  return _last_outs[1]
 
 
 def _on_stream(jaxpr, eqn_ids, env, stream: int) -> tuple[list, list, list, Any]:

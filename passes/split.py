@@ -111,17 +111,25 @@ def _inline_by_substitution(closed, stats: dict):
   const_vars, const_vals = list(jaxpr.constvars), list(closed.consts)
   eqns: list = []
 
+  # A call that does not depend on the cotangent is all FORWARD: classifying
+  # needs nothing inside it, so it stays one equation (fewer to re-bind and lower).
+  tainted = {jaxpr.invars[0]}
+
   def walk(inner, sub: dict, fresh: bool):
     for eqn in inner.eqns:
       invars = [sub.get(v, v) if isinstance(v, _compat.Var) else v for v in eqn.invars]
-      rule = INLINE_RULES.get(eqn.primitive.name)
+      bwd = any(isinstance(v, _compat.Var) and v in tainted for v in invars)
+      rule = INLINE_RULES.get(eqn.primitive.name) if bwd else None
       if rule is None:
         outvars = eqn.outvars
         if fresh:
           outvars = [v if isinstance(v, _compat.DropVar) else _compat.new_var(v.aval)
                      for v in eqn.outvars]
           sub.update(zip(eqn.outvars, outvars))
-        eqns.append(eqn.replace(invars=invars, outvars=outvars))
+        if bwd:
+          tainted.update(outvars)
+        same = not fresh and all(a is b for a, b in zip(invars, eqn.invars))
+        eqns.append(eqn if same else eqn.replace(invars=invars, outvars=outvars))
         continue
       body, body_consts, prevent = rule(eqn.params)
       if prevent is True or (isinstance(prevent, tuple) and any(prevent)):
@@ -264,7 +272,26 @@ def split(flat_fun: Callable[..., Sequence[Any]], in_avals: Sequence[Any],
   closed = jax.make_jaxpr(flat_fun)(*in_avals)
   stats: dict = {}
   flat, consts = inline_calls(closed, stats)
-  flat = scan_split.rewrite_backward(flat, REWRITE_RULES, stats)  # B-scan / W-scans
+  return from_flat(flat, consts, n_grads, param_names, stats.get("inlined", 0))
+
+
+def rewrite(flat, stats: dict | None = None):
+  """The backward rewrites (`REWRITE_RULES`: scan -> B-scan + W-scans) of a flat jaxpr.
+
+  Deterministic: structurally equal inputs give structurally equal outputs,
+  so a cached split's equation indices hold for a re-traced equal program.
+  """
+  return scan_split.rewrite_backward(flat, REWRITE_RULES, {} if stats is None else stats)
+
+
+def from_flat(flat, consts: Sequence[Any], n_grads: int, param_names: Sequence[str],
+              inlined: int = 0) -> Split:
+  """Classifies an already traced and inlined `(flat, consts)` (see `inline_calls`).
+
+  Backward scans are split into B-scans and W-scans first (`REWRITE_RULES`).
+  """
+  stats: dict = {"inlined": inlined}
+  flat = rewrite(flat, stats)  # B-scan / W-scans
   jaxpr = flat.jaxpr
   kinds, leaf = classify(jaxpr, n_grads)
 
@@ -281,6 +308,7 @@ def split(flat_fun: Callable[..., Sequence[Any]], in_avals: Sequence[Any],
   made = stats.get("split_eqns", set())
   opaque = tuple(e.primitive.name for e in jaxpr.eqns
                  if e.primitive.name not in _COMBINER_PRIMS and id(e) not in made
+                 and e.primitive.name not in INLINE_RULES  # forward-only calls
                  and any(True for _ in _compat_subjaxprs(e)))
   return Split(flat, tuple(consts), kinds, tuple(cluster_of), tuple(clusters),
                len(jaxpr.outvars) - n_grads, stats.get("inlined", 0), opaque,

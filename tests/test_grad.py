@@ -126,18 +126,20 @@ def test_training_trajectory_matches(close):
   close(train(lambda f: ooo.grad(f, device="H100", mode="single_gpu")), train(jax.grad), rtol=1e-4)
 
 
-def test_trace_is_cached():
+def test_retraced_every_call_plan_reused():
   calls = []
 
   def f(w):
     calls.append(1)
     return jnp.sum(w ** 2)
   g = ooo.grad(f)
-  g(jnp.ones(3))
-  g(jnp.ones(3) * 2)
-  assert len(calls) == 1
-  g(jnp.ones(4))
-  assert len(calls) == 2
+  vg = g._ooo
+  p1, _ = vg.plan((jnp.ones(3),), {})
+  p2, _ = vg.plan((jnp.ones(3) * 2,), {})
+  assert len(calls) == 2  # re-traced, as eager jax.grad re-runs f
+  assert p2.schedule is p1.schedule  # the same program: split and schedule reused
+  p3, _ = vg.plan((jnp.ones(4),), {})
+  assert p3.schedule is not p1.schedule
 
 
 def test_flax_nnx_model_with_batchnorm_and_dropout(close):

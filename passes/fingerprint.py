@@ -1,0 +1,66 @@
+"""fingerprint: a jaxpr's structure as a hashable key, to reuse a split's plan.
+
+A plan (equation kinds, clusters, schedule) indexes equations by position and
+depends only on the program's wiring, primitives, shapes and parameters, never
+on literal or constant values. Two traces with equal fingerprints can share a
+plan; the equations themselves are always taken from the newest trace.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from passes import _compat
+
+
+def _param(x) -> Any:
+  if isinstance(x, _compat.ClosedJaxpr):
+    return ("closed", fingerprint(x.jaxpr))
+  if isinstance(x, _compat.Jaxpr):
+    return ("jaxpr", fingerprint(x))
+  if isinstance(x, (tuple, list)):
+    return tuple(_param(y) for y in x)
+  t = type(x)
+  if (callable(x) and not isinstance(x, type)) or hasattr(x, "call_wrapped"):
+    return ("fn", t.__name__)  # rules and thunks (lu.WrappedFun): new objects every trace
+  if t.__eq__ is object.__eq__ and not isinstance(x, enum.Enum):
+    return ("obj", t.__name__)  # compared by identity: would never match a new trace
+  try:
+    hash(x)
+  except TypeError:
+    return ("?", t.__name__)
+  return x
+
+
+def fingerprint(jaxpr) -> tuple:
+  """Hashable structure of `jaxpr`: wiring, primitives, avals, params, effects.
+
+  Literal values and constant values are left out (a plan never depends on
+  them). Example:
+
+  >>> import jax, jax.numpy as jnp
+  >>> a = jax.make_jaxpr(lambda x: x * 2.0)(1.0).jaxpr
+  >>> b = jax.make_jaxpr(lambda x: x * 3.0)(1.0).jaxpr
+  >>> fingerprint(a) == fingerprint(b)
+  True
+  """
+  ids: dict = {}
+  Literal = _compat.Literal
+
+  def ref(v):
+    if isinstance(v, Literal):
+      return ("L", v.aval)
+    return ids[v]
+
+  for v in (*jaxpr.constvars, *jaxpr.invars):
+    ids[v] = len(ids)
+  eqns = []
+  for e in jaxpr.eqns:
+    ins = tuple(ref(v) for v in e.invars)
+    for v in e.outvars:
+      ids[v] = len(ids)
+    params = tuple((k, _param(p)) for k, p in e.params.items())
+    eqns.append((e.primitive.name, ins, tuple(v.aval for v in e.outvars), params,
+                 tuple(e.effects) if e.effects else ()))
+  heads = (tuple(v.aval for v in jaxpr.constvars), tuple(v.aval for v in jaxpr.invars))
+  return heads, tuple(eqns), tuple(ref(v) for v in jaxpr.outvars)
