@@ -102,9 +102,9 @@ def test_schedule_merges_calls_and_anchors_on_later_dx_work():
 
 
 def test_windows_keep_gradients_on_cpu(close):
+  # "auto" is compared in the compile test above; here the windows alone
   from tests import models
   loss, args = models.cnn_case()
-  for ordering in ("auto", "barriers"):
-    g = jax.jit(ooo.grad(loss, has_aux=True, mode="single_gpu", device="H100",
-                         ordering=ordering))
-    close(g(*args), jax.grad(loss, has_aux=True)(*args))
+  g = jax.jit(ooo.grad(loss, has_aux=True, mode="single_gpu", device="H100",
+                       ordering="barriers"))
+  close(g(*args), jax.grad(loss, has_aux=True)(*args))
