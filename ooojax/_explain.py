@@ -111,6 +111,14 @@ class Report:
     for i, stream in enumerate(s.streams):
       text = " ".join(str(a) for a in stream)
       lines.append(f"  stream {i}: {text[:200]}{' ...' if len(text) > 200 else ''}")
+    if s.calls:
+      eqns = self.split.jaxpr.jaxpr.eqns
+      shown = [f"{'+'.join(c.units)} after {c.after} until "
+               + (eqns[c.anchor].primitive.name if 0 <= c.anchor < len(eqns) else "-")
+               + f"@e{c.anchor}" for c in s.calls[:4]]
+      lines.append(f"  side-stream calls: {len(s.calls)} (window: issued after a dX segment, "
+                   f"done after a dX conv/matmul): {'; '.join(shown)}"
+                   f"{' ...' if len(s.calls) > 4 else ''}")
     return "\n".join(lines)
 
   def __repr__(self) -> str:
