@@ -14,8 +14,9 @@ cotangent `ct`. Equations are then classified:
 * DEAD: depends on `ct` and reaches no gradient output (DCE'd when emitted).
 
 Call-like equations (`jit`/`pjit`, `closed_call`, `custom_jvp_call`,
-`custom_vjp_call`, `checkpoint`) are inlined first so that their insides are
-classified too; higher-order equations with no inline rule (scan, while, cond)
+`custom_vjp_call`, `checkpoint`) that read the cotangent are inlined first so
+that their insides are classified too (the others are all FORWARD and stay
+whole: fewer equations to re-bind and lower); higher-order equations with no inline rule (scan, while, cond)
 are kept whole and reported in `Split.opaque`.
 """
 from __future__ import annotations
