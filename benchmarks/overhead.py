@@ -29,6 +29,7 @@ from benchmarks.models import resnet
 
 def _lower_time(make_grad, loss_fn, args, clock=time.perf_counter) -> float:
   fresh = lambda *a: loss_fn(*a)  # new identity: no cache shared across reps
+  gc.collect()  # each lowering pays for its own garbage, not the previous one's
   t0 = clock()
   jax.jit(make_grad(fresh)).lower(*args)
   return clock() - t0
