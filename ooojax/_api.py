@@ -5,6 +5,7 @@ import collections
 import dataclasses
 import functools
 import inspect
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -207,7 +208,7 @@ class _Transformed:
     self.allow_int = allow_int
     self.options = options
     self._cache: collections.OrderedDict = collections.OrderedDict()  # fingerprint -> plan
-    self._pending: tuple | None = None  # (key, flat jaxpr, plan): fingerprinted when reused
+    self._pending: tuple | None = None  # (key, weakref to the flat jaxpr, plan)
     functools.update_wrapper(self, fun)
 
   # --- tracing -----------------------------------------------------------------
@@ -327,10 +328,11 @@ class _Transformed:
       coll = _dp.plan(sp, sched, cm, opts) if opts.mode == "data_parallel" else None
     plan = _Plan(sp, sched, layout, n_aux, coll)
     if hit is None:
-      # Cached without values: consts may be large arrays or an outer trace's tracers.
-      kept = _Plan(dataclasses.replace(sp, consts=()), sched, None, n_aux, coll)
+      # Cached without the program: consts may be large arrays or an outer
+      # trace's tracers, and the jaxpr would stay alive through lowering.
+      kept = _Plan(dataclasses.replace(sp, jaxpr=None, consts=()), sched, None, n_aux, coll)
       if fp is None:
-        self._pending = (key, flat, kept)
+        self._pending = (key, weakref.ref(flat.jaxpr), kept)
       else:
         self._store(fp, kept)
     return plan, dyn
@@ -343,15 +345,18 @@ class _Transformed:
   def _lookup(self, key, flat) -> tuple[_Plan | None, Any]:
     """(a cached plan for a structurally identical program or None, its fingerprint).
 
-    The first plan is kept unfingerprinted (a function traced once, e.g. under
-    `jax.jit`, pays nothing); both are fingerprinted when a second trace comes.
+    The first plan is kept unfingerprinted and its jaxpr only weakly (a
+    function traced once, e.g. under `jax.jit`, pays neither time nor memory);
+    the second trace is fingerprinted, and the first too if still alive.
     """
     if self._pending is None and not self._cache:
       return None, None
     if self._pending is not None:
-      p_key, p_flat, p_plan = self._pending
+      p_key, p_ref, p_plan = self._pending
       self._pending = None
-      self._store((p_key, fingerprint(p_flat.jaxpr)), p_plan)
+      p_jaxpr = p_ref()
+      if p_jaxpr is not None:
+        self._store((p_key, fingerprint(p_jaxpr)), p_plan)
     fp = (key, fingerprint(flat.jaxpr))
     hit = self._cache.get(fp)
     if hit is not None:

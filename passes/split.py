@@ -14,10 +14,12 @@ cotangent `ct`. Equations are then classified:
 * DEAD: depends on `ct` and reaches no gradient output (DCE'd when emitted).
 
 Call-like equations (`jit`/`pjit`, `closed_call`, `custom_jvp_call`,
-`custom_vjp_call`, `checkpoint`) are inlined first so that their insides are
-classified too; a backward `scan` is split into a B-scan and W-scans
-(`REWRITE_RULES`, `passes.scan_split`); other higher-order equations (while,
-cond, scans that do not split) are kept whole and reported in `Split.opaque`.
+`custom_vjp_call`, `checkpoint`) that read the cotangent are inlined first so
+that their insides are classified too (the others are all FORWARD and stay
+whole: fewer equations to re-bind and lower); a backward `scan` is split into
+a B-scan and W-scans (`REWRITE_RULES`, `passes.scan_split`); other
+higher-order equations (while, cond, scans that do not split) are kept whole
+and reported in `Split.opaque`.
 """
 from __future__ import annotations
 
