@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
-import optax
 
 from benchmarks.models._common import init_params
-from benchmarks.models.transformer import Layer
+from benchmarks.models.transformer import Layer, mlm_loss
 
 
 class _Step(nn.Module):
@@ -72,11 +70,4 @@ def make(layers: int = 24, batch: int = 8, seq: int = 128, dim: int = 768, heads
   tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, seq), 0, vocab)
   params = init_params(lambda: model.init(jax.random.PRNGKey(0), tokens, train=False))
   rng = jax.random.PRNGKey(2)
-  masked = jax.random.bernoulli(jax.random.PRNGKey(3), 0.15, tokens.shape)
-
-  def loss_fn(params, tokens, rng):
-    inputs = jnp.where(masked, 0, tokens)  # token 0 plays [MASK]
-    logits = model.apply(params, inputs, rngs={"dropout": rng})
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens)
-    return jnp.sum(ce * masked) / jnp.maximum(masked.sum(), 1)
-  return loss_fn, (params, tokens, rng), {}
+  return mlm_loss(model, tokens), (params, tokens, rng), {}

@@ -53,14 +53,20 @@ def _make(causal, layers, batch, seq, dim, heads, vocab):
       logits = model.apply(params, tokens, rngs={"dropout": rng})[:, :-1]
       return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
   else:
-    masked = jax.random.bernoulli(jax.random.PRNGKey(3), 0.15, tokens.shape)
-
-    def loss_fn(params, tokens, rng):
-      inputs = jnp.where(masked, 0, tokens)  # token 0 plays [MASK]
-      logits = model.apply(params, inputs, rngs={"dropout": rng})
-      ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens)
-      return jnp.sum(ce * masked) / jnp.maximum(masked.sum(), 1)
+    loss_fn = mlm_loss(model, tokens)
   return loss_fn, (params, tokens, rng), {}
+
+
+def mlm_loss(model, tokens):
+  """A BERT-style masked-LM loss over a fixed 15% mask of `tokens`."""
+  masked = jax.random.bernoulli(jax.random.PRNGKey(3), 0.15, tokens.shape)
+
+  def loss_fn(params, tokens, rng):
+    inputs = jnp.where(masked, 0, tokens)  # token 0 plays [MASK]
+    logits = model.apply(params, inputs, rngs={"dropout": rng})
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens)
+    return jnp.sum(ce * masked) / jnp.maximum(masked.sum(), 1)
+  return loss_fn
 
 
 def make_bert(layers: int = 12, batch: int = 8, seq: int = 128, dim: int = 768,
