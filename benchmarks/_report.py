@@ -26,3 +26,25 @@ def emit(lines: list[str], write: bool, path: str = "benchmarks/RESULTS.md") -> 
   if write:
     with open(path, "a") as f:
       f.write("\n" + text + "\n")
+
+
+def compile_then_alternate(fns: dict, args, rounds: int, iters: int):
+  """Compiles each function once (a failure is a result), then times them
+  alternating in one process. Returns ({name: [seconds per round]}, {name: why failed})."""
+  import time
+
+  from ooojax._calibrate import time_fn
+  fns, failed = dict(fns), {}
+  for name, f in list(fns.items()):
+    try:
+      t0 = time.perf_counter()
+      jax.block_until_ready(f(*args))
+      print(f"{name}: compiled+ran in {time.perf_counter() - t0:.1f} s", flush=True)
+    except Exception as e:  # noqa: BLE001 - reported in the table
+      failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+      del fns[name]
+  times = {k: [] for k in fns}
+  for _ in range(rounds):
+    for name, f in fns.items():
+      times[name].append(time_fn(f, args, iters))
+  return times, failed

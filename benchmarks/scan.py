@@ -25,7 +25,6 @@ import numpy as np
 import ooojax as ooo
 from benchmarks import _report
 from benchmarks.models import scanned
-from ooojax._calibrate import time_fn
 from passes.cost import CostModel, get_spec
 from passes.scan_skew import predict
 
@@ -60,21 +59,9 @@ def main(argv=None):
     sizes = dict(layers=a.layers, batch=a.batch, seq=a.seq, dim=a.dim, heads=a.heads,
                  vocab=a.vocab, remat=a.remat)
     loss, args, _ = scanned.make(**sizes)
-    fns, failed = {}, {}
-    for name, opts in VARIANTS.items():
-      g = jax.grad(loss) if opts is None else ooo.grad(loss, **opts)
-      fns[name] = jax.jit(g)
-      try:
-        t0 = time.perf_counter()
-        jax.block_until_ready(fns[name](*args))
-        print(f"{name}: compiled+ran in {time.perf_counter() - t0:.1f} s", flush=True)
-      except Exception as e:  # noqa: BLE001 - a failure is a result
-        failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-        del fns[name]
-    times = {k: [] for k in fns}
-    for _ in range(a.rounds):
-      for name, f in fns.items():
-        times[name].append(time_fn(f, args, a.iters))
+    fns = {name: jax.jit(jax.grad(loss) if opts is None else ooo.grad(loss, **opts))
+           for name, opts in VARIANTS.items()}
+    times, failed = _report.compile_then_alternate(fns, args, a.rounds, a.iters)
     med = {k: float(np.median(t)) for k, t in times.items()}
     best = {k: float(np.min(t)) for k, t in times.items()}
     base = med.get("jax.grad")

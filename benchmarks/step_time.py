@@ -76,17 +76,7 @@ def main(argv=None):
     opts = VARIANTS[name]
     g = jax.grad if opts is None else (lambda o: lambda f, **k: ooo.grad(f, **o, **k))(opts)
     steps[name] = _sgd_step(g, loss_fn, kw)
-  failed = {}
-  for name, step in list(steps.items()):  # compile each once; a failure is a result
-    try:
-      jax.block_until_ready(step(*args))
-    except Exception as e:  # noqa: BLE001 - reported in the table
-      failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-      del steps[name]
-  times = {k: [] for k in steps}
-  for _ in range(a.rounds):
-    for name, step in steps.items():
-      times[name].append(time_fn(step, args, a.iters))
+  times, failed = _report.compile_then_alternate(steps, args, a.rounds, a.iters)
   med = {k: float(np.median(t)) for k, t in times.items()}
   base = med.get("jax.grad")
   lines = _report.header(f"Step time, {desc}") + [

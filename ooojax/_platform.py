@@ -22,14 +22,19 @@ def gpu_present() -> bool:
               or os.path.exists("/dev/dxg"))
 
 
-def cuda_plugin_installed() -> bool:
-  for p in ("cuda12", "cuda13"):
+def installed_cuda_plugin() -> str | None:
+  """"cuda13" / "cuda12" for the installed jax CUDA plugin (newest first), or None."""
+  for p in ("cuda13", "cuda12"):
     try:
       if importlib.util.find_spec(f"jax_plugins.xla_{p}") is not None:
-        return True
+        return p
     except (ImportError, ValueError):
       continue
-  return False
+  return None
+
+
+def cuda_plugin_installed() -> bool:
+  return installed_cuda_plugin() is not None
 
 
 def default_to_cpu_without_gpu() -> bool:

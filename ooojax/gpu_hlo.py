@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
-import importlib.util
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -36,6 +35,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ooojax import _platform
 from passes import hlo_schedule
 
 # Device numbers from XLA's xla/tools/hlo_opt/gpu_specs/*.txtpb (h100_sxm,
@@ -71,18 +71,9 @@ _KNOWN_BUILDS = {
     "0.10.2": {"cudnn": (9, 8), "cuda": (12, 9)},
 }
 _DEFAULT_BUILD = {"cudnn": (9, 8), "cuda": (12, 9)}
-_PLUGINS = ("cuda13", "cuda12")
-
-
 def _installed_plugin() -> str | None:
   """"cuda12" / "cuda13" for the installed jax CUDA plugin, or None."""
-  for p in _PLUGINS:
-    try:
-      if importlib.util.find_spec(f"jax_plugins.xla_{p}") is not None:
-        return p
-    except (ImportError, ValueError):
-      continue
-  return None
+  return _platform.installed_cuda_plugin()
 
 
 def _dist_version(name: str) -> str | None:
