@@ -21,7 +21,9 @@ transposed scan into a B-scan (the dX carry; it emits each layer's residuals
 as ys) and one W-scan per stacked parameter (`passes.scan_split`). The B-scan
 reaches the input cotangent and every W-scan, so it is a dX equation and runs
 in B; the W-scans are dW clusters and run in W, reading the B-scan's stacked
-residuals from the B->W slots. The W-scans of a phase then run as ONE loop
+residuals from the B->W slots. (On the first stage, which sends no dX, a
+B-scan that feeds a single stacked parameter is part of that parameter's
+cluster and runs in W, as the dX matmuls of unrolled layers there do.) The W-scans of a phase then run as ONE loop
 over the layers (`passes.scan_merge`) instead of one loop per parameter.
 """
 from __future__ import annotations
