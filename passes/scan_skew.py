@@ -181,10 +181,15 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
         # ...and W's done may not come before B(i)'s dX carry (tied twice: XLA
         # drops an unused barrier element whose only user is the barrier).
         anchor = list(nbk_) or list(b_out)
+        late, res_new = jnp.array(True), list(b_out[n_bys:])
         for _ in range(2):
-          bufs, _ = jax.lax.optimization_barrier((bufs, anchor))
+          (bufs, late, res_new), _ = jax.lax.optimization_barrier(
+              ((bufs, late, res_new), anchor))
+        res_new = [_rewrite(r, late) for r in res_new]
+      else:
+        res_new = b_out[n_bys:]
       nwk, w_ys = unpack(bufs)
-      return (nbk_, nwk, b_out[n_bys:]), (b_out[:n_bys], w_ys)
+      return (nbk_, nwk, res_new), (b_out[:n_bys], w_ys)
 
     (bk, w_k, res_last), (b_ys_rest, w_ys_rest) = jax.lax.scan(
         body, (bk, w_k, res0), (b_rest, w_rest), reverse=reverse,
@@ -215,6 +220,11 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
     for j, v in enumerate(w.eqn.outvars[nk:]):
       out[v] = stack(w_ys_last[i][j], w_ys_rest[i][j] if length > 1 else None, reverse)
   return {v: x for v, x in out.items() if not isinstance(v, _compat.DropVar)}
+
+
+def _rewrite(x, late):
+  """`x`, recomputed by an elementwise op that runs no earlier than `late`."""
+  return jax.lax.select(jnp.broadcast_to(late, jnp.shape(x)), x, jnp.zeros_like(x))
 
 
 def _n_b_ys(b_eqn, w_eqns) -> int:
