@@ -71,7 +71,8 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
       stream-annotated call); None runs it inline.
     pin: pin the call's window to B's work in each step by data (as
       `passes.emit` does for unrolled layers): XLA:GPU keeps W(i-1)'s start
-      before B(i) and its done after B(i)'s dX carry.
+      before B(i) and its done after B(i)'s dX carry (the carried residuals
+      are written after that carry too, see `body`).
   """
   B = _Body(b_eqn)
   Ws = [_Body(e) for e in w_eqns]
@@ -180,6 +181,12 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
       if bufs is not None and pin:
         # ...and W's done may not come before B(i)'s dX carry (tied twice: XLA
         # drops an unused barrier element whose only user is the barrier).
+        # The new residuals are written into their carry slots only after that
+        # anchor too: XLA's loop-schedule-linearizer orders every reader of a
+        # carried value (W(i-1)'s call, its done included) before the
+        # instruction that defines the slot's next value, so a residual B(i)
+        # defines before its dX GEMM would pull W(i-1)'s done in front of it.
+        # The barrier also keeps XLA from fusing the rewrite into B's kernels.
         anchor = list(nbk_) or list(b_out)
         late, res_new = jnp.array(True), list(b_out[n_bys:])
         for _ in range(2):
@@ -223,7 +230,12 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
 
 
 def _rewrite(x, late):
-  """`x`, recomputed by an elementwise op that runs no earlier than `late`."""
+  """`x`, copied by an elementwise op that runs no earlier than `late` (a True).
+
+  The select defines a new value (a reshape or a barrier would not), so it is
+  what XLA sees writing the loop carry; `late` comes out of a barrier, so no
+  simplifier folds it away. One read and one write of `x` per loop step.
+  """
   return jax.lax.select(jnp.broadcast_to(late, jnp.shape(x)), x, jnp.zeros_like(x))
 
 
