@@ -370,7 +370,7 @@ def test_skewed_transformer_stack_compile_only_h100():
   s = gpu_hlo.schedule(_single_gpu(loss), *args)
   (q, heavy), = _loop_windows(s)
   # Every main-stream GEMM of layer i's backward runs inside the window of
-  # layer i-1's dW call (10 of 10 on jaxlib 0.10.2; 1 of 10 before).
+  # layer i-1's dW call (10 of 10 on jaxlib 0.10.2).
   assert len(q.overlapped_heavy) >= len(heavy) - 1 >= 4, (len(q.overlapped_heavy), len(heavy))
 
 
