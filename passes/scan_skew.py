@@ -71,7 +71,8 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
       stream-annotated call); None runs it inline.
     pin: pin the call's window to B's work in each step by data (as
       `passes.emit` does for unrolled layers): XLA:GPU keeps W(i-1)'s start
-      before B(i) and its done after B(i)'s dX carry.
+      before B(i) and its done after B(i)'s dX carry (the carried residuals
+      are written after that carry too, see `body`).
   """
   B = _Body(b_eqn)
   Ws = [_Body(e) for e in w_eqns]
@@ -180,11 +181,22 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
       if bufs is not None and pin:
         # ...and W's done may not come before B(i)'s dX carry (tied twice: XLA
         # drops an unused barrier element whose only user is the barrier).
+        # The new residuals are written into their carry slots only after that
+        # anchor too: XLA's loop-schedule-linearizer orders every reader of a
+        # carried value (W(i-1)'s call, its done included) before the
+        # instruction that defines the slot's next value, so a residual B(i)
+        # defines before its dX GEMM would pull W(i-1)'s done in front of it.
+        # The barrier also keeps XLA from fusing the rewrite into B's kernels.
         anchor = list(nbk_) or list(b_out)
+        late, res_new = jnp.array(True), list(b_out[n_bys:])
         for _ in range(2):
-          bufs, _ = jax.lax.optimization_barrier((bufs, anchor))
+          (bufs, late, res_new), _ = jax.lax.optimization_barrier(
+              ((bufs, late, res_new), anchor))
+        res_new = [_rewrite(r, late) for r in res_new]
+      else:
+        res_new = b_out[n_bys:]
       nwk, w_ys = unpack(bufs)
-      return (nbk_, nwk, b_out[n_bys:]), (b_out[:n_bys], w_ys)
+      return (nbk_, nwk, res_new), (b_out[:n_bys], w_ys)
 
     (bk, w_k, res_last), (b_ys_rest, w_ys_rest) = jax.lax.scan(
         body, (bk, w_k, res0), (b_rest, w_rest), reverse=reverse,
@@ -215,6 +227,16 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
     for j, v in enumerate(w.eqn.outvars[nk:]):
       out[v] = stack(w_ys_last[i][j], w_ys_rest[i][j] if length > 1 else None, reverse)
   return {v: x for v, x in out.items() if not isinstance(v, _compat.DropVar)}
+
+
+def _rewrite(x, late):
+  """`x`, copied by an elementwise op that runs no earlier than `late` (a True).
+
+  The select defines a new value (a reshape or a barrier would not), so it is
+  what XLA sees writing the loop carry; `late` comes out of a barrier, so no
+  simplifier folds it away. One read and one write of `x` per loop step.
+  """
+  return jax.lax.select(jnp.broadcast_to(late, jnp.shape(x)), x, jnp.zeros_like(x))
 
 
 def _n_b_ys(b_eqn, w_eqns) -> int:
