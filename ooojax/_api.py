@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
+import gc
 import inspect
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -302,6 +304,10 @@ class _Transformed:
 
   def plan(self, args, kwargs) -> tuple[_Plan, list]:
     closed, dyn, layout, diff = self._trace(args, kwargs)
+    with _gc_paused():
+      return self._plan_traced(closed, dyn, layout, diff)
+
+  def _plan_traced(self, closed, dyn, layout, diff) -> tuple[_Plan, list]:
     aux_tree, aux_parts, g_tree, g_parts = layout
     n_aux = sum(p is None for p in aux_parts)
     n_grads = sum(p is None for p in g_parts)
@@ -368,11 +374,13 @@ class _Transformed:
     opts = self.options
     annotate = opts.resolved_mode() == "single_gpu"
     ordering = opts.resolved_ordering()
-    if plan.collectives is not None:
-      outs = _dp.emit(plan, dyn, opts)
-    else:
-      outs = emit(plan.split, plan.schedule, plan.split.consts, dyn,
-                  ordering=ordering, annotate=annotate)
+    with _gc_paused():
+      if plan.collectives is not None:
+        outs = _dp.emit(plan, dyn, opts)
+      else:
+        # the split was traced for this call alone: emission may consume it
+        outs = emit(plan.split, plan.schedule, plan.split.consts, dyn,
+                    ordering=ordering, annotate=annotate, consume=True)
     aux_tree, aux_parts, g_tree, g_parts = plan.out_tree
     ans = outs[0]
     it = iter(outs[1:])
@@ -380,6 +388,25 @@ class _Transformed:
         aux_tree, [next(it) if p is None else p[0] for p in aux_parts])
     g = jax.tree_util.tree_unflatten(g_tree, [next(it) if p is None else p[0] for p in g_parts])
     return ((ans, aux) if self.has_aux else ans), g
+
+
+@contextlib.contextmanager
+def _gc_paused():
+  """Pauses Python's cyclic GC while ooojax's passes run over a traced program.
+
+  They allocate many short-lived, acyclic objects; each allocation burst
+  triggers collections that walk the whole live program (the traced jaxpr and
+  the one being built) and free nothing: about 45% of the emitter's time on a
+  GPT-2-width LM. Reference counting still frees everything as usual.
+  """
+  if not gc.isenabled():
+    yield
+    return
+  gc.disable()
+  try:
+    yield
+  finally:
+    gc.enable()
 
 
 def _check_argnums(argnums):

@@ -35,6 +35,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax import lax
 
 from passes import _compat, scan_skew
 from passes.ir import Call, Kind, Schedule, Split
@@ -46,20 +47,64 @@ def _read(env, v):
   return v.val if isinstance(v, _compat.Literal) else env[v]
 
 
-def _run_eqns(eqns, env, skip=None, anchors=None):
+class _Lifetimes:
+  """Frees what emission no longer needs, so two programs are not held at once.
+
+  A value leaves `env` after its last reader is emitted; with `consume`, an
+  emitted source equation also leaves the source jaxpr (the caller owns it).
+  The stacks dict shares name stacks across `_compat.emit_eqns` calls.
+  """
+
+  def __init__(self, jaxpr, env: dict, skip, consume: bool):
+    self.eqns, self.env, self.stacks = jaxpr.eqns, env, {}
+    self.consume = consume and isinstance(self.eqns, list)
+    self.uses: dict = {}
+    for k, eqn in enumerate(self.eqns):
+      if not skip[k]:
+        for v in eqn.invars:
+          if isinstance(v, _compat.Var):
+            self.uses[v] = self.uses.get(v, 0) + 1
+    for v in jaxpr.outvars:  # read at the end: never freed
+      if isinstance(v, _compat.Var):
+        self.uses[v] = -1
+
+  def done(self, ks) -> None:
+    uses, env, eqns = self.uses, self.env, self.eqns
+    for k in ks:
+      eqn = eqns[k]
+      if eqn is None:
+        continue
+      for v in eqn.invars:
+        n = uses.get(v, 0) if isinstance(v, _compat.Var) else 0
+        if n > 0:
+          uses[v] = n = n - 1
+          if n == 0:
+            env.pop(v, None)
+      if self.consume:
+        eqns[k] = None
+
+
+def _run_eqns(eqns, env, skip=None, anchors=None, life=None):
+  run: list = []  # a stretch of equations with no anchor: staged in one go
+  stacks = life.stacks if life is not None else None
   for k, eqn in eqns:
     if skip is not None and skip[k]:
       continue
-    invals = [_read(env, v) for v in eqn.invars]
     hook = anchors.get(k) if anchors else None
-    if hook is not None:
-      invals = hook.before(invals)
+    if hook is None:
+      run.append(eqn)
+      continue
+    _compat.emit_eqns(run, env, stacks)
+    run = []
+    invals = hook.before([_read(env, v) for v in eqn.invars])
     outs = _compat.bind_eqn(eqn, invals)
     for v, x in zip(eqn.outvars, outs):
       if not isinstance(v, _compat.DropVar):
         env[v] = x
-    if hook is not None:
-      hook.after(outs)
+    hook.after(outs)
+  _compat.emit_eqns(run, env, stacks)
+  if life is not None:
+    life.done([k for k, _ in eqns])
 
 
 def _cluster_io(jaxpr, eqn_ids: Sequence[int]):
@@ -93,7 +138,8 @@ def _out_positions(jaxpr) -> dict:
   return _last_outs[1]
 
 
-def _on_stream(jaxpr, eqn_ids, env, stream: int) -> tuple[list, list, list, Any]:
+def _on_stream(jaxpr, eqn_ids, env, stream: int, life=None,
+               pinned: bool = False) -> tuple[list, list, list, Any]:
   """Binds the equations as one stream-annotated call.
 
   The call returns one flat buffer per dtype (its outputs flattened and
@@ -106,7 +152,7 @@ def _on_stream(jaxpr, eqn_ids, env, stream: int) -> tuple[list, list, list, Any]
 
   Returns (the call's operands, output vars, the flat buffers, unpack)
   where `unpack(buffers)` gives the outputs in their shapes; `env` gets
-  them now.
+  them now unless `pinned` (then `_Anchor.after` does).
   """
   ins, outs = _cluster_io(jaxpr, eqn_ids)
   eqns = [(k, jaxpr.eqns[k]) for k in eqn_ids]
@@ -117,28 +163,42 @@ def _on_stream(jaxpr, eqn_ids, env, stream: int) -> tuple[list, list, list, Any]
   slot = [dtypes.index(v.aval.dtype) for v in outs]
 
   def body(*vals):
-    local = {v: x.reshape(s) if len(s) >= 2 else x for v, x, s in zip(ins, vals, in_shapes)}
-    _run_eqns(eqns, local)
+    local = {v: lax.reshape(x, s) if len(s) >= 2 else x for v, x, s in zip(ins, vals, in_shapes)}
+    _run_eqns(eqns, local, life=None if life is None else _Stacks(life.stacks))
     parts: list[list] = [[] for _ in dtypes]
     for v, i in zip(outs, slot):
-      parts[i].append(local[v].reshape(-1))
-    return tuple(p[0] if len(p) == 1 else jax.numpy.concatenate(p) for p in parts)
+      parts[i].append(lax.reshape(local[v], (int(np.prod(np.shape(v.aval))),)))
+    return tuple(p[0] if len(p) == 1 else lax.concatenate(p, 0) for p in parts)
 
   def unpack(bufs):
-    offset = [0] * len(dtypes)
-    res = []
-    for s, n, i in zip(shapes, sizes, slot):
-      res.append(bufs[i][offset[i]:offset[i] + n].reshape(s))
-      offset[i] += n
-    return res
+    # one split per buffer, not a slice per output: fewer equations to trace and lower
+    pieces = []
+    for i, b in enumerate(bufs):
+      ns = [n for n, j in zip(sizes, slot) if j == i]
+      pieces.append(iter(lax.split(b, ns) if len(ns) > 1 else [b]))
+    return [lax.reshape(next(pieces[i]), s) for s, i in zip(shapes, slot)]
 
   # Inputs go in flat as well: a layout change XLA needs for an operand is
   # then made on the value the emitter pins (see `_Anchor.before`), not on a
   # copy the memory scheduler may compute late, holding back the start.
-  flat_ins = [env[v].reshape(-1) if len(s) >= 2 else env[v] for v, s in zip(ins, in_shapes)]
+  flat_ins = [lax.reshape(env[v], (int(np.prod(s)),)) if len(s) >= 2 else env[v]
+              for v, s in zip(ins, in_shapes)]
   results = list(_compat.on_stream(body, stream, len(dtypes))(*flat_ins))
-  env.update(zip(outs, unpack(results)))
+  if life is not None:
+    life.done(eqn_ids)
+  if not pinned:  # a pinned call's outputs are unpacked after its anchor
+    env.update(zip(outs, unpack(results)))
   return flat_ins, outs, results, unpack
+
+
+class _Stacks:
+  """Name stacks shared with the emission, for a call body (its values are its own)."""
+
+  def __init__(self, stacks):
+    self.stacks = stacks
+
+  def done(self, ks) -> None:
+    pass
 
 
 def _calls_of(sched: Schedule, units) -> tuple[Call, ...]:
@@ -180,7 +240,7 @@ class _Anchor:
 
 def emit(split: Split, sched: Schedule, consts: Sequence[Any],
          leaves: Sequence[Any], *, ordering: str = "auto",
-         annotate: bool = True, collectives=None) -> list[Any]:
+         annotate: bool = True, collectives=None, consume: bool = False) -> list[Any]:
   """Evaluates the split jaxpr in schedule order in the current trace.
 
   Args:
@@ -193,6 +253,9 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
       the order but emits plain equations (the in-order baseline's form).
     collectives: a `passes.emit_collectives.BucketEmitter` (data-parallel
       mode): issues each gradient bucket's reduction after its last unit.
+    consume: the caller hands over `split`'s jaxpr: emitted equations are
+      removed from it as emission goes (lower peak memory); do not use the
+      split afterwards.
 
   Returns:
     The flat outputs `(value, *aux, *grads)`.
@@ -218,6 +281,7 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
     calls_after.setdefault(c.after, []).append(c)
   anchors: dict[int, _Anchor] = {}
   side_outs: list = []
+  life = _Lifetimes(jaxpr, env, dead, consume)
 
   def meta(gid):
     if ordering != "scheduling_group":
@@ -227,18 +291,19 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
 
   for group, u in enumerate(main, 1):
     with jax.named_scope(f"ooo_{u.name}"), meta(group):
-      _run_eqns([(k, jaxpr.eqns[k]) for k in u.eqns], env, dead, anchors)
+      _run_eqns([(k, jaxpr.eqns[k]) for k in u.eqns], env, dead, anchors, life)
     for c in calls_after.get(u.name, ()):
       eqn_ids = [k for name in c.units for k in units[name].eqns]
       label = "+".join(c.units)
       if not annotate:
         with jax.named_scope(f"ooo_{label}"):
-          _run_eqns([(k, jaxpr.eqns[k]) for k in eqn_ids], env, dead)
+          _run_eqns([(k, jaxpr.eqns[k]) for k in eqn_ids], env, dead, life=life)
         continue
       # the call runs beside the next segment: it shares that segment's group
+      pinned = barriers and c.anchor >= 0
       with jax.named_scope(f"ooo_{label}"), meta(group + 1):
-        ins, outs, flat, unpack = _on_stream(jaxpr, eqn_ids, env, c.stream)
-      if barriers and c.anchor >= 0 and outs:
+        ins, outs, flat, unpack = _on_stream(jaxpr, eqn_ids, env, c.stream, life, pinned)
+      if pinned and outs:
         hook = anchors.setdefault(c.anchor, _Anchor(env))
         hook.calls.append((ins, outs, flat, unpack))
       if flat:
