@@ -1,0 +1,108 @@
+"""scan_collectives: all-reduce a scanned stack's dW one layer at a time, inside the loop.
+
+Contract: `loop_reductions(split, sched, skip) -> tuple[LoopReduce, ...]`
+names the gradient leaves that a split backward scan produces stacked over
+its layers and that the data-parallel mode reduces per layer from inside the
+loop; `passes.collectives` keeps them out of its buckets and
+`passes.emit_collectives.BucketEmitter.reduce_ys` issues the reductions.
+
+In data-parallel mode `passes.emit` fuses each split backward scan into one
+skewed scan (`passes.scan_skew`): iteration i runs B(i), the dX chain, beside
+W(i-1), which makes layer i-1's dW slices (the W-scans' ys). Reducing the whole
+stacked dW after the loop leaves nothing to overlap it with but what follows
+the stack. Instead, the fused equation hands each layer's ys to `reduce_ys`,
+which psums them (one buffer per dtype, `reduce_buffers`) in the iteration
+that made them, so layer i-1's all-reduce can run under B(i) and the next
+iterations; the epilogue (the last layer) reduces after the loop. The scan's
+ys then stack already-reduced slices, and the bucket path never sees those
+leaves again (no double reduction). A psum of each slice is the psum of the
+stack, element for element, so the result equals the reduce-after-the-loop
+gradient exactly.
+
+Which leaves qualify is read from the fusion itself (`scan_skew.fuse`, the
+same deterministic rewrite `emit` applies): a gradient output that is a ys
+output of a fused W-scan. Accumulator carries (a weight shared by every step,
+e.g. an LSTM's) are partial sums until the last step, so they stay on the
+bucket path, as do leaves in `skip` (reverse first-k / cross-step deferred).
+
+>>> import jax, jax.numpy as jnp
+>>> from passes import split as sp, schedule as sc
+>>> from passes.cost import CostModel
+>>> def f(ct, w, x):
+...   loss = lambda w: jnp.sum(jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, w)[0])
+...   y, vjp = jax.vjp(loss, w)
+...   return (y, *vjp(ct))
+>>> avals = [jax.ShapeDtypeStruct(s, jnp.float32) for s in [(), (3, 4, 4), (2, 4)]]
+>>> s = sp.split(f, avals, n_grads=1, param_names=["['w']"])
+>>> [(l.grads, l.trips) for l in loop_reductions(s, sc.schedule(s, CostModel("H100"), 1))]
+[((0,), 3)]
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from passes import _compat, scan_skew
+from passes.cost import _nbytes
+from passes.ir import Schedule, Split
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopReduce:
+  """Gradient leaves one skewed scan reduces per layer, inside its loop.
+
+  `after` names the compute unit that runs the loop (the B-scan's dX unit);
+  its link time is priced as `trips` all-reduces of `nbytes / trips`.
+  """
+  index: int               # its SEND unit is S<index> (after the buckets')
+  grads: tuple[int, ...]   # gradient leaf positions (0 = first gradient output)
+  nbytes: int              # all layers together
+  trips: int               # the scan's length: one all-reduce per trip
+  after: str
+
+
+def loop_reductions(split: Split, sched: Schedule,
+                    skip: Iterable[int] = frozenset()) -> tuple[LoopReduce, ...]:
+  """The in-loop reductions `emit` will issue for `split` (indices from 0).
+
+  Args:
+    split: from `passes.split` (backward scans already split).
+    sched: its compute schedule (names the unit that runs each loop).
+    skip: gradient leaf positions to leave to the bucket path.
+  """
+  skip = frozenset(skip)
+  fused, _ = scan_skew.fuse(split, sched, stream=None, pin=False)
+  if fused is split:
+    return ()
+  outs = split.jaxpr.jaxpr.outvars[split.grad_out_start:]
+  leaves: dict = {}
+  for i, v in enumerate(outs):
+    if isinstance(v, _compat.Var):
+      leaves.setdefault(v, []).append(i)
+  unit_of = {k: u.name for u in sched.units for k in u.eqns}
+  loops: list[LoopReduce] = []
+  for k, e in enumerate(fused.jaxpr.jaxpr.eqns):
+    if e.primitive.name != "skewed_scan":
+      continue
+    grads: list[int] = []
+    for w in e.params["w_eqns"]:
+      for v in stacked_grads(w):
+        ids = leaves.get(v, ())
+        if ids and not skip.intersection(ids):  # a var shared with a skipped leaf stays out
+          grads += ids
+    if grads:
+      nbytes = sum(_nbytes(outs[i].aval) for i in grads)
+      loops.append(LoopReduce(len(loops), tuple(grads), nbytes,
+                              int(e.params["b_eqn"].params["length"]), unit_of.get(k, "")))
+  return tuple(loops)
+
+
+def stacked_grads(w_eqn) -> list:
+  """A W-scan's ys outputs (its per-layer results, stacked), DropVars left out."""
+  return [v for v in w_eqn.outvars[w_eqn.params["num_carry"]:]
+          if isinstance(v, _compat.Var) and not isinstance(v, _compat.DropVar)]
+
+
+def loop_seconds(loop: LoopReduce, allreduce_seconds) -> float:
+  """Link time of one loop's reductions: `trips` all-reduces of one layer's bytes."""
+  return loop.trips * allreduce_seconds(loop.nbytes / loop.trips)
