@@ -28,14 +28,14 @@ bucket path, as do leaves in `skip` (reverse first-k / cross-step deferred).
 >>> import jax, jax.numpy as jnp
 >>> from passes import split as sp, schedule as sc
 >>> from passes.cost import CostModel
->>> def f(ct, w, x):
-...   loss = lambda w: jnp.sum(jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, w)[0])
-...   y, vjp = jax.vjp(loss, w)
+>>> layer = lambda h, wb: (jnp.tanh(h @ wb[0] + wb[1]), None)
+>>> def f(ct, w, b, x):
+...   y, vjp = jax.vjp(lambda w, b: jnp.sum(jax.lax.scan(layer, x, (w, b))[0]), w, b)
 ...   return (y, *vjp(ct))
->>> avals = [jax.ShapeDtypeStruct(s, jnp.float32) for s in [(), (3, 4, 4), (2, 4)]]
->>> s = sp.split(f, avals, n_grads=1, param_names=["['w']"])
+>>> avals = [jax.ShapeDtypeStruct(s, jnp.float32) for s in [(), (3, 4, 4), (3, 4), (2, 4)]]
+>>> s = sp.split(f, avals, n_grads=2, param_names=["['w']", "['b']"])
 >>> [(l.grads, l.trips) for l in loop_reductions(s, sc.schedule(s, CostModel("H100"), 1))]
-[((0,), 3)]
+[((0, 1), 3)]
 """
 from __future__ import annotations
 
