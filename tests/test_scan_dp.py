@@ -82,10 +82,11 @@ class _Step(nn.Module):
 class _ScanStack(nn.Module):
   """Embedding Dense, an `nn.scan` of transformer blocks, a head: a tiny scanned encoder."""
   layers: int = 3
+  dim: int = 16
 
   @nn.compact
   def __call__(self, x):
-    x = nn.Dense(16)(x)
+    x = nn.Dense(self.dim)(x)
     x, _ = nn.scan(_Step, variable_axes={"params": 0}, split_rngs={"params": True},
                    length=self.layers)()(x, None)
     return nn.Dense(4)(nn.LayerNorm()(x))
@@ -143,12 +144,22 @@ def test_accumulator_carries_are_reduced_once(close):
   close(_run(_ours("mean"), loss, args, specs, "vma"), _reference("lstm", "mean"))
 
 
-def test_first_k_scanned_leaves_go_back_to_buckets(close):
-  loss, args, specs = _lax_mlp()
-  plan = _plan(loss, args, specs, first_k=2)  # both layers: the stack and the head
-  assert not plan.loops
-  got = _run(_ours("mean", first_k=2), loss, args, specs, "novma")
-  close(got, _reference("lax", "mean"))
+def test_cross_step_train_step_defers_the_scanned_leaves(close):
+  # first_k=2 defers the stack (w, b: the first two layers in forward order):
+  # they leave the loop unreduced and are reduced at the next step's start.
+  import optax
+
+  from ooojax import data_parallel as dp
+  loss, (p, x), _ = _lax_mlp()
+  step = dp.make_train_step(loss, optax.sgd(0.1), _mesh(), axis_name=AX, first_k=2,
+                            bucket_bytes=1)
+  state = step.init(p, x)
+  for _ in range(2):
+    state, _ = step(state, x)
+  q = p
+  for _ in range(2):
+    q = jax.tree.map(lambda a, g: a - 0.1 * g, q, jax.grad(loss)(q, x))
+  close(step.flush(state).params, q)
 
 
 # --- the plan --------------------------------------------------------------------
@@ -173,6 +184,9 @@ def test_plan_names_the_in_loop_leaves():
   assert p.in_loop == {0, 2}
   assert [b.grads for b in p.buckets] == [(1,)]  # only the head is bucketed
   assert sorted(u.label for u in p.units if u.kind.value == "S") == ["bucket0", "loop0"]
+  # reverse first-k over the stack: its leaves go back to the buckets
+  p = _plan(loss, args, specs, bucket_bytes=1, first_k=2)
+  assert not p.loops and sorted(i for b in p.buckets for i in b.grads) == [0, 1, 2]
 
 
 # --- compiled HLO ----------------------------------------------------------------
@@ -242,7 +256,11 @@ def test_h100_loop_body_all_reduce_overlaps_compute():
         [(q.start.name, [i.op for i in q.between], [i.name for i in q.overlapped_heavy])
          for q in pairs])
   assert len(pairs) == 1, [q.computation for q in s.pairs_of("all-reduce")]
-  assert pairs[0].between, "nothing scheduled between the in-loop all-reduce's start and done"
+  # W(i-1)'s dW GEMM, its all-reduce-start, then B(i)'s dX GEMM before the done
+  assert pairs[0].overlapped_heavy, "no GEMM between the in-loop all-reduce's start and done"
+  layer = D * D + D
+  outside = _all_reduced_elements(s.entry)
+  assert layer in outside and L * layer not in outside, outside  # the stack is not reduced again
 
 
 def test_scan_collectives_docstring_examples():
