@@ -160,7 +160,7 @@ def bind_eqn(eqn, invals: list[Any]) -> list[Any]:
   if _VARY_AXES is not None and invals:
     invals = _match_vma(invals)
     rule = _VMA_REBIND.get(eqn.primitive.name)
-    if rule is not None:
+    if rule is not None and any(varying_axes(x) for x in invals):  # check_vma=True only
       return rule(eqn, invals)
   params = eqn.primitive.get_bind_params(eqn.params)
   subfuns: list[Any] = []

@@ -22,8 +22,8 @@ stream 0). This pass
    smaller k.
 
 A stacked per-layer gradient of a split backward scan is not bucketed: the
-loop reduces it one layer at a time (`passes.scan_collectives`), priced as a
-`SEND` unit per loop after the loop's dX unit.
+loop reduces it one layer at a time (`passes.scan_collectives`), priced as
+one-layer all-reduces from the loop's start plus the last layer's after it.
 
 All times are cost-model estimates.
 """
@@ -219,22 +219,14 @@ def _link_units(buckets, link, n_devices, order) -> tuple[list[Unit], tuple[Acti
 
 
 def _with_loop_units(loops, s_units, s_actions, link, n_devices, order):
-  """Adds one SEND unit per in-loop reduction, on the link in issue order.
-
-  A model: it may start when the loop's dX unit ends (in the in-order
-  compute order the W-scans follow it) and costs one all-reduce per layer.
-  """
+  """Adds the in-loop reductions' SEND units (`scan_collectives.link_units`), in issue order."""
   if not loops:
     return s_units, s_actions
-  n = len(s_units)
-  last = order[-1].unit if order else "F0"
   ar = lambda nbytes: allreduce_seconds(link, nbytes, n_devices)  # noqa: E731
-  units = list(s_units) + [
-      Unit(UnitKind.SEND, n + l.index, (), (l.after or last,),
-           scan_collectives.loop_seconds(l, ar), 0.0, f"loop{l.index}") for l in loops]
+  units = list(s_units) + scan_collectives.link_units(loops, len(s_units), order, ar)
   pos = {a.unit: i for i, a in enumerate(order)}
-  actions = list(s_actions) + [Action("S", n + l.index, LINK_STREAM) for l in loops]
   dep = {u.name: pos.get(u.deps[0], len(order)) for u in units}
+  actions = [Action("S", u.index, LINK_STREAM) for u in units]
   actions.sort(key=lambda a: dep[a.unit])  # stable: buckets keep their order
   return units, tuple(actions)
 
@@ -268,11 +260,16 @@ def cross_step_time(units, order, s_actions, buckets, deferred: frozenset[int]) 
 
 
 def build_plan(split: Split, sched: Schedule, k: int, bucket_bytes: int, link: Link,
-               n_devices: int) -> CollectivePlan:
-  """The plan for one choice of k and bucket size (what `plan` compares)."""
+               n_devices: int, in_loop: bool = True) -> CollectivePlan:
+  """The plan for one choice of k and bucket size (what `plan` compares).
+
+  `in_loop=False` buckets a scanned stack's dW too (reduced after its loop):
+  the baseline the benchmarks compare the in-loop reductions with.
+  """
   base = sched.units
   order = reverse_first_k(split, base, sched.streams[0], k) if k else tuple(sched.streams[0])
-  loops = scan_collectives.loop_reductions(split, sched, first_k_leaves(split, k))
+  loops = (scan_collectives.loop_reductions(split, sched, first_k_leaves(split, k))
+           if in_loop else ())
   skip = frozenset(i for l in loops for i in l.grads)
   buckets = make_buckets(split, base, order, max(bucket_bytes, 1), skip)
   s_units, s_actions = _link_units(buckets, link, n_devices, order)

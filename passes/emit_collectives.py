@@ -129,12 +129,11 @@ class BucketEmitter:
     merge it with the bucket issued before the loop, delaying that one);
     inside the loop a tie to an outer reduction would hold the whole loop.
     """
-    from passes.scan_collectives import stacked_grads
     where, vals = [], []
     for i, w in enumerate(w_eqns):
       nk = w.params["num_carry"]
       for j, v in enumerate(w.outvars[nk:]):
-        if v in self._loop_vars and v in stacked_grads(w):
+        if v in self._loop_vars:  # ys only: an accumulator carry is never reduced here
           where.append((i, j))
           vals.append(ys[i][j])
           self._loop_done.update(self._loop_vars[v])

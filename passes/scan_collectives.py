@@ -40,25 +40,27 @@ bucket path, as do leaves in `skip` (reverse first-k / cross-step deferred).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from passes import _compat, scan_skew
 from passes.cost import _nbytes
-from passes.ir import Schedule, Split
+from passes.ir import Action, Schedule, Split, Unit, UnitKind
 
 
 @dataclasses.dataclass(frozen=True)
 class LoopReduce:
   """Gradient leaves one skewed scan reduces per layer, inside its loop.
 
-  `after` names the compute unit that runs the loop (the B-scan's dX unit);
-  its link time is priced as `trips` all-reduces of `nbytes / trips`.
+  `after` names the compute unit that runs the loop (the B-scan's dX unit in
+  the in-order schedule) and `w_units` the dW units of its W-scans (fused
+  into it when emitted); `passes.collectives` prices it from them.
   """
-  index: int               # its SEND unit is S<index> (after the buckets')
+  index: int               # its SEND units follow the buckets' (see `link_units`)
   grads: tuple[int, ...]   # gradient leaf positions (0 = first gradient output)
   nbytes: int              # all layers together
   trips: int               # the scan's length: one all-reduce per trip
   after: str
+  w_units: tuple[str, ...] = ()
 
 
 def loop_reductions(split: Split, sched: Schedule,
@@ -67,7 +69,7 @@ def loop_reductions(split: Split, sched: Schedule,
 
   Args:
     split: from `passes.split` (backward scans already split).
-    sched: its compute schedule (names the unit that runs each loop).
+    sched: its compute schedule (names the units that run each loop).
     skip: gradient leaf positions to leave to the bucket path.
   """
   skip = frozenset(skip)
@@ -80,6 +82,7 @@ def loop_reductions(split: Split, sched: Schedule,
     if isinstance(v, _compat.Var):
       leaves.setdefault(v, []).append(i)
   unit_of = {k: u.name for u in sched.units for k in u.eqns}
+  index_of = {id(e): k for k, e in enumerate(split.jaxpr.jaxpr.eqns)}
   loops: list[LoopReduce] = []
   for k, e in enumerate(fused.jaxpr.jaxpr.eqns):
     if e.primitive.name != "skewed_scan":
@@ -91,9 +94,12 @@ def loop_reductions(split: Split, sched: Schedule,
         if ids and not skip.intersection(ids):  # a var shared with a skipped leaf stays out
           grads += ids
     if grads:
+      w_units = tuple(dict.fromkeys(unit_of[index_of[id(w)]] for w in e.params["w_eqns"]
+                                    if index_of.get(id(w)) in unit_of))
       nbytes = sum(_nbytes(outs[i].aval) for i in grads)
       loops.append(LoopReduce(len(loops), tuple(grads), nbytes,
-                              int(e.params["b_eqn"].params["length"]), unit_of.get(k, "")))
+                              int(e.params["b_eqn"].params["length"]), unit_of.get(k, ""),
+                              w_units))
   return tuple(loops)
 
 
@@ -103,6 +109,27 @@ def stacked_grads(w_eqn) -> list:
           if isinstance(v, _compat.Var) and not isinstance(v, _compat.DropVar)]
 
 
-def loop_seconds(loop: LoopReduce, allreduce_seconds) -> float:
-  """Link time of one loop's reductions: `trips` all-reduces of one layer's bytes."""
-  return loop.trips * allreduce_seconds(loop.nbytes / loop.trips)
+def link_units(loops: Sequence[LoopReduce], first_index: int, order: Sequence[Action],
+               allreduce_seconds: Callable[[float], float]) -> list[Unit]:
+  """Two `SEND` units per loop for the link simulation (a model, cost-model seconds).
+
+  Layers 0..n-2 are reduced while the loop runs: one unit of `trips - 1`
+  one-layer all-reduces that may start when the loop starts (optimistic by
+  one iteration: the first slice exists after B(0) and W(0)); the last
+  layer's all-reduce waits for the loop's end (its W units, in `order`).
+  """
+  pos = {a.unit: i for i, a in enumerate(order)}
+  units, i = [], first_index
+  for l in loops:
+    at = pos.get(l.after)
+    start = order[at - 1].unit if at else (order[0].unit if order else "F0")
+    ends = [u for u in (l.after, *l.w_units) if u in pos]
+    end = max(ends, key=pos.__getitem__) if ends else start
+    one = allreduce_seconds(l.nbytes / l.trips)
+    if l.trips > 1:
+      units.append(Unit(UnitKind.SEND, i, (), (start,), (l.trips - 1) * one, 0.0,
+                        f"loop{l.index}"))
+      i += 1
+    units.append(Unit(UnitKind.SEND, i, (), (end,), one, 0.0, f"loop{l.index}.last"))
+    i += 1
+  return units

@@ -183,7 +183,8 @@ def test_plan_names_the_in_loop_leaves():
   assert [(l.grads, l.trips, l.nbytes) for l in p.loops] == [((0, 2), 4, 4 * (16 + 16 * 16) * 4)]
   assert p.in_loop == {0, 2}
   assert [b.grads for b in p.buckets] == [(1,)]  # only the head is bucketed
-  assert sorted(u.label for u in p.units if u.kind.value == "S") == ["bucket0", "loop0"]
+  assert sorted(u.label for u in p.units if u.kind.value == "S") == ["bucket0", "loop0", "loop0.last"]
+  assert p.loops[0].after == "X1" and p.loops[0].w_units == ("W1", "W2")
   # reverse first-k over the stack: its leaves go back to the buckets
   p = _plan(loss, args, specs, bucket_bytes=1, first_k=2)
   assert not p.loops and sorted(i for b in p.buckets for i in b.grads) == [0, 1, 2]
