@@ -146,8 +146,9 @@ def _rebind_scan(eqn, invals):
   def f(carry, x):
     outs = eval_jaxpr(body.jaxpr, body.consts, *consts, *carry, *x)
     return [to_varying(c, _VARY_AXES) for c in outs[:nk]], outs[nk:]
+  kw = {"_split_transpose": True} if p.get("_split_transpose") else {}  # a private flag
   carry, ys = jax.lax.scan(f, init, xs, length=p["length"], reverse=p["reverse"],
-                           unroll=p["unroll"], _split_transpose=p.get("_split_transpose", False))
+                           unroll=p["unroll"], **kw)
   return [*carry, *ys]
 
 
