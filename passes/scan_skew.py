@@ -59,9 +59,22 @@ def _at(x, i):
   return jax.lax.index_in_dim(x, i, 0, keepdims=False)
 
 
+def _then_ys(unpack, fn):
+  """`unpack` (bufs -> (carries, ys)) with `fn` applied to its ys."""
+  def run(bufs):
+    k, ys = unpack(bufs)
+    return k, fn(ys)
+  return run
+
+
 def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
                 stream: int | None = 1, pin: bool = True, reduce_ys=None) -> dict:
   """Runs a B-scan and its W-scans as one skewed scan; returns {outvar: value}.
+
+  `reduce_ys(w_eqns, ys, in_loop) -> ys`, if given, is applied to each
+  layer's W ys (one list per W-scan) where they are made: in the loop body,
+  or after it for the last layer (`in_loop=False`). The data-parallel mode
+  all-reduces the per-layer dW slices there (`passes.scan_collectives`).
 
   Args:
     b_eqn: the B-scan equation (`ScanSplit.b_eqn`).
@@ -72,10 +85,6 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
     pin: pin the call's window to B's work in each step by data (as
       `passes.emit` does for unrolled layers): XLA:GPU keeps W(i-1)'s start
       before B(i) and its done after B(i)'s dX carry.
-    reduce_ys: `(w_eqns, ys, in_loop) -> ys`, applied to each layer's W ys
-      (one list per W-scan) where they are made (in the loop body, or after
-      it for the last layer): the data-parallel mode all-reduces the
-      per-layer dW slices there (`passes.scan_collectives`).
   """
   B = _Body(b_eqn)
   Ws = [_Body(e) for e in w_eqns]
@@ -177,6 +186,8 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
       bk, wk, res = carry
       bx, wx = xs
       ops, bufs, unpack = w_call(wk, wx, res)  # W(i-1), beside B(i) on the side stream
+      if reduce_ys is not None:  # data parallel: W(i-1)'s dW slices reduced in this step
+        unpack = _then_ys(unpack, lambda ys: reduce_ys(w_eqns, ys, True))
       if bufs is not None and pin:
         # B(i) may not start before W's operands are ready (the start goes first)...
         _, (bk, bx) = jax.lax.optimization_barrier((ops, (list(bk), list(bx))))
@@ -188,7 +199,6 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
         for _ in range(2):
           bufs, _ = jax.lax.optimization_barrier((bufs, anchor))
       nwk, w_ys = unpack(bufs)
-      w_ys = w_ys if reduce_ys is None else reduce_ys(w_eqns, w_ys, True)
       return (nbk_, nwk, b_out[n_bys:]), (b_out[:n_bys], w_ys)
 
     (bk, w_k, res_last), (b_ys_rest, w_ys_rest) = jax.lax.scan(
