@@ -123,10 +123,46 @@ def _match_vma(invals):
           for x, v in zip(invals, vmas)]
 
 
+def eval_jaxpr(jaxpr, consts, *args) -> list[Any]:
+  """`jax.core.eval_jaxpr` through `bind_eqn` (so `vary_inputs` reaches nested equations)."""
+  env = dict(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+  read = lambda v: v.val if isinstance(v, Literal) else env[v]  # noqa: E731
+  for e in jaxpr.eqns:
+    outs = bind_eqn(e, [read(v) for v in e.invars])
+    env.update((v, x) for v, x in zip(e.outvars, outs) if not isinstance(v, DropVar))
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _rebind_scan(eqn, invals):
+  # A body traced without vma types types its carries invariant while the
+  # re-bound inputs are varying: re-trace it as a scan over varying carries.
+  p = eqn.params
+  nc, nk = p["num_consts"], p["num_carry"]
+  consts, xs = invals[:nc], invals[nc + nk:]
+  init = [to_varying(x, _VARY_AXES) for x in invals[nc:nc + nk]]
+  body = p["jaxpr"]
+
+  def f(carry, x):
+    outs = eval_jaxpr(body.jaxpr, body.consts, *consts, *carry, *x)
+    return [to_varying(c, _VARY_AXES) for c in outs[:nk]], outs[nk:]
+  kw = {"_split_transpose": True} if p.get("_split_transpose") else {}  # a private flag
+  carry, ys = jax.lax.scan(f, init, xs, length=p["length"], reverse=p["reverse"],
+                           unroll=p["unroll"], **kw)
+  return [*carry, *ys]
+
+
+# primitive name -> (eqn, invals) -> outputs, used under `vary_inputs`.
+_VMA_REBIND = {"scan": _rebind_scan}
+
+
 def bind_eqn(eqn, invals: list[Any]) -> list[Any]:
   """Binds one jaxpr equation in the current trace, as `jax.core.eval_jaxpr` does."""
   if _VARY_AXES is not None and invals:
     invals = _match_vma(invals)
+    rule = _VMA_REBIND.get(eqn.primitive.name)
+    if rule is not None and any(varying_axes(x) for x in invals):  # check_vma=True only
+      return rule(eqn, invals)
   params = eqn.primitive.get_bind_params(eqn.params)
   subfuns: list[Any] = []
   if isinstance(params, tuple):  # older JAX returned (subfuns, params)

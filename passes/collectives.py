@@ -21,6 +21,10 @@ stream 0). This pass
    candidates and keeping the shortest step. Ties keep the larger bucket /
    smaller k.
 
+A stacked per-layer gradient of a split backward scan is not bucketed: the
+loop reduces it one layer at a time (`passes.scan_collectives`), priced as
+one-layer all-reduces from the loop's start plus the last layer's after it.
+
 All times are cost-model estimates.
 """
 from __future__ import annotations
@@ -29,8 +33,10 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+from passes import scan_collectives
 from passes.cost import CostModel, _nbytes
 from passes.ir import Action, Schedule, Split, Unit, UnitKind
+from passes.scan_collectives import LoopReduce
 from passes.simulate import LINKS, Link, Timeline, simulate
 
 REDUCTIONS = ("mean", "sum")
@@ -106,6 +112,12 @@ class CollectivePlan:
   makespan: float             # simulated, compute + link
   cross_step: float = 0.0     # simulated steady-state step with the first-k reductions
                               # deferred into the next step's forward (see `cross_step_time`)
+  loops: tuple[LoopReduce, ...] = ()  # leaves reduced per layer inside a scan, not bucketed
+
+  @property
+  def in_loop(self) -> frozenset[int]:
+    """Gradient leaf positions the loops that compute them reduce."""
+    return frozenset(i for l in self.loops for i in l.grads)
 
   @property
   def streams(self) -> tuple[tuple[Action, ...], ...]:
@@ -154,8 +166,11 @@ def _grad_bytes(split: Split) -> list[int]:
 
 
 def make_buckets(split: Split, units: Sequence[Unit], order: Sequence[Action],
-                 bucket_bytes: int) -> tuple[Bucket, ...]:
-  """Groups gradient leaves into buckets in the order their dW clusters finish."""
+                 bucket_bytes: int, skip: frozenset[int] = frozenset()) -> tuple[Bucket, ...]:
+  """Groups gradient leaves into buckets in the order their dW clusters finish.
+
+  Leaves in `skip` (reduced inside a loop) get no bucket.
+  """
   nbytes = _grad_bytes(split)
   by_name = {u.name: u for u in units}
   leaf_of_cluster = {c.index: c.grad_out - split.grad_out_start for c in split.clusters}
@@ -166,7 +181,7 @@ def make_buckets(split: Split, units: Sequence[Unit], order: Sequence[Action],
     if a.kind != "W":
       continue
     leaf = leaf_of_cluster[by_name[a.unit].index]
-    if leaf in cur or any(leaf in b.grads for b in buckets):
+    if leaf in skip or leaf in cur or any(leaf in b.grads for b in buckets):
       continue
     cur.append(leaf)
     size += nbytes[leaf]
@@ -177,7 +192,8 @@ def make_buckets(split: Split, units: Sequence[Unit], order: Sequence[Action],
     buckets.append(Bucket(len(buckets), tuple(cur), size, _last_w(order, cur, by_name,
                                                                    leaf_of_cluster)))
   # Leaves no dW cluster produces (unused parameters, pass-through gradients).
-  rest = [i for i in range(len(nbytes)) if not any(i in b.grads for b in buckets)]
+  rest = [i for i in range(len(nbytes))
+          if i not in skip and not any(i in b.grads for b in buckets)]
   if rest:
     buckets.append(Bucket(len(buckets), tuple(rest), sum(nbytes[i] for i in rest), ""))
   return tuple(buckets)
@@ -199,6 +215,19 @@ def _link_units(buckets, link, n_devices, order) -> tuple[list[Unit], tuple[Acti
     units.append(Unit(UnitKind.SEND, b.index, (), deps,
                       allreduce_seconds(link, b.nbytes, n_devices), 0.0, f"bucket{b.index}"))
     actions.append(Action("S", b.index, LINK_STREAM))
+  return units, tuple(actions)
+
+
+def _with_loop_units(loops, s_units, s_actions, link, n_devices, order):
+  """Adds the in-loop reductions' SEND units (`scan_collectives.link_units`), in issue order."""
+  if not loops:
+    return s_units, s_actions
+  ar = lambda nbytes: allreduce_seconds(link, nbytes, n_devices)  # noqa: E731
+  units = list(s_units) + scan_collectives.link_units(loops, len(s_units), order, ar)
+  pos = {a.unit: i for i, a in enumerate(order)}
+  dep = {u.name: pos.get(u.deps[0], len(order)) for u in units}
+  actions = [Action("S", u.index, LINK_STREAM) for u in units]
+  actions.sort(key=lambda a: dep[a.unit])  # stable: buckets keep their order
   return units, tuple(actions)
 
 
@@ -231,18 +260,26 @@ def cross_step_time(units, order, s_actions, buckets, deferred: frozenset[int]) 
 
 
 def build_plan(split: Split, sched: Schedule, k: int, bucket_bytes: int, link: Link,
-               n_devices: int) -> CollectivePlan:
-  """The plan for one choice of k and bucket size (what `plan` compares)."""
+               n_devices: int, in_loop: bool = True) -> CollectivePlan:
+  """The plan for one choice of k and bucket size (what `plan` compares).
+
+  `in_loop=False` buckets a scanned stack's dW too (reduced after its loop):
+  the baseline the benchmarks compare the in-loop reductions with.
+  """
   base = sched.units
   order = reverse_first_k(split, base, sched.streams[0], k) if k else tuple(sched.streams[0])
-  buckets = make_buckets(split, base, order, max(bucket_bytes, 1))
+  loops = (scan_collectives.loop_reductions(split, sched, first_k_leaves(split, k))
+           if in_loop else ())
+  skip = frozenset(i for l in loops for i in l.grads)
+  buckets = make_buckets(split, base, order, max(bucket_bytes, 1), skip)
   s_units, s_actions = _link_units(buckets, link, n_devices, order)
+  s_units, s_actions = _with_loop_units(loops, s_units, s_actions, link, n_devices, order)
   units = tuple(base) + tuple(s_units)
   t = simulate((order, s_actions), units, 0.0, links=(LINK_STREAM,)).makespan
   compute = dataclasses.replace(sched, streams=(order,), syncs=(), makespan=t)
   cross = cross_step_time(units, order, s_actions, buckets, first_k_leaves(split, k))
   return CollectivePlan(compute, buckets, s_actions, units, k, len(layers_forward(split)),
-                        bucket_bytes, link, n_devices, t, cross)
+                        bucket_bytes, link, n_devices, t, cross, loops)
 
 
 def plan(split: Split, sched: Schedule, cost: CostModel, n_devices: int,

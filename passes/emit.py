@@ -266,7 +266,9 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
   edges = annotate and ordering in ("auto", "control_deps")
   # A split backward scan becomes one scan running B(i) and W(i-1) together
   # (W on stream 1 when annotating): one loop instead of 1 + #W-scans.
-  split, sched = scan_skew.fuse(split, sched, stream=1 if annotate else None, pin=barriers)
+  # Data parallel: the loop all-reduces each layer's dW slice (passes.scan_collectives).
+  split, sched = scan_skew.fuse(split, sched, stream=1 if annotate else None, pin=barriers,
+                                reduce_ys=getattr(collectives, "reduce_ys", None))
   jaxpr = split.jaxpr.jaxpr
   ct_aval = jaxpr.invars[0].aval
   env: dict = {}

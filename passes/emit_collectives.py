@@ -14,6 +14,12 @@ data-depends on all-reduce b. XLA's all-reduce combiners (CPU and GPU) merge
 only independent all-reduces, so buckets stay apart without any compiler flag
 and run in bucket order; the backward itself never waits for a reduction (a
 slow link delays only the next reduction, not the compute).
+
+The stacked dW of a split backward scan (`plan.loops`) is not bucketed:
+`emit` hands each layer's dW slices to `reduce_ys` from inside the skewed
+scan's loop (`passes.scan_collectives`). A bucket whose last dW unit was
+fused into such a loop (an accumulator's W-scan) is issued once its values
+exist.
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from passes import _compat
-from passes.collectives import CollectivePlan
+from passes.collectives import Bucket, CollectivePlan
 from passes.ir import Split
 
 
@@ -95,15 +101,64 @@ class BucketEmitter:
     self._reduced: dict[int, Any] = {}
     self._prev: Any = None       # the last issued bucket's reduced buffers
     self._grad_vars = split.jaxpr.jaxpr.outvars[split.grad_out_start:]
+    self._issued: set[int] = set()
+    # In-loop leaves by gradient variable (a var shared with a deferred leaf stays out).
+    by_var: dict = {}
+    for i, v in enumerate(self._grad_vars):
+      if isinstance(v, _compat.Var):
+        by_var.setdefault(v, []).append(i)
+    loop = getattr(plan, "in_loop", frozenset()) - self.defer
+    self._loop_vars = {v: ids for v, ids in by_var.items() if set(ids) <= loop}
+    self._loop_done: set[int] = set()
 
   def after_unit(self, unit: str, env: dict) -> None:
     for b in self._by_unit.get(unit, ()):
       self._issue(b, env)
+    # A bucket whose unit was fused into a loop: issue it once its values exist.
+    for b in self.plan.buckets:
+      if b.after and b.index not in self._issued and all(
+          self._available(env, i) for i in b.grads):
+        self._issue(b, env)
+
+  def reduce_ys(self, w_eqns, ys: list, in_loop: bool = True) -> list:
+    """One layer's W ys (a list per W-scan) with the in-loop gradients all-reduced.
+
+    Called by the skewed scan (`passes.scan_skew`) inside its loop and in its
+    epilogue (`in_loop=False`, the last layer): one all-reduce per dtype per
+    layer. The epilogue's joins the bucket chain (else XLA's combiner would
+    merge it with the bucket issued before the loop, delaying that one);
+    inside the loop a tie to an outer reduction would hold the whole loop.
+    """
+    where, vals = [], []
+    for i, w in enumerate(w_eqns):
+      nk = w.params["num_carry"]
+      for j, v in enumerate(w.outvars[nk:]):
+        if v in self._loop_vars:  # ys only: an accumulator carry is never reduced here
+          where.append((i, j))
+          vals.append(ys[i][j])
+          self._loop_done.update(self._loop_vars[v])
+    if not vals:
+      return ys
+    if in_loop:
+      reduced, _ = reduce_buffers(vals, self.axis_name, self.reduce)
+    else:
+      reduced, self._prev = reduce_buffers(chain_after(self._prev, vals), self.axis_name,
+                                           self.reduce)
+    ys = [list(y) for y in ys]
+    for (i, j), r in zip(where, reduced):
+      ys[i][j] = r
+    return ys
 
   def outputs(self, outs: list, env: dict) -> list:
     """The flat outputs with every gradient replaced by its reduced value."""
-    for b in self._by_unit.get("", ()):
-      self._issue(b, env)
+    for b in self.plan.buckets:
+      if b.index not in self._issued:
+        self._issue(b, env)
+    # In-loop leaves whose loop was not fused as planned: reduce them here.
+    missed = tuple(i for ids in self._loop_vars.values() for i in ids
+                   if i not in self._loop_done)
+    if missed:
+      self._issue(Bucket(-1, missed, 0, ""), env)
     outs = list(outs)
     start = self.split.grad_out_start
     for i, x in self._reduced.items():
@@ -117,7 +172,12 @@ class BucketEmitter:
       return _compat.to_varying(jnp.asarray(v.val), self.axis_name)
     return env[v]
 
+  def _available(self, env, i) -> bool:
+    v = self._grad_vars[i]
+    return isinstance(v, _compat.Literal) or v in env
+
   def _issue(self, bucket, env) -> None:
+    self._issued.add(bucket.index)
     grads = tuple(i for i in bucket.grads if i not in self.defer)
     if not grads:
       return

@@ -50,7 +50,7 @@ class _Body:
 
   def __call__(self, consts, carries, xs):
     j = self.p["jaxpr"]
-    outs = jax.core.eval_jaxpr(j.jaxpr, j.consts, *consts, *carries, *xs)
+    outs = _compat.eval_jaxpr(j.jaxpr, j.consts, *consts, *carries, *xs)  # vma casts in DP
     nk = self.p["num_carry"]
     return list(outs[:nk]), list(outs[nk:])
 
@@ -59,9 +59,22 @@ def _at(x, i):
   return jax.lax.index_in_dim(x, i, 0, keepdims=False)
 
 
+def _then_ys(unpack, fn):
+  """`unpack` (bufs -> (carries, ys)) with `fn` applied to its ys."""
+  def run(bufs):
+    k, ys = unpack(bufs)
+    return k, fn(ys)
+  return run
+
+
 def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
-                stream: int | None = 1, pin: bool = True) -> dict:
+                stream: int | None = 1, pin: bool = True, reduce_ys=None) -> dict:
   """Runs a B-scan and its W-scans as one skewed scan; returns {outvar: value}.
+
+  `reduce_ys(w_eqns, ys, in_loop) -> ys`, if given, is applied to each
+  layer's W ys (one list per W-scan) where they are made: in the loop body,
+  or after it for the last layer (`in_loop=False`). The data-parallel mode
+  all-reduces the per-layer dW slices there (`passes.scan_collectives`).
 
   Args:
     b_eqn: the B-scan equation (`ScanSplit.b_eqn`).
@@ -174,6 +187,8 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
       bk, wk, res = carry
       bx, wx = xs
       ops, bufs, unpack = w_call(wk, wx, res)  # W(i-1), beside B(i) on the side stream
+      if reduce_ys is not None:  # data parallel: W(i-1)'s dW slices reduced in this step
+        unpack = _then_ys(unpack, lambda ys: reduce_ys(w_eqns, ys, True))
       if bufs is not None and pin:
         # B(i) may not start before W's operands are ready (the start goes first)...
         _, (bk, bx) = jax.lax.optimization_barrier((ops, (list(bk), list(bx))))
@@ -207,6 +222,7 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
   # Epilogue: W on the last position.
   w_last = [[_at(x, last) for x in plain] for _, _, plain, _, _ in w_in]
   w_k, w_ys_last = w_step(w_k, w_last, res_last)
+  w_ys_last = w_ys_last if reduce_ys is None else reduce_ys(w_eqns, w_ys_last, False)
 
   def stack(one, many, one_first):
     one = jnp.expand_dims(one, 0)
@@ -259,10 +275,10 @@ class _SkewPrimitive:
   def get_bind_params(self, params):
     return params
 
-  def bind(self, *args, b_eqn, w_eqns, stream, pin=True):
+  def bind(self, *args, b_eqn, w_eqns, stream, pin=True, reduce_ys=None):
     env = dict(zip([v for v in _fused_inputs(b_eqn, w_eqns)], args))
     read = lambda a: env[a] if isinstance(a, _compat.Var) else a.val
-    out = skewed_scan(b_eqn, w_eqns, read, stream, pin)
+    out = skewed_scan(b_eqn, w_eqns, read, stream, pin, reduce_ys)
     return [out[v] for v in _fused_outputs(b_eqn, w_eqns)]
 
 
@@ -284,10 +300,11 @@ def _fused_outputs(b_eqn, w_eqns):
 
 
 def fuse(split: Split, sched: Schedule, stream: int | None = 1,
-         pin: bool = True) -> tuple[Split, Schedule]:
+         pin: bool = True, reduce_ys=None) -> tuple[Split, Schedule]:
   """Replaces each split backward scan (a dX B-scan and its dW W-scans) by one skewed scan.
 
-  `stream` is where the W part of each step runs (None: inline, one stream).
+  `stream` is where the W part of each step runs (None: inline, one stream);
+  `reduce_ys` is passed to `skewed_scan`.
 
   The fused equation takes the B-scan's place (its unit on the dX chain);
   the W-scans leave their dW units, and a unit left with no equations leaves
@@ -316,7 +333,8 @@ def fuse(split: Split, sched: Schedule, stream: int | None = 1,
              if isinstance(v, _compat.Var) and v in res_set}
     if not users <= set(ws):
       continue
-    eqns[k] = e.replace(primitive=_SKEW, params=dict(b_eqn=e, w_eqns=w_eqns, stream=stream, pin=pin),
+    eqns[k] = e.replace(primitive=_SKEW, params=dict(b_eqn=e, w_eqns=w_eqns, stream=stream, pin=pin,
+                                                     reduce_ys=reduce_ys),
                         invars=_fused_inputs(e, w_eqns), outvars=_fused_outputs(e, w_eqns))
     fused_w.update(ws)
     changed = True
