@@ -1,0 +1,109 @@
+"""The emitter's staging fast path (`_compat.emit_eqns`) and what emission frees.
+
+Copying equations into the staging trace must give the program `bind` gives:
+same equations, params, name stacks and source lines, so HLO metadata and
+errors are unchanged; emission may consume the split it was handed.
+"""
+import gc
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+import ooojax as ooo
+from passes import _compat
+from passes.emit import emit
+from tests.conftest import assert_trees_close
+
+
+class _MLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    for width in (64, 64, 8):
+      x = nn.tanh(nn.Dense(width)(x))
+    return x
+
+
+def _setup():
+  model = _MLP()
+  x = jnp.ones((16, 32), jnp.float32)
+  params = model.init(jax.random.PRNGKey(0), x)
+
+  def loss(p, x):
+    return jnp.mean(model.apply(p, x) ** 2)
+  return loss, params, x
+
+
+def _program_text(mode, monkeypatch=None):
+  loss, params, x = _setup()
+  closed = jax.make_jaxpr(ooo.grad(loss, mode=mode, device="H100"))(params, x)
+  # name stacks and source lines, as lowering reads them into HLO metadata
+  return closed.jaxpr.pretty_print(source_info=True, name_stack=True)
+
+
+@pytest.mark.parametrize("mode", ["in_order", "single_gpu"])
+def test_staged_copy_equals_bind(mode, monkeypatch):
+  fast = _program_text(mode)
+  monkeypatch.setattr(_compat, "_STAGE", None)  # every equation through bind
+  slow = _program_text(mode)
+  assert fast == slow
+  assert "ooo_" in fast  # the units' name scopes are in the name stacks
+
+
+def test_fast_path_is_taken_under_jit_and_not_eagerly(monkeypatch):
+  calls = {"copied": 0}
+  orig = _compat._staging_trace
+
+  def spy():
+    t = orig()
+    calls["copied"] += t is not None
+    return t
+  monkeypatch.setattr(_compat, "_staging_trace", spy)
+  loss, params, x = _setup()
+  g = ooo.grad(loss, mode="in_order")
+  want = jax.grad(loss)(params, x)
+  assert_trees_close(jax.jit(g)(params, x), want)
+  assert calls["copied"] > 0
+  calls["copied"] = 0
+  with jax.disable_jit():  # no staging trace: every equation is bound
+    assert_trees_close(g(params, x), want)
+
+
+def test_emit_consumes_the_split_it_is_handed():
+  loss, params, x = _setup()
+  vg = ooo.value_and_grad(loss, mode="single_gpu", device="H100")
+  cell = {}
+
+  def run(p, x):
+    plan, dyn = vg.plan((p, x), {})
+    sp = plan.split
+    eqns = sp.jaxpr.jaxpr.eqns
+    n = len(eqns)
+    outs = emit(sp, plan.schedule, sp.consts, dyn, consume=True)
+    cell["left"] = sum(e is not None for e in eqns)
+    cell["n"] = n
+    return outs[-1]  # a gradient leaf
+
+  jax.jit(run).trace(params, x)
+  assert cell["n"] > 0 and cell["left"] == 0
+
+
+def test_gc_is_paused_only_inside_and_restored_on_errors():
+  loss, params, x = _setup()
+  g = ooo.grad(loss)
+  assert gc.isenabled()
+  jax.jit(g).trace(params, x)
+  assert gc.isenabled()
+
+  def bad(p, x):
+    return jnp.ones(3) * loss(p, x)  # not a scalar
+  with pytest.raises(TypeError):
+    ooo.grad(bad)(params, x)
+  assert gc.isenabled()
+  gc.disable()
+  try:  # a caller's disabled GC stays disabled
+    jax.jit(g).trace(params, x)
+    assert not gc.isenabled()
+  finally:
+    gc.enable()
