@@ -376,7 +376,7 @@ class _Transformed:
     ordering = opts.resolved_ordering()
     with _gc_paused():
       if plan.collectives is not None:
-        outs = _dp.emit(plan, dyn, opts)
+        outs = _dp.emit(plan, dyn, opts, consume=True)
       else:
         # the split was traced for this call alone: emission may consume it
         outs = emit(plan.split, plan.schedule, plan.split.consts, dyn,

@@ -1,6 +1,8 @@
 """mode="data_parallel" glue between `ooo.grad` and the collectives passes."""
 from __future__ import annotations
 
+import contextlib
+
 import jax
 
 from passes import _compat
@@ -25,7 +27,7 @@ def plan(sp, sched, cm, opts) -> _collectives.CollectivePlan:
                            opts.bucket_bytes, opts.first_k)
 
 
-def emit(plan, dyn, opts, defer=frozenset()) -> list:
+def emit(plan, dyn, opts, defer=frozenset(), consume: bool = False) -> list:
   """Re-binds the local gradient jaxpr and issues each bucket's all-reduce early.
 
   Gradient leaves in `defer` come back unreduced (per device): the cross-step
@@ -38,6 +40,9 @@ def emit(plan, dyn, opts, defer=frozenset()) -> list:
   dyn = [_compat.to_varying(x, ax) for x in dyn]
   consts = [_compat.to_varying(x, ax) for x in plan.split.consts]
   emitter = BucketEmitter(plan.collectives, plan.split, ax, opts.reduce, defer)
-  with _compat.vary_inputs(ax):
+  # Without vma types (pmap, check_vma=False) no equation needs a cast, and
+  # emission may copy equations instead of binding each one.
+  checked = any(_compat.varying_axes(x) for x in (*dyn, *consts))
+  with _compat.vary_inputs(ax) if checked else contextlib.nullcontext():
     return _emit(plan.split, plan.collectives.schedule, consts, dyn,
-                 ordering="none", annotate=False, collectives=emitter)
+                 ordering="none", annotate=False, collectives=emitter, consume=consume)

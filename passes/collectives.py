@@ -154,7 +154,8 @@ def reverse_first_k(split: Split, units: Sequence[Unit], order: Sequence[Action]
   rank = {l: i for i, l in enumerate(layers[:k])}
   by_name = {u.name: u for u in units}
   moved = [a for a in order if a.kind == "W" and layer_of(by_name[a.unit].label) in rank]
-  kept = [a for a in order if a not in moved]
+  out = set(moved)
+  kept = [a for a in order if a not in out]
   # stable by layer: a layer's clusters keep their relative order
   moved.sort(key=lambda a: rank[layer_of(by_name[a.unit].label)])
   return tuple(kept) + tuple(moved)
@@ -176,13 +177,15 @@ def make_buckets(split: Split, units: Sequence[Unit], order: Sequence[Action],
   leaf_of_cluster = {c.index: c.grad_out - split.grad_out_start for c in split.clusters}
   buckets: list[Bucket] = []
   cur: list[int] = []
+  placed: set[int] = set()
   size = 0
   for a in order:
     if a.kind != "W":
       continue
     leaf = leaf_of_cluster[by_name[a.unit].index]
-    if leaf in skip or leaf in cur or any(leaf in b.grads for b in buckets):
+    if leaf in skip or leaf in placed:
       continue
+    placed.add(leaf)
     cur.append(leaf)
     size += nbytes[leaf]
     if size >= bucket_bytes:
@@ -192,8 +195,7 @@ def make_buckets(split: Split, units: Sequence[Unit], order: Sequence[Action],
     buckets.append(Bucket(len(buckets), tuple(cur), size, _last_w(order, cur, by_name,
                                                                    leaf_of_cluster)))
   # Leaves no dW cluster produces (unused parameters, pass-through gradients).
-  rest = [i for i in range(len(nbytes))
-          if i not in skip and not any(i in b.grads for b in buckets)]
+  rest = [i for i in range(len(nbytes)) if i not in skip and i not in placed]
   if rest:
     buckets.append(Bucket(len(buckets), tuple(rest), sum(nbytes[i] for i in rest), ""))
   return tuple(buckets)
@@ -260,11 +262,12 @@ def cross_step_time(units, order, s_actions, buckets, deferred: frozenset[int]) 
 
 
 def build_plan(split: Split, sched: Schedule, k: int, bucket_bytes: int, link: Link,
-               n_devices: int, in_loop: bool = True) -> CollectivePlan:
+               n_devices: int, in_loop: bool = True, cross: bool = True) -> CollectivePlan:
   """The plan for one choice of k and bucket size (what `plan` compares).
 
   `in_loop=False` buckets a scanned stack's dW too (reduced after its loop):
   the baseline the benchmarks compare the in-loop reductions with.
+  `cross=False` leaves `cross_step` at NaN (one simulation less per candidate).
   """
   base = sched.units
   order = reverse_first_k(split, base, sched.streams[0], k) if k else tuple(sched.streams[0])
@@ -277,7 +280,8 @@ def build_plan(split: Split, sched: Schedule, k: int, bucket_bytes: int, link: L
   units = tuple(base) + tuple(s_units)
   t = simulate((order, s_actions), units, 0.0, links=(LINK_STREAM,)).makespan
   compute = dataclasses.replace(sched, streams=(order,), syncs=(), makespan=t)
-  cross = cross_step_time(units, order, s_actions, buckets, first_k_leaves(split, k))
+  cross = (cross_step_time(units, order, s_actions, buckets, first_k_leaves(split, k))
+           if cross else math.nan)
   return CollectivePlan(compute, buckets, s_actions, units, k, len(layers_forward(split)),
                         bucket_bytes, link, n_devices, t, cross, loops)
 
@@ -324,11 +328,15 @@ def plan(split: Split, sched: Schedule, cost: CostModel, n_devices: int,
   else:
     step = max(1, math.ceil(n_layers / 12))
     ks = sorted(set(range(0, n_layers + 1, step)) | {n_layers})
+  # a model with no fused scan has no in-loop reductions for any k: look once
+  in_loop = bool(scan_collectives.loop_reductions(split, sched))
   best, best_score = None, 0.0
   for b in sorted(sizes, reverse=True):
     for k in ks:
-      p = build_plan(split, sched, k, b, link, n_devices)
+      p = build_plan(split, sched, k, b, link, n_devices, in_loop, cross=cross_step)
       score = p.cross_step if cross_step else p.makespan
       if best is None or score < best_score * (1 - 1e-9):
         best, best_score = p, score
+  if not cross_step:  # the chosen plan reports both times
+    best = build_plan(split, sched, best.first_k, best.bucket_bytes, link, n_devices, in_loop)
   return best

@@ -311,6 +311,9 @@ def fuse(split: Split, sched: Schedule, stream: int | None = 1,
   the schedule. Returns the split and schedule unchanged when nothing fuses.
   """
   eqns = list(split.jaxpr.jaxpr.eqns)
+  if not any(e.primitive.name == "scan" and split.kinds[k] is Kind.DX
+             for k, e in enumerate(eqns)):
+    return split, sched  # no B-scan: skip building the producer map
   producer = {v: k for k, e in enumerate(eqns) for v in e.outvars}
   fused_w: set[int] = set()
   changed = False
