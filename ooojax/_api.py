@@ -371,6 +371,10 @@ class _Transformed:
 
   def __call__(self, *args, **kwargs):
     plan, dyn = self.plan(args, kwargs)
+    if self._pending is not None and self._pending[1]() is plan.split.jaxpr.jaxpr:
+      # emission consumes this jaxpr (below): it must never be fingerprinted,
+      # even if a reference cycle keeps it alive until the next call
+      self._pending = None
     opts = self.options
     annotate = opts.resolved_mode() == "single_gpu"
     ordering = opts.resolved_ordering()

@@ -107,3 +107,23 @@ def test_gc_is_paused_only_inside_and_restored_on_errors():
     assert not gc.isenabled()
   finally:
     gc.enable()
+
+
+def test_a_consumed_program_is_never_fingerprinted():
+  loss, params, x = _setup()
+  g = ooo.grad(loss)
+  kept = []
+  import ooojax._api as api
+
+  def keep_alive(split, *a, **k):  # as a reference cycle would, until the next call
+    kept.append(split.jaxpr)
+    return api_emit(split, *a, **k)
+  api_emit = api.emit
+  api.emit = keep_alive
+  try:
+    for i in range(3):  # second call: the first program is alive but consumed
+      fresh = jax.jit(lambda p, x: g(p, x))  # a new trace each time
+      assert_trees_close(fresh(params, x * (1 + i)), jax.grad(loss)(params, x * (1 + i)))
+  finally:
+    api.emit = api_emit
+  assert len(kept) == 3
