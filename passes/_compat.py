@@ -205,20 +205,16 @@ def emit_eqns(eqns, env: dict, stacks: dict | None = None) -> None:
   `stacks` (kept across calls by the caller) shares those name stacks.
   """
   trace = _staging_trace()
-  if trace is None:
-    for eqn in eqns:
-      outs = bind_eqn(eqn, [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars])
-      env.update((v, x) for v, x in zip(eqn.outvars, outs) if not isinstance(v, DropVar))
-    return
-  tracer_t = _STAGE[2]
-  base = _siu.current_name_stack()
-  stacks = {} if stacks is None else stacks
-  # Binding enters the equation's own context (compute type, mesh, ...), only
-  # merging in xla metadata set around the call; copying keeps it as is.
-  merge = _core.current_jaxpr_eqn_context().xla_metadata
-  prim_t = _core.Primitive
+  if trace is not None:
+    tracer_t = _STAGE[2]
+    base = _siu.current_name_stack()
+    stacks = {} if stacks is None else stacks
+    # Binding enters the equation's own context (compute type, mesh, ...),
+    # only merging in xla metadata set around the call; copying keeps it as is.
+    merge = _core.current_jaxpr_eqn_context().xla_metadata
   for eqn in eqns:
-    if eqn.effects or merge or not isinstance(eqn.primitive, prim_t):
+    if (trace is None or eqn.effects or merge
+        or not isinstance(eqn.primitive, _core.Primitive)):
       # effects may name jaxpr inputs by position; a pass's stand-in
       # primitive (e.g. scan_skew's) does its work in `bind`: bind
       outs = bind_eqn(eqn, [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars])

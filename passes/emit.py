@@ -84,9 +84,10 @@ class _Lifetimes:
         eqns[k] = None
 
 
-def _run_eqns(eqns, env, skip=None, anchors=None, life=None):
+def _run_eqns(eqns, env, skip=None, anchors=None, life=None, stacks=None):
   run: list = []  # a stretch of equations with no anchor: staged in one go
-  stacks = life.stacks if life is not None else None
+  if life is not None:
+    stacks = life.stacks
   for k, eqn in eqns:
     if skip is not None and skip[k]:
       continue
@@ -164,7 +165,8 @@ def _on_stream(jaxpr, eqn_ids, env, stream: int, life=None,
 
   def body(*vals):
     local = {v: lax.reshape(x, s) if len(s) >= 2 else x for v, x, s in zip(ins, vals, in_shapes)}
-    _run_eqns(eqns, local, life=None if life is None else _Stacks(life.stacks))
+    # the body's values are its own: share only the name stacks
+    _run_eqns(eqns, local, stacks=None if life is None else life.stacks)
     parts: list[list] = [[] for _ in dtypes]
     for v, i in zip(outs, slot):
       parts[i].append(lax.reshape(local[v], (int(np.prod(np.shape(v.aval))),)))
@@ -189,16 +191,6 @@ def _on_stream(jaxpr, eqn_ids, env, stream: int, life=None,
   if not pinned:  # a pinned call's outputs are unpacked after its anchor
     env.update(zip(outs, unpack(results)))
   return flat_ins, outs, results, unpack
-
-
-class _Stacks:
-  """Name stacks shared with the emission, for a call body (its values are its own)."""
-
-  def __init__(self, stacks):
-    self.stacks = stacks
-
-  def done(self, ks) -> None:
-    pass
 
 
 def _calls_of(sched: Schedule, units) -> tuple[Call, ...]:

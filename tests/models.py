@@ -116,3 +116,28 @@ def tied_lm_case():
     logits = m.apply(params, tokens[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
   return loss, (params, tokens)
+
+
+def lstm_case(d=6, t=5, batch=2, time_major=True):
+  """An LSTM over a `lax.scan` (shared weights every step): (loss, params, xs).
+
+  xs is (t, batch, d) when `time_major`, else (batch, t, d) (batch sharded first).
+  """
+  k = jax.random.split(jax.random.PRNGKey(0), 3)
+  p = {"wx": jax.random.normal(k[0], (d, 4 * d)) * 0.3,
+       "wh": jax.random.normal(k[1], (d, 4 * d)) * 0.3, "b": jnp.zeros(4 * d)}
+  shape = (t, batch, d) if time_major else (batch, t, d)
+  xs = jax.random.normal(k[2], shape)
+
+  def loss(p, xs):
+    def cell(carry, x):
+      h, c = carry
+      i, f, o, g = jnp.split(x @ p["wx"] + h @ p["wh"] + p["b"], 4, axis=-1)
+      c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
+      h = jax.nn.sigmoid(o) * jnp.tanh(c)
+      return (h, c), h
+    seq = xs if time_major else xs.swapaxes(0, 1)
+    b = seq.shape[1]
+    _, hs = jax.lax.scan(cell, (jnp.zeros((b, d)), jnp.zeros((b, d))), seq)
+    return jnp.mean(hs ** 2)
+  return loss, p, xs

@@ -68,6 +68,7 @@ def test_fast_path_is_taken_under_jit_and_not_eagerly(monkeypatch):
   calls["copied"] = 0
   with jax.disable_jit():  # no staging trace: every equation is bound
     assert_trees_close(g(params, x), want)
+  assert calls["copied"] == 0
 
 
 def test_emit_consumes_the_split_it_is_handed():

@@ -69,6 +69,7 @@ from flax import nnx  # noqa: E402
 import ooojax as ooo  # noqa: E402
 from passes import scan_split  # noqa: E402
 from passes import hlo_schedule  # noqa: E402
+from tests import models  # noqa: E402
 from tests.conftest import assert_trees_close  # noqa: E402
 
 
@@ -133,22 +134,8 @@ def test_split_composes_with_vmap_and_grad():
   assert_trees_close(jax.jit(jax.grad(outer))(p), jax.jit(jax.grad(ref))(p), rtol=1e-4)
 
 
-def _lstm(d=6, t=5):
-  k = jax.random.split(jax.random.PRNGKey(0), 3)
-  p = {"wx": jax.random.normal(k[0], (d, 4 * d)) * 0.3,
-       "wh": jax.random.normal(k[1], (d, 4 * d)) * 0.3, "b": jnp.zeros(4 * d)}
-  xs = jax.random.normal(k[2], (t, 2, d))
-
-  def loss(p, xs):
-    def cell(carry, x):
-      h, c = carry
-      i, f, o, g = jnp.split(x @ p["wx"] + h @ p["wh"] + p["b"], 4, axis=-1)
-      c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
-      h = jax.nn.sigmoid(o) * jnp.tanh(c)
-      return (h, c), h
-    _, hs = jax.lax.scan(cell, (jnp.zeros((2, d)), jnp.zeros((2, d))), xs)
-    return jnp.mean(hs ** 2)
-  return loss, p, xs
+def _lstm():
+  return models.lstm_case()
 
 
 def test_lstm_shared_weights_accumulate_in_w_scan():

@@ -100,22 +100,8 @@ def _flax_scan():
   return loss, (params, x), (P(), P(AX))
 
 
-def _lstm(d=6, t=5):
-  k = jax.random.split(jax.random.PRNGKey(0), 3)
-  p = {"wx": jax.random.normal(k[0], (d, 4 * d)) * 0.3,
-       "wh": jax.random.normal(k[1], (d, 4 * d)) * 0.3, "b": jnp.zeros(4 * d)}
-  xs = jax.random.normal(k[2], (N, t, d))
-
-  def loss(p, xs):
-    def cell(carry, x):
-      h, c = carry
-      i, f, o, g = jnp.split(x @ p["wx"] + h @ p["wh"] + p["b"], 4, axis=-1)
-      c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
-      h = jax.nn.sigmoid(o) * jnp.tanh(c)
-      return (h, c), h
-    b = xs.shape[0]
-    _, hs = jax.lax.scan(cell, (jnp.zeros((b, d)), jnp.zeros((b, d))), xs.swapaxes(0, 1))
-    return jnp.mean(hs ** 2)
+def _lstm():
+  loss, p, xs = models.lstm_case(batch=N, time_major=False)
   return loss, (p, xs), (P(), P(AX))
 
 
