@@ -38,6 +38,7 @@ import numpy as np
 from jax import lax
 
 from passes import _compat, scan_skew
+from passes.fingerprint import exact_key
 from passes.ir import Call, Kind, Schedule, Split
 
 ORDERINGS = ("auto", "barriers", "control_deps", "scheduling_group", "none")
@@ -52,11 +53,13 @@ class _Lifetimes:
 
   A value leaves `env` after its last reader is emitted; with `consume`, an
   emitted source equation also leaves the source jaxpr (the caller owns it).
-  The stacks dict shares name stacks across `_compat.emit_eqns` calls.
+  The stacks dict shares name stacks across `_compat.emit_eqns` calls, and
+  `bodies` the stream-call bodies of equal clusters.
   """
 
   def __init__(self, jaxpr, env: dict, skip, consume: bool):
     self.eqns, self.env, self.stacks = jaxpr.eqns, env, {}
+    self.bodies: dict = {}  # exact_key -> stream-call function (see `_on_stream`)
     self.consume = consume and isinstance(self.eqns, list)
     self.uses: dict = {}
     for k, eqn in enumerate(self.eqns):
@@ -151,26 +154,30 @@ def _on_stream(jaxpr, eqn_ids, env, stream: int, life=None,
   users that the memory scheduler places early; a single output's first user
   is whatever the emitter ties it to.
 
+  Clusters that compute the same function (a deep model's layers) share one
+  body: it is traced once, and the calls' equal equations hit JAX's lowering
+  cache, so the body is lowered once too.
+
   Returns (the call's operands, output vars, the flat buffers, unpack)
   where `unpack(buffers)` gives the outputs in their shapes; `env` gets
   them now unless `pinned` (then `_Anchor.after` does).
   """
   ins, outs = _cluster_io(jaxpr, eqn_ids)
-  eqns = [(k, jaxpr.eqns[k]) for k in eqn_ids]
+  eqns = [jaxpr.eqns[k] for k in eqn_ids]
   in_shapes = [tuple(np.shape(v.aval)) for v in ins]
   shapes = [tuple(np.shape(v.aval)) for v in outs]
   sizes = [int(np.prod(s)) for s in shapes]
   dtypes = list(dict.fromkeys(v.aval.dtype for v in outs))
   slot = [dtypes.index(v.aval.dtype) for v in outs]
-
-  def body(*vals):
-    local = {v: lax.reshape(x, s) if len(s) >= 2 else x for v, x, s in zip(ins, vals, in_shapes)}
-    # the body's values are its own: share only the name stacks
-    _run_eqns(eqns, local, stacks=None if life is None else life.stacks)
-    parts: list[list] = [[] for _ in dtypes]
-    for v, i in zip(outs, slot):
-      parts[i].append(lax.reshape(local[v], (int(np.prod(np.shape(v.aval))),)))
-    return tuple(p[0] if len(p) == 1 else lax.concatenate(p, 0) for p in parts)
+  bodies = None if life is None else life.bodies
+  key = exact_key(eqns, ins, outs) if bodies is not None else None
+  call = None if key is None else bodies.get(key)
+  if call is None:
+    call = _compat.on_stream(_body(eqns, ins, outs, in_shapes, dtypes, slot,
+                                   None if life is None else life.stacks),
+                             stream, len(dtypes))
+    if bodies is not None:
+      bodies[key] = call
 
   def unpack(bufs):
     # one split per buffer, not a slice per output: fewer equations to trace and lower
@@ -185,12 +192,27 @@ def _on_stream(jaxpr, eqn_ids, env, stream: int, life=None,
   # copy the memory scheduler may compute late, holding back the start.
   flat_ins = [lax.reshape(env[v], (int(np.prod(s)),)) if len(s) >= 2 else env[v]
               for v, s in zip(ins, in_shapes)]
-  results = list(_compat.on_stream(body, stream, len(dtypes))(*flat_ins))
+  results = list(call(*flat_ins))
   if life is not None:
     life.done(eqn_ids)
   if not pinned:  # a pinned call's outputs are unpacked after its anchor
     env.update(zip(outs, unpack(results)))
   return flat_ins, outs, results, unpack
+
+
+def _body(eqns, ins, outs, in_shapes, dtypes, slot, stacks):
+  """The call's body: flat operands in, one flat buffer per dtype out."""
+  eqns = list(enumerate(eqns))
+
+  def body(*vals):
+    local = {v: lax.reshape(x, s) if len(s) >= 2 else x for v, x, s in zip(ins, vals, in_shapes)}
+    # the body's values are its own: share only the name stacks
+    _run_eqns(eqns, local, stacks=stacks)
+    parts: list[list] = [[] for _ in dtypes]
+    for v, i in zip(outs, slot):
+      parts[i].append(lax.reshape(local[v], (int(np.prod(np.shape(v.aval))),)))
+    return tuple(p[0] if len(p) == 1 else lax.concatenate(p, 0) for p in parts)
+  return body
 
 
 def _calls_of(sched: Schedule, units) -> tuple[Call, ...]:

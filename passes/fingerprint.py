@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+import numpy as np
+
 from passes import _compat
 
 
@@ -64,3 +66,49 @@ def fingerprint(jaxpr) -> tuple:
                  tuple(e.effects) if e.effects else ()))
   heads = (tuple(v.aval for v in jaxpr.constvars), tuple(v.aval for v in jaxpr.invars))
   return heads, tuple(eqns), tuple(ref(v) for v in jaxpr.outvars)
+
+
+def _exact(x) -> Any:
+  # Values as they are, except where `==` is too coarse for "computes the same":
+  # floats (0.0 == -0.0, nan != nan), arrays, and objects compared by identity
+  # (jaxprs, rules): those by `id`, which the caller keeps alive.
+  if isinstance(x, float):
+    return ("f", x.hex())
+  if isinstance(x, np.ndarray):
+    return ("a", x.dtype.str, x.shape, x.tobytes())
+  if isinstance(x, (tuple, list)):
+    return (type(x), tuple(_exact(y) for y in x))
+  if isinstance(x, (_compat.ClosedJaxpr, _compat.Jaxpr)) or callable(x):
+    return ("id", id(x))
+  try:
+    hash(x)
+  except TypeError:
+    return ("id", id(x))
+  return x
+
+
+def _literal(v) -> Any:
+  val = np.asarray(v.val)
+  return ("L", v.aval, val.dtype.str, val.shape, val.tobytes())
+
+
+def exact_key(eqns, ins, outs) -> tuple:
+  """A key two equation clusters share only if they compute the same function.
+
+  Unlike `fingerprint`, literal values and parameters count exactly (objects
+  such as jaxprs by identity): a function built from one cluster then
+  computes any cluster with an equal key, given that cluster's `ins` in order
+  and giving its `outs` in order. Keep the first cluster's equations alive
+  while the key is in use (identities are part of it).
+  """
+  ids = {v: i for i, v in enumerate(ins)}
+  Literal = _compat.Literal
+  rows = [tuple(v.aval for v in ins)]
+  for e in eqns:
+    refs = tuple(_literal(v) if isinstance(v, Literal) else ids[v] for v in e.invars)
+    for v in e.outvars:
+      ids[v] = len(ids)
+    rows.append((e.primitive, refs, tuple(v.aval for v in e.outvars),
+                 tuple((k, _exact(p)) for k, p in e.params.items()),
+                 tuple(e.effects) if e.effects else (), getattr(e, "ctx", None)))
+  return tuple(rows), tuple(ids[v] for v in outs)

@@ -128,3 +128,39 @@ def test_a_consumed_program_is_never_fingerprinted():
   finally:
     api.emit = api_emit
   assert len(kept) == 3
+
+
+def _scaled_stack(scales):
+  # y = x @ (w * c): the multiply by the literal c is dW-only work, in the dW call
+  def loss(ws, x):
+    for w, c in zip(ws, scales):
+      x = jnp.tanh(x @ (w * c))
+    return jnp.mean(x ** 2)
+  ws = [jax.random.normal(jax.random.PRNGKey(i), (512, 512)) / 23 for i in range(len(scales))]
+  return loss, ws, jax.random.normal(jax.random.PRNGKey(9), (256, 512))
+
+
+def test_equal_dw_clusters_share_one_call_body():
+  # Deep models repeat one layer: its dW calls are traced and lowered once.
+  scales = (2.0,) * 4 + (3.0,) * 4
+  loss, ws, x = _scaled_stack(scales)
+  g = ooo.grad(loss, mode="single_gpu", device="H100")
+  calls = [e for e in jax.make_jaxpr(g)(ws, x).jaxpr.eqns if e.primitive.name == "compute_on"]
+  bodies = {id(e.params["jaxpr"]) for e in calls}
+  assert len(calls) >= 4 and 2 <= len(bodies) < len(calls)
+  # a literal differs (2.0 vs 3.0): those clusters keep their own bodies
+  assert_trees_close(jax.jit(g)(ws, x), jax.grad(loss)(ws, x))
+  assert_trees_close(g(ws, x), jax.grad(loss)(ws, x))
+
+
+def test_exact_key_tells_apart_what_computes_differently():
+  from passes.fingerprint import exact_key
+
+  def key(f):
+    j = jax.make_jaxpr(f)(jnp.ones(3)).jaxpr
+    return exact_key(j.eqns, j.invars, j.outvars)
+  assert key(lambda x: x * 2.0) == key(lambda x: x * 2.0)
+  assert key(lambda x: x * 2.0) != key(lambda x: x * 3.0)
+  assert key(lambda x: x * 0.0) != key(lambda x: x * -0.0)  # equal floats, different results
+  assert key(lambda x: x * jnp.nan) == key(lambda x: x * jnp.nan)  # nan != nan, same result
+  assert key(lambda x: jnp.sin(x)) != key(lambda x: jnp.cos(x))
