@@ -290,6 +290,11 @@ def flat_debug_info(jaxpr, n_consts: int):
     return dbg
 
 
+def spec_of(aval) -> jax.ShapeDtypeStruct:
+  """A `jax.ShapeDtypeStruct` that traces to `aval` (weak type kept)."""
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
+
+
 def is_tracer(x) -> bool:
   return isinstance(x, jax.core.Tracer)
 

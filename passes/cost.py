@@ -19,6 +19,7 @@ trip. A trip costs at least one launch (the loop's counter and condition).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
@@ -86,11 +87,18 @@ def _size(aval) -> int:
   return int(math.prod(getattr(aval, "shape", ()) or ()))
 
 
+_ITEMSIZE: dict = {}  # dtype -> bytes: np.dtype() per equation was a third of `estimate`
+
+
 def _itemsize(dtype) -> int:
-  try:
-    return np.dtype(dtype).itemsize
-  except TypeError:  # extended dtypes (PRNG keys, float0): count as 4 bytes
-    return 4
+  n = _ITEMSIZE.get(dtype)
+  if n is None:
+    try:
+      n = np.dtype(dtype).itemsize
+    except TypeError:  # extended dtypes (PRNG keys, float0): count as 4 bytes
+      n = 4
+    _ITEMSIZE[dtype] = n
+  return n
 
 
 def _nbytes(aval) -> int:
@@ -220,8 +228,11 @@ def estimate(eqn) -> EqnCost:
     cs = [estimate(e) for e in body.eqns]
     return EqnCost(sum(c.flops for c in cs), sum(c.bytes for c in cs),
                    any(c.kernel for c in cs), sum(c.out_elems for c in cs))
-  out_bytes = sum(_nbytes(v.aval) for v in eqn.outvars)
-  out_elems = sum(_size(v.aval) for v in eqn.outvars)
+  out_bytes = out_elems = 0
+  for v in eqn.outvars:
+    n = _size(v.aval)
+    out_elems += n
+    out_bytes += n * _itemsize(getattr(v.aval, "dtype", None))
   rule = FLOP_RULES.get(name)
   kernel = name in KERNEL_PRIMS
   if rule is not None:
@@ -273,6 +284,26 @@ class CostModel:
                measured: Mapping[str, float] | None = None):
     self.spec = get_spec(spec)
     self.measured = dict(measured or {})
+    self._memo: dict | None = None
+
+  @contextlib.contextmanager
+  def memoized(self):
+    """Within: `estimate` prices each equation once (a pass reads it several times)."""
+    prev, self._memo = self._memo, {}
+    try:
+      yield self
+    finally:
+      self._memo = prev
+
+  def estimate(self, eqn) -> EqnCost:
+    """`estimate(eqn)`, remembered within `memoized()`."""
+    memo = self._memo
+    if memo is None:
+      return estimate(eqn)
+    hit = memo.get(id(eqn))
+    if hit is None or hit[0] is not eqn:  # the eqn is held, so its id is not reused
+      hit = memo[id(eqn)] = (eqn, estimate(eqn))
+    return hit[1]
 
   def eqn_seconds(self, c: EqnCost, matmul: bool, dtype=None) -> float:
     s = self.spec
@@ -308,7 +339,7 @@ class CostModel:
         w, b, k = self._price_loop(rule(eqn))
         work, busy, kernels = work + w, busy + b, kernels + k
         continue
-      c = estimate(eqn)
+      c = self.estimate(eqn)
       dtype = getattr(eqn.outvars[0].aval, "dtype", None) if eqn.outvars else None
       matmul = eqn.primitive.name in MATMUL_PRIMS
       t = self.eqn_seconds(c, matmul, dtype)

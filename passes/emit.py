@@ -54,12 +54,12 @@ class _Lifetimes:
   A value leaves `env` after its last reader is emitted; with `consume`, an
   emitted source equation also leaves the source jaxpr (the caller owns it).
   The stacks dict shares name stacks across `_compat.emit_eqns` calls, and
-  `bodies` the stream-call bodies of equal clusters.
+  `sites` the stream calls of equal clusters.
   """
 
   def __init__(self, jaxpr, env: dict, skip, consume: bool):
     self.eqns, self.env, self.stacks = jaxpr.eqns, env, {}
-    self.bodies: dict = {}  # exact_key -> stream-call function (see `_on_stream`)
+    self.sites: dict = {}  # exact_key -> _StreamCall (see `_on_stream`)
     self.consume = consume and isinstance(self.eqns, list)
     self.uses: dict = {}
     for k, eqn in enumerate(self.eqns):
@@ -142,7 +142,7 @@ def _out_positions(jaxpr) -> dict:
   return _last_outs[1]
 
 
-def _on_stream(jaxpr, eqn_ids, env, stream: int, life=None,
+def _on_stream(jaxpr, eqn_ids, env, stream: int, life,
                pinned: bool = False) -> tuple[list, list, list, Any]:
   """Binds the equations as one stream-annotated call.
 
@@ -154,50 +154,88 @@ def _on_stream(jaxpr, eqn_ids, env, stream: int, life=None,
   users that the memory scheduler places early; a single output's first user
   is whatever the emitter ties it to.
 
-  Clusters that compute the same function (a deep model's layers) share one
-  body: it is traced once, and the calls' equal equations hit JAX's lowering
-  cache, so the body is lowered once too.
-
   Returns (the call's operands, output vars, the flat buffers, unpack)
   where `unpack(buffers)` gives the outputs in their shapes; `env` gets
   them now unless `pinned` (then `_Anchor.after` does).
   """
   ins, outs = _cluster_io(jaxpr, eqn_ids)
   eqns = [jaxpr.eqns[k] for k in eqn_ids]
-  in_shapes = [tuple(np.shape(v.aval)) for v in ins]
-  shapes = [tuple(np.shape(v.aval)) for v in outs]
-  sizes = [int(np.prod(s)) for s in shapes]
-  dtypes = list(dict.fromkeys(v.aval.dtype for v in outs))
-  slot = [dtypes.index(v.aval.dtype) for v in outs]
-  bodies = None if life is None else life.bodies
-  key = exact_key(eqns, ins, outs) if bodies is not None else None
-  call = None if key is None else bodies.get(key)
-  if call is None:
-    call = _compat.on_stream(_body(eqns, ins, outs, in_shapes, dtypes, slot,
-                                   None if life is None else life.stacks),
-                             stream, len(dtypes))
-    if bodies is not None:
-      bodies[key] = call
-
-  def unpack(bufs):
-    # one split per buffer, not a slice per output: fewer equations to trace and lower
-    pieces = []
-    for i, b in enumerate(bufs):
-      ns = [n for n, j in zip(sizes, slot) if j == i]
-      pieces.append(iter(lax.split(b, ns) if len(ns) > 1 else [b]))
-    return [lax.reshape(next(pieces[i]), s) for s, i in zip(shapes, slot)]
-
-  # Inputs go in flat as well: a layout change XLA needs for an operand is
-  # then made on the value the emitter pins (see `_Anchor.before`), not on a
-  # copy the memory scheduler may compute late, holding back the start.
-  flat_ins = [lax.reshape(env[v], (int(np.prod(s)),)) if len(s) >= 2 else env[v]
-              for v, s in zip(ins, in_shapes)]
-  results = list(call(*flat_ins))
-  if life is not None:
-    life.done(eqn_ids)
+  key = exact_key(eqns, ins, outs)
+  site = life.sites.get(key)
+  if site is None:
+    site = life.sites[key] = _StreamCall(eqns, ins, outs, stream, life.stacks)
+  flat = site.pack([env[v] for v in ins], life.stacks)
+  flat_ins, results = flat[:len(ins)], flat[len(ins):]
+  life.done(eqn_ids)
+  unpack = lambda bufs: site.unpack(bufs, life.stacks)  # noqa: E731
   if not pinned:  # a pinned call's outputs are unpacked after its anchor
     env.update(zip(outs, unpack(results)))
   return flat_ins, outs, results, unpack
+
+
+class _StreamCall:
+  """A cluster's stream call, traced once and copied to every equal cluster.
+
+  Clusters with one `exact_key` (a deep model's layers) compute the same
+  function, so they share these equations, the call's body among them: it is
+  traced once, and JAX's lowering cache lowers it once. `pack` takes the
+  cluster's inputs to (*flat inputs, *flat buffers); `unpack` takes the
+  buffers to the outputs in their shapes. A site copies the few equations
+  (`_compat.emit_eqns`) rather than tracing them again.
+  """
+
+  def __init__(self, eqns, ins, outs, stream: int, stacks):
+    in_shapes = [tuple(np.shape(v.aval)) for v in ins]
+    shapes = [tuple(np.shape(v.aval)) for v in outs]
+    sizes = [int(np.prod(s)) for s in shapes]
+    dtypes = list(dict.fromkeys(v.aval.dtype for v in outs))
+    slot = [dtypes.index(v.aval.dtype) for v in outs]
+    call = _compat.on_stream(_body(eqns, ins, outs, in_shapes, dtypes, slot, stacks),
+                             stream, len(dtypes))
+
+    def pack(*vals):
+      # Inputs go in flat as well: a layout change XLA needs for an operand is
+      # then made on the value the emitter pins (see `_Anchor.before`), not on
+      # a copy the memory scheduler may compute late, holding back the start.
+      flat = [lax.reshape(x, (int(np.prod(s)),)) if len(s) >= 2 else x
+              for x, s in zip(vals, in_shapes)]
+      return (*flat, *call(*flat))
+
+    def unpack(*bufs):
+      # one split per buffer, not a slice per output: fewer equations to trace and lower
+      pieces = []
+      for i, b in enumerate(bufs):
+        ns = [n for n, j in zip(sizes, slot) if j == i]
+        pieces.append(iter(lax.split(b, ns) if len(ns) > 1 else [b]))
+      return [lax.reshape(next(pieces[i]), s) for s, i in zip(shapes, slot)]
+
+    self._pack = _Traced(pack, [v.aval for v in ins])
+    self._unpack = _Traced(unpack, self._pack.out_avals[len(ins):])
+
+  def pack(self, vals, stacks) -> list:
+    return self._pack(vals, stacks)
+
+  def unpack(self, bufs, stacks) -> list:
+    return self._unpack(bufs, stacks)
+
+
+class _Traced:
+  """`fun` traced once for `avals`; a call copies its equations into the current trace."""
+
+  def __init__(self, fun, avals):
+    self.fun = fun
+    self.closed = jax.make_jaxpr(fun)(*[_compat.spec_of(a) for a in avals])
+    self.out_avals = self.closed.out_avals
+    self.in_avals = list(avals)
+
+  def __call__(self, vals, stacks) -> list:
+    if [jax.typeof(x) for x in vals] != self.in_avals:  # pragma: no cover - a type the
+      return list(self.fun(*vals))                       # spec did not capture: trace
+    jaxpr = self.closed.jaxpr
+    env = dict(zip(jaxpr.constvars, self.closed.consts))
+    env.update(zip(jaxpr.invars, vals))
+    _compat.emit_eqns(jaxpr.eqns, env, stacks)
+    return [_read(env, v) for v in jaxpr.outvars]
 
 
 def _body(eqns, ins, outs, in_shapes, dtypes, slot, stacks):

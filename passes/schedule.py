@@ -116,7 +116,7 @@ def _syncs(streams, units) -> tuple[tuple[str, str], ...]:
 
 
 def _eqn_seconds(cost: CostModel, eqn) -> float:
-  c = estimate(eqn)
+  c = cost.estimate(eqn)
   dtype = getattr(eqn.outvars[0].aval, "dtype", None) if eqn.outvars else None
   t = cost.eqn_seconds(c, eqn.primitive.name in MATMUL_PRIMS, dtype)
   return t + (cost.spec.launch if c.kernel else 0.0)
@@ -134,8 +134,8 @@ ANCHOR_MIN_FLOPS = 2.0 ** 23
 ANCHOR_MIN_ELEMS = 2 ** 14
 
 
-def _anchorable(eqn) -> bool:
-  c = estimate(eqn)
+def _anchorable(eqn, cost: CostModel | None = None) -> bool:
+  c = estimate(eqn) if cost is None else cost.estimate(eqn)
   return is_heavy(eqn) and c.flops >= ANCHOR_MIN_FLOPS and c.out_elems >= ANCHOR_MIN_ELEMS
 
 
@@ -151,7 +151,7 @@ def _heavy_fractions(split: Split, cost: CostModel, units) -> dict[str, list[tup
     acc, rows = 0.0, []
     for k, t in zip(u.eqns, times):
       acc += t
-      if _anchorable(eqns[k]):
+      if _anchorable(eqns[k], cost):
         rows.append((acc / total, k))
     out[u.name] = rows
   return out
@@ -244,6 +244,11 @@ def schedule(split: Split, cost: CostModel, streams: int = 2) -> Schedule:
   """
   if streams not in (1, 2):
     raise ValueError(f"streams must be 1 or 2, got {streams!r}")
+  with cost.memoized():
+    return _schedule(split, cost, streams)
+
+
+def _schedule(split: Split, cost: CostModel, streams: int) -> Schedule:
   units = build_units(split, cost)
   spec = cost.spec
   base = in_order(units)
