@@ -7,6 +7,7 @@ than deep inside a pass.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import jax
@@ -232,10 +233,14 @@ def emit_eqns(eqns, env: dict, stacks: dict | None = None) -> None:
     env.update((v, x) for v, x in zip(eqn.outvars, outs) if not isinstance(v, DropVar))
 
 
-def _control_dep(src, dst) -> None:
+@functools.cache
+def _control_dep_call():
   # vmap_method broadcasts under vmap, so the order survives per-example grads.
-  jax.ffi.ffi_call("control_dep", (), has_side_effect=True,
-                   vmap_method="expand_dims")(src, dst)
+  return jax.ffi.ffi_call("control_dep", (), has_side_effect=True, vmap_method="expand_dims")
+
+
+def _control_dep(src, dst) -> None:
+  _control_dep_call()(src, dst)
 
 
 def control_deps(pairs) -> None:

@@ -19,7 +19,6 @@ trip. A trip costs at least one launch (the loop's counter and condition).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
@@ -284,26 +283,6 @@ class CostModel:
                measured: Mapping[str, float] | None = None):
     self.spec = get_spec(spec)
     self.measured = dict(measured or {})
-    self._memo: dict | None = None
-
-  @contextlib.contextmanager
-  def memoized(self):
-    """Within: `estimate` prices each equation once (a pass reads it several times)."""
-    prev, self._memo = self._memo, {}
-    try:
-      yield self
-    finally:
-      self._memo = prev
-
-  def estimate(self, eqn) -> EqnCost:
-    """`estimate(eqn)`, remembered within `memoized()`."""
-    memo = self._memo
-    if memo is None:
-      return estimate(eqn)
-    hit = memo.get(id(eqn))
-    if hit is None or hit[0] is not eqn:  # the eqn is held, so its id is not reused
-      hit = memo[id(eqn)] = (eqn, estimate(eqn))
-    return hit[1]
 
   def eqn_seconds(self, c: EqnCost, matmul: bool, dtype=None) -> float:
     s = self.spec
@@ -339,7 +318,7 @@ class CostModel:
         w, b, k = self._price_loop(rule(eqn))
         work, busy, kernels = work + w, busy + b, kernels + k
         continue
-      c = self.estimate(eqn)
+      c = estimate(eqn)
       dtype = getattr(eqn.outvars[0].aval, "dtype", None) if eqn.outvars else None
       matmul = eqn.primitive.name in MATMUL_PRIMS
       t = self.eqn_seconds(c, matmul, dtype)

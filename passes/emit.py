@@ -79,10 +79,11 @@ class _Lifetimes:
         continue
       for v in eqn.invars:
         n = uses.get(v, 0) if isinstance(v, _compat.Var) else 0
-        if n > 0:
-          uses[v] = n = n - 1
-          if n == 0:
-            env.pop(v, None)
+        if n > 1:
+          uses[v] = n - 1
+        elif n == 1:  # the last reader: drop the value and the var (a key holds it)
+          del uses[v]
+          env.pop(v, None)
       if self.consume:
         eqns[k] = None
 

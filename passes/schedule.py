@@ -115,8 +115,8 @@ def _syncs(streams, units) -> tuple[tuple[str, str], ...]:
   return tuple(out)
 
 
-def _eqn_seconds(cost: CostModel, eqn) -> float:
-  c = cost.estimate(eqn)
+def _eqn_seconds(cost: CostModel, eqn, c=None) -> float:
+  c = estimate(eqn) if c is None else c
   dtype = getattr(eqn.outvars[0].aval, "dtype", None) if eqn.outvars else None
   t = cost.eqn_seconds(c, eqn.primitive.name in MATMUL_PRIMS, dtype)
   return t + (cost.spec.launch if c.kernel else 0.0)
@@ -134,8 +134,8 @@ ANCHOR_MIN_FLOPS = 2.0 ** 23
 ANCHOR_MIN_ELEMS = 2 ** 14
 
 
-def _anchorable(eqn, cost: CostModel | None = None) -> bool:
-  c = estimate(eqn) if cost is None else cost.estimate(eqn)
+def _anchorable(eqn, c=None) -> bool:
+  c = estimate(eqn) if c is None else c
   return is_heavy(eqn) and c.flops >= ANCHOR_MIN_FLOPS and c.out_elems >= ANCHOR_MIN_ELEMS
 
 
@@ -146,12 +146,13 @@ def _heavy_fractions(split: Split, cost: CostModel, units) -> dict[str, list[tup
   for u in units:
     if u.kind is not UnitKind.DX:
       continue
-    times = [_eqn_seconds(cost, eqns[k]) for k in u.eqns]
+    costs = [estimate(eqns[k]) for k in u.eqns]  # once per equation: read twice
+    times = [_eqn_seconds(cost, eqns[k], c) for k, c in zip(u.eqns, costs)]
     total = sum(times) or 1.0
     acc, rows = 0.0, []
-    for k, t in zip(u.eqns, times):
+    for k, t, c in zip(u.eqns, times, costs):
       acc += t
-      if _anchorable(eqns[k], cost):
+      if _anchorable(eqns[k], c):
         rows.append((acc / total, k))
     out[u.name] = rows
   return out
@@ -244,11 +245,6 @@ def schedule(split: Split, cost: CostModel, streams: int = 2) -> Schedule:
   """
   if streams not in (1, 2):
     raise ValueError(f"streams must be 1 or 2, got {streams!r}")
-  with cost.memoized():
-    return _schedule(split, cost, streams)
-
-
-def _schedule(split: Split, cost: CostModel, streams: int) -> Schedule:
   units = build_units(split, cost)
   spec = cost.spec
   base = in_order(units)
