@@ -295,6 +295,11 @@ def flat_debug_info(jaxpr, n_consts: int):
     return dbg
 
 
+def eqn_context():
+  """The context new equations get (xla metadata, compute type, ...): hashable."""
+  return _core.current_jaxpr_eqn_context() if _STAGE is not None else None
+
+
 def spec_of(aval) -> jax.ShapeDtypeStruct:
   """A `jax.ShapeDtypeStruct` that traces to `aval` (weak type kept)."""
   return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))

@@ -161,7 +161,9 @@ def _on_stream(jaxpr, eqn_ids, env, stream: int, life,
   """
   ins, outs = _cluster_io(jaxpr, eqn_ids)
   eqns = [jaxpr.eqns[k] for k in eqn_ids]
-  key = exact_key(eqns, ins, outs)
+  # the context is part of the key: a site's equations are copied with the
+  # context they were traced in (e.g. ordering="scheduling_group"'s group id)
+  key = (exact_key(eqns, ins, outs), _compat.eqn_context())
   site = life.sites.get(key)
   if site is None:
     site = life.sites[key] = _StreamCall(eqns, ins, outs, stream, life.stacks)

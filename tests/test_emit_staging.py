@@ -164,3 +164,14 @@ def test_exact_key_tells_apart_what_computes_differently():
   assert key(lambda x: x * 0.0) != key(lambda x: x * -0.0)  # equal floats, different results
   assert key(lambda x: x * jnp.nan) == key(lambda x: x * jnp.nan)  # nan != nan, same result
   assert key(lambda x: jnp.sin(x)) != key(lambda x: jnp.cos(x))
+
+
+def test_shared_calls_keep_their_own_scheduling_group():
+  # a site's equations carry the context they were traced in: one group per call
+  import re
+  loss, ws, x = _scaled_stack((2.0,) * 8)
+  g = ooo.grad(loss, mode="single_gpu", device="H100", ordering="scheduling_group")
+  lines = jax.jit(g).lower(ws, x).as_text().splitlines()
+  groups = [re.search(r'_scheduling_group_id = "(\d+)"', line + nxt).group(1)
+            for line, nxt in zip(lines, lines[1:]) if "call @compute_on" in line]
+  assert len(groups) >= 4 and len(set(groups)) == len(groups)
