@@ -331,6 +331,8 @@ def rewrite_backward(closed, rules: dict[str, RewriteRule] | None = None,
   """
   rules = REWRITE_RULES if rules is None else rules
   jaxpr = closed.jaxpr
+  if not any(e.primitive.name in rules for e in jaxpr.eqns):
+    return closed  # nothing to rewrite: skip the taint walk
   tainted = {jaxpr.invars[0]}
   eqns, n = [], 0
   made: set[int] = set()

@@ -311,7 +311,7 @@ def from_flat(flat, consts: Sequence[Any], n_grads: int, param_names: Sequence[s
   opaque = tuple(e.primitive.name for e in jaxpr.eqns
                  if e.primitive.name not in _COMBINER_PRIMS and id(e) not in made
                  and e.primitive.name not in INLINE_RULES  # forward-only calls
-                 and any(True for _ in _compat_subjaxprs(e)))
+                 and _has_subjaxpr(e))
   return Split(flat, tuple(consts), kinds, tuple(cluster_of), tuple(clusters),
                len(jaxpr.outvars) - n_grads, stats.get("inlined", 0), opaque,
                stats.get("loops_split", 0))
@@ -324,9 +324,11 @@ _COMBINER_PRIMS = frozenset({
     "reduce_window", "select_and_scatter", "argsort", "sort"})
 
 
-def _compat_subjaxprs(eqn):
+def _has_subjaxpr(eqn) -> bool:
+  jaxpr_types = (_compat.ClosedJaxpr, _compat.Jaxpr)
   for p in eqn.params.values():
-    vals = p if isinstance(p, (tuple, list)) else (p,)
-    for x in vals:
-      if isinstance(x, (_compat.ClosedJaxpr, _compat.Jaxpr)):
-        yield x
+    if isinstance(p, jaxpr_types):
+      return True
+    if isinstance(p, (tuple, list)) and any(isinstance(x, jaxpr_types) for x in p):
+      return True
+  return False
