@@ -295,8 +295,8 @@ def is_tracer(x) -> bool:
 
 
 def varying_axes(x) -> frozenset:
-  """The manual mesh axes `x` varies over under `shard_map(check_vma=True)`."""
-  aval = jax.typeof(x)
+  """The manual mesh axes `x` (a value or an aval) varies over under `shard_map(check_vma=True)`."""
+  aval = x if isinstance(x, jax.core.AbstractValue) else jax.typeof(x)
   vma = getattr(aval, "vma", None)  # later JAX
   if vma is None:
     mat = getattr(aval, "mat", None)  # jax 0.10: aval.mat.varying
@@ -316,6 +316,30 @@ def to_varying(x, axis_name):
   if not missing:
     return x
   return _pcast_varying(x, missing)
+
+
+def like_varying(x, ref):
+  """`x` made to vary over every mesh axis `ref` varies over (e.g. a cotangent for `ref`)."""
+  axes = tuple(sorted(varying_axes(ref) - varying_axes(x), key=str))
+  return _pcast_varying(x, axes) if axes else x
+
+
+def shape_dtype(aval) -> jax.ShapeDtypeStruct:
+  """`aval` as a `jax.ShapeDtypeStruct`, weak type and varying mesh axes kept.
+
+  Traced from such structs under `shard_map(check_vma=True)`, a jaxpr is
+  typed as the values it will be bound to: its equations carry their own
+  casts, so emission can copy them (`emit_eqns`) instead of re-binding each.
+  """
+  weak = bool(getattr(aval, "weak_type", False))
+  mat = getattr(aval, "mat", None)  # jax 0.10-0.11: the manual axis type (vma)
+  if mat is not None and not getattr(mat, "empty", True):
+    try:
+      return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak,
+                                  sharding=aval.sharding, manual_axis_type=mat)
+    except (TypeError, ValueError):  # pragma: no cover - other JAX: untyped, cast when bound
+      pass
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak)
 
 
 def _pcast_varying(x, axes):
