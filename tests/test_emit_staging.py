@@ -9,6 +9,7 @@ import gc
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import ooojax as ooo
@@ -128,3 +129,60 @@ def test_a_consumed_program_is_never_fingerprinted():
   finally:
     api.emit = api_emit
   assert len(kept) == 3
+
+
+# --- mode="data_parallel" under shard_map(check_vma=True) ------------------------
+def _on_two_devices(grad_fn, check_vma=True):
+  from jax.sharding import PartitionSpec as P
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
+  return jax.shard_map(grad_fn, mesh=mesh, in_specs=(P(), P("d")), out_specs=P(),
+                       check_vma=check_vma)
+
+
+def _dp_grad(loss):
+  return _on_two_devices(lambda p, x: ooo.grad(loss, mode="data_parallel", axis_name="d")(p, x))
+
+
+def test_data_parallel_copies_equations_under_check_vma(monkeypatch):
+  # Traced from leaves varying over the axis, the gradient program is typed as
+  # emission binds it: every equation is copied, none re-bound with casts.
+  loss, params, x = _setup()
+  seen = {"bind": 0, "vary": 0}
+  orig_bind, orig_vary = _compat.bind_eqn, _compat.vary_inputs
+
+  def bind(eqn, invals):
+    seen["bind"] += 1
+    return orig_bind(eqn, invals)
+
+  def vary(ax):
+    seen["vary"] += 1
+    return orig_vary(ax)
+  monkeypatch.setattr(_compat, "bind_eqn", bind)
+  monkeypatch.setattr(_compat, "vary_inputs", vary)
+  fast = jax.make_jaxpr(_dp_grad(loss))(params, x)
+  assert seen == {"bind": 0, "vary": 0}
+  monkeypatch.setattr(_compat, "_STAGE", None)  # every equation through bind
+  slow = jax.make_jaxpr(_dp_grad(loss))(params, x)
+  assert seen["bind"] > 0 and seen["vary"] == 0
+  text = lambda c: c.jaxpr.pretty_print(source_info=True, name_stack=True)  # noqa: E731
+  assert text(fast) == text(slow)
+  assert "psum" in text(fast)  # the buckets' reductions; AD adds none (see test_data_parallel)
+
+
+def test_data_parallel_untyped_fallback(close):
+  # A scan carry initialised invariant (jnp.zeros) whose body mixes in the
+  # sharded batch cannot be traced from varying leaves (nor by jax.grad under
+  # check_vma): ooo.grad traces it again untyped and re-binds with casts.
+  d = 4
+
+  def loss(w, xs):
+    h, _ = jax.lax.scan(lambda h, x: (jnp.tanh(x @ w + h), None),
+                        jnp.zeros((xs.shape[0], d)), xs.swapaxes(0, 1))
+    return jnp.mean(h ** 2)
+  w = jax.random.normal(jax.random.PRNGKey(0), (d, d))
+  xs = jax.random.normal(jax.random.PRNGKey(1), (4, 3, d))
+  with pytest.raises(TypeError, match="manual axis types"):
+    jax.jit(_on_two_devices(lambda w, x: jax.grad(loss)(w, x))).trace(w, xs)
+  got = jax.jit(_dp_grad(loss))(w, xs)
+  want = jax.grad(lambda w: (loss(w, xs[:2]) + loss(w, xs[2:])) / 2)(w)
+  close(got, want)
