@@ -310,8 +310,8 @@ class _Transformed:
     return closed, dyn, cell["layout"], diff
 
   def plan(self, args, kwargs) -> tuple[_Plan, list]:
-    closed, dyn, layout, diff = _dp.traced(self._trace, self.options, args, kwargs)
     with _gc_paused():
+      closed, dyn, layout, diff = _dp.traced(self._trace, self.options, args, kwargs)
       return self._plan_traced(closed, dyn, layout, diff)
 
   def _plan_traced(self, closed, dyn, layout, diff) -> tuple[_Plan, list]:
@@ -377,6 +377,10 @@ class _Transformed:
     return hit, fp
 
   def __call__(self, *args, **kwargs):
+    with _gc_paused():  # one pause: the traced program is freed as it is emitted
+      return self._call(args, kwargs)
+
+  def _call(self, args, kwargs):
     plan, dyn = self.plan(args, kwargs)
     if self._pending is not None and self._pending[1]() is plan.split.jaxpr.jaxpr:
       # emission consumes this jaxpr (below): it must never be fingerprinted,

@@ -23,7 +23,16 @@ def axis_size(opts) -> int | None:
 
 
 def traced(trace, opts, args, kwargs):
-  """`trace(args, kwargs, vary)` (`ooo.grad`'s tracer), from varying leaves in data_parallel.
+  """`trace(args, kwargs, vary)` (`ooo.grad`'s tracer), typed for `emit` in data_parallel.
+
+  The per-device gradient is traced with types `emit` can copy as they are:
+
+  * no input varies over the axis (every device holds the same values, or
+    no vma types: pmap, `check_vma=False`): the inputs' own, invariant types,
+    as `jax.value_and_grad` traces them, if nothing inside varies either
+    (`axis_index`, a closed-over sharded value): else AD would reduce the
+    replicated parameters' gradients itself;
+  * otherwise from leaves made to vary over the axis (`varying_leaf`).
 
   User code may type a value as invariant where it varies: a scan carry
   initialised with `jnp.zeros` whose body mixes in the sharded batch fails
@@ -33,6 +42,11 @@ def traced(trace, opts, args, kwargs):
   if opts.mode != "data_parallel":
     return trace(args, kwargs)
   axis_size(opts)  # JAX's NameError for an unbound axis, before any cast
+  if not any(_compat.is_tracer(x) and _compat.varying_axes(x)
+             for x in jax.tree_util.tree_leaves((args, kwargs))):
+    out = trace(args, kwargs)
+    if _compat.invariant_program(out[0]):
+      return out
   try:
     return trace(args, kwargs, opts.axis_name)
   except (TypeError, ValueError):
@@ -66,20 +80,22 @@ def emit(plan, dyn, opts, defer=frozenset(), consume: bool = False) -> list:
   train step reduces them at the start of the next step.
   """
   ax = opts.axis_name
-  invars = plan.split.jaxpr.jaxpr.invars  # (ct, *consts, *dyn)
-  dyn = [_compat.to_varying(x, ax) for x in dyn]
-  # Traced from varying leaves (`varying_leaf`), the jaxpr's types match the
-  # values: consts take their inputs' types and equations are copied as is.
+  invars = plan.split.jaxpr.jaxpr.invars[1:]  # (*consts, *dyn), after the cotangent
+  ins = [*plan.split.consts, *dyn]
+  # Traced as `traced` does, the jaxpr's types match the values (up to casts
+  # to varying): its equations are copied as they are.
   typed = all(_compat.varying_axes(x) <= _compat.varying_axes(v.aval)
-              for x, v in zip(dyn, invars[len(invars) - len(dyn):]))
+              for x, v in zip(ins, invars))
   if typed:
-    consts = [_compat.like_varying(x, v.aval) for x, v in zip(plan.split.consts, invars[1:])]
+    ins = [_compat.like_varying(x, v.aval) for x, v in zip(ins, invars)]
   else:
     # Traced without vma types, the jaxpr is the per-device gradient; under
-    # shard_map(check_vma=True) its inputs must be varying to type-check, and
-    # each equation is re-bound with the casts it needs (slower).
-    consts = [_compat.to_varying(x, ax) for x in plan.split.consts]
+    # shard_map(check_vma=True) its inputs must be varying to type-check (so
+    # AD's own psum of replicated parameters stays out), and each equation
+    # is re-bound with the casts it needs (slower).
+    ins = [_compat.to_varying(x, ax) for x in ins]
+  n = len(plan.split.consts)
   emitter = BucketEmitter(plan.collectives, plan.split, ax, opts.reduce, defer)
   with contextlib.nullcontext() if typed else _compat.vary_inputs(ax):
-    return _emit(plan.split, plan.collectives.schedule, consts, dyn,
+    return _emit(plan.split, plan.collectives.schedule, ins[:n], ins[n:],
                  ordering="none", annotate=False, collectives=emitter, consume=consume)

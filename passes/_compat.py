@@ -318,6 +318,44 @@ def to_varying(x, axis_name):
   return _pcast_varying(x, missing)
 
 
+def invariant_program(closed) -> bool:
+  """No value of `closed` (consts, equations, nested jaxprs) varies over a mesh axis."""
+  if any(varying_axes(c) for c in closed.consts):
+    return False
+  seen: set = set()
+  known: dict = {}  # aval -> varies (avals are interned: few distinct ones)
+
+  def varies(aval):
+    r = known.get(aval)
+    if r is None:
+      r = known[aval] = bool(varying_axes(aval))
+    return r
+
+  def ok(jaxpr):
+    if id(jaxpr) in seen:  # shared bodies (jit caches) are checked once
+      return True
+    seen.add(id(jaxpr))
+    if any(varies(v.aval) for v in jaxpr.invars):
+      return False
+    for e in jaxpr.eqns:
+      for v in e.outvars:
+        if varies(v.aval):
+          return False
+      for p in e.params.values():
+        if type(p) is tuple:  # cond's branches
+          subs = p if p and type(p[0]) in (ClosedJaxpr, Jaxpr) else ()
+        else:
+          subs = (p,) if type(p) in (ClosedJaxpr, Jaxpr) else ()
+        for q in subs:
+          if type(q) is ClosedJaxpr:
+            if any(varying_axes(c) for c in q.consts) or not ok(q.jaxpr):
+              return False
+          elif not ok(q):
+            return False
+    return True
+  return ok(closed.jaxpr)
+
+
 def like_varying(x, ref):
   """`x` made to vary over every mesh axis `ref` varies over (e.g. a cotangent for `ref`)."""
   axes = tuple(sorted(varying_axes(ref) - varying_axes(x), key=str))

@@ -24,6 +24,7 @@ exist.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -59,17 +60,25 @@ def reduce_buffers(vals, axis_name, reduce: str = "mean"):
   out: list = [None] * len(vals)
   bufs = []
   for idx in groups.values():
-    flat = [jnp.ravel(vals[j]) for j in idx]
-    buf = flat[0] if len(flat) == 1 else jnp.concatenate(flat)
+    # lax ops, one split per buffer: fewer equations to trace and lower than
+    # jnp's ravel and a slice per leaf
+    shapes = [jnp.shape(vals[j]) for j in idx]
+    sizes = [math.prod(s) for s in shapes]
+    # lax.concatenate inserts no vma casts (jnp's does): vary as the most varying
+    vma = [_compat.varying_axes(vals[j]) for j in idx]
+    axes = tuple(sorted(frozenset().union(*vma), key=str))
+    flat = [_compat.to_varying(vals[j], axes) if v != frozenset(axes) else vals[j]
+            for j, v in zip(idx, vma)]
+    flat = [jax.lax.reshape(x, (n,)) if len(s) != 1 else x
+            for x, s, n in zip(flat, shapes, sizes)]
+    buf = flat[0] if len(flat) == 1 else jax.lax.concatenate(flat, 0)
     buf = jax.lax.psum(buf, axis_name)
     if reduce == "mean":
       buf = buf / jax.lax.axis_size(axis_name)
     bufs.append(buf)
-    off = 0
-    for j in idx:
-      n = vals[j].size
-      out[j] = buf[off:off + n].reshape(vals[j].shape)
-      off += n
+    parts = jax.lax.split(buf, sizes) if len(idx) > 1 else [buf]
+    for j, part, s in zip(idx, parts, shapes):
+      out[j] = part if len(s) == 1 else jax.lax.reshape(part, s)
   return out, bufs
 
 

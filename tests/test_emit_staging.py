@@ -186,3 +186,29 @@ def test_data_parallel_untyped_fallback(close):
   got = jax.jit(_dp_grad(loss))(w, xs)
   want = jax.grad(lambda w: (loss(w, xs[:2]) + loss(w, xs[2:])) / 2)(w)
   close(got, want)
+
+
+@pytest.mark.parametrize("per_device", [False, True])
+def test_data_parallel_replicated_inputs(per_device, monkeypatch, close):
+  # No input varies: traced with the inputs' invariant types (as jax.grad
+  # traces them), unless something inside varies (axis_index): then from
+  # varying leaves, else AD would reduce the gradients itself before the buckets.
+  from jax.sharding import PartitionSpec as P
+  loss, params, x = _setup()
+  f = (lambda p, x: loss(p, x * (1.0 + jax.lax.axis_index("d")))) if per_device else loss
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
+  g = jax.jit(jax.shard_map(lambda p, x: ooo.grad(f, mode="data_parallel", axis_name="d")(p, x),
+                            mesh=mesh, in_specs=(P(), P()), out_specs=P()))
+  traces = []
+  orig = _compat.invariant_program
+  monkeypatch.setattr(_compat, "invariant_program", lambda c: traces.append(orig(c)) or traces[-1])
+  binds = []
+  orig_bind = _compat.bind_eqn
+  monkeypatch.setattr(_compat, "bind_eqn", lambda e, v: binds.append(e) or orig_bind(e, v))
+  got = g(params, x)
+  assert traces == [not per_device]
+  # either way the equations are copied (axis_index is bound: it names the mesh)
+  assert [e.primitive.name for e in binds] == ["axis_index"] * per_device
+  want = jax.tree.map(lambda *gs: sum(gs) / 2,
+                      *[jax.grad(loss)(params, x * (1.0 + i * per_device)) for i in range(2)])
+  close(got, want)
