@@ -310,8 +310,10 @@ class _Transformed:
     return closed, dyn, cell["layout"], diff
 
   def plan(self, args, kwargs) -> tuple[_Plan, list]:
+    # Tracing runs with the GC on: JAX's tracing leaves cyclic garbage
+    # (about 14% more peak memory on a GPT-2-width LM if kept until the end).
+    closed, dyn, layout, diff = _dp.traced(self._trace, self.options, args, kwargs)
     with _gc_paused():
-      closed, dyn, layout, diff = _dp.traced(self._trace, self.options, args, kwargs)
       return self._plan_traced(closed, dyn, layout, diff)
 
   def _plan_traced(self, closed, dyn, layout, diff) -> tuple[_Plan, list]:
@@ -377,11 +379,13 @@ class _Transformed:
     return hit, fp
 
   def __call__(self, *args, **kwargs):
-    with _gc_paused():  # one pause: the traced program is freed as it is emitted
-      return self._call(args, kwargs)
+    traced = [_dp.traced(self._trace, self.options, args, kwargs)]
+    with _gc_paused():  # one pause for the passes and emission
+      return self._call(traced)
 
-  def _call(self, args, kwargs):
-    plan, dyn = self.plan(args, kwargs)
+  def _call(self, traced: list):
+    # popped: nothing here keeps the traced program, which emission frees as it goes
+    plan, dyn = self._plan_traced(*traced.pop())
     if self._pending is not None and self._pending[1]() is plan.split.jaxpr.jaxpr:
       # emission consumes this jaxpr (below): it must never be fingerprinted,
       # even if a reference cycle keeps it alive until the next call

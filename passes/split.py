@@ -150,6 +150,7 @@ def _inline_by_substitution(closed, stats: dict):
 
   top: dict = {}
   walk(jaxpr, top, False)
+  walk = None  # noqa: F841 - its self-reference kept `eqns` (every equation) alive until a GC
   ct, *rest = jaxpr.invars
   outvars = [top.get(v, v) if isinstance(v, _compat.Var) else v for v in jaxpr.outvars]
   flat = _compat.Jaxpr([], [ct, *const_vars, *rest], outvars, eqns, jaxpr.effects,
