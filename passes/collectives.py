@@ -362,8 +362,8 @@ class _Pricer:
   back (each unit after the previous one, its deps earlier in the order) and
   each transfer at `max(link free, its compute dep done)`: a closed form,
   one pass over the buckets, with what does not depend on the bucket size
-  computed once per k. `tests/test_dp_plan.py` checks it against
-  `build_plan`'s simulation.
+  computed once per k (from per-action facts computed once).
+  `tests/test_dp_plan.py` checks it against `build_plan`'s simulation.
   """
 
   def __init__(self, split, sched, link, n_devices, in_loop):
@@ -372,29 +372,61 @@ class _Pricer:
     self.by_k: dict = {}
     self.by_name = {u.name: u for u in sched.units}
     self.fwd = self.by_name["F0"].cost if "F0" in self.by_name else 0.0
+    if in_loop:
+      return
+    # per action of the in-order schedule: name, seconds, and for dW its leaf and layer rank
+    rank = {l: i for i, l in enumerate(layers_forward(split))}
+    leaf_of = {c.index: c.grad_out - split.grad_out_start for c in split.clusters}
+    self.acts = []
+    for a in sched.streams[0]:
+      u = self.by_name[a.unit]
+      w = a.kind == "W"
+      # alone on the device: slowed only past a full share, as in `simulate`
+      self.acts.append((a.unit, u.cost * max(1.0, u.util), leaf_of[u.index] if w else -1,
+                        rank[layer_of(u.label)] if w else -1))
+    self.leaf_rank = {c.grad_out - split.grad_out_start: rank[layer_of(c.param)]
+                      for c in split.clusters}
+    self.nbytes = _grad_bytes(split)
 
   def _per_k(self, k):
     got = self.by_k.get(k)
-    if got is None:
+    if got is not None:
+      return got
+    if self.in_loop:
       sched = self.sched
       order = reverse_first_k(self.split, sched.units, sched.streams[0], k) if k else tuple(
           sched.streams[0])
       deferred = first_k_leaves(self.split, k)
-      loops = scan_collectives.loop_reductions(self.split, sched, deferred) if self.in_loop else ()
+      loops = scan_collectives.loop_reductions(self.split, sched, deferred)
       ends, t = {}, 0.0
       for a in order:
         u = self.by_name[a.unit]
-        t += u.cost * max(1.0, u.util)  # alone on the device: slowed only past a full share
+        t += u.cost * max(1.0, u.util)
         ends[a.unit] = t
-      ends[""] = ends[order[-1].unit] if order else 0.0  # "": issued at the end
-      skip = frozenset(i for l in loops for i in l.grads)
-      finishing = None if loops else _finishing(self.split, sched.units, order, skip)
-      got = self.by_k[k] = (order, deferred, loops, ends, t, finishing)
+      got = self.by_k[k] = (order, deferred, loops, ends, t, None)
+      return got
+    # `reverse_first_k`: the first k layers' dW after the rest, stable by layer
+    kept = [x for x in self.acts if not 0 <= x[3] < k]
+    moved = sorted((x for x in self.acts if 0 <= x[3] < k), key=lambda x: x[3])
+    ends, t = {}, 0.0
+    first: list = []
+    last: dict = {}
+    for i, (name, sec, leaf, _) in enumerate(kept + moved):
+      t += sec
+      ends[name] = t
+      if leaf >= 0:  # `_finishing`
+        if leaf not in last:
+          first.append((leaf, name))
+        last[leaf] = (i, name)
+    ends[""] = t  # issued at the end
+    rest = tuple(i for i in range(len(self.nbytes)) if i not in last)
+    deferred = frozenset(l for l, r in self.leaf_rank.items() if r < k)
+    got = self.by_k[k] = (None, deferred, (), ends, t, (first, last, rest, self.nbytes))
     return got
 
   def score(self, k: int, bucket_bytes: int, cross_step: bool) -> float:
     """`build_plan(...).makespan`, or `.cross_step` when `cross_step`."""
-    order, deferred, loops, ends, t_c, finishing = self._per_k(k)
+    _, deferred, _, ends, t_c, finishing = self._per_k(k)
     if finishing is None:  # in-loop reductions: the link units as `build_plan` makes them
       return self._score_units(k, bucket_bytes, cross_step)
     link, n = self.link, self.n

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from passes import _compat
 from passes.collectives import Bucket, CollectivePlan
-from passes.ir import Split
+from passes.ir import Kind, Split
 
 
 def _zero_from(x, dtype):
@@ -45,7 +45,7 @@ def _zero_from(x, dtype):
   fold `convert(pred) * 0` (into `select(p, 0, 0)`), so the finite value is
   taken with a select: `where(isfinite(x0), x0, 0) * 0`. One scalar op.
   """
-  x0 = jnp.ravel(x)[0]
+  x0 = jax.lax.index_in_dim(jax.lax.reshape(x, (x.size,)), 0, keepdims=False)  # lax: cheap
   return (jnp.where(jnp.isfinite(x0), x0, 0) * 0).astype(dtype)
 
 
@@ -119,11 +119,18 @@ class BucketEmitter:
     loop = getattr(plan, "in_loop", frozenset()) - self.defer
     self._loop_vars = {v: ids for v, ids in by_var.items() if set(ids) <= loop}
     self._loop_done: set[int] = set()
+    # what `scan_skew.fuse` looks for first: a backward (dX) scan
+    self._may_fuse = any(e.primitive.name == "scan" and k is Kind.DX
+                         for e, k in zip(split.jaxpr.jaxpr.eqns, split.kinds))
 
   def after_unit(self, unit: str, env: dict) -> None:
     for b in self._by_unit.get(unit, ()):
       self._issue(b, env)
-    # A bucket whose unit was fused into a loop: issue it once its values exist.
+    # A bucket whose unit was fused into a loop: issue it once its values exist
+    # (only a backward scan is fused: without one every unit runs, and checking
+    # each bucket after each unit would cost units x buckets).
+    if not self._may_fuse:
+      return
     for b in self.plan.buckets:
       if b.after and b.index not in self._issued and all(
           self._available(env, i) for i in b.grads):
