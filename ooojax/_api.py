@@ -214,8 +214,11 @@ class _Transformed:
     functools.update_wrapper(self, fun)
 
   # --- tracing -----------------------------------------------------------------
-  def _trace(self, args, kwargs):
-    """Traces forward + vjp; returns (closed jaxpr, dynamic leaves, output layout, diff args)."""
+  def _trace(self, args, kwargs, vary=None):
+    """Traces forward + vjp; returns (closed jaxpr, dynamic leaves, output layout, diff args).
+
+    `vary`: a data-parallel axis the dynamic leaves are made to vary over (`_dp.traced`).
+    """
     idx = _resolve_argnums(self.argnums, len(args))
     fun, has_aux, holomorphic = self.fun, self.has_aux, self.holomorphic
     dyn: list = []
@@ -223,8 +226,11 @@ class _Transformed:
 
     def mark(x, diff):
       if diff or _is_dynamic(x):
+        typed = None
+        if vary is not None:  # data_parallel: trace the per-device gradient, vma-typed
+          x, typed = _dp.varying_leaf(x, vary)
         dyn.append(x)
-        return _aval(x)
+        return _aval(x) if typed is None else typed
       statics.append(x)
       return _Static(len(statics) - 1)
 
@@ -269,7 +275,8 @@ class _Transformed:
       _compat.check_scalar(ans)
       _compat.check_output_dtype_grad(holomorphic, ans)
       a_aval = jax.typeof(ans)
-      g = vjp_fn(_compat.convert_element_type(ct, a_aval.dtype, a_aval.weak_type))
+      ct_ = _compat.convert_element_type(ct, a_aval.dtype, a_aval.weak_type)
+      g = vjp_fn(_compat.like_varying(ct_, ans))  # a varying loss takes a varying cotangent
       g = g[0] if isinstance(self.argnums, int) else g
       # Only traced leaves are outputs of the jaxpr; Python values (an int or
       # str aux, float0 zeros) come back as the trace produced them.
@@ -303,7 +310,9 @@ class _Transformed:
     return closed, dyn, cell["layout"], diff
 
   def plan(self, args, kwargs) -> tuple[_Plan, list]:
-    closed, dyn, layout, diff = self._trace(args, kwargs)
+    # Tracing runs with the GC on: JAX's tracing leaves cyclic garbage
+    # (about 14% more peak memory on a GPT-2-width LM if kept until the end).
+    closed, dyn, layout, diff = _dp.traced(self._trace, self.options, args, kwargs)
     with _gc_paused():
       return self._plan_traced(closed, dyn, layout, diff)
 
@@ -370,7 +379,13 @@ class _Transformed:
     return hit, fp
 
   def __call__(self, *args, **kwargs):
-    plan, dyn = self.plan(args, kwargs)
+    traced = [_dp.traced(self._trace, self.options, args, kwargs)]
+    with _gc_paused():  # one pause for the passes and emission
+      return self._call(traced)
+
+  def _call(self, traced: list):
+    # popped: nothing here keeps the traced program, which emission frees as it goes
+    plan, dyn = self._plan_traced(*traced.pop())
     if self._pending is not None and self._pending[1]() is plan.split.jaxpr.jaxpr:
       # emission consumes this jaxpr (below): it must never be fingerprinted,
       # even if a reference cycle keeps it alive until the next call

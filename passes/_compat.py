@@ -310,8 +310,8 @@ def is_tracer(x) -> bool:
 
 
 def varying_axes(x) -> frozenset:
-  """The manual mesh axes `x` varies over under `shard_map(check_vma=True)`."""
-  aval = jax.typeof(x)
+  """The manual mesh axes `x` (a value or an aval) varies over under `shard_map(check_vma=True)`."""
+  aval = x if isinstance(x, jax.core.AbstractValue) else jax.typeof(x)
   vma = getattr(aval, "vma", None)  # later JAX
   if vma is None:
     mat = getattr(aval, "mat", None)  # jax 0.10: aval.mat.varying
@@ -331,6 +331,68 @@ def to_varying(x, axis_name):
   if not missing:
     return x
   return _pcast_varying(x, missing)
+
+
+def invariant_program(closed) -> bool:
+  """No value of `closed` (consts, equations, nested jaxprs) varies over a mesh axis."""
+  if any(varying_axes(c) for c in closed.consts):
+    return False
+  seen: set = set()
+  known: dict = {}  # aval -> varies (avals are interned: few distinct ones)
+
+  def varies(aval):
+    r = known.get(aval)
+    if r is None:
+      r = known[aval] = bool(varying_axes(aval))
+    return r
+
+  def ok(jaxpr):
+    if id(jaxpr) in seen:  # shared bodies (jit caches) are checked once
+      return True
+    seen.add(id(jaxpr))
+    if any(varies(v.aval) for v in jaxpr.invars):
+      return False
+    for e in jaxpr.eqns:
+      for v in e.outvars:
+        if varies(v.aval):
+          return False
+      for p in e.params.values():
+        if type(p) is tuple:  # cond's branches
+          subs = p if p and type(p[0]) in (ClosedJaxpr, Jaxpr) else ()
+        else:
+          subs = (p,) if type(p) in (ClosedJaxpr, Jaxpr) else ()
+        for q in subs:
+          if type(q) is ClosedJaxpr:
+            if any(varying_axes(c) for c in q.consts) or not ok(q.jaxpr):
+              return False
+          elif not ok(q):
+            return False
+    return True
+  return ok(closed.jaxpr)
+
+
+def like_varying(x, ref):
+  """`x` made to vary over every mesh axis `ref` varies over (e.g. a cotangent for `ref`)."""
+  axes = tuple(sorted(varying_axes(ref) - varying_axes(x), key=str))
+  return _pcast_varying(x, axes) if axes else x
+
+
+def shape_dtype(aval) -> jax.ShapeDtypeStruct:
+  """`aval` as a `jax.ShapeDtypeStruct`, weak type and varying mesh axes kept.
+
+  Traced from such structs under `shard_map(check_vma=True)`, a jaxpr is
+  typed as the values it will be bound to: its equations carry their own
+  casts, so emission can copy them (`emit_eqns`) instead of re-binding each.
+  """
+  weak = bool(getattr(aval, "weak_type", False))
+  mat = getattr(aval, "mat", None)  # jax 0.10-0.11: the manual axis type (vma)
+  if mat is not None and not getattr(mat, "empty", True):
+    try:
+      return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak,
+                                  sharding=aval.sharding, manual_axis_type=mat)
+    except (TypeError, ValueError):  # pragma: no cover - other JAX: untyped, cast when bound
+      pass
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak)
 
 
 def _pcast_varying(x, axes):

@@ -172,41 +172,52 @@ def make_buckets(split: Split, units: Sequence[Unit], order: Sequence[Action],
 
   Leaves in `skip` (reduced inside a loop) get no bucket.
   """
+  groups = _group(_finishing(split, units, order, skip), bucket_bytes)
+  return tuple(Bucket(i, leaves, size, after) for i, (leaves, size, after) in enumerate(groups))
+
+
+def _finishing(split: Split, units, order, skip) -> tuple:
+  """What bucketing reads of an order: `(first, last, rest, nbytes)`.
+
+  `first`: (leaf, unit) per gradient leaf, in the order its first dW unit
+  runs; `last`: leaf -> (position, unit) of its last dW unit; `rest`: leaves
+  no dW unit produces (unused parameters, pass-through gradients).
+  """
   nbytes = _grad_bytes(split)
   by_name = {u.name: u for u in units}
   leaf_of_cluster = {c.index: c.grad_out - split.grad_out_start for c in split.clusters}
-  buckets: list[Bucket] = []
-  cur: list[int] = []
-  placed: set[int] = set()
-  size = 0
-  for a in order:
+  first: list = []
+  last: dict = {}
+  for i, a in enumerate(order):
     if a.kind != "W":
       continue
     leaf = leaf_of_cluster[by_name[a.unit].index]
-    if leaf in skip or leaf in placed:
+    if leaf in skip:
       continue
-    placed.add(leaf)
+    if leaf not in last:
+      first.append((leaf, a.unit))
+    last[leaf] = (i, a.unit)
+  rest = tuple(i for i in range(len(nbytes)) if i not in skip and i not in last)
+  return first, last, rest, nbytes
+
+
+def _group(finishing, bucket_bytes: int) -> list[tuple[tuple[int, ...], int, str]]:
+  """(leaves, bytes, unit issued after) per bucket; a full bucket closes at its last leaf."""
+  first, last, rest, nbytes = finishing
+  out: list = []
+  cur: list[int] = []
+  size = 0
+  for leaf, unit in first:
     cur.append(leaf)
     size += nbytes[leaf]
     if size >= bucket_bytes:
-      buckets.append(Bucket(len(buckets), tuple(cur), size, a.unit))
+      out.append((tuple(cur), size, unit))
       cur, size = [], 0
-  if cur:
-    buckets.append(Bucket(len(buckets), tuple(cur), size, _last_w(order, cur, by_name,
-                                                                   leaf_of_cluster)))
-  # Leaves no dW cluster produces (unused parameters, pass-through gradients).
-  rest = [i for i in range(len(nbytes)) if i not in skip and i not in placed]
+  if cur:  # after the last dW unit of any of its leaves
+    out.append((tuple(cur), size, max(last[l] for l in cur)[1]))
   if rest:
-    buckets.append(Bucket(len(buckets), tuple(rest), sum(nbytes[i] for i in rest), ""))
-  return tuple(buckets)
-
-
-def _last_w(order, leaves, by_name, leaf_of_cluster) -> str:
-  last = ""
-  for a in order:
-    if a.kind == "W" and leaf_of_cluster[by_name[a.unit].index] in leaves:
-      last = a.unit
-  return last
+    out.append((rest, sum(nbytes[i] for i in rest), ""))
+  return out
 
 
 def _link_units(buckets, link, n_devices, order) -> tuple[list[Unit], tuple[Action, ...]]:
@@ -330,13 +341,128 @@ def plan(split: Split, sched: Schedule, cost: CostModel, n_devices: int,
     ks = sorted(set(range(0, n_layers + 1, step)) | {n_layers})
   # a model with no fused scan has no in-loop reductions for any k: look once
   in_loop = bool(scan_collectives.loop_reductions(split, sched))
+  if len(sizes) == len(ks) == 1:
+    return build_plan(split, sched, ks[0], sizes[0], link, n_devices, in_loop)
+  # Every candidate is priced by `_Pricer`, exactly as `build_plan` simulates
+  # it, in O(units) with what is shared across bucket sizes computed once per k.
+  pricer = _Pricer(split, sched, link, n_devices, in_loop)
   best, best_score = None, 0.0
   for b in sorted(sizes, reverse=True):
     for k in ks:
-      p = build_plan(split, sched, k, b, link, n_devices, in_loop, cross=cross_step)
-      score = p.cross_step if cross_step else p.makespan
+      score = pricer.score(k, b, cross_step)
       if best is None or score < best_score * (1 - 1e-9):
-        best, best_score = p, score
-  if not cross_step:  # the chosen plan reports both times
-    best = build_plan(split, sched, best.first_k, best.bucket_bytes, link, n_devices, in_loop)
-  return best
+        best, best_score = (k, b), score
+  return build_plan(split, sched, best[0], best[1], link, n_devices, in_loop)
+
+
+class _Pricer:
+  """The simulated step of each (k, bucket size) candidate without building its plan.
+
+  With one compute stream and the link, `simulate` runs the compute back to
+  back (each unit after the previous one, its deps earlier in the order) and
+  each transfer at `max(link free, its compute dep done)`: a closed form,
+  one pass over the buckets, with what does not depend on the bucket size
+  computed once per k (from per-action facts computed once).
+  `tests/test_dp_plan.py` checks it against `build_plan`'s simulation.
+  """
+
+  def __init__(self, split, sched, link, n_devices, in_loop):
+    self.split, self.sched, self.link, self.n = split, sched, link, n_devices
+    self.in_loop = in_loop
+    self.by_k: dict = {}
+    self.by_name = {u.name: u for u in sched.units}
+    self.fwd = self.by_name["F0"].cost if "F0" in self.by_name else 0.0
+    if in_loop:
+      return
+    # per action of the in-order schedule: name, seconds, and for dW its leaf and layer rank
+    rank = {l: i for i, l in enumerate(layers_forward(split))}
+    leaf_of = {c.index: c.grad_out - split.grad_out_start for c in split.clusters}
+    self.acts = []
+    for a in sched.streams[0]:
+      u = self.by_name[a.unit]
+      w = a.kind == "W"
+      # alone on the device: slowed only past a full share, as in `simulate`
+      self.acts.append((a.unit, u.cost * max(1.0, u.util), leaf_of[u.index] if w else -1,
+                        rank[layer_of(u.label)] if w else -1))
+    self.leaf_rank = {c.grad_out - split.grad_out_start: rank[layer_of(c.param)]
+                      for c in split.clusters}
+    self.nbytes = _grad_bytes(split)
+
+  def _per_k(self, k):
+    got = self.by_k.get(k)
+    if got is not None:
+      return got
+    if self.in_loop:
+      sched = self.sched
+      order = reverse_first_k(self.split, sched.units, sched.streams[0], k) if k else tuple(
+          sched.streams[0])
+      deferred = first_k_leaves(self.split, k)
+      loops = scan_collectives.loop_reductions(self.split, sched, deferred)
+      ends, t = {}, 0.0
+      for a in order:
+        u = self.by_name[a.unit]
+        t += u.cost * max(1.0, u.util)
+        ends[a.unit] = t
+      got = self.by_k[k] = (order, deferred, loops, ends, t, None)
+      return got
+    # `reverse_first_k`: the first k layers' dW after the rest, stable by layer
+    kept = [x for x in self.acts if not 0 <= x[3] < k]
+    moved = sorted((x for x in self.acts if 0 <= x[3] < k), key=lambda x: x[3])
+    ends, t = {}, 0.0
+    first: list = []
+    last: dict = {}
+    for i, (name, sec, leaf, _) in enumerate(kept + moved):
+      t += sec
+      ends[name] = t
+      if leaf >= 0:  # `_finishing`
+        if leaf not in last:
+          first.append((leaf, name))
+        last[leaf] = (i, name)
+    ends[""] = t  # issued at the end
+    rest = tuple(i for i in range(len(self.nbytes)) if i not in last)
+    deferred = frozenset(l for l, r in self.leaf_rank.items() if r < k)
+    got = self.by_k[k] = (None, deferred, (), ends, t, (first, last, rest, self.nbytes))
+    return got
+
+  def score(self, k: int, bucket_bytes: int, cross_step: bool) -> float:
+    """`build_plan(...).makespan`, or `.cross_step` when `cross_step`."""
+    _, deferred, _, ends, t_c, finishing = self._per_k(k)
+    if finishing is None:  # in-loop reductions: the link units as `build_plan` makes them
+      return self._score_units(k, bucket_bytes, cross_step)
+    link, n = self.link, self.n
+    free = free_nd = comm = busy = 0.0
+    for leaves, size, after in _group(finishing, max(bucket_bytes, 1)):
+      cost = allreduce_seconds(link, size, n)
+      ready = ends.get(after, 0.0)
+      free = max(free, ready) + cost
+      busy += cost
+      if cross_step and leaves and deferred.issuperset(leaves):
+        comm += cost
+      else:
+        free_nd = max(free_nd, ready) + cost
+    if not cross_step:
+      return max(t_c, free)
+    t_nd = max(t_c, free_nd)  # `cross_step_time`'s terms
+    return max(t_c, t_nd, busy, max(t_c, t_nd) + comm - self.fwd)
+
+  def _score_units(self, k, bucket_bytes, cross_step):
+    order, deferred, loops, ends, t_c, _ = self._per_k(k)
+    skip = frozenset(i for l in loops for i in l.grads)
+    buckets = make_buckets(self.split, self.sched.units, order, max(bucket_bytes, 1), skip)
+    s_units, s_actions = _link_units(buckets, self.link, self.n, order)
+    s_units, s_actions = _with_loop_units(loops, s_units, s_actions, self.link, self.n, order)
+    cost = {u.name: u.cost for u in s_units}
+    dep = {u.name: max((ends[d] for d in u.deps if d in ends), default=0.0) for u in s_units}
+
+    def link_end(actions):
+      free = 0.0
+      for a in actions:
+        free = max(free, dep[a.unit]) + cost[a.unit]
+      return free
+    if not cross_step:
+      return max(t_c, link_end(s_actions))
+    late = {f"S{b.index}" for b in buckets if b.grads and set(b.grads) <= deferred}
+    t_nd = max(t_c, link_end([a for a in s_actions if a.unit not in late]))
+    comm = sum(cost[u] for u in late)
+    link_busy = sum(cost[a.unit] for a in s_actions)
+    return max(t_c, t_nd, link_busy, max(t_c, t_nd) + comm - self.fwd)

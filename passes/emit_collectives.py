@@ -24,6 +24,7 @@ exist.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 
 from passes import _compat
 from passes.collectives import Bucket, CollectivePlan
-from passes.ir import Split
+from passes.ir import Kind, Split
 
 
 def _zero_from(x, dtype):
@@ -44,7 +45,7 @@ def _zero_from(x, dtype):
   fold `convert(pred) * 0` (into `select(p, 0, 0)`), so the finite value is
   taken with a select: `where(isfinite(x0), x0, 0) * 0`. One scalar op.
   """
-  x0 = jnp.ravel(x)[0]
+  x0 = jax.lax.index_in_dim(jax.lax.reshape(x, (x.size,)), 0, keepdims=False)  # lax: cheap
   return (jnp.where(jnp.isfinite(x0), x0, 0) * 0).astype(dtype)
 
 
@@ -59,17 +60,25 @@ def reduce_buffers(vals, axis_name, reduce: str = "mean"):
   out: list = [None] * len(vals)
   bufs = []
   for idx in groups.values():
-    flat = [jnp.ravel(vals[j]) for j in idx]
-    buf = flat[0] if len(flat) == 1 else jnp.concatenate(flat)
+    # lax ops, one split per buffer: fewer equations to trace and lower than
+    # jnp's ravel and a slice per leaf
+    shapes = [jnp.shape(vals[j]) for j in idx]
+    sizes = [math.prod(s) for s in shapes]
+    # lax.concatenate inserts no vma casts (jnp's does): vary as the most varying
+    vma = [_compat.varying_axes(vals[j]) for j in idx]
+    axes = tuple(sorted(frozenset().union(*vma), key=str))
+    flat = [_compat.to_varying(vals[j], axes) if v != frozenset(axes) else vals[j]
+            for j, v in zip(idx, vma)]
+    flat = [jax.lax.reshape(x, (n,)) if len(s) != 1 else x
+            for x, s, n in zip(flat, shapes, sizes)]
+    buf = flat[0] if len(flat) == 1 else jax.lax.concatenate(flat, 0)
     buf = jax.lax.psum(buf, axis_name)
     if reduce == "mean":
       buf = buf / jax.lax.axis_size(axis_name)
     bufs.append(buf)
-    off = 0
-    for j in idx:
-      n = vals[j].size
-      out[j] = buf[off:off + n].reshape(vals[j].shape)
-      off += n
+    parts = jax.lax.split(buf, sizes) if len(idx) > 1 else [buf]
+    for j, part, s in zip(idx, parts, shapes):
+      out[j] = part if len(s) == 1 else jax.lax.reshape(part, s)
   return out, bufs
 
 
@@ -110,11 +119,18 @@ class BucketEmitter:
     loop = getattr(plan, "in_loop", frozenset()) - self.defer
     self._loop_vars = {v: ids for v, ids in by_var.items() if set(ids) <= loop}
     self._loop_done: set[int] = set()
+    # what `scan_skew.fuse` looks for first: a backward (dX) scan
+    self._may_fuse = any(e.primitive.name == "scan" and k is Kind.DX
+                         for e, k in zip(split.jaxpr.jaxpr.eqns, split.kinds))
 
   def after_unit(self, unit: str, env: dict) -> None:
     for b in self._by_unit.get(unit, ()):
       self._issue(b, env)
-    # A bucket whose unit was fused into a loop: issue it once its values exist.
+    # A bucket whose unit was fused into a loop: issue it once its values exist
+    # (only a backward scan is fused: without one every unit runs, and checking
+    # each bucket after each unit would cost units x buckets).
+    if not self._may_fuse:
+      return
     for b in self.plan.buckets:
       if b.after and b.index not in self._issued and all(
           self._available(env, i) for i in b.grads):

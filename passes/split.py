@@ -150,6 +150,7 @@ def _inline_by_substitution(closed, stats: dict):
 
   top: dict = {}
   walk(jaxpr, top, False)
+  walk = None  # noqa: F841 - its self-reference kept `eqns` (every equation) alive until a GC
   ct, *rest = jaxpr.invars
   outvars = [top.get(v, v) if isinstance(v, _compat.Var) else v for v in jaxpr.outvars]
   flat = _compat.Jaxpr([], [ct, *const_vars, *rest], outvars, eqns, jaxpr.effects,
@@ -159,11 +160,9 @@ def _inline_by_substitution(closed, stats: dict):
 
 def _inline_by_retrace(closed, stats: dict):
   jaxpr, consts = closed.jaxpr, list(closed.consts)
-  ct_aval, *rest = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
-                                         weak_type=v.aval.weak_type)
-                    for v in jaxpr.invars]
-  const_avals = [jax.ShapeDtypeStruct(jax.numpy.shape(c), jax.numpy.result_type(c))
-                 for c in consts]
+  # the inputs' own types: under shard_map(check_vma=True) they say what varies
+  ct_aval, *rest = [_compat.shape_dtype(v.aval) for v in jaxpr.invars]
+  const_avals = [_compat.shape_dtype(v.aval) for v in jaxpr.constvars]
 
   def flat(ct, consts_, *args):
     return _eval_inlined(jaxpr, consts_, [ct, *args], stats)

@@ -9,6 +9,7 @@ import gc
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import ooojax as ooo
@@ -175,3 +176,86 @@ def test_shared_calls_keep_their_own_scheduling_group():
   groups = [re.search(r'_scheduling_group_id = "(\d+)"', line + nxt).group(1)
             for line, nxt in zip(lines, lines[1:]) if "call @compute_on" in line]
   assert len(groups) >= 4 and len(set(groups)) == len(groups)
+
+
+# --- mode="data_parallel" under shard_map(check_vma=True) ------------------------
+def _on_two_devices(grad_fn, check_vma=True):
+  from jax.sharding import PartitionSpec as P
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
+  return jax.shard_map(grad_fn, mesh=mesh, in_specs=(P(), P("d")), out_specs=P(),
+                       check_vma=check_vma)
+
+
+def _dp_grad(loss):
+  return _on_two_devices(lambda p, x: ooo.grad(loss, mode="data_parallel", axis_name="d")(p, x))
+
+
+def test_data_parallel_copies_equations_under_check_vma(monkeypatch):
+  # Traced from leaves varying over the axis, the gradient program is typed as
+  # emission binds it: every equation is copied, none re-bound with casts.
+  loss, params, x = _setup()
+  seen = {"bind": 0, "vary": 0}
+  orig_bind, orig_vary = _compat.bind_eqn, _compat.vary_inputs
+
+  def bind(eqn, invals):
+    seen["bind"] += 1
+    return orig_bind(eqn, invals)
+
+  def vary(ax):
+    seen["vary"] += 1
+    return orig_vary(ax)
+  monkeypatch.setattr(_compat, "bind_eqn", bind)
+  monkeypatch.setattr(_compat, "vary_inputs", vary)
+  fast = jax.make_jaxpr(_dp_grad(loss))(params, x)
+  assert seen == {"bind": 0, "vary": 0}
+  monkeypatch.setattr(_compat, "_STAGE", None)  # every equation through bind
+  slow = jax.make_jaxpr(_dp_grad(loss))(params, x)
+  assert seen["bind"] > 0 and seen["vary"] == 0
+  text = lambda c: c.jaxpr.pretty_print(source_info=True, name_stack=True)  # noqa: E731
+  assert text(fast) == text(slow)
+  assert "psum" in text(fast)  # the buckets' reductions; AD adds none (see test_data_parallel)
+
+
+def test_data_parallel_untyped_fallback(close):
+  # A scan carry initialised invariant (jnp.zeros) whose body mixes in the
+  # sharded batch cannot be traced from varying leaves (nor by jax.grad under
+  # check_vma): ooo.grad traces it again untyped and re-binds with casts.
+  d = 4
+
+  def loss(w, xs):
+    h, _ = jax.lax.scan(lambda h, x: (jnp.tanh(x @ w + h), None),
+                        jnp.zeros((xs.shape[0], d)), xs.swapaxes(0, 1))
+    return jnp.mean(h ** 2)
+  w = jax.random.normal(jax.random.PRNGKey(0), (d, d))
+  xs = jax.random.normal(jax.random.PRNGKey(1), (4, 3, d))
+  with pytest.raises(TypeError, match="manual axis types"):
+    jax.jit(_on_two_devices(lambda w, x: jax.grad(loss)(w, x))).trace(w, xs)
+  got = jax.jit(_dp_grad(loss))(w, xs)
+  want = jax.grad(lambda w: (loss(w, xs[:2]) + loss(w, xs[2:])) / 2)(w)
+  close(got, want)
+
+
+@pytest.mark.parametrize("per_device", [False, True])
+def test_data_parallel_replicated_inputs(per_device, monkeypatch, close):
+  # No input varies: traced with the inputs' invariant types (as jax.grad
+  # traces them), unless something inside varies (axis_index): then from
+  # varying leaves, else AD would reduce the gradients itself before the buckets.
+  from jax.sharding import PartitionSpec as P
+  loss, params, x = _setup()
+  f = (lambda p, x: loss(p, x * (1.0 + jax.lax.axis_index("d")))) if per_device else loss
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
+  g = jax.jit(jax.shard_map(lambda p, x: ooo.grad(f, mode="data_parallel", axis_name="d")(p, x),
+                            mesh=mesh, in_specs=(P(), P()), out_specs=P()))
+  traces = []
+  orig = _compat.invariant_program
+  monkeypatch.setattr(_compat, "invariant_program", lambda c: traces.append(orig(c)) or traces[-1])
+  binds = []
+  orig_bind = _compat.bind_eqn
+  monkeypatch.setattr(_compat, "bind_eqn", lambda e, v: binds.append(e) or orig_bind(e, v))
+  got = g(params, x)
+  assert traces == [not per_device]
+  # either way the equations are copied (axis_index is bound: it names the mesh)
+  assert [e.primitive.name for e in binds] == ["axis_index"] * per_device
+  want = jax.tree.map(lambda *gs: sum(gs) / 2,
+                      *[jax.grad(loss)(params, x * (1.0 + i * per_device)) for i in range(2)])
+  close(got, want)

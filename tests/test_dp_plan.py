@@ -1,0 +1,79 @@
+"""The data-parallel plan search prices each candidate in closed form (`collectives._Pricer`).
+
+Its prices must equal `build_plan`'s simulation for every candidate, so the
+search keeps exactly the plan the simulated search chose.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ooojax as ooo
+from passes import collectives
+from passes.cost import CostModel
+from tests import models
+
+
+def _split_sched(loss, args):
+  vg = ooo.value_and_grad(loss, mode="in_order", device="H100")
+  box = {}
+
+  def trace(*a):
+    box["plan"], _ = vg.plan(a, {})
+    return 0.0
+  jax.eval_shape(trace, *args)
+  return box["plan"].split, box["plan"].schedule
+
+
+def _deep(L=14, D=64):
+  ws = {f"l{i}": {"w": jnp.ones((D, D)), "b": jnp.zeros(D)} for i in range(L)}
+  ws["unused"] = jnp.ones(3)  # a leaf no dW unit produces: the last bucket's
+
+  def loss(w, x):
+    for i in range(L):
+      x = jnp.tanh(x @ w[f"l{i}"]["w"] + w[f"l{i}"]["b"])
+    return jnp.mean(x ** 2)
+  return loss, (ws, jnp.ones((32, D)))
+
+
+def _scan_mlp(L=4, D=16):
+  p = {"w": jnp.ones((L, D, D)), "b": jnp.ones((L, D)), "out": jnp.ones((D, 3))}
+
+  def loss(p, x):
+    h, _ = jax.lax.scan(lambda h, l: (jnp.tanh(h @ l["w"] + l["b"]), None), x,
+                        {"w": p["w"], "b": p["b"]})
+    return jnp.mean((h @ p["out"]) ** 2)
+  return loss, (p, jnp.ones((8, D)))
+
+
+def _lstm():
+  loss, p, xs = models.lstm_case()
+  return loss, (p, xs)
+
+
+_CASES = {"deep": _deep, "scan": _scan_mlp, "lstm": _lstm, "block": models.block_case,
+          "tied_lm": models.tied_lm_case}
+
+
+@pytest.mark.parametrize("case", sorted(_CASES))
+def test_prices_equal_simulation_and_the_choice_is_the_best(case):
+  loss, args = _CASES[case]()
+  split, sched = _split_sched(loss, args)
+  n_layers = len(collectives.layers_forward(split))
+  for link, n in (("nvlink", 8), ("10GbE", 64)):
+    lk = collectives.get_link(link)
+    in_loop = bool(collectives.scan_collectives.loop_reductions(split, sched))
+    pricer = collectives._Pricer(split, sched, lk, n, in_loop)
+    sims = {}
+    for b in collectives.BUCKET_CANDIDATES:
+      for k in range(n_layers + 1):
+        p = collectives.build_plan(split, sched, k, b, lk, n, in_loop)
+        sims[k, b] = (p.makespan, p.cross_step)
+        np.testing.assert_allclose(pricer.score(k, b, False), p.makespan, rtol=1e-12)
+        np.testing.assert_allclose(pricer.score(k, b, True), p.cross_step, rtol=1e-12)
+    for cross in (False, True):
+      chosen = collectives.plan(split, sched, CostModel("H100"), n, link, cross_step=cross)
+      best = min(v[cross] for (k, _), v in sims.items()
+                 if k in range(0, n_layers + 1, max(1, -(-n_layers // 12))) or k == n_layers)
+      got = chosen.cross_step if cross else chosen.makespan
+      assert got <= best * (1 + 1e-9)
