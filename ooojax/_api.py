@@ -110,6 +110,10 @@ def _is_dynamic(x) -> bool:
 
 def _aval(x) -> jax.ShapeDtypeStruct:
   """x's abstract value, weak type included, without converting x (PRNG keys can't be)."""
+  if _compat.is_tracer(x):
+    # its own type, varying mesh axes included: under shard_map(check_vma=True)
+    # AD then sums an invariant input's gradient over the axes, as jax.grad does
+    return _compat.shape_dtype(jax.typeof(x))
   if hasattr(x, "shape") and hasattr(x, "dtype"):
     weak = bool(getattr(getattr(x, "aval", x), "weak_type", False))  # arrays, ShapeDtypeStructs
     return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, weak_type=weak)

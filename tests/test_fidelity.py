@@ -222,3 +222,20 @@ def test_flax_models_reuse_their_plan(case):
   p2, _ = vg.plan(args, {})
   assert p2.schedule is p1.schedule  # fingerprints of two traces agree
   assert p2.split.jaxpr is not p1.split.jaxpr  # the equations are the new trace's
+
+
+@pytest.mark.parametrize("mode", ["in_order", "single_gpu"])
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_under_shard_map_like_jax_grad_there(mode, check_vma):
+  # Replicated w, sharded x: with vma types jax.grad sums w's gradient over
+  # the axis (its type is invariant); without, it is the per-device one.
+  from jax.sharding import Mesh, PartitionSpec as P
+  mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+  loss = lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2)  # noqa: E731
+  w, x = jnp.full((3, 3), 0.1), jnp.arange(12.0).reshape(4, 3)
+
+  def run(grad):
+    f = jax.shard_map(lambda w, x: grad(loss)(w, x), mesh=mesh, in_specs=(P(), P("d")),
+                      out_specs=P("d"), check_vma=check_vma)
+    return jax.jit(f)(w, x)
+  assert_same(run(lambda f: ooo.grad(f, mode=mode, device="H100")), run(jax.grad))
