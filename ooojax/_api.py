@@ -108,9 +108,12 @@ def _is_dynamic(x) -> bool:
           or _compat.is_tracer(x))
 
 
-def _aval(x) -> jax.ShapeDtypeStruct:
-  """x's abstract value, weak type included, without converting x (PRNG keys can't be)."""
-  if _compat.is_tracer(x):
+def _aval(x, typed: bool = True) -> jax.ShapeDtypeStruct:
+  """x's abstract value, weak type included, without converting x (PRNG keys can't be).
+
+  `typed=False` leaves out a tracer's varying mesh axes (`_dp.traced`'s fallback).
+  """
+  if typed and _compat.is_tracer(x):
     # its own type, varying mesh axes included: under shard_map(check_vma=True)
     # AD then sums an invariant input's gradient over the axes, as jax.grad does
     return _compat.shape_dtype(jax.typeof(x))
@@ -218,10 +221,11 @@ class _Transformed:
     functools.update_wrapper(self, fun)
 
   # --- tracing -----------------------------------------------------------------
-  def _trace(self, args, kwargs, vary=None):
+  def _trace(self, args, kwargs, vary=None, typed: bool = True):
     """Traces forward + vjp; returns (closed jaxpr, dynamic leaves, output layout, diff args).
 
-    `vary`: a data-parallel axis the dynamic leaves are made to vary over (`_dp.traced`).
+    `vary`: a data-parallel axis the dynamic leaves are made to vary over (`_dp.traced`);
+    `typed=False`: traced without the leaves' varying mesh axes.
     """
     idx = _resolve_argnums(self.argnums, len(args))
     fun, has_aux, holomorphic = self.fun, self.has_aux, self.holomorphic
@@ -230,11 +234,11 @@ class _Transformed:
 
     def mark(x, diff):
       if diff or _is_dynamic(x):
-        typed = None
+        vma = None
         if vary is not None:  # data_parallel: trace the per-device gradient, vma-typed
-          x, typed = _dp.varying_leaf(x, vary)
+          x, vma = _dp.varying_leaf(x, vary)
         dyn.append(x)
-        return _aval(x) if typed is None else typed
+        return _aval(x, typed) if vma is None else vma
       statics.append(x)
       return _Static(len(statics) - 1)
 

@@ -37,7 +37,8 @@ def traced(trace, opts, args, kwargs):
   User code may type a value as invariant where it varies: a scan carry
   initialised with `jnp.zeros` whose body mixes in the sharded batch fails
   to trace from varying leaves, as it does under `jax.grad`. Such a function
-  is traced again untyped; `emit` then re-binds each equation with casts.
+  is traced again untyped (no varying axes at all); `emit` then re-binds each
+  equation with casts.
   """
   if opts.mode != "data_parallel":
     return trace(args, kwargs)
@@ -51,7 +52,7 @@ def traced(trace, opts, args, kwargs):
     return trace(args, kwargs, opts.axis_name)
   except (TypeError, ValueError):
     pass  # retried outside the handler: a real error is reported without this one
-  return trace(args, kwargs)
+  return trace(args, kwargs, None, False)
 
 
 def varying_leaf(x, axis_name):
