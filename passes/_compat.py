@@ -300,11 +300,6 @@ def eqn_context():
   return _core.current_jaxpr_eqn_context() if _STAGE is not None else None
 
 
-def spec_of(aval) -> jax.ShapeDtypeStruct:
-  """A `jax.ShapeDtypeStruct` that traces to `aval` (weak type kept)."""
-  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
-
-
 def is_tracer(x) -> bool:
   return isinstance(x, jax.core.Tracer)
 

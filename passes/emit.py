@@ -212,14 +212,8 @@ class _StreamCall:
         pieces.append(iter(lax.split(b, ns) if len(ns) > 1 else [b]))
       return [lax.reshape(next(pieces[i]), s) for s, i in zip(shapes, slot)]
 
-    self._pack = _Traced(pack, [v.aval for v in ins])
-    self._unpack = _Traced(unpack, self._pack.out_avals[len(ins):])
-
-  def pack(self, vals, stacks) -> list:
-    return self._pack(vals, stacks)
-
-  def unpack(self, bufs, stacks) -> list:
-    return self._unpack(bufs, stacks)
+    self.pack = _Traced(pack, [v.aval for v in ins])
+    self.unpack = _Traced(unpack, self.pack.out_avals[len(ins):])
 
 
 class _Traced:
@@ -227,7 +221,7 @@ class _Traced:
 
   def __init__(self, fun, avals):
     self.fun = fun
-    self.closed = jax.make_jaxpr(fun)(*[_compat.spec_of(a) for a in avals])
+    self.closed = jax.make_jaxpr(fun)(*[_compat.shape_dtype(a) for a in avals])
     self.out_avals = self.closed.out_avals
     self.in_avals = list(avals)
 

@@ -259,3 +259,20 @@ def test_data_parallel_replicated_inputs(per_device, monkeypatch, close):
   want = jax.tree.map(lambda *gs: sum(gs) / 2,
                       *[jax.grad(loss)(params, x * (1.0 + i * per_device)) for i in range(2)])
   close(got, want)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_shared_calls_under_shard_map_like_jax_grad(check_vma):
+  # The shared calls are traced with the operands' own types (varying axes
+  # kept), and a replicated parameter's gradient is summed over the axis.
+  from jax.sharding import PartitionSpec as P
+  loss, ws, x = _scaled_stack((2.0,) * 4 + (3.0,) * 4)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
+
+  def mapped(grad):
+    return jax.shard_map(lambda w, x: grad(loss)(w, x), mesh=mesh, in_specs=(P(), P("d")),
+                         out_specs=P("d"), check_vma=check_vma)
+  ours = mapped(lambda f: ooo.grad(f, mode="single_gpu", device="H100"))
+  body = jax.make_jaxpr(ours)(ws, x).eqns[0].params["jaxpr"]
+  assert sum(e.primitive.name == "compute_on" for e in body.eqns) >= 4
+  assert_trees_close(jax.jit(ours)(ws, x), jax.jit(mapped(jax.grad))(ws, x))
