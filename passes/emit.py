@@ -55,6 +55,12 @@ class _Lifetimes:
   emitted source equation also leaves the source jaxpr (the caller owns it).
   The stacks dict shares name stacks across `_compat.emit_eqns` calls, and
   `sites` the stream calls of equal clusters.
+
+  When the caller's trace stages a jaxpr, the equations of consecutive units
+  wait in `pending` (each with its unit's name scope) until something must
+  read their values (a stream call, an anchor, a collective, the outputs);
+  `flush` then stages them as one nested call holding the equations as they
+  are (`_compat.CallStager`) instead of copying each one into the trace.
   """
 
   def __init__(self, jaxpr, env: dict, skip, consume: bool):
@@ -70,6 +76,47 @@ class _Lifetimes:
     for v in jaxpr.outvars:  # read at the end: never freed
       if isinstance(v, _compat.Var):
         self.uses[v] = -1
+    self.stage = _compat.CallStager()
+    self.base = _compat.name_stack()
+    self.pending: list = []  # scoped equations not yet emitted
+    self.waiting: list = []  # source equations done once the pending ones are emitted
+    # A stream call's outputs come from its unpack's new vars: readers of the
+    # cluster's vars read those (`subst`); `back` maps them to the cluster's.
+    self.subst: dict = {}
+    self.back: dict = {}
+
+  def add(self, eqns) -> None:
+    """Appends equations (source or new) to `pending`, in the current name scope."""
+    self.pending += _compat.scoped_eqns(eqns, self.base, self.stacks, self.subst)
+
+  def alias(self, srcs, news) -> None:
+    for s, n in zip(srcs, news):
+      self.subst[s] = n
+      self.back[n] = s
+
+  def keep(self, v) -> None:
+    """`v` (a new var) is read after emission: it leaves the staged call."""
+    self.uses[v] = -1
+
+  def _live(self, v, reads: int) -> bool:
+    n = self.uses.get(self.back.get(v, v), 0)
+    return n == -1 or n > reads
+
+  def flush(self) -> None:
+    """Emits the pending equations, then frees what they were the last to read."""
+    if self.pending:
+      run, self.pending = self.pending, []
+      env = self.env
+      with _compat.at_name_stack(self.base):  # the equations carry their scopes
+        if len(run) < _MIN_CALL or not self.stage(run, env, self._live):
+          _compat.emit_eqns(run, env, self.stacks)
+      for eqn in run:
+        for v in eqn.outvars:
+          s = self.back.get(v)
+          if s is not None and v in env:
+            env[s] = env[v]
+    ks, self.waiting = self.waiting, []
+    self.done(ks)
 
   def done(self, ks) -> None:
     uses, env, eqns = self.uses, self.env, self.eqns
@@ -88,7 +135,13 @@ class _Lifetimes:
         eqns[k] = None
 
 
+# Pending equations fewer than this are copied: a nested call costs about as
+# much to lower as staging ~10 equations without copying saves.
+_MIN_CALL = 16
+
+
 def _run_eqns(eqns, env, skip=None, anchors=None, life=None, stacks=None):
+  deferred = life is not None and life.stage.ok
   run: list = []  # a stretch of equations with no anchor: staged in one go
   if life is not None:
     stacks = life.stacks
@@ -96,8 +149,19 @@ def _run_eqns(eqns, env, skip=None, anchors=None, life=None, stacks=None):
     if skip is not None and skip[k]:
       continue
     hook = anchors.get(k) if anchors else None
-    if hook is None:
+    if hook is None and (not deferred or _compat.stageable(eqn)):
       run.append(eqn)
+      continue
+    if deferred:
+      life.add(run)
+      run = []
+      if hook is not None:
+        if _compat.stageable(eqn) and not isinstance(eqn.outvars[0], _compat.DropVar):
+          hook.stage(eqn, life)
+          continue
+        hook.unpin(life)  # pragma: no cover - an effectful anchor: outputs unpinned
+      life.flush()
+      _compat.emit_eqns([eqn], env, stacks)  # an equation a nested call cannot hold
       continue
     _compat.emit_eqns(run, env, stacks)
     run = []
@@ -107,6 +171,10 @@ def _run_eqns(eqns, env, skip=None, anchors=None, life=None, stacks=None):
       if not isinstance(v, _compat.DropVar):
         env[v] = x
     hook.after(outs)
+  if deferred:
+    life.add(run)
+    life.waiting += [k for k, _ in eqns]
+    return
   _compat.emit_eqns(run, env, stacks)
   if life is not None:
     life.done([k for k, _ in eqns])
@@ -167,12 +235,25 @@ def _on_stream(jaxpr, eqn_ids, env, stream: int, life,
   site = life.sites.get(key)
   if site is None:
     site = life.sites[key] = _StreamCall(eqns, ins, outs, stream, life.stacks)
-  flat = site.pack([env[v] for v in ins], life.stacks)
+  if life.stage.ok:  # as equations, staged with the rest (see `_Lifetimes`)
+    flat = site.pack.staged([life.subst.get(v, v) for v in ins], life)
+    life.waiting += eqn_ids
+
+    def unpack(bufs):
+      vals = site.unpack.staged(bufs, life)
+      life.alias(outs, vals)
+      return vals
+  else:
+    flat = site.pack([env[v] for v in ins], life.stacks)
+    life.done(eqn_ids)
+
+    def unpack(bufs):
+      vals = site.unpack(bufs, life.stacks)
+      env.update(zip(outs, vals))
+      return vals
   flat_ins, results = flat[:len(ins)], flat[len(ins):]
-  life.done(eqn_ids)
-  unpack = lambda bufs: site.unpack(bufs, life.stacks)  # noqa: E731
   if not pinned:  # a pinned call's outputs are unpacked after its anchor
-    env.update(zip(outs, unpack(results)))
+    unpack(results)
   return flat_ins, outs, results, unpack
 
 
@@ -234,6 +315,14 @@ class _Traced:
     _compat.emit_eqns(jaxpr.eqns, env, stacks)
     return [_read(env, v) for v in jaxpr.outvars]
 
+  def staged(self, ins, life) -> list:
+    """Appends the equations, reading the vars `ins`, to `life.pending`; returns the output vars."""
+    if self.closed.consts:  # pragma: no cover - the templates here have none
+      raise NotImplementedError("a staged template with consts")
+    eqns, outs = _compat.renamed(self.closed.jaxpr, ins)
+    life.add(eqns)
+    return outs
+
 
 def _body(eqns, ins, outs, in_shapes, dtypes, slot, stacks):
   """The call's body: flat operands in, one flat buffer per dtype out."""
@@ -269,6 +358,25 @@ class _Anchor:
   def __init__(self, env):
     self.env = env
     self.calls: list = []  # (input values, output vars, flat buffers, unpack)
+
+  def stage(self, eqn, life) -> None:
+    """`before`, the equation and `after` as equations pending in `life` (vars, not values)."""
+    ins = [x for c in self.calls for x in c[0]]
+    ivars = [v if isinstance(v, _compat.Literal) else life.subst.get(v, v) for v in eqn.invars]
+    b1, tied_in = _compat.barrier_eqn([*ins, *ivars])  # literals too, as `before` ties them
+    anchor = eqn.replace(invars=tied_in[len(ins):])
+    out = eqn.outvars[0]
+    flats = [x for c in self.calls for x in c[2]]
+    b2, t2 = _compat.barrier_eqn([*flats, out])
+    b3, t3 = _compat.barrier_eqn([*t2[:-1], out])  # chained: see `after`
+    life.add([b1, anchor, b2, b3])
+    it = iter(t3[:-1])
+    for c in self.calls:
+      c[3]([next(it) for _ in c[2]])
+
+  def unpin(self, life) -> None:  # pragma: no cover - see `_run_eqns`
+    for c in self.calls:
+      c[3](c[2])
 
   def before(self, invals):
     ins = [x for c in self.calls for x in c[0]]
@@ -359,8 +467,14 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
         hook.calls.append((ins, outs, flat, unpack))
       if flat:
         side_outs.append(flat[0])
-    if collectives is not None:
+        if life.stage.ok and edges:
+          life.keep(flat[0])  # read by the control edges after emission
+    if collectives is not None and collectives.reads_after(u.name):
+      life.flush()
       collectives.after_unit(u.name, env)
+  life.flush()
+  if life.stage.ok:
+    side_outs = [env[v] for v in side_outs] if edges else []
   if edges and len(side_outs) > 1:
     _compat.control_deps(list(zip(side_outs, side_outs[1:])))
   outs = [_read(env, v) for v in jaxpr.outvars]

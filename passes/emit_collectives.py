@@ -123,6 +123,10 @@ class BucketEmitter:
     self._may_fuse = any(e.primitive.name == "scan" and k is Kind.DX
                          for e, k in zip(split.jaxpr.jaxpr.eqns, split.kinds))
 
+  def reads_after(self, unit: str) -> bool:
+    """Whether `after_unit(unit, ...)` may read `env` (emission makes its values first)."""
+    return bool(self._by_unit.get(unit)) or self._may_fuse
+
   def after_unit(self, unit: str, env: dict) -> None:
     for b in self._by_unit.get(unit, ()):
       self._issue(b, env)
