@@ -94,12 +94,22 @@ def measure_lm(layers: int, reps: int, modes) -> list[dict]:
       impls[m] = lambda f, m=m: ooo.value_and_grad(f, mode=m, device="H100")
   for mk in impls.values():  # warm caches of jnp / flax internals
     _lower_time(mk, loss_fn, args)
+  base_of = lambda m: "jax_dp" if m == "data_parallel" else "jax"  # noqa: E731
   times: dict = {k: [] for k in impls}
-  for _ in range(reps):
-    for k, mk in impls.items():
+  ratios: dict = {m: [] for m in modes}
+  rng = np.random.default_rng(0)
+  for r in range(reps):
+    # Each mode right beside its own baseline, the pair's order alternating
+    # round to round and the modes' order shuffled: the host's slow stretches
+    # and one lowering's effect on the next (caches, heap) fall on both sides.
+    for m in rng.permutation(list(modes)):
+      pair = (base_of(m), m) if r % 2 == 0 else (m, base_of(m))
       # CPU time of this process: lowering is single-threaded Python, and on a
       # shared machine wall time mostly measures the neighbours.
-      times[k].append(_lower_time(mk, loss_fn, args, clock=time.process_time))
+      t = {k: _lower_time(impls[k], loss_fn, args, clock=time.process_time) for k in pair}
+      for k in pair:
+        times[k].append(t[k])
+      ratios[m].append(t[m] / t[base_of(m)])
   mem = {k: _peak_lower_mb(mk, loss_fn, args) for k, mk in impls.items()}
   vg = ooo.value_and_grad(loss_fn, mode="in_order", device="H100")
   cell = {}
@@ -109,13 +119,10 @@ def measure_lm(layers: int, reps: int, modes) -> list[dict]:
     return 0
   jax.jit(count).trace(*args)
   n_eqns = cell["n"]
-  # min: contention from other processes only ever adds time (CPU time too, via caches)
-  base_of = lambda m: "jax_dp" if m == "data_parallel" else "jax"
-  # and the median of each round's ratio: its jax and ooo lowerings ran back to
-  # back, so a slow stretch of the host slows both
-  paired = lambda m: float(np.median(np.array(times[m]) / np.array(times[base_of(m)])))  # noqa: E731
+  # min: contention from other processes only ever adds time (CPU time too, via
+  # caches); paired: the median of the back-to-back pairs' ratios
   return [dict(layers=layers, mode=m, eqns=n_eqns, base=float(np.min(times[base_of(m)])),
-               ours=float(np.min(times[m])), paired=paired(m),
+               ours=float(np.min(times[m])), paired=float(np.median(ratios[m])),
                mem_base=mem[base_of(m)], mem_ours=mem[m])
           for m in modes]
 
@@ -173,8 +180,9 @@ def main(argv=None):
     lines += [
         "Lower time (process CPU time) of `value_and_grad` under `jax.jit(...).lower` on abstract arguments, "
         "GPT-style flax LM (d 768, 12 heads, vocab 50257, seq 128, batch 8), "
-        f"min of {a.reps}, alternating in one process (per round: jax, then each mode; "
-        "\"paired\" = median over rounds of that round's ooo / jax ratio); peak memory = Python-heap peak "
+        f"{a.reps} rounds in one process, each mode lowered right beside its baseline (the pair's "
+        "order alternating by round, the modes' order shuffled); \"min\" = min over rounds of each side, "
+        "\"paired\" = median of the pairs' ooo / jax ratios; peak memory = Python-heap peak "
         "(tracemalloc) of one more lowering. data_parallel: both sides under `jax.shard_map` "
         "on a 1-device mesh, batch split over its axis, parameters replicated, vma checked; "
         "the baseline `pmean(jax.value_and_grad)`.",

@@ -79,7 +79,7 @@ class _Lifetimes:
     self.stage = _compat.CallStager()
     self.base = _compat.name_stack()
     self.pending: list = []  # scoped equations not yet emitted
-    self.waiting: list = []  # source equations done once the pending ones are emitted
+    self.waiting: list = []  # inputs of source equations taken, released after the flush
     # A stream call's outputs come from its unpack's new vars: readers of the
     # cluster's vars read those (`subst`); `back` maps them to the cluster's.
     self.subst: dict = {}
@@ -115,24 +115,35 @@ class _Lifetimes:
           s = self.back.get(v)
           if s is not None and v in env:
             env[s] = env[v]
-    ks, self.waiting = self.waiting, []
-    self.done(ks)
+    waiting, self.waiting = self.waiting, []
+    self._release(waiting)
+
+  def take(self, ks) -> None:
+    """Source equations `ks` are pending: their inputs are released at the next flush."""
+    eqns = self.eqns
+    for k in ks:
+      if eqns[k] is not None:
+        self.waiting.append(eqns[k].invars)
+        if self.consume:  # the pending copy is all that is left of it
+          eqns[k] = None
 
   def done(self, ks) -> None:
-    uses, env, eqns = self.uses, self.env, self.eqns
-    for k in ks:
-      eqn = eqns[k]
-      if eqn is None:
-        continue
-      for v in eqn.invars:
+    eqns = self.eqns
+    self._release([eqns[k].invars for k in ks if eqns[k] is not None])
+    if self.consume:
+      for k in ks:
+        eqns[k] = None
+
+  def _release(self, invar_lists) -> None:
+    uses, env = self.uses, self.env
+    for invars in invar_lists:
+      for v in invars:
         n = uses.get(v, 0) if isinstance(v, _compat.Var) else 0
         if n > 1:
           uses[v] = n - 1
         elif n == 1:  # the last reader: drop the value and the var (a key holds it)
           del uses[v]
           env.pop(v, None)
-      if self.consume:
-        eqns[k] = None
 
 
 # Pending equations fewer than this are copied: a nested call costs about as
@@ -173,7 +184,7 @@ def _run_eqns(eqns, env, skip=None, anchors=None, life=None, stacks=None):
     hook.after(outs)
   if deferred:
     life.add(run)
-    life.waiting += [k for k, _ in eqns]
+    life.take([k for k, _ in eqns])
     return
   _compat.emit_eqns(run, env, stacks)
   if life is not None:
@@ -237,7 +248,7 @@ def _on_stream(jaxpr, eqn_ids, env, stream: int, life,
     site = life.sites[key] = _StreamCall(eqns, ins, outs, stream, life.stacks)
   if life.stage.ok:  # as equations, staged with the rest (see `_Lifetimes`)
     flat = site.pack.staged([life.subst.get(v, v) for v in ins], life)
-    life.waiting += eqn_ids
+    life.take(eqn_ids)
 
     def unpack(bufs):
       vals = site.unpack.staged(bufs, life)
