@@ -245,144 +245,45 @@ def at_name_stack(stack):
   return _siu.set_name_stack(stack)
 
 
-def scoped_eqns(eqns, base, stacks: dict, subst: dict) -> list:
-  """`eqns` with the name scopes entered since `base` put before their own name
-  stacks, and their inputs renamed by `subst` (var -> var).
-
-  They keep their unit's scope when staged later, from outside it
-  (`CallStager`); `stacks` shares the stack objects, as in `emit_eqns`.
-  """
-  rel = _siu.current_name_stack()[len(base):]
-  out = []
-  for eqn in eqns:
-    info = eqn.source_info
-    key = (rel, info.name_stack)
-    stack = stacks.get(key)
-    if stack is None:
-      stack = stacks[key] = rel + info.name_stack
-    src = info.replace(name_stack=stack)
-    if subst and any(not isinstance(v, Literal) and v in subst for v in eqn.invars):
-      ins = [v if isinstance(v, Literal) else subst.get(v, v) for v in eqn.invars]
-      out.append(eqn.replace(invars=ins, source_info=src))
-    else:
-      out.append(eqn.replace(source_info=src))
-  return out
+def relative_name_stack(base):
+  """The name scopes entered since `base` (from `name_stack()`), as a name stack."""
+  return _siu.current_name_stack()[len(base):]
 
 
-def renamed(jaxpr, ins) -> tuple[list, list]:
-  """`jaxpr`'s equations reading `ins` for its inputs, with fresh vars inside.
-
-  A traced template (no consts) copied as equations, not values: the result
-  goes into a jaxpr that `CallStager` stages. Returns (equations, outputs).
-  """
-  m = dict(zip(jaxpr.invars, ins))
-  eqns = []
-  for eqn in jaxpr.eqns:
-    outs = [v if isinstance(v, DropVar) else new_var(v.aval) for v in eqn.outvars]
-    eqns.append(eqn.replace(
-        invars=[v if isinstance(v, Literal) else m[v] for v in eqn.invars], outvars=outs))
-    m.update(zip(eqn.outvars, outs))
-  return eqns, [v if isinstance(v, Literal) else m[v] for v in jaxpr.outvars]
+def new_source_info():
+  """Source info with no traceback and an empty name stack, for equations ooojax makes."""
+  return _siu.new_source_info()
 
 
-@functools.cache
-def _barrier_eqn():
-  x = jax.ShapeDtypeStruct((), "float32")
-  return jax.make_jaxpr(jax.lax.optimization_barrier)(x).eqns[0]
+def staging_trace():
+  """The current trace when it stages a jaxpr and equations may be added to it as they are."""
+  return _staging_trace()
 
 
-def barrier_eqn(ins) -> tuple[Any, list]:
-  """An `optimization_barrier` equation over the vars `ins`, and its output vars."""
-  outs = [new_var(v.aval) for v in ins]
-  src = _siu.new_source_info() if _siu is not None else _barrier_eqn().source_info
-  return _barrier_eqn().replace(invars=list(ins), outvars=outs, source_info=src,
-                                ctx=_core.current_jaxpr_eqn_context()), outs
+def is_current_trace(trace) -> bool:
+  return _STAGE is not None and _STAGE[0].trace is trace
 
 
-def stageable(eqn) -> bool:
-  """Whether `CallStager` may hold `eqn`: no effects, a plain primitive (no pass stand-in)."""
+def plain_eqn(eqn) -> bool:
+  """No effects and a JAX primitive (not a pass's stand-in that works in `bind`)."""
   return not eqn.effects and isinstance(eqn.primitive, _core.Primitive)
 
 
+NO_EFFECTS = frozenset()
+try:
+  NO_EFFECTS = _core.no_effects
+except (NameError, AttributeError):  # pragma: no cover
+  pass
+
+
 @functools.cache
-def _call_debug_info():
+def call_debug_info():
+  """DebugInfo for the jaxpr of ooojax's staged call (`passes.stage`)."""
   try:
     from jax._src.linear_util import DebugInfo
     return DebugInfo("ooo", "ooojax's schedule", None, None)
   except (ImportError, TypeError):  # pragma: no cover - other JAX: its default
     return None
-
-
-class CallStager:
-  """Stages a run of equations as one nested `jit` equation that holds them as they are.
-
-  Copying equations into the caller's trace (`emit_eqns`) costs a tracer and a
-  tracing equation per equation, then the caller's jaxpr is built from them
-  again; a nested `jit` equation whose jaxpr is the run itself costs neither
-  (its lowering is a function call that XLA inlines). `ok` is False where the
-  current trace does not stage or this JAX's `jit` equation has an unknown form:
-  copy there.
-  """
-  _PER_IN = ("in_shardings", "in_layouts", "donated_invars")
-  _PER_OUT = ("out_shardings", "out_layouts")
-
-  def __init__(self):
-    self.ok = False
-    self.trace = _staging_trace()
-    if self.trace is None:
-      return
-    try:
-      x = jax.ShapeDtypeStruct((), "float32")
-      eqn = jax.make_jaxpr(jax.jit(lambda y: y * 2))(x).eqns[0]  # in the caller's context (mesh)
-    except Exception:  # pragma: no cover - an unusual context: copy instead
-      return
-    p = dict(eqn.params)
-    one = {k for k, v in p.items() if isinstance(v, tuple) and len(v) == 1}
-    if one != set(self._PER_IN + self._PER_OUT) or "jaxpr" not in p or "name" not in p:
-      return  # pragma: no cover - a JAX whose jit params we do not know
-    self.prim, self.params, self.ok = eqn.primitive, p, True
-
-  def __call__(self, eqns, env: dict, live) -> bool:
-    """Stages `eqns` (no effects, plain primitives) reading and writing `env`.
-
-    `live(var, reads)`: whether a var the run defines (and reads `reads`
-    times) is read after it, so is an output of the call.
-    """
-    if not self.ok or _STAGE[0].trace is not self.trace:
-      return False
-    merge = _core.current_jaxpr_eqn_context().xla_metadata
-    if merge:  # copying merges metadata set around emission into each equation
-      return False
-    defined: dict = {}
-    inner: dict = {}
-    free: list = []
-    seen: set = set()
-    for eqn in eqns:
-      if not stageable(eqn):
-        return False
-      for v in eqn.invars:
-        if isinstance(v, Literal):
-          continue
-        if v in defined:
-          inner[v] = inner.get(v, 0) + 1
-        elif v not in seen:
-          seen.add(v)
-          free.append(v)
-      for v in eqn.outvars:
-        if not isinstance(v, DropVar):
-          defined[v] = None
-    outs = [v for v in defined if live(v, inner.get(v, 0))]
-    if not outs:
-      return False
-    jaxpr = Jaxpr([], free, outs, list(eqns), _core.no_effects, _call_debug_info())
-    p = dict(self.params, jaxpr=ClosedJaxpr(jaxpr, []), name="ooo")
-    for k in self._PER_IN:
-      p[k] = p[k] * len(free)
-    for k in self._PER_OUT:
-      p[k] = p[k] * len(outs)
-    vals = self.prim.bind(*[env[v] for v in free], **p)
-    env.update(zip(outs, vals))
-    return True
 
 
 @functools.cache

@@ -25,6 +25,13 @@ Under `jax.jit` the result is an XLA module that carries the schedule:
 `ordering="auto"` is barriers plus control edges on CPU. Each unit's
 equations run under `jax.named_scope("ooo_<unit>")`, so compiled HLO names
 the unit in its op metadata.
+
+Under a staging trace (`jit`, `make_jaxpr`) the program is not re-bound
+equation by equation: the traced equations themselves, in schedule order,
+with the stream calls and barriers built as equations beside them, go into
+one nested `jit` equation (`passes.stage.CallStager`; XLA inlines the call), so
+emission costs about one object per equation and the caller's trace holds a
+single equation. Elsewhere (eager, under `vmap`) each equation is bound.
 """
 from __future__ import annotations
 
@@ -37,7 +44,7 @@ import jax
 import numpy as np
 from jax import lax
 
-from passes import _compat, scan_skew
+from passes import _compat, scan_skew, stage
 from passes.fingerprint import exact_key
 from passes.ir import Call, Kind, Schedule, Split
 
@@ -60,7 +67,7 @@ class _Lifetimes:
   wait in `pending` (each with its unit's name scope) until something must
   read their values (a stream call, an anchor, a collective, the outputs);
   `flush` then stages them as one nested call holding the equations as they
-  are (`_compat.CallStager`) instead of copying each one into the trace.
+  are (`passes.stage.CallStager`) instead of copying each one into the trace.
   """
 
   def __init__(self, jaxpr, env: dict, skip, consume: bool):
@@ -76,7 +83,7 @@ class _Lifetimes:
     for v in jaxpr.outvars:  # read at the end: never freed
       if isinstance(v, _compat.Var):
         self.uses[v] = -1
-    self.stage = _compat.CallStager()
+    self.stager = stage.CallStager()
     self.base = _compat.name_stack()
     self.pending: list = []  # scoped equations not yet emitted
     self.waiting: list = []  # inputs of source equations taken, released after the flush
@@ -87,7 +94,7 @@ class _Lifetimes:
 
   def add(self, eqns) -> None:
     """Appends equations (source or new) to `pending`, in the current name scope."""
-    self.pending += _compat.scoped_eqns(eqns, self.base, self.stacks, self.subst)
+    self.pending += stage.scoped_eqns(eqns, self.base, self.stacks, self.subst)
 
   def alias(self, srcs, news) -> None:
     for s, n in zip(srcs, news):
@@ -108,7 +115,7 @@ class _Lifetimes:
       run, self.pending = self.pending, []
       env = self.env
       with _compat.at_name_stack(self.base):  # the equations carry their scopes
-        if len(run) < _MIN_CALL or not self.stage(run, env, self._live):
+        if len(run) < _MIN_CALL or not self.stager(run, env, self._live):
           _compat.emit_eqns(run, env, self.stacks)
       for eqn in run:
         for v in eqn.outvars:
@@ -152,7 +159,7 @@ _MIN_CALL = 16
 
 
 def _run_eqns(eqns, env, skip=None, anchors=None, life=None, stacks=None):
-  deferred = life is not None and life.stage.ok
+  deferred = life is not None and life.stager.ok
   run: list = []  # a stretch of equations with no anchor: staged in one go
   if life is not None:
     stacks = life.stacks
@@ -160,14 +167,14 @@ def _run_eqns(eqns, env, skip=None, anchors=None, life=None, stacks=None):
     if skip is not None and skip[k]:
       continue
     hook = anchors.get(k) if anchors else None
-    if hook is None and (not deferred or _compat.stageable(eqn)):
+    if hook is None and (not deferred or stage.stageable(eqn)):
       run.append(eqn)
       continue
     if deferred:
       life.add(run)
       run = []
       if hook is not None:
-        if _compat.stageable(eqn) and not isinstance(eqn.outvars[0], _compat.DropVar):
+        if stage.stageable(eqn) and not isinstance(eqn.outvars[0], _compat.DropVar):
           hook.stage(eqn, life)
           continue
         hook.unpin(life)  # pragma: no cover - an effectful anchor: outputs unpinned
@@ -246,7 +253,7 @@ def _on_stream(jaxpr, eqn_ids, env, stream: int, life,
   site = life.sites.get(key)
   if site is None:
     site = life.sites[key] = _StreamCall(eqns, ins, outs, stream, life.stacks)
-  if life.stage.ok:  # as equations, staged with the rest (see `_Lifetimes`)
+  if life.stager.ok:  # as equations, staged with the rest (see `_Lifetimes`)
     flat = site.pack.staged([life.subst.get(v, v) for v in ins], life)
     life.take(eqn_ids)
 
@@ -330,7 +337,7 @@ class _Traced:
     """Appends the equations, reading the vars `ins`, to `life.pending`; returns the output vars."""
     if self.closed.consts:  # pragma: no cover - the templates here have none
       raise NotImplementedError("a staged template with consts")
-    eqns, outs = _compat.renamed(self.closed.jaxpr, ins)
+    eqns, outs = stage.renamed(self.closed.jaxpr, ins)
     life.add(eqns)
     return outs
 
@@ -374,12 +381,12 @@ class _Anchor:
     """`before`, the equation and `after` as equations pending in `life` (vars, not values)."""
     ins = [x for c in self.calls for x in c[0]]
     ivars = [v if isinstance(v, _compat.Literal) else life.subst.get(v, v) for v in eqn.invars]
-    b1, tied_in = _compat.barrier_eqn([*ins, *ivars])  # literals too, as `before` ties them
+    b1, tied_in = stage.barrier_eqn([*ins, *ivars])  # literals too, as `before` ties them
     anchor = eqn.replace(invars=tied_in[len(ins):])
     out = eqn.outvars[0]
     flats = [x for c in self.calls for x in c[2]]
-    b2, t2 = _compat.barrier_eqn([*flats, out])
-    b3, t3 = _compat.barrier_eqn([*t2[:-1], out])  # chained: see `after`
+    b2, t2 = stage.barrier_eqn([*flats, out])
+    b3, t3 = stage.barrier_eqn([*t2[:-1], out])  # chained: see `after`
     life.add([b1, anchor, b2, b3])
     it = iter(t3[:-1])
     for c in self.calls:
@@ -478,13 +485,13 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
         hook.calls.append((ins, outs, flat, unpack))
       if flat:
         side_outs.append(flat[0])
-        if life.stage.ok and edges:
+        if life.stager.ok and edges:
           life.keep(flat[0])  # read by the control edges after emission
     if collectives is not None and collectives.reads_after(u.name):
       life.flush()
       collectives.after_unit(u.name, env)
   life.flush()
-  if life.stage.ok:
+  if life.stager.ok:
     side_outs = [env[v] for v in side_outs] if edges else []
   if edges and len(side_outs) > 1:
     _compat.control_deps(list(zip(side_outs, side_outs[1:])))
