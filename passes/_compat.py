@@ -292,8 +292,20 @@ def _control_dep_call():
   return jax.ffi.ffi_call("control_dep", (), has_side_effect=True, vmap_method="expand_dims")
 
 
+@functools.cache
+def _control_dep_eqn():
+  x = jax.ShapeDtypeStruct((1,), "float32")
+  return jax.make_jaxpr(lambda a, b: _control_dep_call()(a, b))(x, x).eqns[0]
+
+
 def _control_dep(src, dst) -> None:
-  _control_dep_call()(src, dst)
+  if getattr(src, "ndim", None) == 1 and getattr(dst, "ndim", None) == 1:
+    # the flat buffers of stream calls: one traced equation's params fit them
+    # all (they name operand ranks only), bound without the ffi wrapper's work
+    eqn = _control_dep_eqn()
+    eqn.primitive.bind(src, dst, **eqn.params)
+  else:
+    _control_dep_call()(src, dst)
 
 
 def control_deps(pairs) -> None:

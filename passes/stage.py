@@ -101,7 +101,8 @@ class CallStager:
     try:
       x = jax.ShapeDtypeStruct((), "float32")
       eqn = jax.make_jaxpr(jax.jit(lambda y: y * 2))(x).eqns[0]  # in the caller's context (mesh)
-    except Exception:  # pragma: no cover - an unusual context: copy instead
+      _compat.relative_name_stack(_compat.name_stack())  # name stacks as this module reads them
+    except Exception:  # pragma: no cover - another JAX or an unusual context: copy instead
       return
     p = dict(eqn.params)
     one = {k for k, v in p.items() if isinstance(v, tuple) and len(v) == 1}

@@ -87,6 +87,21 @@ def test_staged_program_equals_bind(mode, monkeypatch):
   assert "dot_general" in fast and "linear.py" in fast  # user source lines kept
 
 
+def test_unknown_jit_form_falls_back_to_copying(monkeypatch):
+  # a JAX whose nested-jit equation ooojax does not recognise: equations are copied
+  from passes import stage
+  staged = _text(_inlined(_program("single_gpu")))
+  orig = stage.CallStager.__init__
+
+  def off(self):
+    orig(self)
+    self.ok = False
+  monkeypatch.setattr(stage.CallStager, "__init__", off)
+  copied = _program("single_gpu")
+  assert not any(e.params.get("name") == "ooo" for e in copied.eqns)
+  assert _text(copied) == staged
+
+
 def test_staged_call_lowers_to_the_units_op_names():
   loss, params, x = _setup()
   hlo = jax.jit(ooo.grad(loss, mode="single_gpu", device="H100")).lower(params, x).as_text(
