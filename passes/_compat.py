@@ -269,11 +269,7 @@ def plain_eqn(eqn) -> bool:
   return not eqn.effects and isinstance(eqn.primitive, _core.Primitive)
 
 
-NO_EFFECTS = frozenset()
-try:
-  NO_EFFECTS = _core.no_effects
-except (NameError, AttributeError):  # pragma: no cover
-  pass
+NO_EFFECTS = getattr(_core, "no_effects", frozenset()) if _STAGE is not None else frozenset()
 
 
 @functools.cache

@@ -91,6 +91,7 @@ class _Lifetimes:
     # cluster's vars read those (`subst`); `back` maps them to the cluster's.
     self.subst: dict = {}
     self.back: dict = {}
+    self.fresh: list = []  # aliases made since the last flush
 
   def add(self, eqns) -> None:
     """Appends equations (source or new) to `pending`, in the current name scope."""
@@ -100,6 +101,7 @@ class _Lifetimes:
     for s, n in zip(srcs, news):
       self.subst[s] = n
       self.back[n] = s
+      self.fresh.append((s, n))
 
   def keep(self, v) -> None:
     """`v` (a new var) is read after emission: it leaves the staged call."""
@@ -117,11 +119,10 @@ class _Lifetimes:
       with _compat.at_name_stack(self.base):  # the equations carry their scopes
         if len(run) < _MIN_CALL or not self.stager(run, env, self._live):
           _compat.emit_eqns(run, env, self.stacks)
-      for eqn in run:
-        for v in eqn.outvars:
-          s = self.back.get(v)
-          if s is not None and v in env:
-            env[s] = env[v]
+      fresh, self.fresh = self.fresh, []
+      for s, n in fresh:  # a later reader outside the call reads the cluster's var
+        if n in env:
+          env[s] = env[n]
     waiting, self.waiting = self.waiting, []
     self._release(waiting)
 
@@ -167,14 +168,14 @@ def _run_eqns(eqns, env, skip=None, anchors=None, life=None, stacks=None):
     if skip is not None and skip[k]:
       continue
     hook = anchors.get(k) if anchors else None
-    if hook is None and (not deferred or stage.stageable(eqn)):
+    if hook is None and (not deferred or _compat.plain_eqn(eqn)):
       run.append(eqn)
       continue
     if deferred:
       life.add(run)
       run = []
       if hook is not None:
-        if stage.stageable(eqn) and not isinstance(eqn.outvars[0], _compat.DropVar):
+        if _compat.plain_eqn(eqn) and not isinstance(eqn.outvars[0], _compat.DropVar):
           hook.stage(eqn, life)
           continue
         hook.unpin(life)  # pragma: no cover - an effectful anchor: outputs unpinned

@@ -21,11 +21,6 @@ from passes import _compat
 from passes._compat import ClosedJaxpr, DropVar, Jaxpr, Literal
 
 
-def stageable(eqn) -> bool:
-  """Whether `CallStager` may hold `eqn`: no effects, a plain primitive (no pass stand-in)."""
-  return _compat.plain_eqn(eqn)
-
-
 def scoped_eqns(eqns, base, stacks: dict, subst: dict) -> list:
   """`eqns` with the name scopes entered since `base` put before their own name
   stacks, and their inputs renamed by `subst` (var -> var).
@@ -126,7 +121,7 @@ class CallStager:
     free: list = []
     seen: set = set()
     for eqn in eqns:
-      if not stageable(eqn):
+      if not _compat.plain_eqn(eqn):  # a pass's stand-in must be bound, not held
         return False
       for v in eqn.invars:
         if isinstance(v, Literal):
