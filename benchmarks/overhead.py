@@ -124,6 +124,7 @@ def measure_lm(layers: int, reps: int, modes) -> list[dict]:
   # median of the back-to-back pairs' ratios
   return [dict(layers=layers, mode=m, eqns=n_eqns, base=float(np.min(times[m][0])),
                ours=float(np.min(times[m][1])), paired=float(np.median(ratios[m])),
+               q1=float(np.percentile(ratios[m], 25)), q3=float(np.percentile(ratios[m], 75)),
                mem_base=mem[base_of(m)], mem_ours=mem[m])
           for m in modes]
 
@@ -183,7 +184,7 @@ def main(argv=None):
         "GPT-style flax LM (d 768, 12 heads, vocab 50257, seq 128, batch 8), "
         f"{a.reps} rounds in one process, each mode lowered right beside its baseline (the pair's "
         "order alternating by round, the modes' order shuffled); \"min\" = min over the rounds of each side of the pair, "
-        "\"paired\" = median of the pairs' ooo / jax ratios; peak memory = Python-heap peak "
+        "\"paired\" = median of the pairs' ooo / jax ratios (their quartiles in brackets: the host's noise); peak memory = Python-heap peak "
         "(tracemalloc) of one more lowering. data_parallel: both sides under `jax.shard_map` "
         "on a 1-device mesh, batch split over its axis, parameters replicated, vma checked; "
         "the baseline `pmean(jax.value_and_grad)`.",
@@ -194,7 +195,7 @@ def main(argv=None):
     for r in rows:
       lines.append(f"| GPT {r['layers']} layers | {r['mode']} | {r['eqns']} | {r['base']:.3f} | "
                    f"{r['ours']:.3f} | {100 * (r['ours'] / r['base'] - 1):+.0f}% | "
-                   f"{100 * (r['paired'] - 1):+.0f}% | "
+                   f"{100 * (r['paired'] - 1):+.0f}% ({100 * (r['q1'] - 1):+.0f}..{100 * (r['q3'] - 1):+.0f}) | "
                    f"{r['mem_base']:.0f} | {r['mem_ours']:.0f} ({100 * (r['mem_ours'] / r['mem_base'] - 1):+.0f}%) |")
   _report.emit(lines, a.write)
 

@@ -323,11 +323,19 @@ _COMBINER_PRIMS = frozenset({
     "reduce_window", "select_and_scatter", "argsort", "sort"})
 
 
+_SUBJAXPRS: dict = {}  # primitive -> whether its equations hold jaxprs: once per primitive
+
+
 def _has_subjaxpr(eqn) -> bool:
+  known = _SUBJAXPRS.get(eqn.primitive)
+  if known is not None:
+    return known
   jaxpr_types = (_compat.ClosedJaxpr, _compat.Jaxpr)
+  has = False
   for p in eqn.params.values():
-    if isinstance(p, jaxpr_types):
-      return True
-    if isinstance(p, (tuple, list)) and any(isinstance(x, jaxpr_types) for x in p):
-      return True
-  return False
+    if isinstance(p, jaxpr_types) or (
+        isinstance(p, (tuple, list)) and any(isinstance(x, jaxpr_types) for x in p)):
+      has = True
+      break
+  _SUBJAXPRS[eqn.primitive] = has
+  return has
