@@ -75,7 +75,7 @@ def _guess_device() -> str:
   return "H100" if jax.default_backend() == "gpu" else "CPU"
 
 
-class EqnCost(NamedTuple):  # a tuple: built once per equation per pricing, ~4x cheaper
+class EqnCost(NamedTuple):  # a tuple, not a dataclass: built once per equation priced
   flops: float
   bytes: float
   kernel: bool          # launches a kernel of its own
@@ -265,6 +265,23 @@ def _call_body(eqn):
   return getattr(j, "jaxpr", j)
 
 
+def _roofline(spec: DeviceSpec, c: EqnCost, matmul: bool, dtype=None) -> tuple[float, float]:
+  """(seconds, share of the SMs it fills) of one equation on `spec`.
+
+  A matmul runs at the tensor-core peak of its dtype and fills the SMs by its
+  tiles (~128 MACs per thread); anything else at the vector peak, by its
+  output elements.
+  """
+  if matmul:
+    peak = spec.matmul_flops_16 if _itemsize(dtype) <= 2 else spec.matmul_flops
+    work = c.flops / 256
+  else:
+    peak = spec.vector_flops
+    work = c.out_elems
+  return (max(c.flops / peak, c.bytes / spec.bandwidth),
+          min(1.0, max(work / spec.parallel_elems, 0.05)))
+
+
 @dataclasses.dataclass(frozen=True)
 class UnitCost:
   seconds: float
@@ -287,17 +304,11 @@ class CostModel:
     self.measured = dict(measured or {})
 
   def eqn_seconds(self, c: EqnCost, matmul: bool, dtype=None) -> float:
-    s = self.spec
-    if matmul:
-      peak = s.matmul_flops_16 if _itemsize(dtype) <= 2 else s.matmul_flops
-    else:
-      peak = s.vector_flops
-    return max(c.flops / peak, c.bytes / s.bandwidth)
+    return _roofline(self.spec, c, matmul, dtype)[0]
 
   def occupancy(self, c: EqnCost, matmul: bool) -> float:
     """Share of the SMs a kernel fills: a matmul tile is ~128 MACs per thread."""
-    work = c.flops / 256 if matmul else c.out_elems
-    return min(1.0, max(work / self.spec.parallel_elems, 0.05))
+    return _roofline(self.spec, c, matmul)[1]
 
   def unit_cost(self, eqns, label: str = "") -> UnitCost:
     """Cost of running `eqns` (jaxpr equations) back to back on one stream."""
@@ -311,10 +322,7 @@ class CostModel:
 
   def _price(self, eqns) -> tuple[float, float, float]:
     """(work seconds, busy seconds, kernels) of `eqns`; loops priced from their bodies."""
-    # `eqn_seconds` and `occupancy` inlined: this runs once per equation of the program
-    s = self.spec
-    bw, vec, mm, mm16, fill = (s.bandwidth, s.vector_flops, s.matmul_flops,
-                               s.matmul_flops_16, s.parallel_elems)
+    spec = self.spec
     kernels = 0.0
     work = 0.0
     busy = 0.0
@@ -325,18 +333,14 @@ class CostModel:
         w, b, k = self._price_loop(rule(eqn))
         work, busy, kernels = work + w, busy + b, kernels + k
         continue
-      flops, nbytes, kernel, out_elems = estimate(eqn)
-      if name in MATMUL_PRIMS:
-        dtype = getattr(eqn.outvars[0].aval, "dtype", None) if eqn.outvars else None
-        t = max(flops / (mm16 if _itemsize(dtype) <= 2 else mm), nbytes / bw)
-        share = flops / 256
-      else:
-        t = max(flops / vec, nbytes / bw)
-        share = out_elems
+      c = estimate(eqn)
+      matmul = name in MATMUL_PRIMS
+      dtype = getattr(eqn.outvars[0].aval, "dtype", None) if matmul and eqn.outvars else None
+      t, occ = _roofline(spec, c, matmul, dtype)
       work += t
-      if kernel:
+      if c.kernel:
         kernels += 1
-        busy += t * min(1.0, max(share / fill, 0.05))
+        busy += t * occ
       else:
         busy += t
     return work, busy, kernels

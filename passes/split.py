@@ -323,7 +323,9 @@ _COMBINER_PRIMS = frozenset({
     "reduce_window", "select_and_scatter", "argsort", "sort"})
 
 
-_SUBJAXPRS: dict = {}  # primitive -> whether its equations hold jaxprs: once per primitive
+# primitive -> whether its equations hold jaxprs. Looked up once per primitive: a
+# primitive's params have one schema (a scan always has a body, an add never does).
+_SUBJAXPRS: dict = {}
 
 
 def _has_subjaxpr(eqn) -> bool:
