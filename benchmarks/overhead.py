@@ -5,12 +5,13 @@ fresh function objects each time so no trace cache is hit. Prints a markdown
 table; `--write` appends it to benchmarks/RESULTS.md.
 
   python -m benchmarks.overhead [--depths 26 50 101] [--reps 3] [--write]
-  python -m benchmarks.overhead --lm 12 48 --depths     # GPT-2-small-width LM only
+  python -m benchmarks.overhead --lm 12 48 --depths --reps 16   # GPT-2-small-width LM only
 
 `--lm` lowers a GPT-style flax LM (d 768, 12 heads, vocab 50257, seq 128,
 batch 8) with `value_and_grad` against `jax.value_and_grad` on abstract
 arguments (no parameters are allocated), and also reports the peak Python-heap
-memory (tracemalloc) of one lowering.
+memory (tracemalloc) of one lowering. Its rounds sweep the caller's offset on
+CPython's data stack (`benchmarks/_cpu.py`), so use at least 8 of them.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import jax
 import numpy as np
 
 import ooojax as ooo
-from benchmarks import _report
+from benchmarks import _cpu, _report
 from benchmarks.models import resnet
 
 
@@ -68,7 +69,8 @@ def _peak_lower_mb(make_grad, loss_fn, args) -> float:
   return peak / 2**20
 
 
-def measure_lm(layers: int, reps: int, modes) -> list[dict]:
+def _lm(layers: int, modes):
+  """(loss_fn, abstract args, {name: make_grad}) for the GPT-style LM, caches warmed."""
   from benchmarks.models.transformer import Stack
   import optax
   model = Stack(layers, 768, 12, 50257, causal=True)
@@ -94,22 +96,29 @@ def measure_lm(layers: int, reps: int, modes) -> list[dict]:
       impls[m] = lambda f, m=m: ooo.value_and_grad(f, mode=m, device="H100")
   for mk in impls.values():  # warm caches of jnp / flax internals
     _lower_time(mk, loss_fn, args)
+  return loss_fn, args, impls
+
+
+def measure_lm(layers: int, reps: int, modes) -> list[dict]:
+  loss_fn, args, impls = _lm(layers, modes)
   base_of = lambda m: "jax_dp" if m == "data_parallel" else "jax"  # noqa: E731
-  times: dict = {m: ([], []) for m in modes}  # mode -> (its baseline's, its own)
-  ratios: dict = {m: [] for m in modes}
+  # Every round lowers at its own offset on CPython's data stack, both sides of
+  # a pair at the same one, the offsets spread over one chunk (benchmarks/_cpu.py:
+  # at one fixed offset, a 48-layer lowering's system time ranged 0-0.9 s by
+  # where its hot calls fell, whichever function was lowered).
+  grid = _cpu.offset_grid(reps)
   rng = np.random.default_rng(0)
-  for r in range(reps):
+  offsets = [grid[i] for i in rng.permutation(reps)]
+  cost: dict = {m: ([], []) for m in modes}  # mode -> (its baseline's CpuTimes, its own)
+  for r, slots in enumerate(offsets):
     # Each mode right beside its own baseline, the pair's order alternating
     # round to round and the modes' order shuffled: the host's slow stretches
     # and one lowering's effect on the next (caches, heap) fall on both sides.
     for m in rng.permutation(list(modes)):
       pair = (base_of(m), m) if r % 2 == 0 else (m, base_of(m))
-      # CPU time of this process: lowering is single-threaded Python, and on a
-      # shared machine wall time mostly measures the neighbours.
-      t = {k: _lower_time(impls[k], loss_fn, args, clock=time.process_time) for k in pair}
-      times[m][0].append(t[base_of(m)])
-      times[m][1].append(t[m])
-      ratios[m].append(t[m] / t[base_of(m)])
+      t = {k: _lower_cpu(impls[k], loss_fn, args, slots) for k in pair}
+      cost[m][0].append(t[base_of(m)])
+      cost[m][1].append(t[m])
   mem = {k: _peak_lower_mb(mk, loss_fn, args) for k, mk in impls.items()}
   vg = ooo.value_and_grad(loss_fn, mode="in_order", device="H100")
   cell = {}
@@ -118,15 +127,49 @@ def measure_lm(layers: int, reps: int, modes) -> list[dict]:
     cell["n"] = len(vg.plan(a, {})[0].split.jaxpr.jaxpr.eqns)
     return 0
   jax.jit(count).trace(*args)
-  n_eqns = cell["n"]
-  # min: contention from other processes only ever adds time (CPU time too, via
-  # caches), over the same number of lowerings on each side; paired: the
-  # median of the back-to-back pairs' ratios
-  return [dict(layers=layers, mode=m, eqns=n_eqns, base=float(np.min(times[m][0])),
-               ours=float(np.min(times[m][1])), paired=float(np.median(ratios[m])),
-               q1=float(np.percentile(ratios[m], 25)), q3=float(np.percentile(ratios[m], 75)),
-               mem_base=mem[base_of(m)], mem_ours=mem[m])
+  return [dict(layers=layers, mode=m, eqns=cell["n"], mem_base=mem[base_of(m)], mem_ours=mem[m],
+               **_summary(*cost[m], rng))
           for m in modes]
+
+
+def _lower_cpu(make_grad, loss_fn, args, slots: int) -> _cpu.CpuTimes:
+  """User and system CPU time of one `jax.jit(...).lower`, called `slots` deeper on the data stack."""
+  fresh = lambda *a: loss_fn(*a)  # new identity: no cache shared across rounds
+  gc.collect()  # each lowering pays for its own garbage, not the previous one's
+  lower = lambda: jax.jit(make_grad(fresh)).lower(*args)  # noqa: E731
+  return _cpu.at_stack_offset(slots, lambda: _cpu.cpu_times(lower)[1])
+
+
+def _summary(base: list, ours: list, rng) -> dict:
+  """Means over the offsets (CPU = user + system), the mean's ratio with a 90%
+  bootstrap interval over rounds, and the paired user-time ratios' quartiles."""
+  tb = np.array([c.total for c in base])
+  to = np.array([c.total for c in ours])
+  boot = rng.integers(0, len(tb), size=(2000, len(tb)))
+  ratios = to[boot].mean(axis=1) / tb[boot].mean(axis=1)
+  user = np.array([o.user / b.user for b, o in zip(base, ours)])
+  return dict(base=float(tb.mean()), ours=float(to.mean()), ratio=float(to.mean() / tb.mean()),
+              lo=float(np.percentile(ratios, 5)), hi=float(np.percentile(ratios, 95)),
+              user=float(np.median(user)), user_q1=float(np.percentile(user, 25)),
+              user_q3=float(np.percentile(user, 75)),
+              sys_base=float(np.mean([c.sys for c in base])),
+              sys_ours=float(np.mean([c.sys for c in ours])))
+
+
+def sweep_lm(layers: int, modes, n: int) -> list[str]:
+  """One lowering of each function at each of n offsets over a data-stack chunk:
+  the evidence that the offset, not the function, moves the system time."""
+  loss_fn, args, impls = _lm(layers, modes)
+  lines = [f"| stack offset (slots) | " + " | ".join(f"{k}: user / sys s, faults" for k in impls) + " |",
+           "|---" * (len(impls) + 1) + "|"]
+  for slots in _cpu.offset_grid(n):
+    cells = []
+    for mk in impls.values():
+      c = _lower_cpu(mk, loss_fn, args, slots)
+      cells.append(f"{c.user:.2f} / {c.sys:.2f}, {c.faults}")
+    lines.append(f"| {slots} | " + " | ".join(cells) + " |")
+    print(lines[-1], flush=True)
+  return lines
 
 
 def _pmean_of(vg):
@@ -158,16 +201,28 @@ def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--depths", type=int, nargs="*", default=[26, 50, 101])
   ap.add_argument("--lm", type=int, nargs="*", default=[], help="LM layer counts, e.g. 12 48")
-  ap.add_argument("--reps", type=int, default=3)
+  ap.add_argument("--reps", type=int, default=None,
+                  help="rounds (default 3 for ResNet, 16 for --lm: one per stack offset)")
   ap.add_argument("--modes", nargs="+", default=["single_gpu", "in_order"])
+  ap.add_argument("--stack-sweep", type=int, metavar="N", default=0,
+                  help="with --lm: lower each function once at each of N stack offsets and "
+                       "print user / system time and page faults per offset")
   ap.add_argument("--write", action="store_true")
   a = ap.parse_args(argv)
+  if a.stack_sweep:
+    for n in a.lm:
+      lines = _report.header(f"Lowering CPU time by stack offset, GPT {n} layers") + [
+          "One `jax.jit(...).lower` of each function per offset (pointer-sized slots added "
+          "below the caller, `benchmarks/_cpu.py`), in one process, in this order; faults = "
+          "minor page faults during the lowering.", ""]
+      _report.emit(lines + sweep_lm(n, a.modes, a.stack_sweep), a.write)
+    return
   lines = _report.header("Frontend overhead")
   if a.depths:
-    rows = [measure(d, a.reps, m) for d in a.depths for m in a.modes]
+    rows = [measure(d, a.reps or 3, m) for d in a.depths for m in a.modes]
     lines += [
         "Lower time (trace + split + schedule + emit + MLIR) under `jax.jit(...).lower`, "
-        f"ResNet at batch 2, 64x64 images, median of {a.reps}, alternating in one process.",
+        f"ResNet at batch 2, 64x64 images, median of {a.reps or 3}, alternating in one process.",
         "",
         "| model | mode | jaxpr eqns | jax.grad lower s | ooo.grad lower s | ratio | split+schedule s | µs/eqn (ooo) |",
         "|---|---|---|---|---|---|---|---|",
@@ -178,25 +233,31 @@ def main(argv=None):
                    f"{1e6 * r['ours'] / r['eqns']:.0f} |")
     lines.append("")
   if a.lm:
+    a.reps = a.reps or 16
     rows = [r for n in a.lm for r in measure_lm(n, a.reps, a.modes)]
     lines += [
-        "Lower time (process CPU time) of `value_and_grad` under `jax.jit(...).lower` on abstract arguments, "
+        "CPU time (user + system, this process) of `jax.jit(...).lower` of `value_and_grad` on abstract arguments, "
         "GPT-style flax LM (d 768, 12 heads, vocab 50257, seq 128, batch 8), "
         f"{a.reps} rounds in one process, each mode lowered right beside its baseline (the pair's "
-        "order alternating by round, the modes' order shuffled); \"min\" = min over the rounds of each side of the pair, "
-        "\"paired\" = median of the pairs' ooo / jax ratios (their quartiles in brackets: the host's noise); peak memory = Python-heap peak "
-        "(tracemalloc) of one more lowering. data_parallel: both sides under `jax.shard_map` "
-        "on a 1-device mesh, batch split over its axis, parameters replicated, vma checked; "
-        "the baseline `pmean(jax.value_and_grad)`.",
+        "order alternating by round, the modes' order shuffled), each round at its own offset on "
+        f"CPython's data stack (a grid of {a.reps} over one 16 KiB chunk, both sides of a pair at the same "
+        "offset: `benchmarks/_cpu.py` says why). \"CPU s\" = mean over the rounds; \"overhead\" = ratio of "
+        "those means, with a 90% bootstrap interval over rounds; \"user\" = median of the pairs' user-time "
+        "ratios (quartiles), which the stack offset does not move; \"sys s\" = mean system time (data-stack "
+        "page faults, mostly); peak memory = Python-heap peak (tracemalloc) of one more lowering. "
+        "data_parallel: both sides under `jax.shard_map` on a 1-device mesh, batch split over its axis, "
+        "parameters replicated, vma checked; the baseline `pmean(jax.value_and_grad)`.",
         "",
-        "| model | mode | jaxpr eqns | jax lower CPU s | ooo lower CPU s | overhead (min) | overhead (paired) | jax peak MB | ooo peak MB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | mode | jaxpr eqns | jax CPU s | ooo CPU s | overhead (90% interval) | overhead, user (quartiles) | sys s jax / ooo | jax peak MB | ooo peak MB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    pct = lambda x: f"{100 * (x - 1):+.0f}%"  # noqa: E731
     for r in rows:
       lines.append(f"| GPT {r['layers']} layers | {r['mode']} | {r['eqns']} | {r['base']:.3f} | "
-                   f"{r['ours']:.3f} | {100 * (r['ours'] / r['base'] - 1):+.0f}% | "
-                   f"{100 * (r['paired'] - 1):+.0f}% ({100 * (r['q1'] - 1):+.0f}..{100 * (r['q3'] - 1):+.0f}) | "
-                   f"{r['mem_base']:.0f} | {r['mem_ours']:.0f} ({100 * (r['mem_ours'] / r['mem_base'] - 1):+.0f}%) |")
+                   f"{r['ours']:.3f} | {pct(r['ratio'])} ({pct(r['lo'])}..{pct(r['hi'])}) | "
+                   f"{pct(r['user'])} ({pct(r['user_q1'])}..{pct(r['user_q3'])}) | "
+                   f"{r['sys_base']:.2f} / {r['sys_ours']:.2f} | "
+                   f"{r['mem_base']:.0f} | {r['mem_ours']:.0f} ({pct(r['mem_ours'] / r['mem_base'])}) |")
   _report.emit(lines, a.write)
 
 
