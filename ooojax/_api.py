@@ -96,7 +96,9 @@ _OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options))
 def _make_options(kwargs: dict) -> Options:
   bad = sorted(set(kwargs) - set(_OPTION_NAMES))
   if bad:
-    raise ValueError(f"unknown option(s) {bad}; allowed: {list(_OPTION_NAMES)}")
+    # an unexpected keyword is a TypeError, as jax.grad(f, stream=2) raises
+    raise TypeError(f"got an unexpected keyword argument(s) {bad}: unknown option(s); "
+                    f"allowed: {list(_OPTION_NAMES)}")
   return Options(**kwargs)
 
 

@@ -74,7 +74,7 @@ def test_linen_step_errors():
   with pytest.raises(TypeError, match="no field"):
     step(bare, batch, jax.random.key(0))
   del plain
-  with pytest.raises(ValueError, match="unknown option"):
+  with pytest.raises(TypeError, match="unknown option"):
     oflax.make_train_step(_linen_loss, streem=2)
 
 
