@@ -1,12 +1,13 @@
 """CPU-time measurement that does not depend on where on the stack it runs.
 
-CPython (3.11 to 3.13.x before the gh-142183 fix; here 3.11) keeps Python
-frames on a per-thread data stack made of 16 KiB chunks and frees a chunk as
+CPython without the gh-142183 fix (3.11, 3.12, and 3.13 and 3.14 before
+their March 2026 releases; this host runs 3.11) keeps Python frames on a
+per-thread data stack made of 16 KiB chunks and frees a chunk as
 soon as its first frame returns. A hot call that lands exactly on a chunk
 boundary therefore mmaps and munmaps 16 KiB on every call. Tracing a model
 makes tens of thousands of calls at a few depths, so whether one of them sits
 on a boundary depends on how deep the caller already is: lowering the same
-48-layer GPT cost 0.0 to 0.9 s of extra *system* time (up to 130k page
+48-layer GPT cost 0 to 1.1 s of extra *system* time (up to 170k page
 faults) depending only on the caller's stack offset, for `jax.value_and_grad`
 as much as for `ooo.value_and_grad` (RESULTS.md, 2026-11-24). One fixed
 offset thus favours whichever side happens to miss the boundary.

@@ -104,8 +104,8 @@ def measure_lm(layers: int, reps: int, modes) -> list[dict]:
   base_of = lambda m: "jax_dp" if m == "data_parallel" else "jax"  # noqa: E731
   # Every round lowers at its own offset on CPython's data stack, both sides of
   # a pair at the same one, the offsets spread over one chunk (benchmarks/_cpu.py:
-  # at one fixed offset, a 48-layer lowering's system time ranged 0-0.9 s by
-  # where its hot calls fell, whichever function was lowered).
+  # over offsets, a 48-layer lowering's system time ranged 0 to 1.1 s by where
+  # its hot calls fell, whichever function was lowered).
   grid = _cpu.offset_grid(reps)
   rng = np.random.default_rng(0)
   offsets = [grid[i] for i in rng.permutation(reps)]
