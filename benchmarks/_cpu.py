@@ -1,7 +1,7 @@
 """CPU-time measurement that does not depend on where on the stack it runs.
 
-CPython without the gh-142183 fix (3.11, 3.12, and 3.13 and 3.14 before
-their March 2026 releases; this host runs 3.11) keeps Python frames on a
+CPython without the gh-142183 fix (March 2026: main, backported to 3.13;
+3.11 and 3.12 keep the bug, and this host runs 3.11) keeps Python frames on a
 per-thread data stack made of 16 KiB chunks and frees a chunk as
 soon as its first frame returns. A hot call that lands exactly on a chunk
 boundary therefore mmaps and munmaps 16 KiB on every call. Tracing a model

@@ -28,11 +28,18 @@ from benchmarks import _cpu, _report
 from benchmarks.models import resnet
 
 
-def _lower_time(make_grad, loss_fn, args, clock=time.perf_counter) -> float:
-  fresh = lambda *a: loss_fn(*a)  # new identity: no cache shared across reps
+def _lowering(make_grad, loss_fn, args):
+  """A thunk lowering `make_grad` of a fresh copy of loss_fn (no trace cache
+  shared across lowerings), after collecting the previous lowering's garbage."""
+  fresh = lambda *a: loss_fn(*a)  # noqa: E731
   gc.collect()  # each lowering pays for its own garbage, not the previous one's
+  return lambda: jax.jit(make_grad(fresh)).lower(*args)
+
+
+def _lower_time(make_grad, loss_fn, args, clock=time.perf_counter) -> float:
+  lower = _lowering(make_grad, loss_fn, args)
   t0 = clock()
-  jax.jit(make_grad(fresh)).lower(*args)
+  lower()
   return clock() - t0
 
 
@@ -57,11 +64,10 @@ def measure(depth: int, reps: int, mode: str) -> dict:
 
 def _peak_lower_mb(make_grad, loss_fn, args) -> float:
   """Peak Python-heap memory (tracemalloc, MB) while lowering once: jaxprs, tracers, MLIR objects' Python side."""
-  gc.collect()
-  fresh = lambda *a: loss_fn(*a)
+  lower = _lowering(make_grad, loss_fn, args)
   tracemalloc.start()
   try:
-    lowered = jax.jit(make_grad(fresh)).lower(*args)
+    lowered = lower()
     peak = tracemalloc.get_traced_memory()[1]
   finally:
     tracemalloc.stop()
@@ -134,9 +140,7 @@ def measure_lm(layers: int, reps: int, modes) -> list[dict]:
 
 def _lower_cpu(make_grad, loss_fn, args, slots: int) -> _cpu.CpuTimes:
   """User and system CPU time of one `jax.jit(...).lower`, called `slots` deeper on the data stack."""
-  fresh = lambda *a: loss_fn(*a)  # new identity: no cache shared across rounds
-  gc.collect()  # each lowering pays for its own garbage, not the previous one's
-  lower = lambda: jax.jit(make_grad(fresh)).lower(*args)  # noqa: E731
+  lower = _lowering(make_grad, loss_fn, args)
   return _cpu.at_stack_offset(slots, lambda: _cpu.cpu_times(lower)[1])
 
 
