@@ -20,7 +20,7 @@ import numpy as np
 
 import ooojax as ooo
 from benchmarks import _report
-from benchmarks.models import ZOO
+from ooojax.models import ZOO
 from benchmarks.step_time import _sgd_step
 from ooojax._calibrate import time_fn
 

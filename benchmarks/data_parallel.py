@@ -16,7 +16,7 @@ Per model, device count and link it prints:
 For a scanned stack (`bert_large_scan`: the BERT-large stack as one flax
 `nn.scan`) it prints instead, with one all-reduce per leaf and k = 0: the
 stacked dW reduced after the loop (per leaf, as for any parameter) against
-one all-reduce per layer from inside the loop (`passes.scan_collectives`).
+one all-reduce per layer from inside the loop (`passes.collectives.loops`).
 
   python -m benchmarks.data_parallel [--models resnet50 resnet101 bert_large bert_large_scan] [--write]
 """
@@ -28,8 +28,8 @@ import jax
 
 import ooojax as ooo
 from benchmarks import _report
-from benchmarks.models import resnet, scanned, transformer
-from passes import collectives
+from ooojax.models import resnet, scanned, transformer
+from passes.collectives import plan as collectives
 from passes.cost import CostModel
 
 MODELS = {

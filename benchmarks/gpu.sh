@@ -1,47 +1,72 @@
 #!/usr/bin/env bash
 # The GPU suite, for a session lent the `device` tool (ONE call, < 10 minutes):
 #   run(command="bash benchmarks/gpu.sh")
-# The GPU machine has jax 0.11.2 preinstalled and no network, so nothing is
-# installed: the repo runs from PYTHONPATH. Results land in $OUT (or ./gpu_out),
-# one file per step; steps run in priority order within a time budget
-# (BUDGET seconds, default 540) and a step that no longer fits is listed in
-# skipped.txt instead of being cut off.
+# The GPU machine has Python 3.12 with jax 0.11.2 (CUDA 13 plugin), flax, optax
+# and pytest preinstalled and no network: nothing is installed, the repo runs
+# from PYTHONPATH. Each step writes $OUT/<step>.md as it runs (a run cut short
+# still returns what it did); steps go in order of value within BUDGET seconds
+# (default 540), and one that no longer fits is listed in skipped.txt.
+#
+#   DRY=1 bash benchmarks/gpu.sh   # CPU dry run: tiny sizes, the same steps and files
+#                                  # (tests/test_gpu_sh.py runs it in CI)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_out}
 PY=${PY:-python3}  # the GPU image: python3 holds jax 0.11.2
 BUDGET=${BUDGET:-540}
+DRY=${DRY:-}
 START=$SECONDS
 mkdir -p "$OUT"
-{ nvidia-smi --query-gpu=name,driver_version --format=csv; $PY -c "import jax; print('jax', jax.__version__, jax.devices())"; } > "$OUT/env.txt" 2>&1
+# Nothing can be installed there: stop at once, and say so, if a dependency is missing.
+if ! $PY -c "import flax, optax, pytest, jax" > "$OUT/env.txt" 2>&1; then
+  echo "missing a dependency (flax, optax, pytest, jax): see $OUT/env.txt" | tee -a "$OUT/env.txt"
+  exit 1
+fi
+{ nvidia-smi --query-gpu=name,driver_version --format=csv 2>&1 || echo "no nvidia-smi"
+  $PY -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())"
+  echo "DRY=${DRY:-<unset>} BUDGET=$BUDGET $(date -u +%FT%TZ)"; } >> "$OUT/env.txt" 2>&1
 
-step() {  # step NAME TIMEOUT CMD...: runs CMD with at most TIMEOUT s, never past the budget
+V=(--variants "jax.grad" "ooo single_gpu" "ooo single_gpu (none)" "ooo in_order")
+if [ -n "$DRY" ]; then  # tiny sizes, two variants: every step runs through, fast, on CPU
+  V=(--variants "jax.grad" "ooo single_gpu")
+  SIZE=(--tiny --batch 4 --no-sim-check) ROUNDS=(--rounds 1 --iters 1) CHECK=(--batch 4)
+  SCHED=(--tiny --batch 4) SCAN=(--layers 2 --seq 8 --dim 16 --heads 2 --vocab 32 --rounds 1 --iters 1 --sim-layers 2)
+  PYTEST=(--collect-only)  # the suite runs in CI already: check that the command works
+else
+  SIZE=(--batch 32) ROUNDS=(--rounds 5) CHECK=(--batch 32) SCHED=(--batch 32) SCAN=(--sim-layers 4)
+  PYTEST=()
+fi
+
+step() {  # step NAME TIMEOUT CMD...: runs CMD (a program, not a shell function) for at most TIMEOUT s
   local name=$1 t=$2; shift 2
   local left=$((BUDGET - (SECONDS - START)))
   if [ "$left" -le 20 ]; then echo "$name (needed up to ${t}s)" >> "$OUT/skipped.txt"; return; fi
   [ "$t" -gt "$left" ] && t=$left
-  { echo "XLA_FLAGS=${XLA_FLAGS:-<unset>}"; timeout "$t" "$@"; echo "exit $? after $((SECONDS - START))s"; } >> "$OUT/$name.md" 2>&1
+  { echo "XLA_FLAGS=${XLA_FLAGS:-<unset>}"; echo "\$ $*"; timeout "$t" "$@"
+    echo "exit $? after $((SECONDS - START))s"; } >> "$OUT/$name.md" 2>&1
 }
-V=("jax.grad" "ooo single_gpu" "ooo single_gpu (none)" "ooo in_order")
-st() { $PY -m benchmarks.step_time "$@" --variants "${V[@]}" --rounds 5; }
+ST=($PY -m benchmarks.step_time "${V[@]}" "${ROUNDS[@]}")
 
 unset XLA_FLAGS
-# 1. Each ordering compiles on this GPU, matches jax.grad; heavy dW overlap as compiled here.
-step gpu_check 120 $PY -m benchmarks.gpu_check
-# 2. Measured step times, default options (command buffers on), and the simulator check.
-step step_time 90 st --model demo_cnn --batch 32
-step step_time 90 st --model resnet50 --batch 32 --no-sim-check
-step step_time 90 st --model mobilenet_v3_small --batch 32 --no-sim-check
-# 3. The compiled schedule on this GPU (autotuned layouts) vs the compile-only H100's.
-step gpu_schedule_real 150 $PY -m benchmarks.gpu_schedule --real --models demo resnet50
+# 1. Measured step times, default options (command buffers on): the ratios people ask for.
+step step_time_demo_cnn 90 "${ST[@]}" --model demo_cnn "${SIZE[@]}"
+step step_time_mobilenet_v3_small 90 "${ST[@]}" --model mobilenet_v3_small "${SIZE[@]}" --no-sim-check
+step step_time_resnet50 90 "${ST[@]}" --model resnet50 "${SIZE[@]}" --no-sim-check
+# 2. Each ordering compiles on this GPU and matches jax.grad; heavy dW overlap as compiled here.
+step gpu_check 120 $PY -m benchmarks.gpu_check "${CHECK[@]}"
+# 3. The compiled schedule on this device (autotuned layouts) vs the compile-only H100's.
+step gpu_schedule_real 150 $PY -m benchmarks.gpu_schedule --real --models demo resnet50 "${SCHED[@]}"
 # 4. Command buffers off.
 export XLA_FLAGS="--xla_gpu_enable_command_buffer="
-step step_time_cb_off 90 st --model resnet50 --batch 32 --no-sim-check
+step step_time_resnet50_cb_off 90 "${ST[@]}" --model resnet50 "${SIZE[@]}" --no-sim-check
 unset XLA_FLAGS
-# 5. More models, scanned layers, then the HLO tests on this GPU.
-step step_time 120 st --model densenet121 --batch 32 --no-sim-check
-step step_time 90 st --model mobilenet_v3_large --batch 32 --no-sim-check
-step scan 120 $PY -m benchmarks.scan --sim-layers 4
-step pytest_gpu 120 $PY -m pytest -x -q tests/test_hlo.py tests/test_overlap.py
+# 5. More models, scanned layers, then the tests that hold on this backend.
+step step_time_densenet121 120 "${ST[@]}" --model densenet121 "${SIZE[@]}" --no-sim-check
+step step_time_mobilenet_v3_large 90 "${ST[@]}" --model mobilenet_v3_large "${SIZE[@]}" --no-sim-check
+step scan 120 $PY -m benchmarks.scan "${SCAN[@]}"
+# Gradients against jax.grad at float32 tolerance: f32 matmuls in full precision (not TF32).
+step pytest 120 env JAX_DEFAULT_MATMUL_PRECISION=highest $PY -m pytest -q -rs "${PYTEST[@]}" \
+  tests/test_hlo.py tests/test_overlap.py tests/test_grad.py
+echo "done after $((SECONDS - START))s" >> "$OUT/env.txt"
 tail -n 25 "$OUT"/*.md "$OUT"/*.txt

@@ -10,6 +10,7 @@ unsupported mechanism does not hide the others.
 """
 from __future__ import annotations
 
+import argparse
 import re
 import traceback
 
@@ -21,15 +22,19 @@ import ooojax as ooo
 from ooojax import demo
 
 
-def main():
+def main(argv=None):
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--batch", type=int, default=32)
+  a = ap.parse_args(argv)
   model = demo.SmallCNN()
-  x, y = demo._data(32)
+  x, y = demo._data(a.batch)
   v = model.init(jax.random.PRNGKey(0), x)
   _, loss_fn = demo.make_step(jax.grad, model, optax.sgd(0.1))
   args = (v["params"], v["batch_stats"], x, y)
   want = jax.jit(jax.grad(loss_fn, has_aux=True))(*args)[0]
   print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}")
-  from passes import hlo_schedule
+  from passes.hlo import schedule as hlo_schedule
   for ordering in ("auto", "barriers", "none", "scheduling_group", "control_deps"):
     try:
       f = jax.jit(ooo.grad(loss_fn, has_aux=True, mode="single_gpu", ordering=ordering))

@@ -25,7 +25,7 @@ import numpy as np
 
 import ooojax as ooo
 from benchmarks import _cpu, _report
-from benchmarks.models import resnet
+from ooojax.models import resnet
 
 
 def _lowering(make_grad, loss_fn, args):
@@ -77,7 +77,7 @@ def _peak_lower_mb(make_grad, loss_fn, args) -> float:
 
 def _lm(layers: int, modes):
   """(loss_fn, abstract args, {name: make_grad}) for the GPT-style LM, caches warmed."""
-  from benchmarks.models.transformer import Stack
+  from ooojax.models.transformer import Stack
   import optax
   model = Stack(layers, 768, 12, 50257, causal=True)
   tokens = jax.ShapeDtypeStruct((8, 128), np.int32)

@@ -6,7 +6,7 @@ time from the cost model, and measured wall time of the real CPU execution.
   python -m benchmarks.pipeline --no-cpu   # tables and simulation only (no compiles)
 
 Simulated numbers come from `passes.cost` (H100 roofline) priced on the F / B / W
-phases that `passes.pipeline_exec` cuts from a BERT layer with the split pass;
+phases that `passes.pipeline.execute` cuts from a BERT layer with the split pass;
 they are estimates, never measurements. The CPU table is measured on forced
 host devices (one process, shared cores): it checks that the programs run and
 what the table machinery costs, not GPU speed.
@@ -26,8 +26,8 @@ import numpy as np  # noqa: E402
 
 from benchmarks import _report  # noqa: E402
 from passes.cost import CostModel  # noqa: E402
-from passes.pipeline_exec import make_flavor  # noqa: E402
-from passes.pipeline_generate import SCHEDULES, generate  # noqa: E402
+from passes.pipeline.execute import make_flavor  # noqa: E402
+from passes.pipeline.generate import SCHEDULES, generate  # noqa: E402
 from passes.simulate import LINKS  # noqa: E402
 
 STAGES = (4, 8, 16)
@@ -107,7 +107,7 @@ def table_simulated() -> tuple[list[str], dict]:
 
 
 def table_cpu(stages=4, micro=8, batch=64, dim=128, reps=5) -> list[str]:
-  from passes.pipeline_exec import lower
+  from passes.pipeline.execute import lower
   devs = jax.devices()[:stages]
   if len(devs) < stages:
     return [f"(CPU table skipped: {len(devs)} devices, need {stages})"]

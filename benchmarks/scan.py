@@ -25,9 +25,9 @@ import numpy as np
 
 import ooojax as ooo
 from benchmarks import _report
-from benchmarks.models import scanned
+from ooojax.models import scanned
 from passes.cost import CostModel, get_spec
-from passes.scan_skew import predict
+from passes.scan.skew import predict
 
 VARIANTS = {
     "jax.grad": None,

@@ -18,7 +18,7 @@ import optax
 
 import ooojax as ooo
 from benchmarks import _report
-from benchmarks.models import ZOO
+from ooojax.models import ZOO
 from ooojax import demo
 from ooojax._calibrate import time_fn
 

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from passes import _compat
-from passes import collectives as _collectives
+from passes.collectives import plan as _collectives
 from passes.cost import CostModel, DeviceSpec
 from passes.emit import ORDERINGS, emit
 from passes.ir import Schedule, Split
@@ -196,7 +196,7 @@ class _Plan:
   schedule: Schedule
   out_tree: Any   # (aux_tree, aux_parts, g_tree, g_parts): see `_Transformed._trace`
   n_aux: int      # traced aux leaves among the outputs
-  collectives: Any = None  # passes.collectives.CollectivePlan (data_parallel)
+  collectives: Any = None  # passes.collectives.plan.CollectivePlan (data_parallel)
 
 
 _PLAN_CACHE_SIZE = 8

@@ -1,7 +1,7 @@
 """`Report.compiled(gpu=...)`: the explained function compiled for a compile-only GPU.
 
 Compiles the same `ooo.grad` the report describes with `ooojax.gpu_hlo`, then
-`passes.hlo_compare` puts each dW unit's predicted stream and overlap beside
+`passes.hlo.compare` puts each dW unit's predicted stream and overlap beside
 what XLA scheduled; `plot_compiled` draws XLA's instruction order as a lane
 of kernels with the stream-call windows on a second lane.
 """
@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from passes import hlo_compare
+from passes.hlo import compare as hlo_compare
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,9 +6,9 @@ import contextlib
 import jax
 
 from passes import _compat
-from passes import collectives as _collectives
+from passes.collectives import plan as _collectives
 from passes.emit import emit as _emit
-from passes.emit_collectives import BucketEmitter
+from passes.collectives.emit import BucketEmitter
 
 
 def axis_size(opts) -> int | None:

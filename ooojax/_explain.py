@@ -74,7 +74,7 @@ class Report:
       parts = [f"{k} {sum(r.per_trip for r in rs) * 1e3:.4f} ms ({len(rs)} loops)"
                for k, rs in sorted(kinds.items())]
       lines.append(f"    x{trips:g} per trip (per layer): " + ", ".join(parts))
-    from passes.scan_skew import predict
+    from passes.scan.skew import predict
     io, sk = predict(self.split, CostModel(self.schedule.device or None))
     if sk:
       lines.append(f"    skewed scan (single_gpu emits B(i) beside W(i-1)): split backward "
@@ -131,7 +131,7 @@ class Report:
     """Compiles the same gradient for a compile-only `gpu` (`ooojax.gpu_hlo`):
     per dW unit, the predicted stream and overlap beside what XLA scheduled.
 
-    Returns a `passes.hlo_compare.Comparison` (`.units`, `.summary()`,
+    Returns a `passes.hlo.compare.Comparison` (`.units`, `.summary()`,
     `.mismatches()`, `.hlo`). Needs the `gpu-hlo` extra; see
     `gpu_hlo.unavailable_reason()`.
     """

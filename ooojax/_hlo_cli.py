@@ -1,7 +1,7 @@
 """`python -m ooojax hlo`: the compiled XLA:GPU schedule of a model's gradient.
 
-Compiles `jax.grad` or `ooo.grad` of a zoo model (`benchmarks/models`, from a
-source checkout) or the demo CNN for a compile-only GPU (`ooojax.gpu_hlo`) and
+Compiles `jax.grad` or `ooo.grad` of a zoo model (`ooojax.models`, installed
+with the package) or the demo CNN for a compile-only GPU (`ooojax.gpu_hlo`) and
 prints the async pairs XLA scheduled, plus "heavy dW calls overlapped: k / n":
 n stream-annotated calls whose callee holds a conv/GEMM kernel, k of them with
 a conv/GEMM kernel scheduled between start and done.
@@ -48,8 +48,8 @@ def _shapes_only_init():
   needs no values, and a full-size init costs minutes on a small CPU."""
   import jax
 
-  from benchmarks import models
-  from benchmarks.models import _common
+  from ooojax import models
+  from ooojax.models import _common
   mods = [_common] + [getattr(models, n) for n in ("densenet", "mobilenet", "resnet",
                                                     "transformer")]
   saved = [(m, m.init_params) for m in mods if hasattr(m, "init_params")]
@@ -76,11 +76,7 @@ def load_model(name: str, *, tiny: bool = False, batch: int | None = None,
     v = jax.eval_shape(model.init, jax.random.PRNGKey(0), x)
     _, loss_fn = demo.make_step(jax.grad, model, None)
     return loss_fn, (v["params"], v["batch_stats"], x, y), {"has_aux": True}
-  try:
-    from benchmarks.models import ZOO
-  except ImportError as e:
-    raise ValueError("zoo models need the ooojax source checkout on sys.path "
-                     "(run from the repository root); --model demo works anywhere") from e
+  from ooojax.models import ZOO
   if name not in ZOO:
     raise ValueError(f"unknown model {name!r}; choose 'demo' or one of {sorted(ZOO)}")
   make, full_kw, tiny_kw = ZOO[name]
@@ -109,7 +105,7 @@ def grad_fn(loss_fn, kw: dict, mode: str, gpu: str = "H100", ordering: str | Non
 
 @dataclasses.dataclass(frozen=True)
 class CompiledModel:
-  schedule: Any          # passes.hlo_schedule.HloSchedule
+  schedule: Any          # passes.hlo.schedule.HloSchedule
   text: str              # the scheduled HLO
   lower_s: float
   compile_s: float
@@ -136,7 +132,7 @@ def compile_model(fn, args, *, gpu: str = "H100", devices: int = 1,
   import jax
 
   from ooojax import gpu_hlo
-  from passes import hlo_schedule
+  from passes.hlo import schedule as hlo_schedule
   reason = gpu_hlo.unavailable_reason()
   if reason is not None:
     raise RuntimeError(f"cannot compile for a GPU here: {reason}")
@@ -153,7 +149,7 @@ def compile_model(fn, args, *, gpu: str = "H100", devices: int = 1,
 def add_parser(sub) -> None:
   p = sub.add_parser("hlo", help="print the compiled XLA:GPU schedule of a model's gradient "
                      "(compile-only, no GPU needed)")
-  p.add_argument("--model", default="demo", help="'demo' or a zoo name (benchmarks/models)")
+  p.add_argument("--model", default="demo", help="'demo' or a zoo name (ooojax/models)")
   p.add_argument("--tiny", action="store_true", help="the zoo's tiny sizes")
   p.add_argument("--batch", type=int, default=None)
   p.add_argument("--size", action="append", default=[], metavar="NAME=VALUE",

@@ -3,11 +3,11 @@
 The CUDA PJRT plugin can compile for a *compile-only* GPU described by an XLA
 `GpuTargetConfigProto` (text), with no driver and no device. This module
 builds such devices for named GPUs, compiles any function for them and parses
-the scheduled HLO (`passes.hlo_schedule`): which async calls and collectives
+the scheduled HLO (`passes.hlo.schedule`): which async calls and collectives
 XLA made, and what it put between each start and done.
 
-Needs the `gpu-hlo` extra (`pip install -e ".[gpu-hlo]"`: `jax-cuda12-plugin`
-and `jax-cuda12-pjrt` at jaxlib's version) and, on a machine without a GPU,
+Needs the `gpu-hlo` extra (`pip install -e ".[gpu-hlo]"`: `jax-cuda13-plugin`
+and `jax-cuda13-pjrt` at jaxlib's version, as on the GPU machine) and, on a machine without a GPU,
 `JAX_PLATFORMS=cpu` in the environment before jax is imported (otherwise the
 plugin fails its CUDA check and never registers). `unavailable_reason()` says
 what is missing.
@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 from ooojax import _platform
-from passes import hlo_schedule
+from passes.hlo import schedule as hlo_schedule
 
 # Device numbers from XLA's xla/tools/hlo_opt/gpu_specs/*.txtpb (h100_sxm,
 # a100_40); H200 = H100 SXM with H200's memory (143771 MiB) and bandwidth
@@ -68,9 +68,11 @@ GPUS: dict[str, tuple[dict[str, Any], str]] = {
 # cuDNN / CUDA runtime versions each plugin release was built with, used only
 # when the plugin's own build info cannot be read. (plugin version) -> versions.
 _KNOWN_BUILDS = {
-    "0.10.2": {"cudnn": (9, 8), "cuda": (12, 9)},
+    "0.11.2": {"cudnn": (9, 12), "cuda": (13, 0)},  # jax-cuda13-plugin, the GPU image's
 }
-_DEFAULT_BUILD = {"cudnn": (9, 8), "cuda": (12, 9)}
+_DEFAULT_BUILD = {"cudnn": (9, 12), "cuda": (13, 0)}
+
+
 def _installed_plugin() -> str | None:
   """"cuda12" / "cuda13" for the installed jax CUDA plugin, or None."""
   return _platform.installed_cuda_plugin()
@@ -102,7 +104,7 @@ def plugin_versions() -> dict[str, Any]:
       return {"plugin": p, "version": version, "source": "table", **_KNOWN_BUILDS[version]}
     # A guess: the plugin's CUDA major, and the cuDNN of the last known build.
     return {"plugin": p, "version": version, "source": "default (guessed)",
-            **_DEFAULT_BUILD, **({"cuda": (13, 0)} if p == "cuda13" else {})}
+            **_DEFAULT_BUILD, **({"cuda": (12, 9)} if p == "cuda12" else {})}
 
 
 def target_config(gpu: str = "H100") -> str:
@@ -158,8 +160,8 @@ def unavailable_reason() -> str | None:
   import jaxlib
   jl = jaxlib.__version__
   plugin = _installed_plugin()
-  install = (f'pip install "ooojax[gpu-hlo]" jax-cuda12-plugin=={jl} '
-             f"jax-cuda12-pjrt=={jl} (the plugin must match jaxlib {jl})")
+  install = (f'pip install "ooojax[gpu-hlo]" jax-cuda13-plugin=={jl} '
+             f"jax-cuda13-pjrt=={jl} (the plugin must match jaxlib {jl})")
   if plugin is None:
     return f"no CUDA PJRT plugin is installed: {install}"
   pv = _dist_version(f"jax-{plugin}-plugin")
@@ -279,7 +281,7 @@ def compile_text(fn, *args, gpu: str = "H100", devices: int | Sequence[int] = 1,
 def schedule(fn, *args, gpu: str = "H100", devices: int | Sequence[int] = 1,
              mesh: jax.sharding.Mesh | None = None,
              compiler_options: Mapping[str, Any] | None = None) -> hlo_schedule.HloSchedule:
-  """`passes.hlo_schedule.parse(compile_text(...))`: the compiled schedule as data.
+  """`passes.hlo.schedule.parse(compile_text(...))`: the compiled schedule as data.
 
   >>> import jax.numpy as jnp
   >>> if unavailable_reason() is None:

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from passes.pipeline_exec import lower
-from passes.pipeline_generate import SCHEDULES, generate
-from passes.pipeline_schedule import Action, PipelineSchedule, ScheduleError
+from passes.pipeline.execute import lower
+from passes.pipeline.generate import SCHEDULES, generate
+from passes.pipeline.schedule import Action, PipelineSchedule, ScheduleError
 
 __all__ = ["SCHEDULES", "Action", "PipelineSchedule", "ScheduleError", "schedule",
            "value_and_grad"]

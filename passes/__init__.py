@@ -1,8 +1,17 @@
-"""ooojax's compiler passes, one module each: split -> cost -> schedule -> emit.
+"""ooojax's compiler passes: split -> cost -> schedule -> emit, one module each.
+
+The mode-neutral core is this folder: `ir` (the plain data between passes),
+`split` (trace the vjp, classify dX / dW), `cost`, `schedule`, `simulate`,
+`emit` and `stage` (the schedule back into the caller's trace),
+`fingerprint`, and `_compat` (every private JAX import and primitive-param
+read). Each concern is a subpackage: `scan` (layers in one loop),
+`collectives` (data parallel), `pipeline` (pipeline tables and their
+executor), `hlo` (reading the compiled schedule).
 
 Import each pass from its module (`from passes.split import split`); this
 package re-exports only the plain data types that flow between them.
 """
+from passes import scan as _scan  # noqa: F401 - registers the backward-scan split
 from passes.cost import DEVICE_SPECS, CostModel, DeviceSpec
 from passes.ir import Action, Call, Cluster, Kind, Schedule, Split, Unit, UnitKind
 from passes.simulate import LINKS, Link, Span, Timeline

@@ -1,98 +1,255 @@
-"""Every private JAX import ooojax needs, in one place.
+"""Every private JAX import, and every read of a primitive's params, in one place.
 
-A JAX upgrade that moves or renames one of these touches this file only. Each
-name has a fallback or a clear error, so an unknown JAX fails loudly here rather
-than deep inside a pass.
+A JAX upgrade that moves or renames one of these touches this file only
+(`tests/test_compat.py` checks that no other module indexes `eqn.params`).
+Supported: jax/jaxlib 0.11.2 (the GPU machine's) and 0.12.x. Each name has a
+clear error for an unknown JAX rather than a `KeyError` deep inside a pass.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 import jax
+from jax._src import core as _core
+from jax._src import flattree as _ft
+from jax._src import source_info_util as _siu
+from jax._src.interpreters import partial_eval as _pe
+from jax._src.lax.lax import _convert_element_type as _cet
+from jax._src.linear_util import DebugInfo as _DebugInfo
 from jax.extend import core as jex_core
 
 Literal = jex_core.Literal
 Var = jex_core.Var
 Jaxpr = jex_core.Jaxpr
+# jax >= 0.11: one class; a Jaxpr carries its consts (`closed(jaxpr, consts)`).
 ClosedJaxpr = jex_core.ClosedJaxpr
 DropVar = jex_core.DropVar
+JAXPR_TYPES = (Jaxpr,) if ClosedJaxpr is Jaxpr else (Jaxpr, ClosedJaxpr)
 
-try:  # jax >= 0.4.3x
-  from jax._src import source_info_util as _siu
-except ImportError:  # pragma: no cover - future JAX
-  _siu = None
-
-try:
-  from jax._src.api import (
-      _check_scalar as check_scalar,
-      _check_input_dtype_grad as check_input_dtype_grad,
-      _check_output_dtype_grad as check_output_dtype_grad,
-  )
-except ImportError:  # pragma: no cover - future JAX moved them; keep JAX's wording
-  import numpy as _np
-
-  def check_scalar(x):
-    shape = jax.numpy.shape(x)
-    if shape != ():
-      raise TypeError("Gradient only defined for scalar-output functions. "
-                      f"Output had shape: {shape}.")
-
-  def check_input_dtype_grad(holomorphic, allow_int, x):
-    dt = jax.numpy.result_type(x)
-    if not allow_int and not jax.numpy.issubdtype(dt, _np.inexact):
-      raise TypeError("grad requires real- or complex-valued inputs (input dtype "
-                      f"that is a sub-dtype of np.inexact), but got {dt.name}. "
-                      "If you want to use Boolean- or integer-valued inputs, "
-                      "use vjp or set allow_int to True.")
-
-  def check_output_dtype_grad(holomorphic, x):
-    dt = jax.numpy.result_type(x)
-    if not holomorphic and not jax.numpy.issubdtype(dt, _np.floating):
-      raise TypeError("grad requires real-valued outputs (output dtype that is "
-                      f"a sub-dtype of np.floating), but got {dt.name}.")
-
-# compute_on2 (function form) lowers to one non-inlined `call` carrying
-# `_xla_stream_annotation`, the only form XLA GPU wraps into an async call.
-# jax <= 0.11.0 calls the function form `compute_on2`; later JAX renamed it to
-# `compute_on` (same keywords) and dropped the context-manager `compute_on`.
-def _find_compute_on_fn():
-  import inspect
-  from jax.experimental import compute_on as mod
-  for name in ("compute_on2", "compute_on"):
-    fn = getattr(mod, name, None)
-    if fn is None:
-      continue
-    try:
-      params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # pragma: no cover
-      continue
-    if "out_memory_spaces" in params:
-      return fn
-  return None
+from jax._src.api import (  # noqa: E402 - JAX's own wording for grad's argument errors
+    _check_input_dtype_grad as check_input_dtype_grad,
+    _check_output_dtype_grad as check_output_dtype_grad,
+    _check_scalar as check_scalar,
+)
 
 
-try:
-  _compute_on2 = _find_compute_on_fn()
-except ImportError:  # pragma: no cover
-  _compute_on2 = None
+def closed(jaxpr, consts: Sequence[Any] = ()):
+  """`jaxpr` with `consts` bound to its constvars (a closed jaxpr)."""
+  return ClosedJaxpr(jaxpr, list(consts))
 
-try:
-  from jax._src.core import MemorySpace as _MemorySpace
-  _DEVICE_SPACE = _MemorySpace.Device
-except ImportError:  # pragma: no cover
-  _DEVICE_SPACE = None
+
+def open_jaxpr(constvars, invars, outvars, eqns, effects, debug_info=None):
+  """A jaxpr whose `constvars` get values later (`closed`)."""
+  return Jaxpr(list(constvars), list(invars), list(outvars), list(eqns), effects, debug_info)
+
+
+def check_jaxpr(jaxpr) -> None:
+  """JAX's type check of a (closed) jaxpr; raises `JaxprTypeError`."""
+  _core.check_jaxpr(getattr(jaxpr, "jaxpr", jaxpr))
+
+
+# --- primitive params: every read and write goes through here -----------------
+def param_items(eqn) -> tuple[tuple[str, Any], ...]:
+  """An equation's params as (name, value) pairs, for generic walks (fingerprints)."""
+  return tuple(eqn.params.items())
+
+
+def subjaxprs(eqn) -> Iterator[Any]:
+  """The jaxprs an equation holds (a scan's body, a cond's branches, ...)."""
+  for p in eqn.params.values():
+    for q in (p if type(p) in (tuple, list) else (p,)):
+      if isinstance(q, JAXPR_TYPES):
+        yield q
+
+
+def map_subjaxprs(eqn, fn):
+  """`eqn` with every jaxpr it holds replaced by `fn(jaxpr)`."""
+  def sub(p):
+    if isinstance(p, JAXPR_TYPES):
+      return fn(p)
+    if type(p) in (tuple, list) and any(isinstance(q, JAXPR_TYPES) for q in p):
+      return type(p)(sub(q) for q in p)
+    return p
+  return eqn.replace(params={k: sub(p) for k, p in eqn.params.items()})
+
+
+class CallBody(NamedTuple):
+  """What a call-like equation runs: inline `jaxpr` with `consts` before its inputs."""
+  jaxpr: Any
+  consts: tuple
+  prevent_cse: Any  # False, True, or one bool per input: barrier the inputs when inlining
+
+
+_CALL_PARAM = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
+               "core_call": "call_jaxpr", "eval_jaxpr": "call_jaxpr",
+               "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+               "custom_vjp_call_jaxpr": "call_jaxpr"}
+_REMAT = ("checkpoint", "remat2")
+CALL_PRIMITIVES = frozenset(_CALL_PARAM) | frozenset(_REMAT)
+
+
+def call_body(eqn) -> CallBody | None:
+  """The body of a call-like equation (jit, eval_jaxpr, custom_jvp/vjp, remat), else None.
+
+  A differentiated remat (the backward's recompute) keeps its CSE barrier so
+  that XLA cannot merge the recompute into the forward pass.
+  """
+  name = eqn.primitive.name
+  p = eqn.params
+  if name in _REMAT:
+    prevent = p["prevent_cse"] if p.get("differentiated") else False
+    j = p["jaxpr"]
+    return CallBody(j, tuple(getattr(j, "consts", ())), prevent)
+  key = _CALL_PARAM.get(name)
+  if key is None:
+    return None
+  j = p[key]
+  return CallBody(j, tuple(getattr(j, "consts", ())), False)
+
+
+def is_call(eqn) -> bool:
+  return eqn.primitive.name in CALL_PRIMITIVES
+
+
+class ScanInfo(NamedTuple):
+  """A `scan` equation's params, as the passes read them."""
+  body: Any            # closed jaxpr: (*consts, *carry, *xs) -> (*carry, *ys)
+  num_consts: int
+  num_carry: int
+  length: int
+  reverse: bool
+  unroll: int
+
+  def split_in(self, vals: Sequence[Any]) -> tuple[list, list, list]:
+    nc, nk = self.num_consts, self.num_carry
+    return list(vals[:nc]), list(vals[nc:nc + nk]), list(vals[nc + nk:])
+
+  def split_out(self, vals: Sequence[Any]) -> tuple[list, list]:
+    return list(vals[:self.num_carry]), list(vals[self.num_carry:])
+
+  @property
+  def loop_key(self) -> tuple:
+    """What two scans must share to run as one loop."""
+    return (self.length, self.reverse, self.unroll)
+
+
+def is_scan(eqn) -> bool:
+  return eqn.primitive.name == "scan"
+
+
+def scan_info(eqn) -> ScanInfo:
+  """The params of a `scan` equation (jax >= 0.11 keeps the counts in FlatTrees)."""
+  if eqn.primitive.name != "scan":
+    raise TypeError(f"scan_info expects a scan equation, got {eqn.primitive.name}")
+  p = eqn.params
+  if "ft_in" in p:
+    nc, nk, _ = (len(t) for t in p["ft_in"].unpack())
+  else:  # pragma: no cover - jax < 0.11
+    nc, nk = p["num_consts"], p["num_carry"]
+  return ScanInfo(p["jaxpr"], nc, nk, int(p["length"]), bool(p["reverse"]),
+                  p.get("unroll", 1))
+
+
+def scan_eqn(like, *, body, num_consts: int, num_carry: int, invars, outvars):
+  """A `scan` equation like `like` (length, direction, unroll) running `body`.
+
+  `body` is closed: `(*consts, *carry, *xs) -> (*carry, *ys)` with `num_consts`
+  consts and `num_carry` carries; `invars` / `outvars` are the outer atoms.
+  """
+  p = dict(like.params, jaxpr=body)
+  n_xs = len(body.jaxpr.invars) - num_consts - num_carry
+  n_ys = len(body.jaxpr.outvars) - num_carry
+  if "ft_in" in p:
+    p["ft_in"] = _ft.pack((_ft.nones(num_consts), _ft.nones(num_carry), _ft.nones(n_xs)))
+    p["ft_out"] = _ft.pack((_ft.nones(num_carry), _ft.nones(n_ys)))
+  else:  # pragma: no cover - jax < 0.11
+    p.update(num_consts=num_consts, num_carry=num_carry)
+    if "linear" in p:
+      p["linear"] = (False,) * len(body.jaxpr.invars)
+  return like.replace(invars=list(invars), outvars=list(outvars), params=p)
+
+
+class WhileInfo(NamedTuple):
+  cond: Any        # closed jaxpr: (*cond_consts, *carry) -> pred
+  body: Any        # closed jaxpr: (*body_consts, *carry) -> carry
+  cond_nconsts: int
+  body_nconsts: int
+
+
+def while_info(eqn) -> WhileInfo:
+  p = eqn.params
+  return WhileInfo(p["cond_jaxpr"], p["body_jaxpr"], p["cond_nconsts"], p["body_nconsts"])
+
+
+def cond_branches(eqn) -> tuple:
+  """A `cond` equation's branches (closed jaxprs); its first input is the index."""
+  return tuple(eqn.params["branches"])
+
+
+def dot_contracting(eqn) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """A `dot_general`'s (lhs, rhs) contracting dimensions."""
+  (lc, rc), _ = eqn.params["dimension_numbers"]
+  return tuple(lc), tuple(rc)
+
+
+def conv_out_feature_dim(eqn) -> int:
+  """The kernel's output-feature dimension of a `conv_general_dilated`."""
+  dn = eqn.params["dimension_numbers"]
+  return dn.rhs_spec[0] if dn is not None else 0
+
+
+def conv_group_count(eqn) -> int:
+  return max(int(eqn.params.get("batch_group_count", 1)), 1)
+
+
+def call_name(eqn) -> str | None:
+  """The `name` of a `jit` equation (None for other primitives)."""
+  return eqn.params.get("name") if eqn.primitive.name in ("jit", "pjit") else None
+
+
+class JitTemplate(NamedTuple):
+  """A traced `jit` equation's primitive and params, re-used to stage calls."""
+  primitive: Any
+  params: dict
+
+
+_PER_IN = ("in_shardings", "in_layouts", "donated_invars")
+_PER_OUT = ("out_shardings", "out_layouts")
+
+
+def jit_template(eqn) -> JitTemplate | None:
+  """`eqn` (a 1-in 1-out `jit`) as a template, or None for a jit form we do not know."""
+  p = dict(eqn.params)
+  one = {k for k, v in p.items() if isinstance(v, tuple) and len(v) == 1}
+  if one != set(_PER_IN + _PER_OUT) or "jaxpr" not in p or "name" not in p:
+    return None  # pragma: no cover - a JAX whose jit params we do not know
+  return JitTemplate(eqn.primitive, p)
+
+
+def jit_params(template: JitTemplate, body, name: str, n_in: int, n_out: int) -> dict:
+  """Params of a `jit` equation calling `body` (closed) with `n_in` inputs."""
+  p = dict(template.params, jaxpr=body, name=name)
+  for k in _PER_IN:
+    p[k] = p[k] * n_in
+  for k in _PER_OUT:
+    p[k] = p[k] * n_out
+  return p
+
+
+# compute_on's function form lowers to one non-inlined `call` carrying
+# `_xla_stream_annotation`, the only form XLA:GPU wraps into an async call.
+from jax.experimental.compute_on import compute_on as _compute_on  # noqa: E402
+
+_DEVICE_SPACE = _core.MemorySpace.Device
 
 
 def on_stream(fun, stream: int, n_out: int):
   """Wraps `fun` (returning `n_out` arrays) to lower to one call on GPU stream `stream`."""
-  if _compute_on2 is None:  # pragma: no cover
-    raise NotImplementedError(
-        "this JAX has no function-form compute_on (compute_on2) in "
-        "jax.experimental.compute_on; use ooo.grad(..., mode='in_order').")
-  return _compute_on2(fun, compute_type=f"gpu_stream:{stream}",
-                      out_memory_spaces=(_DEVICE_SPACE,) * n_out)
+  return _compute_on(fun, compute_type=f"gpu_stream:{stream}",
+                     out_memory_spaces=(_DEVICE_SPACE,) * n_out)
 
 
 # Set by `vary_inputs`: bind_eqn makes mixed invariant inputs varying over these axes.
@@ -138,18 +295,16 @@ def eval_jaxpr(jaxpr, consts, *args) -> list[Any]:
 def _rebind_scan(eqn, invals):
   # A body traced without vma types types its carries invariant while the
   # re-bound inputs are varying: re-trace it as a scan over varying carries.
-  p = eqn.params
-  nc, nk = p["num_consts"], p["num_carry"]
-  consts, xs = invals[:nc], invals[nc + nk:]
-  init = [to_varying(x, _VARY_AXES) for x in invals[nc:nc + nk]]
-  body = p["jaxpr"]
+  info = scan_info(eqn)
+  consts, init, xs = info.split_in(invals)
+  init = [to_varying(x, _VARY_AXES) for x in init]
+  body, nk = info.body, info.num_carry
 
   def f(carry, x):
     outs = eval_jaxpr(body.jaxpr, body.consts, *consts, *carry, *x)
     return [to_varying(c, _VARY_AXES) for c in outs[:nk]], outs[nk:]
-  kw = {"_split_transpose": True} if p.get("_split_transpose") else {}  # a private flag
-  carry, ys = jax.lax.scan(f, init, xs, length=p["length"], reverse=p["reverse"],
-                           unroll=p["unroll"], **kw)
+  carry, ys = jax.lax.scan(f, init, xs, length=info.length, reverse=info.reverse,
+                           unroll=info.unroll)
   return [*carry, *ys]
 
 
@@ -166,26 +321,19 @@ def bind_eqn(eqn, invals: list[Any]) -> list[Any]:
       return rule(eqn, invals)
   params = eqn.primitive.get_bind_params(eqn.params)
   subfuns: list[Any] = []
-  if isinstance(params, tuple):  # older JAX returned (subfuns, params)
+  if isinstance(params, tuple):  # a primitive with function params: (subfuns, params)
     subfuns, params = params
   ctx = eqn.ctx.manager if getattr(eqn, "ctx", None) is not None else contextlib.nullcontext()
-  if _siu is not None:
-    name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
-    src = _siu.user_context(eqn.source_info.traceback, name_stack=name_stack)
-  else:  # pragma: no cover
-    src = contextlib.nullcontext()
+  name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
+  src = _siu.user_context(eqn.source_info.traceback, name_stack=name_stack)
   with src, ctx:
     ans = eqn.primitive.bind(*subfuns, *invals, **params)
   return list(ans) if eqn.primitive.multiple_results else [ans]
 
 
-try:  # the staging fast path of `emit_eqns`
-  from jax._src import core as _core
-  from jax._src.interpreters import partial_eval as _pe
-  _STAGE = (_core.trace_ctx, _pe.DynamicJaxprTrace, _pe.DynamicJaxprTracer)
-  _STAGE[1].emit_eqn, _STAGE[1].to_jaxpr_tracer  # noqa: B018 - fail here if renamed
-except (ImportError, AttributeError):  # pragma: no cover - other JAX: bind each equation
-  _STAGE = None
+# the staging fast path of `emit_eqns` (None: bind every equation, as tests compare)
+_STAGE = (_core.trace_ctx, _pe.DynamicJaxprTrace, _pe.DynamicJaxprTracer)
+_STAGE[1].emit_eqn, _STAGE[1].to_jaxpr_tracer  # noqa: B018 - fail here if renamed
 
 
 def _staging_trace():
@@ -234,13 +382,13 @@ def emit_eqns(eqns, env: dict, stacks: dict | None = None) -> None:
 
 
 def name_stack():
-  """The current name stack (None on a JAX without one)."""
-  return _siu.current_name_stack() if _siu is not None else None
+  """The current name stack."""
+  return _siu.current_name_stack()
 
 
 def at_name_stack(stack):
   """Runs a block with `stack` (from `name_stack()`) as the current name stack."""
-  if _siu is None or stack is None:  # pragma: no cover
+  if stack is None:
     return contextlib.nullcontext()
   return _siu.set_name_stack(stack)
 
@@ -261,7 +409,7 @@ def staging_trace():
 
 
 def is_current_trace(trace) -> bool:
-  return _STAGE is not None and _STAGE[0].trace is trace
+  return _core.trace_ctx.trace is trace
 
 
 def plain_eqn(eqn) -> bool:
@@ -269,17 +417,13 @@ def plain_eqn(eqn) -> bool:
   return not eqn.effects and isinstance(eqn.primitive, _core.Primitive)
 
 
-NO_EFFECTS = getattr(_core, "no_effects", frozenset()) if _STAGE is not None else frozenset()
+NO_EFFECTS = _core.no_effects
 
 
 @functools.cache
 def call_debug_info():
   """DebugInfo for the jaxpr of ooojax's staged call (`passes.stage`)."""
-  try:
-    from jax._src.linear_util import DebugInfo
-    return DebugInfo("ooo", "ooojax's schedule", None, None)
-  except (ImportError, TypeError):  # pragma: no cover - other JAX: its default
-    return None
+  return _DebugInfo("ooo", "ooojax's schedule", None, None)
 
 
 @functools.cache
@@ -334,11 +478,8 @@ def control_deps(pairs) -> None:
 
 
 def new_var(aval):
-  """A fresh jaxpr variable (the constructor's signature changed across JAX)."""
-  try:
-    return Var(aval)
-  except TypeError:  # pragma: no cover - older JAX: Var(suffix, aval)
-    return Var("", aval)
+  """A fresh jaxpr variable."""
+  return Var(aval)
 
 
 def flat_debug_info(jaxpr, n_consts: int):
@@ -358,7 +499,7 @@ def flat_debug_info(jaxpr, n_consts: int):
 
 def eqn_context():
   """The context new equations get (xla metadata, compute type, ...): hashable."""
-  return _core.current_jaxpr_eqn_context() if _STAGE is not None else None
+  return _core.current_jaxpr_eqn_context()
 
 
 def is_tracer(x) -> bool:
@@ -412,17 +553,9 @@ def invariant_program(closed) -> bool:
       for v in e.outvars:
         if varies(v.aval):
           return False
-      for p in e.params.values():
-        if type(p) is tuple:  # cond's branches
-          subs = p if p and type(p[0]) in (ClosedJaxpr, Jaxpr) else ()
-        else:
-          subs = (p,) if type(p) in (ClosedJaxpr, Jaxpr) else ()
-        for q in subs:
-          if type(q) is ClosedJaxpr:
-            if any(varying_axes(c) for c in q.consts) or not ok(q.jaxpr):
-              return False
-          elif not ok(q):
-            return False
+      for q in subjaxprs(e):
+        if any(varying_axes(c) for c in getattr(q, "consts", ())) or not ok(q.jaxpr):
+          return False
     return True
   return ok(closed.jaxpr)
 
@@ -441,7 +574,7 @@ def shape_dtype(aval) -> jax.ShapeDtypeStruct:
   casts, so emission can copy them (`emit_eqns`) instead of re-binding each.
   """
   weak = bool(getattr(aval, "weak_type", False))
-  mat = getattr(aval, "mat", None)  # jax 0.10-0.11: the manual axis type (vma)
+  mat = getattr(aval, "mat", None)  # the manual axis type (vma)
   if mat is not None and not getattr(mat, "empty", True):
     try:
       return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak,
@@ -452,30 +585,16 @@ def shape_dtype(aval) -> jax.ShapeDtypeStruct:
 
 
 def _pcast_varying(x, axes):
-  if hasattr(jax.lax, "pcast"):  # jax >= 0.8
-    return jax.lax.pcast(x, axes, to="varying")
-  return jax.lax.pvary(x, axes)  # pragma: no cover - older name
+  return jax.lax.pcast(x, axes, to="varying")
 
 
 def stacked_aval(length: int, aval):
   """`aval` with a leading axis of `length` (a scan's ys), keeping weak type and sharding."""
-  try:
-    from jax._src import core as _core
-    return _core.unmapped_aval(length, 0, aval)
-  except (ImportError, AttributeError, TypeError):  # pragma: no cover
-    return aval.update(shape=(length, *aval.shape))
-
-
-try:
-  from jax._src.lax.lax import _convert_element_type as _cet
-except ImportError:  # pragma: no cover
-  _cet = None
+  return _core.unmapped_aval(length, 0, aval)
 
 
 def convert_element_type(x, dtype, weak_type: bool):
   """`x` as `dtype`, weakly typed when `weak_type` (jax.grad's cotangent keeps the output's)."""
-  if _cet is None:  # pragma: no cover - loses weak typing only
-    return jax.lax.convert_element_type(x, dtype)
   return _cet(x, dtype, weak_type)
 
 

@@ -26,6 +26,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from passes import _compat
+
 
 @dataclasses.dataclass(frozen=True)
 class DeviceSpec:
@@ -105,7 +107,7 @@ def _nbytes(aval) -> int:
 
 
 def _dot_flops(eqn) -> float:
-  (lc, _), _ = eqn.params["dimension_numbers"]
+  lc, _ = _compat.dot_contracting(eqn)
   lhs = eqn.invars[0].aval
   k = math.prod(lhs.shape[d] for d in lc) if lc else 1
   return 2.0 * _size(eqn.outvars[0].aval) * k
@@ -113,10 +115,8 @@ def _dot_flops(eqn) -> float:
 
 def _conv_flops(eqn) -> float:
   rhs = eqn.invars[1].aval
-  dn = eqn.params["dimension_numbers"]
-  out_feature_dim = dn.rhs_spec[0] if dn is not None else 0
-  per_out = math.prod(rhs.shape) / max(rhs.shape[out_feature_dim], 1)
-  per_out /= max(eqn.params.get("batch_group_count", 1), 1)
+  per_out = math.prod(rhs.shape) / max(rhs.shape[_compat.conv_out_feature_dim(eqn)], 1)
+  per_out /= _compat.conv_group_count(eqn)
   return 2.0 * _size(eqn.outvars[0].aval) * per_out
 
 
@@ -155,7 +155,8 @@ def _body(j):
 
 
 def _scan_loop(eqn) -> Loop:
-  return Loop(((_body(eqn.params["jaxpr"]), float(eqn.params["length"])),))
+  info = _compat.scan_info(eqn)
+  return Loop(((_body(info.body), float(info.length)),))
 
 
 def _lit(v):
@@ -173,10 +174,9 @@ def while_trips(eqn) -> int | None:
   at a literal and the body adds the literal 1 to it; `bound` is a literal or
   a carry passed through unchanged that starts at a literal.
   """
-  p = eqn.params
-  cond, body = getattr(p["cond_jaxpr"], "jaxpr", p["cond_jaxpr"]), getattr(
-      p["body_jaxpr"], "jaxpr", p["body_jaxpr"])
-  nc, nb = p["cond_nconsts"], p["body_nconsts"]
+  w = _compat.while_info(eqn)
+  cond, body = getattr(w.cond, "jaxpr", w.cond), getattr(w.body, "jaxpr", w.body)
+  nc, nb = w.cond_nconsts, w.body_nconsts
   init = eqn.invars[nc + nb:]
   if len(cond.eqns) != 1 or cond.eqns[0].primitive.name != "lt":
     return None
@@ -199,13 +199,13 @@ def while_trips(eqn) -> int | None:
 
 def _while_loop(eqn) -> Loop:
   trips = while_trips(eqn)
-  p = eqn.params
+  w = _compat.while_info(eqn)
   t = float(trips if trips is not None else 1)
-  return Loop(((_body(p["body_jaxpr"]), t), (_body(p["cond_jaxpr"]), t + 1)))
+  return Loop(((_body(w.body), t), (_body(w.cond), t + 1)))
 
 
 def _cond_loop(eqn) -> Loop:
-  return Loop(tuple((_body(b), 1.0) for b in eqn.params["branches"]), True)
+  return Loop(tuple((_body(b), 1.0) for b in _compat.cond_branches(eqn)), True)
 
 
 LoopRule = Callable[[object], Loop]
@@ -222,8 +222,9 @@ def estimate(eqn) -> EqnCost:
   loop = LOOP_RULES.get(name)
   if loop is not None:
     return _loop_estimate(eqn, loop(eqn))
-  if name in _CALL_PRIMS:  # a forward call kept whole by split: price its insides
-    cs = [estimate(e) for e in _call_body(eqn).eqns]
+  call = _compat.call_body(eqn)
+  if call is not None:  # a forward call kept whole by split: price its insides
+    cs = [estimate(e) for e in _body(call.jaxpr)]
     return EqnCost(sum(c.flops for c in cs), sum(c.bytes for c in cs),
                    any(c.kernel for c in cs), sum(c.out_elems for c in cs))
   out_bytes = out_elems = 0
@@ -252,17 +253,6 @@ def _loop_estimate(eqn, loop: Loop) -> EqnCost:
     per = [max(per, key=lambda fb: fb[0])] if per else []
   out_elems = sum(_size(v.aval) for v in eqn.outvars)
   return EqnCost(sum(f for f, _ in per), sum(b for _, b in per), True, out_elems)
-
-
-_CALL_PRIMS = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
-                         "custom_vjp_call", "checkpoint", "remat2"})
-
-
-def _call_body(eqn):
-  if eqn.primitive.name not in _CALL_PRIMS:
-    return None
-  j = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-  return getattr(j, "jaxpr", j)
 
 
 def _roofline(spec: DeviceSpec, c: EqnCost, matmul: bool, dtype=None) -> tuple[float, float]:

@@ -44,7 +44,8 @@ import jax
 import numpy as np
 from jax import lax
 
-from passes import _compat, scan_skew, stage
+from passes import _compat, stage
+from passes.scan import skew as scan_skew
 from passes.fingerprint import exact_key
 from passes.ir import Call, Kind, Schedule, Split
 
@@ -427,7 +428,7 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
     ordering: one of `ORDERINGS` (see the module docstring).
     annotate: wrap side-stream calls in a stream-annotated call. False keeps
       the order but emits plain equations (the in-order baseline's form).
-    collectives: a `passes.emit_collectives.BucketEmitter` (data-parallel
+    collectives: a `passes.collectives.emit.BucketEmitter` (data-parallel
       mode): issues each gradient bucket's reduction after its last unit.
     consume: the caller hands over `split`'s jaxpr: emitted equations are
       removed from it as emission goes (lower peak memory); do not use the
@@ -442,7 +443,7 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
   edges = annotate and ordering in ("auto", "control_deps")
   # A split backward scan becomes one scan running B(i) and W(i-1) together
   # (W on stream 1 when annotating): one loop instead of 1 + #W-scans.
-  # Data parallel: the loop all-reduces each layer's dW slice (passes.scan_collectives).
+  # Data parallel: the loop all-reduces each layer's dW slice (passes.collectives.loops).
   split, sched = scan_skew.fuse(split, sched, stream=1 if annotate else None, pin=barriers,
                                 reduce_ys=getattr(collectives, "reduce_ys", None))
   jaxpr = split.jaxpr.jaxpr

@@ -61,7 +61,7 @@ def fingerprint(jaxpr) -> tuple:
     ins = tuple(ref(v) for v in e.invars)
     for v in e.outvars:
       ids[v] = len(ids)
-    params = tuple((k, _param(p)) for k, p in e.params.items())
+    params = tuple((k, _param(p)) for k, p in _compat.param_items(e))
     eqns.append((e.primitive.name, ins, tuple(v.aval for v in e.outvars), params,
                  tuple(e.effects) if e.effects else ()))
   heads = (tuple(v.aval for v in jaxpr.constvars), tuple(v.aval for v in jaxpr.invars))
@@ -109,6 +109,6 @@ def exact_key(eqns, ins, outs) -> tuple:
     for v in e.outvars:
       ids[v] = len(ids)
     rows.append((e.primitive, refs, tuple(v.aval for v in e.outvars),
-                 tuple((k, _exact(p)) for k, p in e.params.items()),
+                 tuple((k, _exact(p)) for k, p in _compat.param_items(e)),
                  tuple(e.effects) if e.effects else (), getattr(e, "ctx", None)))
   return tuple(rows), tuple(ids[v] for v in outs)

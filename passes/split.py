@@ -17,7 +17,7 @@ Call-like equations (`jit`/`pjit`, `closed_call`, `custom_jvp_call`,
 `custom_vjp_call`, `checkpoint`) that read the cotangent are inlined first so
 that their insides are classified too (the others are all FORWARD and stay
 whole: fewer equations to re-bind and lower); a backward `scan` is split into
-a B-scan and W-scans (`REWRITE_RULES`, `passes.scan_split`); other
+a B-scan and W-scans (`REWRITE_RULES`, filled by `passes.scan`); other
 higher-order equations (while, cond, scans that do not split) are kept whole
 and reported in `Split.opaque`.
 """
@@ -28,48 +28,18 @@ from typing import Any
 
 import jax
 
-from passes import _compat, scan_split
+from passes import _compat
 from passes.ir import Cluster, Kind, Split
 
-# --- inline rules: primitive name -> params -> (jaxpr, consts, prevent_cse) ---
-InlineRule = Callable[[dict], tuple[Any, Sequence[Any], Any]]
-INLINE_RULES: dict[str, InlineRule] = {}
-
-
-def _closed(key: str) -> InlineRule:
-  def rule(params):
-    cj = params[key]
-    if isinstance(cj, _compat.ClosedJaxpr):
-      return cj.jaxpr, cj.consts, False
-    return cj, (), False
-  return rule
-
-
-for _name in ("jit", "pjit"):
-  INLINE_RULES[_name] = _closed("jaxpr")
-for _name in ("closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-              "custom_vjp_call_jaxpr"):
-  INLINE_RULES[_name] = _closed("call_jaxpr")
-
-
-def _remat_rule(params):
-  # Keep the rematerialisation: barrier the inputs of a differentiated remat
-  # (the backward recompute) so XLA cannot CSE it into the forward pass.
-  prevent = params["prevent_cse"] if params.get("differentiated") else False
-  return params["jaxpr"], (), prevent
-
-
-INLINE_RULES["checkpoint"] = _remat_rule
-INLINE_RULES["remat2"] = _remat_rule
-
 # --- rewrite rules for backward equations: primitive name -> eqn -> new eqns ---
-# A backward scan becomes a B-scan (the dX chain) and W-scans (per-parameter
-# dW); see passes/scan_split.py.
-REWRITE_RULES: dict[str, scan_split.RewriteRule] = dict(scan_split.REWRITE_RULES)
+# Filled by the packages that own them: `passes.scan` registers "scan" (a
+# backward scan becomes a B-scan for the dX chain and W-scans for the dW).
+RewriteRule = Callable[[Any], "Sequence[Any] | None"]
+REWRITE_RULES: dict[str, RewriteRule] = {}
 
 
 def _needs_inline(jaxpr) -> bool:
-  return any(e.primitive.name in INLINE_RULES for e in jaxpr.eqns)
+  return any(_compat.is_call(e) for e in jaxpr.eqns)
 
 
 def _eval_inlined(jaxpr, consts, args, stats: dict) -> list[Any]:
@@ -84,9 +54,9 @@ def _eval_inlined(jaxpr, consts, args, stats: dict) -> list[Any]:
     env[v] = x
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
-    rule = INLINE_RULES.get(eqn.primitive.name)
-    if rule is not None:
-      inner, inner_consts, prevent = rule(eqn.params)
+    call = _compat.call_body(eqn)
+    if call is not None:
+      inner, inner_consts, prevent = call
       if prevent is True:
         invals = list(jax.lax.optimization_barrier(invals))
       elif isinstance(prevent, tuple) and any(prevent):
@@ -121,8 +91,8 @@ def _inline_by_substitution(closed, stats: dict):
     for eqn in inner.eqns:
       invars = [sub.get(v, v) if isinstance(v, _compat.Var) else v for v in eqn.invars]
       bwd = any(isinstance(v, _compat.Var) and v in tainted for v in invars)
-      rule = INLINE_RULES.get(eqn.primitive.name) if bwd else None
-      if rule is None:
+      call = _compat.call_body(eqn) if bwd else None
+      if call is None:
         outvars = eqn.outvars
         if fresh:
           outvars = [v if isinstance(v, _compat.DropVar) else _compat.new_var(v.aval)
@@ -133,7 +103,7 @@ def _inline_by_substitution(closed, stats: dict):
         same = not fresh and all(a is b for a, b in zip(invars, eqn.invars))
         eqns.append(eqn if same else eqn.replace(invars=invars, outvars=outvars))
         continue
-      body, body_consts, prevent = rule(eqn.params)
+      body, body_consts, prevent = call
       if prevent is True or (isinstance(prevent, tuple) and any(prevent)):
         raise _NeedsRetrace
       m: dict = {}
@@ -153,9 +123,9 @@ def _inline_by_substitution(closed, stats: dict):
   walk = None  # noqa: F841 - its self-reference kept `eqns` (every equation) alive until a GC
   ct, *rest = jaxpr.invars
   outvars = [top.get(v, v) if isinstance(v, _compat.Var) else v for v in jaxpr.outvars]
-  flat = _compat.Jaxpr([], [ct, *const_vars, *rest], outvars, eqns, jaxpr.effects,
-                       _compat.flat_debug_info(jaxpr, len(const_vars)))
-  return _compat.ClosedJaxpr(flat, []), tuple(const_vals)
+  flat = _compat.open_jaxpr([], [ct, *const_vars, *rest], outvars, eqns, jaxpr.effects,
+                            _compat.flat_debug_info(jaxpr, len(const_vars)))
+  return _compat.closed(flat), tuple(const_vals)
 
 
 def _inline_by_retrace(closed, stats: dict):
@@ -276,13 +246,51 @@ def split(flat_fun: Callable[..., Sequence[Any]], in_avals: Sequence[Any],
   return from_flat(flat, consts, n_grads, param_names, stats.get("inlined", 0))
 
 
-def rewrite(flat, stats: dict | None = None):
-  """The backward rewrites (`REWRITE_RULES`: scan -> B-scan + W-scans) of a flat jaxpr.
+def _vars(atoms):
+  return [v for v in atoms if isinstance(v, _compat.Var)]
 
+
+def rewrite(flat, stats: dict | None = None, rules: dict[str, RewriteRule] | None = None):
+  """Applies `rules` (default `REWRITE_RULES`) to the backward equations of a flat jaxpr.
+
+  A backward equation is one that depends on the cotangent (`invars[0]`).
   Deterministic: structurally equal inputs give structurally equal outputs,
   so a cached split's equation indices hold for a re-traced equal program.
+
+  Args:
+    flat: a closed jaxpr whose first input is the loss cotangent.
+    stats: if given, `stats["loops_split"]` counts rewritten equations and
+      `stats["split_eqns"]` collects the ids of the equations they became.
+    rules: primitive name -> equation -> replacement equations (None: keep).
+
+  Returns:
+    A closed jaxpr with the same inputs and outputs.
   """
-  return scan_split.rewrite_backward(flat, REWRITE_RULES, {} if stats is None else stats)
+  rules = REWRITE_RULES if rules is None else rules
+  jaxpr = flat.jaxpr
+  if not any(e.primitive.name in rules for e in jaxpr.eqns):
+    return flat  # nothing to rewrite: skip the taint walk
+  tainted = {jaxpr.invars[0]}
+  eqns, n = [], 0
+  made: set[int] = set()
+  for e in jaxpr.eqns:
+    bwd = any(v in tainted for v in _vars(e.invars))
+    if bwd:
+      tainted.update(e.outvars)
+    rule = rules.get(e.primitive.name) if bwd else None
+    new = rule(e) if rule is not None else None
+    if new is None:
+      eqns.append(e)
+      continue
+    n += 1
+    eqns.extend(new)
+    made.update(id(x) for x in new)
+  if not n:
+    return flat
+  if stats is not None:
+    stats["loops_split"] = stats.get("loops_split", 0) + n
+    stats.setdefault("split_eqns", set()).update(made)
+  return _compat.closed(jaxpr.replace(eqns=eqns), flat.consts)
 
 
 def from_flat(flat, consts: Sequence[Any], n_grads: int, param_names: Sequence[str],
@@ -309,7 +317,7 @@ def from_flat(flat, consts: Sequence[Any], n_grads: int, param_names: Sequence[s
   made = stats.get("split_eqns", set())
   opaque = tuple(e.primitive.name for e in jaxpr.eqns
                  if e.primitive.name not in _COMBINER_PRIMS and id(e) not in made
-                 and e.primitive.name not in INLINE_RULES  # forward-only calls
+                 and not _compat.is_call(e)  # forward-only calls
                  and _has_subjaxpr(e))
   return Split(flat, tuple(consts), kinds, tuple(cluster_of), tuple(clusters),
                len(jaxpr.outvars) - n_grads, stats.get("inlined", 0), opaque,
@@ -330,14 +338,6 @@ _SUBJAXPRS: dict = {}
 
 def _has_subjaxpr(eqn) -> bool:
   known = _SUBJAXPRS.get(eqn.primitive)
-  if known is not None:
-    return known
-  jaxpr_types = (_compat.ClosedJaxpr, _compat.Jaxpr)
-  has = False
-  for p in eqn.params.values():
-    if isinstance(p, jaxpr_types) or (
-        isinstance(p, (tuple, list)) and any(isinstance(x, jaxpr_types) for x in p)):
-      has = True
-      break
-  _SUBJAXPRS[eqn.primitive] = has
-  return has
+  if known is None:
+    known = _SUBJAXPRS[eqn.primitive] = any(True for _ in _compat.subjaxprs(eqn))
+  return known

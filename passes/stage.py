@@ -18,7 +18,7 @@ from typing import Any
 import jax
 
 from passes import _compat
-from passes._compat import ClosedJaxpr, DropVar, Jaxpr, Literal
+from passes._compat import DropVar, Literal
 
 
 def scoped_eqns(eqns, base, stacks: dict, subst: dict) -> list:
@@ -85,9 +85,6 @@ class CallStager:
   current trace does not stage or this JAX's `jit` equation has an unknown form:
   copy there.
   """
-  _PER_IN = ("in_shardings", "in_layouts", "donated_invars")
-  _PER_OUT = ("out_shardings", "out_layouts")
-
   def __init__(self):
     self.ok = False
     self.trace = _compat.staging_trace()
@@ -99,11 +96,8 @@ class CallStager:
       _compat.relative_name_stack(_compat.name_stack())  # name stacks as this module reads them
     except Exception:  # pragma: no cover - another JAX or an unusual context: copy instead
       return
-    p = dict(eqn.params)
-    one = {k for k, v in p.items() if isinstance(v, tuple) and len(v) == 1}
-    if one != set(self._PER_IN + self._PER_OUT) or "jaxpr" not in p or "name" not in p:
-      return  # pragma: no cover - a JAX whose jit params we do not know
-    self.prim, self.params, self.ok = eqn.primitive, p, True
+    self.template = _compat.jit_template(eqn)
+    self.ok = self.template is not None
 
   def __call__(self, eqns, env: dict, live) -> bool:
     """Stages `eqns` (no effects, plain primitives) reading and writing `env`.
@@ -137,12 +131,9 @@ class CallStager:
     outs = [v for v in defined if live(v, inner.get(v, 0))]
     if not outs:
       return False
-    jaxpr = Jaxpr([], free, outs, list(eqns), _compat.NO_EFFECTS, _compat.call_debug_info())
-    p = dict(self.params, jaxpr=ClosedJaxpr(jaxpr, []), name="ooo")
-    for k in self._PER_IN:
-      p[k] = p[k] * len(free)
-    for k in self._PER_OUT:
-      p[k] = p[k] * len(outs)
-    vals = self.prim.bind(*[env[v] for v in free], **p)
+    jaxpr = _compat.open_jaxpr([], free, outs, eqns, _compat.NO_EFFECTS,
+                               _compat.call_debug_info())
+    p = _compat.jit_params(self.template, _compat.closed(jaxpr), "ooo", len(free), len(outs))
+    vals = self.template.primitive.bind(*[env[v] for v in free], **p)
     env.update(zip(outs, vals))
     return True

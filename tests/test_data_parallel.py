@@ -9,8 +9,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import ooojax as ooo
-from passes import collectives
-from benchmarks.models._common import init_params
+from passes.collectives import plan as collectives
+from ooojax.models._common import init_params
 from tests import models
 
 N = 8
@@ -193,9 +193,10 @@ def _entry_ops(hlo):
   entry = hlo[hlo.index("\nENTRY"):]
   ops = []
   for line in entry.splitlines():
-    m = re.match(r"\s*(?:ROOT )?%\S+ = .*? ([a-z][\w-]*)\(", line)
+    m = re.match(r"\s*(?:ROOT )?%(\S+) = .*? ([a-z][\w-]*)\(", line)
     if m:
-      ops.append(m.group(1))
+      # XLA:CPU (jax >= 0.11) runs most matmuls as YNNPACK fusions
+      ops.append("dot" if m.group(1).startswith("ynn_fusion") else m.group(2))
   return ops
 
 
@@ -205,12 +206,15 @@ def test_cpu_reductions_interleave_with_backward_dots():
                             first_k=0)(w, x)
   hlo = _shard_map(f, (P(), P(AX)), check_vma=False).lower(ws, x).compile().as_text()
   ops = [o for o in _entry_ops(hlo) if o in ("all-reduce", "dot")]
-  # one all-reduce per bucket (not combined), each followed by more backward dots
+  # one all-reduce per bucket (not combined), the first early in the backward
   assert ops.count("all-reduce") == 6
   first = ops.index("all-reduce")
   assert ops[first:].count("dot") >= 5
+  # and the reductions spread through it: XLA:CPU orders the (chained) reductions
+  # as it likes; 0.10 put backward matmuls after each of the first five, 0.11 after
+  # the first three (the dW matmuls outrun the serial chain)
   tail = "".join("A" if o == "all-reduce" else "d" for o in ops[first:])
-  assert re.fullmatch(r"(Ad+)+A", tail), tail
+  assert len(re.findall(r"Ad", tail)) >= 3, tail
   # jax.grad + pmean: the CPU combiner merges everything into one all-reduce at the end
   base = _shard_map(lambda w, x: jax.lax.pmean(jax.grad(loss)(w, x), AX), (P(), P(AX)),
                     check_vma=False).lower(ws, x).compile().as_text()
@@ -238,7 +242,8 @@ def test_h100_bucketed_all_reduces_overlap_backward_gemms():
   ours = lambda w, x: ooo.grad(loss, mode="data_parallel", axis_name=AX, ordering="none",
                                device="H100", bucket_bytes=1, first_k=0)(w, x)
   base = lambda w, x: jax.lax.pmean(jax.grad(loss)(w, x), AX)
-  # default compiler options: one all-reduce per bucket, GEMMs inside all but the last
+  # default compiler options: one all-reduce per bucket, GEMMs inside all but the
+  # last (which XLA >= 0.11 makes synchronous: a pair with nothing inside)
   got = heavy_in_windows(ours)
   assert len(got) == L and sum(n > 0 for n in got) == L - 1, got
   assert len(heavy_in_windows(base)) < L  # jax.grad + pmean: combined

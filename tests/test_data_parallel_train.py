@@ -183,5 +183,6 @@ def test_h100_cross_step_overlaps_pending_reductions_with_the_forward():
   # k=3: layers 0-2 are reduced at the start of the next step, a later one under the
   # forward of the earlier ones; every bucket of this backward has GEMMs in its window
   o = order(3)
-  assert o.count("S") == L and re.search(r"SF+D", o), o
+  # (XLA >= 0.11 makes a pair with nothing inside one synchronous all-reduce: "A")
+  assert o.count("S") + o.count("A") == L and re.search(r"SF+D", o), o
   assert not re.search(r"SD", o[o.index("B"):]), o

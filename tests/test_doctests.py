@@ -5,8 +5,8 @@ import importlib
 import pytest
 
 MODULES = ["ooojax._api", "ooojax._calibrate", "ooojax._explain", "ooojax.flax", "passes.split", "passes.cost",
-           "passes.simulate", "passes.hlo_schedule", "passes.hlo_compare", "ooojax.gpu_hlo",
-           "passes.collectives", "ooojax.data_parallel"]
+           "passes.simulate", "passes.hlo.schedule", "passes.hlo.compare", "ooojax.gpu_hlo",
+           "passes.collectives.plan", "ooojax.data_parallel"]
 
 
 @pytest.mark.parametrize("name", MODULES)

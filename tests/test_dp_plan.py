@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ooojax as ooo
-from passes import collectives
+from passes.collectives import plan as collectives
 from passes.cost import CostModel
 from tests import models
 

@@ -46,8 +46,8 @@ def _inlined(jaxpr):
   sub = lambda v: v if isinstance(v, _compat.Literal) else m.get(v, v)  # noqa: E731
   eqns = []
   for e in jaxpr.eqns:
-    if e.primitive.name in ("jit", "pjit") and e.params.get("name") == "ooo":
-      inner = e.params["jaxpr"].jaxpr
+    if _compat.call_name(e) == "ooo":
+      inner = _compat.call_body(e).jaxpr.jaxpr
       m.update(zip(inner.invars, map(sub, e.invars)))
       for ie in inner.eqns:
         stack = e.source_info.name_stack + ie.source_info.name_stack
@@ -55,10 +55,9 @@ def _inlined(jaxpr):
                                source_info=ie.source_info.replace(name_stack=stack)))
       m.update(zip(e.outvars, map(sub, inner.outvars)))
     else:
-      params = e.params
       if e.primitive.name == "shard_map":  # data_parallel: the program is its body
-        params = dict(params, jaxpr=_inlined(params["jaxpr"]))
-      eqns.append(e.replace(invars=[sub(v) for v in e.invars], params=params))
+        e = _compat.map_subjaxprs(e, _inlined)
+      eqns.append(e.replace(invars=[sub(v) for v in e.invars]))
   return jaxpr.replace(eqns=eqns, outvars=[sub(v) for v in jaxpr.outvars])
 
 
@@ -77,7 +76,7 @@ def _text(jaxpr):
 @pytest.mark.parametrize("mode", ["in_order", "single_gpu"])
 def test_staged_program_equals_bind(mode, monkeypatch):
   staged = _program(mode)
-  calls = [e for e in staged.eqns if e.params.get("name") == "ooo"]
+  calls = [e for e in staged.eqns if _compat.call_name(e) == "ooo"]
   assert len(calls) == 1  # the scheduled program in one nested call
   fast = _text(_inlined(staged))
   monkeypatch.setattr(_compat, "_STAGE", None)  # every equation through bind
@@ -98,7 +97,7 @@ def test_unknown_jit_form_falls_back_to_copying(monkeypatch):
     self.ok = False
   monkeypatch.setattr(stage.CallStager, "__init__", off)
   copied = _program("single_gpu")
-  assert not any(e.params.get("name") == "ooo" for e in copied.eqns)
+  assert not any(_compat.call_name(e) == "ooo" for e in copied.eqns)
   assert _text(copied) == staged
 
 
@@ -207,7 +206,7 @@ def test_equal_dw_clusters_share_one_call_body():
   g = ooo.grad(loss, mode="single_gpu", device="H100")
   calls = [e for e in _inlined(jax.make_jaxpr(g)(ws, x).jaxpr).eqns
            if e.primitive.name == "compute_on"]
-  bodies = {id(e.params["jaxpr"]) for e in calls}
+  bodies = {id(j) for e in calls for j in _compat.subjaxprs(e)}
   assert len(calls) >= 4 and 2 <= len(bodies) < len(calls)
   # a literal differs (2.0 vs 3.0): those clusters keep their own bodies
   assert_trees_close(jax.jit(g)(ws, x), jax.grad(loss)(ws, x))
@@ -333,6 +332,7 @@ def test_shared_calls_under_shard_map_like_jax_grad(check_vma):
     return jax.shard_map(lambda w, x: grad(loss)(w, x), mesh=mesh, in_specs=(P(), P("d")),
                          out_specs=P("d"), check_vma=check_vma)
   ours = mapped(lambda f: ooo.grad(f, mode="single_gpu", device="H100"))
-  body = _inlined(jax.make_jaxpr(ours)(ws, x).eqns[0].params["jaxpr"])
+  (body,) = _compat.subjaxprs(jax.make_jaxpr(ours)(ws, x).eqns[0])
+  body = _inlined(body)
   assert sum(e.primitive.name == "compute_on" for e in body.eqns) >= 4
   assert_trees_close(jax.jit(ours)(ws, x), jax.jit(mapped(jax.grad))(ws, x))

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 import ooojax as ooo
 from ooojax import gpu_hlo
-from passes import hlo_schedule
+from passes.hlo import schedule as hlo_schedule
 
 REASON = gpu_hlo.unavailable_reason()
 needs_gpu_hlo = pytest.mark.skipif(REASON is not None, reason=f"compile-only GPU: {REASON}")
@@ -175,12 +175,12 @@ def test_plugin_versions_fall_back_to_the_table(monkeypatch):
       raise ImportError(name)
     return real(name, *a)
   monkeypatch.setattr(importlib, "import_module", no_versions)
-  monkeypatch.setattr(gpu_hlo, "_installed_plugin", lambda: "cuda12")
-  monkeypatch.setattr(gpu_hlo, "_dist_version", lambda name: "0.10.2")
+  monkeypatch.setattr(gpu_hlo, "_installed_plugin", lambda: "cuda13")
+  monkeypatch.setattr(gpu_hlo, "_dist_version", lambda name: "0.11.2")
   gpu_hlo.plugin_versions.cache_clear()
   try:
     v = gpu_hlo.plugin_versions()
-    assert v["source"] == "table" and v["cudnn"] == (9, 8) and v["cuda"] == (12, 9)
+    assert v["source"] == "table" and v["cudnn"] == (9, 12) and v["cuda"] == (13, 0)
   finally:
     gpu_hlo.plugin_versions.cache_clear()
 
@@ -258,7 +258,9 @@ def test_eight_device_psum_has_all_reduce_pairs():
   x = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=NamedSharding(m, P("d")))
   s = gpu_hlo.schedule(f, w, x, mesh=m)
   (ar,) = s.pairs_of("all-reduce")
-  assert ar.start.op == "all-reduce-start" and ar.callee == ()
+  # nothing to overlap: XLA >= 0.11 makes the pair one synchronous all-reduce
+  assert ar.start.op in ("all-reduce-start", "all-reduce") and ar.callee == ()
+  assert ar.sync == (ar.start.op == "all-reduce") and not ar.between
   assert gpu_hlo.mesh("H100", 8) is m  # cached
 
 
@@ -275,7 +277,7 @@ def test_cli_hlo_on_demo(tmp_path, capsys):
 
 
 def test_compare_prediction_with_compiled_snippet():
-  from passes import hlo_compare
+  from passes.hlo import compare as hlo_compare
   from passes.ir import Action, Schedule, Unit, UnitKind
   from passes.simulate import simulate
   X, W = UnitKind.DX, UnitKind.DW

@@ -6,15 +6,24 @@ import jax.numpy as jnp
 import pytest
 
 import ooojax as ooo
+from tests.conftest import cpu_backend_only
+
+pytestmark = cpu_backend_only
+
+
+# 5 layers: jax >= 0.11's backward has no transposes around the dX matmuls,
+# so with 4 the cost model finds w2's dW (3.9 us, H100 spec) no longer half
+# hidden behind the one dX matmul left (3.8 us) and keeps it on stream 0.
+LAYERS = 5
 
 
 def _wide_mlp():
-  k = jax.random.split(jax.random.PRNGKey(0), 4)
-  p = {f"w{i}": jax.random.normal(k[i], (512, 512)) * 0.05 for i in range(4)}
+  k = jax.random.split(jax.random.PRNGKey(0), LAYERS)
+  p = {f"w{i}": jax.random.normal(k[i], (512, 512)) * 0.05 for i in range(LAYERS)}
   x = jax.random.normal(jax.random.PRNGKey(9), (256, 512))
 
   def loss(p, x):
-    for i in range(4):
+    for i in range(LAYERS):
       x = jnp.tanh(x @ p[f"w{i}"])
     return jnp.mean(x ** 2)
   return loss, p, x
@@ -52,7 +61,7 @@ def test_pinned_order_is_the_schedule_order():
   # backward visits the last layer first; w1 and w0 become ready after the
   # last matmul of the dX chain (x's cotangent is dead): nothing left to
   # hide them behind, so they stay on stream 0
-  assert side == ["['w3']", "['w2']"]
+  assert side == ["['w4']", "['w3']"]
   tail = [report.schedule.unit(u).label for u in report.on_stream(0)[-2:]]
   assert tail == ["['w1']", "['w0']"]
   compiled = jax.jit(g).lower(p, x).compile().as_text()

@@ -13,6 +13,9 @@ import pytest
 import ooojax as ooo
 from ooojax import demo, gpu_hlo
 from passes.ir import UnitKind
+from tests.conftest import cpu_backend_only
+
+pytestmark = cpu_backend_only
 
 _REASON = gpu_hlo.unavailable_reason()
 needs_gpu_hlo = pytest.mark.skipif(_REASON is not None, reason=f"compile-only GPU: {_REASON}")

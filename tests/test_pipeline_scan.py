@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 
 import ooojax as ooo
-from passes import hlo_schedule, scan_merge
-from passes.pipeline_flavor import make_flavor
+from passes import _compat
+from passes.hlo import schedule as hlo_schedule
+from passes.scan import merge as scan_merge
+from passes.pipeline.flavor import make_flavor
 from tests.conftest import assert_trees_close
 from tests.test_pipeline import _jit, _mesh, _reference, _stack
 
@@ -97,12 +99,9 @@ def _dots(jaxpr, ids=None, trips=1, out=None):
       continue
     if e.primitive.name == "dot_general":
       out.append((tuple(e.outvars[0].aval.shape), trips))
-    n = trips * (e.params["length"] if e.primitive.name == "scan" else 1)
-    for p in e.params.values():
-      for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          _dots(inner, None, n, out)
+    n = trips * (_compat.scan_info(e).length if _compat.is_scan(e) else 1)
+    for sub in _compat.subjaxprs(e):
+      _dots(getattr(sub, "jaxpr", sub), None, n, out)
   return out
 
 
@@ -122,7 +121,7 @@ def test_b_runs_the_dx_chain_and_w_the_stacked_dw(kind):
   # B holds the B-scan (it carries dX through the layers); W one loop over the
   # layers computing every stacked dW (the W-scans, merged).
   (b_scan,), (w_scan,) = scans(fl.b_eqns), scans(fl.w_eqns)
-  assert b_scan.params["num_carry"] >= 1 and w_scan.params["num_carry"] == 0
+  assert _compat.scan_info(b_scan).num_carry >= 1 and _compat.scan_info(w_scan).num_carry == 0
   grads = {v for v in fl.grads}
   assert grads <= set(w_scan.outvars)      # every stacked dW comes out of W
   f, b, w = (_dots(fl.jaxpr, set(ids)) for ids in (fl.f_eqns, fl.b_eqns, fl.w_eqns))
@@ -182,7 +181,7 @@ def test_merge_scans_equals_the_separate_scans():
   j = closed.jaxpr
   merged, new = scan_merge.merge_runs(j, range(len(j.eqns)))
   assert len(merged.eqns) == len(j.eqns) - 1 and len(set(new.values())) == len(merged.eqns)
-  ours = jax.core.eval_jaxpr(merged, closed.consts, *args)
+  ours = _compat.eval_jaxpr(merged, closed.consts, *args)
   assert_trees_close(ours, jax.tree.leaves(two(*args)))
   # Scans that feed each other, or differ in length, stay apart.
   chained = jax.make_jaxpr(lambda w, h: jax.lax.scan(

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from passes import cost
+from passes import _compat, cost
 
 
 def _scanned(w, x):
@@ -67,8 +67,8 @@ import flax.linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import ooojax as ooo  # noqa: E402
-from passes import scan_split  # noqa: E402
-from passes import hlo_schedule  # noqa: E402
+from passes.scan import split as scan_split  # noqa: E402
+from passes.hlo import schedule as hlo_schedule  # noqa: E402
 from tests import models  # noqa: E402
 from tests.conftest import assert_trees_close  # noqa: E402
 
@@ -76,7 +76,8 @@ from tests.conftest import assert_trees_close  # noqa: E402
 def _scan_prims(fn, *args):
   split = fn._ooo.plan(args, {})[0].split if hasattr(fn, "_ooo") else fn
   eqns = split.jaxpr.jaxpr.eqns
-  return split, [(split.kinds[k].name, e.params["num_carry"]) for k, e in enumerate(eqns)
+  return split, [(split.kinds[k].name, _compat.scan_info(e).num_carry)
+                 for k, e in enumerate(eqns)
                  if e.primitive.name == "scan"]
 
 
@@ -252,8 +253,8 @@ def test_split_scan_is_exposed_for_other_modes():
   jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(p["w"], x).jaxpr
   bwd = [e for e in jaxpr.eqns if e.primitive.name == "scan"][-1]
   s = scan_split.split_scan(bwd)
-  assert s.b_eqn.params["num_carry"] == 1 and len(s.residuals) >= 1
-  assert all(e.params["num_carry"] == 0 for e in s.w_eqns)
+  assert _compat.scan_info(s.b_eqn).num_carry == 1 and len(s.residuals) >= 1
+  assert all(_compat.scan_info(e).num_carry == 0 for e in s.w_eqns)
   # Not a scan, or a map with nothing to split: None.
   fwd = jax.make_jaxpr(lambda xs: jax.lax.map(jnp.sin, xs))(x).jaxpr.eqns[0]
   assert scan_split.split_scan(fwd) is None
@@ -352,7 +353,7 @@ def test_skewed_transformer_stack_compile_only_h100():
   reason = gpu_hlo.unavailable_reason()
   if reason is not None:
     pytest.skip(f"compile-only GPU unavailable: {reason}")
-  from benchmarks.models import scanned
+  from ooojax.models import scanned
   loss, args, _ = scanned.make(layers=3, batch=2, seq=64, dim=128, heads=4, vocab=128)
   s = gpu_hlo.schedule(_single_gpu(loss), *args)
   (q, heavy), = _loop_windows(s)
@@ -362,7 +363,7 @@ def test_skewed_transformer_stack_compile_only_h100():
 
 
 def test_scanned_stack_costs_like_unrolled_in_explain():
-  from benchmarks.models import scanned
+  from ooojax.models import scanned
   rep = {}
   for scan in (True, False):
     loss, args, _ = scanned.make(layers=4, batch=2, seq=16, dim=64, heads=4, vocab=64, scan=scan)

@@ -3,7 +3,7 @@ import jax
 import pytest
 
 import ooojax as ooo
-from benchmarks.models import ZOO
+from ooojax.models import ZOO
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))

@@ -1,10 +1,10 @@
-"""pipeline_exec: lower a pipeline table to one SPMD `shard_map` program.
+"""pipeline.execute: lower a pipeline table to one SPMD `shard_map` program.
 
 Contract: `lower(stage_fn, loss_fn, sched, mesh, axis_name, input_fn=None)
 -> step(stage_params, batch, shared=None) -> (loss, grads)`.
 
 Each stage kind ("flavor": first, middle, last virtual stage) is cut into
-F / B / W phases by `passes.pipeline_flavor` (the split pass; scanned layers
+F / B / W phases by `passes.pipeline.flavor` (the split pass; scanned layers
 split into a B-scan and W-scans).
 
 The program is a `lax.scan` over the table's ticks; at each tick every device
@@ -30,8 +30,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from passes import _compat
-from passes.pipeline_flavor import Flavor, make_flavor
-from passes.pipeline_schedule import PipelineSchedule
+from passes.pipeline.flavor import Flavor, make_flavor
+from passes.pipeline.schedule import PipelineSchedule
 
 __all__ = ["Flavor", "lower", "make_flavor", "plan_table"]
 

@@ -1,4 +1,4 @@
-"""emit_collectives: issue each gradient bucket's all-reduce as soon as it is complete.
+"""collectives.emit: issue each gradient bucket's all-reduce as soon as it is complete.
 
 Contract: `BucketEmitter(plan, split, axis_name, reduce)`; `passes.emit.emit`
 calls `emitter.after_unit(name, env)` after each compute unit, and
@@ -17,7 +17,7 @@ slow link delays only the next reduction, not the compute).
 
 The stacked dW of a split backward scan (`plan.loops`) is not bucketed:
 `emit` hands each layer's dW slices to `reduce_ys` from inside the skewed
-scan's loop (`passes.scan_collectives`). A bucket whose last dW unit was
+scan's loop (`passes.collectives.loops`). A bucket whose last dW unit was
 fused into such a loop (an accumulator's W-scan) is issued once its values
 exist.
 """
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from passes import _compat
-from passes.collectives import Bucket, CollectivePlan
+from passes.collectives.plan import Bucket, CollectivePlan
 from passes.ir import Kind, Split
 
 
@@ -143,7 +143,7 @@ class BucketEmitter:
   def reduce_ys(self, w_eqns, ys: list, in_loop: bool = True) -> list:
     """One layer's W ys (a list per W-scan) with the in-loop gradients all-reduced.
 
-    Called by the skewed scan (`passes.scan_skew`) inside its loop and in its
+    Called by the skewed scan (`passes.scan.skew`) inside its loop and in its
     epilogue (`in_loop=False`, the last layer): one all-reduce per dtype per
     layer. The epilogue's joins the bucket chain (else XLA's combiner would
     merge it with the bucket issued before the loop, delaying that one);
@@ -151,7 +151,7 @@ class BucketEmitter:
     """
     where, vals = [], []
     for i, w in enumerate(w_eqns):
-      nk = w.params["num_carry"]
+      nk = _compat.scan_info(w).num_carry
       for j, v in enumerate(w.outvars[nk:]):
         if v in self._loop_vars:  # ys only: an accumulator carry is never reduced here
           where.append((i, j))

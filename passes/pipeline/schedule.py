@@ -1,4 +1,4 @@
-"""pipeline_schedule: pipeline-parallel schedules as plain tables of actions.
+"""pipeline.schedule: pipeline-parallel schedules as plain tables of actions.
 
 Contract: `PipelineSchedule.validate()` (raises `ScheduleError`, a `ValueError`), and
 `PipelineSchedule.parse(text)` / `to_text()` (round-trip).
@@ -17,60 +17,21 @@ layer block `l` lives on device `l mod S` (the paper's modulo allocation with
 k = 1 layer block per hop). ZB-V uses a V instead (`placement="v"`): device
 `s` holds virtual stages `s` and `2S - 1 - s`.
 
-Generators (`passes.pipeline_generate`) are pure functions returning these
+Generators (`passes.pipeline.generate`) are pure functions returning these
 tables. The validator, the simulator
-(`passes.pipeline_simulate`), `plot()` and the executor
-(`passes.pipeline_exec`) all read the same grid.
+(`passes.pipeline.simulate`), `plot()` and the executor
+(`passes.pipeline.execute`) all read the same grid.
 """
 from __future__ import annotations
 
 import dataclasses
-import re
 
-COMPUTE = ("F", "B", "W", "BW")
-COMMS = ("SF", "RF", "SB", "RB")
-_ACTION_RE = re.compile(r"^(\d+)(BW|SF|RF|SB|RB|F|B|W)(\d+)(?:\.(\d+))?$")
+from passes.pipeline import simulate as _simulate
+from passes.pipeline.actions import (COMMS, COMPUTE, Action, ScheduleError, deps, place_of,
+                                     vstage_of)
 
-
-@dataclasses.dataclass(frozen=True, order=True)
-class Action:
-  """One action of one stage: `kind` of `microbatch` for virtual-stage `chunk`."""
-  stage: int
-  kind: str
-  microbatch: int
-  chunk: int = 0
-
-  def __str__(self) -> str:
-    c = f".{self.chunk}" if self.chunk else ""
-    return f"{self.stage}{self.kind}{self.microbatch}{c}"
-
-  @classmethod
-  def parse(cls, text: str) -> Action:
-    m = _ACTION_RE.match(text.strip())
-    if m is None:
-      raise ValueError(f"cannot parse pipeline action {text!r}; expected e.g. '2B5' "
-                       "(stage 2, B of microbatch 5) or '0F3.1' (chunk 1)")
-    return cls(int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4) or 0))
-
-
-def vstage_of(S: int, stage: int, chunk: int, placement: str = "modulo") -> int:
-  """Virtual stage of (device stage, chunk): modulo `chunk * S + stage`, or the
-  V shape of ZB-V (chunk 0 goes down the devices, chunk 1 comes back up)."""
-  if placement == "v":
-    return stage if chunk == 0 else 2 * S - 1 - stage
-  return chunk * S + stage
-
-
-def place_of(S: int, vs: int, placement: str = "modulo") -> tuple[int, int]:
-  """(device stage, chunk) of a virtual stage; inverse of `vstage_of`."""
-  if placement == "v":
-    return (vs, 0) if vs < S else (2 * S - 1 - vs, 1)
-  return vs % S, vs // S
-
-
-class ScheduleError(ValueError):
-  """An invalid pipeline table; the message shows the grid with the bad action marked."""
-
+__all__ = ["COMMS", "COMPUTE", "Action", "PipelineSchedule", "ScheduleError", "place_of",
+           "render", "validate", "vstage_of"]
 
 @dataclasses.dataclass(frozen=True)
 class PipelineSchedule:
@@ -170,8 +131,7 @@ class PipelineSchedule:
     return _peaks(self)
 
   def simulate(self, costs=None, comm: float = 0.0):
-    from passes import pipeline_simulate
-    return pipeline_simulate.simulate(self, costs, comm)
+    return _simulate.simulate(self, costs, comm)
 
   def bubble_fraction(self, costs=None, comm: float = 0.0) -> float:
     """Idle share of `stages x makespan` when each action takes `costs[kind]`.
@@ -181,8 +141,7 @@ class PipelineSchedule:
     return self.simulate(costs, comm).bubble_fraction
 
   def plot(self, costs=None, ax=None, comm: float = 0.0):
-    from passes import pipeline_simulate
-    return pipeline_simulate.plot(self, costs, ax=ax, comm=comm)
+    return _simulate.plot(self, costs, ax=ax, comm=comm)
 
 
 # --- rendering --------------------------------------------------------------
@@ -211,16 +170,8 @@ def render(sched: PipelineSchedule, mark: tuple[int, int] | None = None,
   return "\n".join(lines)
 
 
-# --- dependencies -------------------------------------------------------------
 def _deps(sched: PipelineSchedule, a: Action) -> list[tuple[str, int, int]]:
-  """(kind, vstage, microbatch) the compute action `a` waits for; kind "B" means B or BW."""
-  vs, last = sched.vstage(a.stage, a.chunk), sched.virtual_stages - 1
-  if a.kind == "F":
-    return [("F", vs - 1, a.microbatch)] if vs > 0 else []
-  if a.kind in ("B", "BW"):
-    d = [("F", vs, a.microbatch)]
-    return d + ([("B", vs + 1, a.microbatch)] if vs < last else [])
-  return [("B", vs, a.microbatch)]  # W
+  return deps(a, sched.vstage(a.stage, a.chunk), sched.virtual_stages - 1)
 
 
 def validate(sched: PipelineSchedule) -> None:

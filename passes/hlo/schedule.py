@@ -1,4 +1,4 @@
-"""hlo_schedule: read a scheduled, optimized HLO module (`compiled.as_text()`).
+"""hlo.schedule: read a scheduled, optimized HLO module (`compiled.as_text()`).
 
 Contract: `parse(text) -> HloSchedule`, pure text, no JAX needed; works on
 XLA:GPU and XLA:CPU output alike.
@@ -13,7 +13,10 @@ order IS its schedule. This pass turns that text into plain frozen data:
   `all-reduce-start`, `collective-permute-start`, `all-gather-start`,
   `reduce-scatter-start`, generic `async-start`, `copy-start`, `send`/`recv`),
   with what its callee computes and what the schedule runs between start and
-  done, in every computation (entry, while bodies, called computations).
+  done, in every computation (entry, while bodies, called computations). A
+  collective XLA made synchronous (nothing was scheduled inside its pair:
+  one `all-reduce(` with `scheduling_name="all-reduce-start"`) is a pair
+  whose start is its done (`sync`).
 
 >>> s = parse('''
 ... ENTRY %main (p: f32[8,8]) -> f32[8,8] {
@@ -53,6 +56,9 @@ _CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _STREAM = re.compile(r'_xla_stream_annotation="([^"]*)"')
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+# XLA (jax >= 0.11) turns an async collective with nothing between start and
+# done into one synchronous op that keeps its pair's name here.
+_SCHED_NAME = re.compile(r'scheduling_name="([a-z][a-z-]*?)-start(?:\.\d+)?"')
 _NAME = re.compile(r"%?([\w.\-]+)")
 
 
@@ -69,6 +75,7 @@ class Instr:
   operands: tuple[str, ...] = ()   # operand instruction names
   calls: tuple[str, ...] = ()      # called computations (calls=, to_apply=, body=...)
   shape: str = ""                  # the printed result type
+  sync_of: str = ""                # "all-reduce" for a collective XLA made synchronous
 
   @property
   def label(self) -> str:
@@ -94,6 +101,11 @@ class AsyncPair:
   between: tuple[Instr, ...] = ()
   heavy_callee: bool = False
   overlapped_heavy: tuple[Instr, ...] = ()
+
+  @property
+  def sync(self) -> bool:
+    """XLA made it one synchronous op (start is done): nothing could overlap it."""
+    return self.start is self.done
 
   @property
   def stream(self) -> str | None:
@@ -212,6 +224,7 @@ class _Raw:
   operands: tuple[str, ...]
   calls: tuple[str, ...]
   shape: str
+  sync_of: str = ""
 
 
 def _read(text: str) -> tuple[dict[str, list[_Raw]], str, bool]:
@@ -236,9 +249,12 @@ def _read(text: str) -> tuple[dict[str, list[_Raw]], str, bool]:
     target = _TARGET.search(attrs)
     stream = _STREAM.search(attrs)
     op_name = _OP_NAME.search(attrs)
+    sched = _SCHED_NAME.search(attrs)
+    sync_of = sched.group(1) if sched and sched.group(1) == mi.group("op") else ""
     cur.append(_Raw(mi.group("name"), mi.group("op"), target.group(1) if target else "",
                     stream.group(1) if stream else None, op_name.group(1) if op_name else "",
-                    _operand_names(operands), _called(attrs), mi.group("type").strip()))
+                    _operand_names(operands), _called(attrs), mi.group("type").strip(),
+                    sync_of))
   if not entry and comps:
     entry = list(comps)[-1]  # XLA prints the entry last
   scheduled = bool(re.search(r"^HloModule\b.*\bis_scheduled=true", text, re.M))
@@ -344,7 +360,7 @@ def parse(text: str) -> HloSchedule:
     for r in rs:
       k = cls.kind(r)
       out.append(Instr(r.name, r.op, k, r.target, k in ("conv", "gemm"), r.stream,
-                       r.op_name, r.operands, r.calls, r.shape))
+                       r.op_name, r.operands, r.calls, r.shape, r.sync_of))
     comps[cname] = tuple(out)
 
   def holds_heavy(names) -> bool:
@@ -354,6 +370,9 @@ def parse(text: str) -> HloSchedule:
   for cname, seq in comps.items():
     index = {i.name: k for k, i in enumerate(seq)}
     for k, done in enumerate(seq):
+      if done.sync_of:  # a pair XLA made synchronous: start and done in one op
+        pairs.append(((cname != entry, k), AsyncPair(done.sync_of, done, done, cname)))
+        continue
       if done.kind != "done" or done.op == "async-update" or not done.operands:
         continue
       j = index.get(done.operands[0])

@@ -1,10 +1,10 @@
-"""scan_merge: run independent scans over the same length as ONE scan.
+"""scan.merge: run independent scans over the same length as ONE scan.
 
 Contract: `merge_scans(eqns) -> eqn | None` for a sequence of `scan`
 equations, and `merge_runs(jaxpr, ids) -> (jaxpr, new_index)` merging every
 run of consecutive mergeable scans among the equations `ids` of a jaxpr.
 
-`passes.scan_split` turns a backward scan over layers into a B-scan and one
+`passes.scan.split` turns a backward scan over layers into a B-scan and one
 W-scan per stacked parameter (a flax layer has a dozen), each a loop over the
 same layers. Where they run together (the W phase of a pipeline stage), one
 loop whose step computes every parameter's dW of that layer does the same
@@ -20,7 +20,8 @@ nothing is computed twice or in a different order within a body.
 ...   return jax.lax.scan(f, h, w)[1], jax.lax.scan(f, h, v)[1]
 >>> j = jax.make_jaxpr(two)(jnp.ones((3, 2)), jnp.ones((3, 2)), jnp.ones(2)).jaxpr
 >>> m = merge_scans(j.eqns)
->>> m.params["length"], m.params["num_carry"], len(m.outvars)
+>>> from passes._compat import scan_info
+>>> scan_info(m).length, scan_info(m).num_carry, len(m.outvars)
 (3, 2, 4)
 """
 from __future__ import annotations
@@ -30,23 +31,18 @@ from typing import Any
 
 from passes import _compat
 
-# Params that must agree for two scans to run as one loop.
-_SAME = ("length", "reverse", "unroll", "_split_transpose")
-
-
 def _vars(atoms):
   return [v for v in atoms if isinstance(v, _compat.Var)]
 
 
 def _key(eqn):
-  p = eqn.params
-  return tuple(p.get(k) for k in _SAME)
+  return _compat.scan_info(eqn).loop_key
 
 
 def mergeable(eqn) -> bool:
   """A scan without effects (its body's equations are free to interleave)."""
-  return eqn.primitive.name == "scan" and not eqn.effects and not any(
-      e.effects for e in eqn.params["jaxpr"].jaxpr.eqns)
+  return _compat.is_scan(eqn) and not eqn.effects and not any(
+      e.effects for e in _compat.scan_info(eqn).body.jaxpr.eqns)
 
 
 def merge_scans(eqns: Sequence[Any]):
@@ -78,10 +74,11 @@ def merge_scans(eqns: Sequence[Any]):
   constvars, constvals = [], []
   body_eqns: list = []
   carry_out, ys_out = [], []
-  for e in eqns:
-    p, cj = e.params, e.params["jaxpr"]
+  infos = [_compat.scan_info(e) for e in eqns]
+  for e, info in zip(eqns, infos):
+    cj = info.body
     body = cj.jaxpr
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = info.num_consts, info.num_carry
     sub: dict = {}
     for v, c in zip(body.constvars, cj.consts):
       sub[v] = _compat.new_var(v.aval)
@@ -106,20 +103,17 @@ def merge_scans(eqns: Sequence[Any]):
     fix = lambda v, sub=sub: sub.get(v, v) if isinstance(v, _compat.Var) else v  # noqa: E731
     carry_out += [fix(v) for v in body.outvars[:nk]]
     ys_out += [fix(v) for v in body.outvars[nk:]]
-  first = eqns[0]
-  dbg = getattr(first.params["jaxpr"].jaxpr, "debug_info", None)
+  first = infos[0].body.jaxpr
+  dbg = getattr(first, "debug_info", None)
   if dbg is not None and hasattr(dbg, "with_unknown_names"):
     dbg = dbg.with_unknown_names()
   ins = [*consts.values(), *carries, *xs.values()]
-  j = _compat.Jaxpr(constvars, [v for v, _ in ins], [*carry_out, *ys_out], body_eqns,
-                    first.params["jaxpr"].jaxpr.effects, dbg)
-  params = dict(first.params, jaxpr=_compat.ClosedJaxpr(j, constvals),
-                num_consts=len(consts), num_carry=len(carries))
-  if "linear" in params:
-    params["linear"] = (False,) * len(j.invars)
-  outvars = ([v for e in eqns for v in e.outvars[:e.params["num_carry"]]]
-             + [v for e in eqns for v in e.outvars[e.params["num_carry"]:]])
-  return first.replace(invars=[a for _, a in ins], outvars=outvars, params=params)
+  j = _compat.open_jaxpr(constvars, [v for v, _ in ins], [*carry_out, *ys_out], body_eqns,
+                         first.effects, dbg)
+  outvars = ([v for e, i in zip(eqns, infos) for v in e.outvars[:i.num_carry]]
+             + [v for e, i in zip(eqns, infos) for v in e.outvars[i.num_carry:]])
+  return _compat.scan_eqn(eqns[0], body=_compat.closed(j, constvals), num_consts=len(consts),
+                          num_carry=len(carries), invars=[a for _, a in ins], outvars=outvars)
 
 
 def merge_runs(jaxpr, ids: Sequence[int]):

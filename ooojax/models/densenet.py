@@ -6,7 +6,7 @@ from collections.abc import Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
-from benchmarks.models._common import image_classifier
+from ooojax.models._common import image_classifier
 
 
 class DenseNet(nn.Module):

@@ -1,4 +1,4 @@
-"""pipeline_generate: the named pipeline schedules, generated as tables.
+"""pipeline.generate: the named pipeline schedules, generated as tables.
 
 Contract: `generate(name, stages, microbatches, chunks=None, lag=0) -> PipelineSchedule`
 (validated). A greedy list scheduler picks, at each unit tick (F = B = W = 1,
@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from passes.pipeline_schedule import (Action, PipelineSchedule, ScheduleError, place_of,
+from passes.pipeline.schedule import (Action, PipelineSchedule, ScheduleError, place_of,
                                       vstage_of)
 
 @dataclasses.dataclass(frozen=True)

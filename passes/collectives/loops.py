@@ -1,13 +1,13 @@
-"""scan_collectives: all-reduce a scanned stack's dW one layer at a time, inside the loop.
+"""collectives.loops: all-reduce a scanned stack's dW one layer at a time, inside the loop.
 
 Contract: `loop_reductions(split, sched, skip) -> tuple[LoopReduce, ...]`
 names the gradient leaves that a split backward scan produces stacked over
 its layers and that the data-parallel mode reduces per layer from inside the
-loop; `passes.collectives` keeps them out of its buckets and
-`passes.emit_collectives.BucketEmitter.reduce_ys` issues the reductions.
+loop; `passes.collectives.plan` keeps them out of its buckets and
+`passes.collectives.emit.BucketEmitter.reduce_ys` issues the reductions.
 
 In data-parallel mode `passes.emit` fuses each split backward scan into one
-skewed scan (`passes.scan_skew`): iteration i runs B(i), the dX chain, beside
+skewed scan (`passes.scan.skew`): iteration i runs B(i), the dX chain, beside
 W(i-1), which makes layer i-1's dW slices (the W-scans' ys). Reducing the whole
 stacked dW after the loop leaves nothing to overlap it with but what follows
 the stack. Instead, the fused equation hands each layer's ys to `reduce_ys`,
@@ -42,7 +42,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 
-from passes import _compat, scan_skew
+from passes import _compat
+from passes.scan import skew as scan_skew
 from passes.cost import _nbytes
 from passes.ir import Action, Schedule, Split, Unit, UnitKind
 
@@ -53,7 +54,7 @@ class LoopReduce:
 
   `after` names the compute unit that runs the loop (the B-scan's dX unit in
   the in-order schedule) and `w_units` the dW units of its W-scans (fused
-  into it when emitted); `passes.collectives` prices it from them.
+  into it when emitted); `passes.collectives.plan` prices it from them.
   """
   index: int               # its SEND units follow the buckets' (see `link_units`)
   grads: tuple[int, ...]   # gradient leaf positions (0 = first gradient output)
@@ -88,24 +89,25 @@ def loop_reductions(split: Split, sched: Schedule,
     if e.primitive.name != "skewed_scan":
       continue
     grads: list[int] = []
-    for w in e.params["w_eqns"]:
+    skew = e.primitive
+    for w in skew.w_eqns:
       for v in stacked_grads(w):
         ids = leaves.get(v, ())
         if ids and not skip.intersection(ids):  # a var shared with a skipped leaf stays out
           grads += ids
     if grads:
-      w_units = tuple(dict.fromkeys(unit_of[index_of[id(w)]] for w in e.params["w_eqns"]
+      w_units = tuple(dict.fromkeys(unit_of[index_of[id(w)]] for w in skew.w_eqns
                                     if index_of.get(id(w)) in unit_of))
       nbytes = sum(_nbytes(outs[i].aval) for i in grads)
       loops.append(LoopReduce(len(loops), tuple(grads), nbytes,
-                              int(e.params["b_eqn"].params["length"]), unit_of.get(k, ""),
+                              skew.length, unit_of.get(k, ""),
                               w_units))
   return tuple(loops)
 
 
 def stacked_grads(w_eqn) -> list:
   """A W-scan's ys outputs (its per-layer results, stacked), DropVars left out."""
-  return [v for v in w_eqn.outvars[w_eqn.params["num_carry"]:]
+  return [v for v in w_eqn.outvars[_compat.scan_info(w_eqn).num_carry:]
           if isinstance(v, _compat.Var) and not isinstance(v, _compat.DropVar)]
 
 

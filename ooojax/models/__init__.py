@@ -1,10 +1,13 @@
-"""Benchmark workloads (flax linen, synthetic data, shapes configurable).
+"""The model zoo: workloads for benchmarks, tests and `python -m ooojax hlo`.
+
+Flax linen, synthetic data, shapes configurable; installed with ooojax so the
+CLI works from a pip install (an installed package never imports `benchmarks/`).
 
 Each `make(...)` returns `(loss_fn, args, kw)`: `grad(loss_fn, **kw)(*args)`.
 `ZOO` maps a name to `(make, full-size kwargs, tiny kwargs)`; tiny sizes trace
 in seconds on a 2-core CPU (the tests use them).
 """
-from benchmarks.models import densenet, mobilenet, resnet, transformer
+from ooojax.models import densenet, mobilenet, resnet, transformer
 
 ZOO = {
     "mobilenet_v3_small": (mobilenet.make, {"size": "small"},

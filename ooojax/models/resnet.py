@@ -5,7 +5,7 @@ from collections.abc import Sequence
 
 import flax.linen as nn
 
-from benchmarks.models._common import image_classifier
+from ooojax.models._common import image_classifier
 
 STAGES = {26: (2, 2, 2, 2), 50: (3, 4, 6, 3), 101: (3, 4, 23, 3)}
 

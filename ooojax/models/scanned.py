@@ -9,8 +9,8 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
-from benchmarks.models._common import init_params
-from benchmarks.models.transformer import Layer, mlm_loss
+from ooojax.models._common import init_params
+from ooojax.models.transformer import Layer, mlm_loss
 
 
 class _Step(nn.Module):

@@ -1,7 +1,7 @@
-"""scan_skew: one scan whose step i computes B(i) and W(i-1) side by side.
+"""scan.skew: one scan whose step i computes B(i) and W(i-1) side by side.
 
 Contract: `skewed_scan(b_eqn, w_eqns, invals, stream=1) -> {outvar: value}`
-evaluates a B-scan and its W-scans (from `passes.scan_split`) as ONE scan in
+evaluates a B-scan and its W-scans (from `passes.scan.split`) as ONE scan in
 the current trace; `fuse(split, sched) -> (split, sched)` rewrites a split and
 its schedule so that `passes.emit` emits every split backward scan that way.
 
@@ -41,18 +41,16 @@ class _Body:
   eqn: Any
 
   @property
-  def p(self):
-    return self.eqn.params
+  def p(self) -> _compat.ScanInfo:
+    return _compat.scan_info(self.eqn)
 
   def split_in(self, vals):
-    nc, nk = self.p["num_consts"], self.p["num_carry"]
-    return list(vals[:nc]), list(vals[nc:nc + nk]), list(vals[nc + nk:])
+    return self.p.split_in(vals)
 
   def __call__(self, consts, carries, xs):
-    j = self.p["jaxpr"]
+    j = self.p.body
     outs = _compat.eval_jaxpr(j.jaxpr, j.consts, *consts, *carries, *xs)  # vma casts in DP
-    nk = self.p["num_carry"]
-    return list(outs[:nk]), list(outs[nk:])
+    return self.p.split_out(outs)
 
 
 def _at(x, i):
@@ -74,7 +72,7 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
   `reduce_ys(w_eqns, ys, in_loop) -> ys`, if given, is applied to each
   layer's W ys (one list per W-scan) where they are made: in the loop body,
   or after it for the last layer (`in_loop=False`). The data-parallel mode
-  all-reduces the per-layer dW slices there (`passes.scan_collectives`).
+  all-reduces the per-layer dW slices there (`passes.collectives.loops`).
 
   Args:
     b_eqn: the B-scan equation (`ScanSplit.b_eqn`).
@@ -89,9 +87,9 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
   """
   B = _Body(b_eqn)
   Ws = [_Body(e) for e in w_eqns]
-  length, reverse = B.p["length"], B.p["reverse"]
+  length, reverse = B.p.length, B.p.reverse
   for w in Ws:
-    if w.p["length"] != length or w.p["reverse"] != reverse:
+    if w.p.length != length or w.p.reverse != reverse:
       raise ValueError("a W-scan must run over the B-scan's length and direction")
   b_c, b_k, b_x = B.split_in([read(v) for v in b_eqn.invars])
   nbk = len(b_k)
@@ -215,7 +213,7 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
 
     (bk, w_k, res_last), (b_ys_rest, w_ys_rest) = jax.lax.scan(
         body, (bk, w_k, res0), (b_rest, w_rest), reverse=reverse,
-        unroll=B.p.get("unroll", 1))
+        unroll=B.p.unroll)
   else:
     res_last, b_ys_rest, w_ys_rest = res0, [], [[] for _ in Ws]
 
@@ -258,8 +256,7 @@ def _rewrite(x, late):
 def _n_b_ys(b_eqn, w_eqns) -> int:
   """How many of the B-scan's ys are its own (the rest are residuals for W)."""
   read = {v for e in w_eqns for v in e.invars if isinstance(v, _compat.Var)}
-  nk = b_eqn.params["num_carry"]
-  ys = b_eqn.outvars[nk:]
+  ys = b_eqn.outvars[_compat.scan_info(b_eqn).num_carry:]
   n = len(ys)
   while n and ys[n - 1] in read:
     n -= 1
@@ -267,22 +264,33 @@ def _n_b_ys(b_eqn, w_eqns) -> int:
 
 
 # --- fusing into a schedule for emission ---------------------------------------
-class _SkewPrimitive:
-  """Stands in for the fused equation's primitive: `emit` binds it like any other."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class SkewedScan:
+  """The fused equation's primitive: `emit` binds it like any other.
+
+  It holds what it fuses itself (the equation's params stay empty: only JAX's
+  primitives have params, read in `passes._compat`).
+  """
+  b_eqn: Any
+  w_eqns: tuple
+  stream: int | None = 1
+  pin: bool = True
+  reduce_ys: Callable | None = None
   name = "skewed_scan"
   multiple_results = True
+
+  @property
+  def length(self) -> int:
+    return _compat.scan_info(self.b_eqn).length
 
   def get_bind_params(self, params):
     return params
 
-  def bind(self, *args, b_eqn, w_eqns, stream, pin=True, reduce_ys=None):
-    env = dict(zip([v for v in _fused_inputs(b_eqn, w_eqns)], args))
-    read = lambda a: env[a] if isinstance(a, _compat.Var) else a.val
-    out = skewed_scan(b_eqn, w_eqns, read, stream, pin, reduce_ys)
-    return [out[v] for v in _fused_outputs(b_eqn, w_eqns)]
-
-
-_SKEW = _SkewPrimitive()
+  def bind(self, *args):
+    env = dict(zip(_fused_inputs(self.b_eqn, self.w_eqns), args))
+    read = lambda a: env[a] if isinstance(a, _compat.Var) else a.val  # noqa: E731
+    out = skewed_scan(self.b_eqn, self.w_eqns, read, self.stream, self.pin, self.reduce_ys)
+    return [out[v] for v in _fused_outputs(self.b_eqn, self.w_eqns)]
 
 
 def _fused_inputs(b_eqn, w_eqns):
@@ -293,7 +301,7 @@ def _fused_inputs(b_eqn, w_eqns):
 
 
 def _fused_outputs(b_eqn, w_eqns):
-  n_res = len(b_eqn.outvars) - b_eqn.params["num_carry"] - _n_b_ys(b_eqn, w_eqns)
+  n_res = len(b_eqn.outvars) - _compat.scan_info(b_eqn).num_carry - _n_b_ys(b_eqn, w_eqns)
   outs = list(b_eqn.outvars[:len(b_eqn.outvars) - n_res])
   outs += [v for e in w_eqns for v in e.outvars]
   return [v for v in outs if not isinstance(v, _compat.DropVar)]
@@ -320,31 +328,31 @@ def fuse(split: Split, sched: Schedule, stream: int | None = 1,
   for k, e in enumerate(eqns):
     if e.primitive.name != "scan" or split.kinds[k] is not Kind.DX:
       continue
-    outs = set(e.outvars[e.params["num_carry"]:])
-    ws = [j for j, w in enumerate(eqns) if j > k and w.primitive is not _SKEW
+    nk = _compat.scan_info(e).num_carry
+    outs = set(e.outvars[nk:])
+    ws = [j for j, w in enumerate(eqns) if j > k and not isinstance(w.primitive, SkewedScan)
           and w.primitive.name == "scan" and split.kinds[j] is Kind.DW
           and any(isinstance(v, _compat.Var) and v in outs for v in w.invars)
           and all(producer.get(v, -1) < k or producer.get(v) == k for v in w.invars
                   if isinstance(v, _compat.Var))]
-    if not ws or _n_b_ys(e, [eqns[j] for j in ws]) + e.params["num_carry"] == len(e.outvars):
+    if not ws or _n_b_ys(e, [eqns[j] for j in ws]) + nk == len(e.outvars):
       continue
     w_eqns = tuple(eqns[j] for j in ws)
     # Every residual must go to the fused W-scans only.
-    res = e.outvars[e.params["num_carry"] + _n_b_ys(e, w_eqns):]
+    res = e.outvars[nk + _n_b_ys(e, w_eqns):]
     res_set = set(res)
     users = {j for j, u in enumerate(eqns) for v in u.invars
              if isinstance(v, _compat.Var) and v in res_set}
     if not users <= set(ws):
       continue
-    eqns[k] = e.replace(primitive=_SKEW, params=dict(b_eqn=e, w_eqns=w_eqns, stream=stream, pin=pin,
-                                                     reduce_ys=reduce_ys),
+    eqns[k] = e.replace(primitive=SkewedScan(e, w_eqns, stream, pin, reduce_ys), params={},
                         invars=_fused_inputs(e, w_eqns), outvars=_fused_outputs(e, w_eqns))
     fused_w.update(ws)
     changed = True
   if not changed:
     return split, sched
   jaxpr = split.jaxpr.jaxpr.replace(eqns=eqns)
-  new_split = dataclasses.replace(split, jaxpr=_compat.ClosedJaxpr(jaxpr, split.jaxpr.consts))
+  new_split = dataclasses.replace(split, jaxpr=_compat.closed(jaxpr, split.jaxpr.consts))
   units = tuple(dataclasses.replace(u, eqns=tuple(i for i in u.eqns if i not in fused_w))
                 for u in sched.units)
   empty = {u.name for u in units if not u.eqns and u.kind.value == "W"}
@@ -368,13 +376,14 @@ def predict(split: Split, cost: CostModel) -> tuple[float, float]:
   for k, e in enumerate(eqns):
     if e.primitive.name != "scan" or split.kinds[k] is not Kind.DX:
       continue
-    outs = {v for v in e.outvars[e.params["num_carry"]:]}
+    info = _compat.scan_info(e)
+    outs = set(e.outvars[info.num_carry:])
     ws = [w for j, w in enumerate(eqns) if j > k and w.primitive.name == "scan"
           and split.kinds[j] is Kind.DW
           and any(isinstance(v, _compat.Var) and v in outs for v in w.invars)]
     if not ws:
       continue
-    n = float(e.params["length"])
+    n = float(info.length)
     cb, cw = cost.unit_cost([e]), cost.unit_cost(ws)
     tb, tw = cb.seconds / n, cw.seconds / n
     units = [Unit(UnitKind.DX, 0, (), (), tb, cb.util), Unit(UnitKind.DW, 0, (), (), tw, cw.util)]

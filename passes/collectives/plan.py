@@ -1,4 +1,4 @@
-"""collectives: data-parallel gradient buckets, reverse first-k, and the link schedule.
+"""collectives.plan: data-parallel gradient buckets, reverse first-k, and the link schedule.
 
 Contract: `plan(split, sched, cost, n_devices, link, bucket_bytes=None,
 first_k=None) -> CollectivePlan`.
@@ -22,7 +22,7 @@ stream 0). This pass
    smaller k.
 
 A stacked per-layer gradient of a split backward scan is not bucketed: the
-loop reduces it one layer at a time (`passes.scan_collectives`), priced as
+loop reduces it one layer at a time (`passes.collectives.loops`), priced as
 one-layer all-reduces from the loop's start plus the last layer's after it.
 
 All times are cost-model estimates.
@@ -33,10 +33,10 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from passes import scan_collectives
+from passes.collectives import loops as scan_collectives
 from passes.cost import CostModel, _nbytes
 from passes.ir import Action, Schedule, Split, Unit, UnitKind
-from passes.scan_collectives import LoopReduce
+from passes.collectives.loops import LoopReduce
 from passes.simulate import LINKS, Link, Timeline, simulate
 
 REDUCTIONS = ("mean", "sum")

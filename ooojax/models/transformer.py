@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from benchmarks.models._common import init_params
+from ooojax.models._common import init_params
 
 
 class Layer(nn.Module):

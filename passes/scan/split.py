@@ -1,9 +1,8 @@
-"""scan_split: split a backward scan into a B-scan (the dX chain) and W-scans (dW).
+"""scan.split: split a backward scan into a B-scan (the dX chain) and W-scans (dW).
 
-Contract: `split_scan(eqn) -> ScanSplit | None` for one `scan` equation, and
-`rewrite_backward(closed, rules, stats) -> ClosedJaxpr` applying such rules to
-every backward equation (one that depends on the cotangent, `invars[0]`) of a
-flat split jaxpr, which `passes.split` calls before classifying.
+Contract: `split_scan(eqn) -> ScanSplit | None` for one `scan` equation;
+registered as `passes.split`'s rewrite rule for backward scans, which it
+applies before classifying.
 
 The backward of a scan over layers is one scan (JAX's `_scan_transpose*`)
 whose carry holds the cotangent flowing through the layers (dX) and the
@@ -36,13 +35,14 @@ cotangent of its output), as when dW of unrolled layers runs late.
 >>> jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(jnp.ones((3, 4, 4)), jnp.ones((2, 4)))
 >>> bwd = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"][-1]
 >>> s = split_scan(bwd)
->>> len(s.w_eqns), s.b_eqn.params["num_carry"], s.w_eqns[0].params["num_carry"]
+>>> from passes._compat import scan_info
+>>> len(s.w_eqns), scan_info(s.b_eqn).num_carry, scan_info(s.w_eqns[0]).num_carry
 (1, 1, 0)
 """
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from passes import _compat
@@ -104,8 +104,7 @@ def _inline_body(closed):
   Inside a scan body a remat's CSE barrier guards nothing (the forward is
   another scan), so it is dropped, as JAX's own scan partial eval does.
   """
-  from passes.split import INLINE_RULES  # split imports this module
-  if not any(e.primitive.name in INLINE_RULES for e in closed.jaxpr.eqns):
+  if not any(_compat.is_call(e) for e in closed.jaxpr.eqns):
     return closed
   consts_v, consts_x = list(closed.jaxpr.constvars), list(closed.consts)
   out: list = []
@@ -113,14 +112,14 @@ def _inline_body(closed):
   def walk(jaxpr, sub):
     for e in jaxpr.eqns:
       invars = [sub.get(v, v) if isinstance(v, _compat.Var) else v for v in e.invars]
-      rule = INLINE_RULES.get(e.primitive.name)
-      if rule is None:
+      call = _compat.call_body(e)
+      if call is None:
         outvars = [v if isinstance(v, _compat.DropVar) else _compat.new_var(v.aval)
                    for v in e.outvars]
         sub.update(zip(e.outvars, outvars))
         out.append(e.replace(invars=invars, outvars=outvars))
         continue
-      inner, inner_consts, _ = rule(e.params)
+      inner, inner_consts, _ = call
       m: dict = {}
       for v, c in zip(inner.constvars, inner_consts):
         m[v] = _compat.new_var(v.aval)
@@ -135,7 +134,7 @@ def _inline_body(closed):
   walk(closed.jaxpr, top)
   outvars = [top.get(v, v) if isinstance(v, _compat.Var) else v for v in closed.jaxpr.outvars]
   j = closed.jaxpr.replace(constvars=consts_v, eqns=out, outvars=outvars)
-  return _compat.ClosedJaxpr(j, consts_x)
+  return _compat.closed(j, consts_x)
 
 
 def split_scan(eqn) -> ScanSplit | None:
@@ -151,17 +150,18 @@ def split_scan(eqn) -> ScanSplit | None:
   >>> import jax, jax.numpy as jnp
   >>> j = jax.make_jaxpr(lambda c, xs: jax.lax.scan(lambda c, x: (c * 2, x * c), c, xs))
   >>> s = split_scan(j(1.0, jnp.ones(3)).jaxpr.eqns[0])
-  >>> [e.params["num_carry"] for e in s.eqns]
+  >>> from passes._compat import scan_info
+  >>> [scan_info(e).num_carry for e in s.eqns]
   [1, 0]
   """
-  if eqn.primitive.name != "scan" or eqn.effects:
+  if not _compat.is_scan(eqn) or eqn.effects:
     return None
-  p = eqn.params
-  closed = _inline_body(p["jaxpr"])
+  info = _compat.scan_info(eqn)
+  closed = _inline_body(info.body)
   body = closed.jaxpr
   if body.effects or any(e.effects for e in body.eqns):
     return None
-  nc, nk = p["num_consts"], p["num_carry"]
+  nc, nk = info.num_consts, info.num_carry
   consts_in, carry_in, xs_in = (body.invars[:nc], body.invars[nc:nc + nk],
                                 body.invars[nc + nk:])
   carry_out, ys_out = body.outvars[:nk], body.outvars[nk:]
@@ -258,7 +258,7 @@ def split_scan(eqn) -> ScanSplit | None:
   residuals = [v for v in dict.fromkeys(v for r in group_reads for v in r)
                if (v in producer and producer[v] in b_set) or v in b_carry_in]
 
-  length = p["length"]
+  length = info.length
   outer_in = eqn.invars
   outer_consts, outer_init, outer_xs = (outer_in[:nc], outer_in[nc:nc + nk], outer_in[nc + nk:])
   dbg = getattr(body, "debug_info", None)
@@ -266,13 +266,10 @@ def split_scan(eqn) -> ScanSplit | None:
     dbg = dbg.with_unknown_names()
 
   def make_scan(b_eqns, consts, carries, xs, outs, outer_ins, outer_outs):
-    j = _compat.Jaxpr(body.constvars, [*consts, *carries, *xs], outs, b_eqns,
-                      body.effects, dbg)
-    params = dict(p, jaxpr=_compat.ClosedJaxpr(j, closed.consts),
-                  num_consts=len(consts), num_carry=len(carries))
-    if "linear" in params:
-      params["linear"] = (False,) * len(j.invars)
-    return eqn.replace(invars=list(outer_ins), outvars=list(outer_outs), params=params)
+    j = _compat.open_jaxpr(body.constvars, [*consts, *carries, *xs], outs, b_eqns,
+                           body.effects, dbg)
+    return _compat.scan_eqn(eqn, body=_compat.closed(j, closed.consts), num_consts=len(consts),
+                            num_carry=len(carries), invars=outer_ins, outvars=outer_outs)
 
   # B-scan.
   b_ks = sorted(b_set)
@@ -306,51 +303,7 @@ def split_scan(eqn) -> ScanSplit | None:
   return ScanSplit(b_eqn, tuple(w_eqns), tuple(res_outer))
 
 
-def _split_scan_rule(eqn) -> Sequence[Any] | None:
+def split_scan_rule(eqn) -> Sequence[Any] | None:
+  """`split_scan` as a `passes.split` rewrite rule: the replacement equations, or None."""
   s = split_scan(eqn)
   return None if s is None else s.eqns
-
-
-RewriteRule = Callable[[Any], "Sequence[Any] | None"]
-# primitive name -> equation -> replacement equations (None: keep it).
-REWRITE_RULES: dict[str, RewriteRule] = {"scan": _split_scan_rule}
-
-
-def rewrite_backward(closed, rules: dict[str, RewriteRule] | None = None,
-                     stats: dict | None = None):
-  """Applies `rules` to the backward equations of a flat split jaxpr.
-
-  Args:
-    closed: a ClosedJaxpr whose first input is the loss cotangent.
-    rules: primitive name -> rule; defaults to `REWRITE_RULES`.
-    stats: if given, `stats["loops_split"]` counts rewritten equations and
-      `stats["split_eqns"]` collects the ids of the equations they became.
-
-  Returns:
-    A ClosedJaxpr with the same inputs and outputs.
-  """
-  rules = REWRITE_RULES if rules is None else rules
-  jaxpr = closed.jaxpr
-  if not any(e.primitive.name in rules for e in jaxpr.eqns):
-    return closed  # nothing to rewrite: skip the taint walk
-  tainted = {jaxpr.invars[0]}
-  eqns, n = [], 0
-  made: set[int] = set()
-  for e in jaxpr.eqns:
-    bwd = any(v in tainted for v in _vars(e.invars))
-    if bwd:
-      tainted.update(e.outvars)
-    rule = rules.get(e.primitive.name) if bwd else None
-    new = rule(e) if rule is not None else None
-    if new is None:
-      eqns.append(e)
-      continue
-    n += 1
-    eqns.extend(new)
-    made.update(id(x) for x in new)
-  if not n:
-    return closed
-  if stats is not None:
-    stats["loops_split"] = stats.get("loops_split", 0) + n
-    stats.setdefault("split_eqns", set()).update(made)
-  return _compat.ClosedJaxpr(jaxpr.replace(eqns=eqns), closed.consts)

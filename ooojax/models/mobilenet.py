@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 
-from benchmarks.models._common import image_classifier
+from ooojax.models._common import image_classifier
 
 # (kernel, expansion, out, squeeze-excite, hard-swish, stride) per block
 SMALL = [(3, 16, 16, True, False, 2), (3, 72, 24, False, False, 2), (3, 88, 24, False, False, 1),

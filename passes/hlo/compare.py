@@ -1,4 +1,4 @@
-"""hlo_compare: the simulated schedule beside what XLA really scheduled.
+"""hlo.compare: the simulated schedule beside what XLA really scheduled.
 
 Contract: `compare(schedule, timeline, hlo) -> Comparison`.
 
@@ -11,7 +11,7 @@ async call? which kernels are scheduled between its start and done?).
 
 >>> from passes.ir import Action, Schedule, Unit, UnitKind
 >>> from passes.simulate import simulate
->>> from passes.hlo_schedule import parse
+>>> from passes.hlo.schedule import parse
 >>> units = (Unit(UnitKind.DX, 0, (), (), cost=1.0, util=0.5),
 ...          Unit(UnitKind.DW, 0, (), ("X0",), cost=1.0, util=0.5))
 >>> sched = Schedule(((Action("X", 0, 0),), (Action("W", 0, 1),)), (), units)
@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import html
 
-from passes.hlo_schedule import AsyncPair, HloSchedule, Instr
+from passes.hlo.schedule import AsyncPair, HloSchedule, Instr
 from passes.ir import Schedule
 from passes.simulate import Timeline
 

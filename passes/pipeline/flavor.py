@@ -1,7 +1,7 @@
-"""pipeline_flavor: cut one stage kind's forward + vjp into F, B and W phases.
+"""pipeline.flavor: cut one stage kind's forward + vjp into F, B and W phases.
 
 Contract: `make_flavor(first, last, stage_fn, loss_fn, input_fn, p_aval, sh_aval,
-x_aval, in_aval, tg_aval) -> Flavor`, read by `passes.pipeline_exec`.
+x_aval, in_aval, tg_aval) -> Flavor`, read by `passes.pipeline.execute`.
 
 Per stage kind ("flavor": first, middle, last virtual stage) the stage's
 forward + vjp is traced once and cut by `passes.split` into three phases:
@@ -18,13 +18,13 @@ keeps its memory saving.
 
 Scanned layers (`lax.scan`, flax `nn.scan`): the split pass rewrites the
 transposed scan into a B-scan (the dX carry; it emits each layer's residuals
-as ys) and one W-scan per stacked parameter (`passes.scan_split`). The B-scan
+as ys) and one W-scan per stacked parameter (`passes.scan.split`). The B-scan
 reaches the input cotangent and every W-scan, so it is a dX equation and runs
 in B; the W-scans are dW clusters and run in W, reading the B-scan's stacked
 residuals from the B->W slots. (On the first stage, which sends no dX, a
 B-scan that feeds a single stacked parameter is part of that parameter's
 cluster and runs in W, as the dX matmuls of unrolled layers there do.) The W-scans of a phase then run as ONE loop
-over the layers (`passes.scan_merge`) instead of one loop per parameter.
+over the layers (`passes.scan.merge`) instead of one loop per parameter.
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from passes import _compat, scan_merge
+from passes import _compat
+from passes.scan import merge as scan_merge
 from passes import split as split_pass
 from passes.ir import Kind
 

@@ -1,4 +1,4 @@
-"""pipeline_simulate: replay a pipeline table with per-action costs; plot it.
+"""pipeline.simulate: replay a pipeline table with per-action costs; plot it.
 
 Contract: `simulate(sched, costs, comm) -> PipelineTimeline`, `plot(sched, costs)`.
 
@@ -13,7 +13,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from passes.pipeline_schedule import Action, PipelineSchedule, ScheduleError, _deps
+from typing import TYPE_CHECKING
+
+from passes.pipeline.actions import Action, ScheduleError, deps
+
+if TYPE_CHECKING:
+  from passes.pipeline.schedule import PipelineSchedule
 
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "BW": "#C44E52"}
 
@@ -58,7 +63,7 @@ def simulate(sched: PipelineSchedule, costs: Mapping[str, float] | None = None,
              comm: float = 0.0) -> PipelineTimeline:
   """Event replay of the table's per-stage orders.
 
-  >>> from passes.pipeline_generate import generate
+  >>> from passes.pipeline.generate import generate
   >>> simulate(generate("gpipe", 2, 2)).makespan   # 3 ticks of F, then BW = 2 x 3
   9.0
   """
@@ -76,7 +81,7 @@ def simulate(sched: PipelineSchedule, costs: Mapping[str, float] | None = None,
         a = orders[s][pos[s]]
         start = free[s]
         ok = True
-        for kind, dvs, m in _deps(sched, a):
+        for kind, dvs, m in deps(a, sched.vstage(a.stage, a.chunk), sched.virtual_stages - 1):
           if a.kind == "W" or (kind, dvs, m) in fin:
             if a.kind == "W":
               key = ("B", dvs, m)

@@ -1,0 +1,8 @@
+"""What XLA did: scheduled HLO read back as data and set beside the prediction.
+
+One idea: claims about overlap are checked in the compiled schedule, not only
+in the cost model.
+
+* `schedule`: scheduled HLO text as frozen dataclasses (async pairs, what runs inside).
+* `compare`: per dW unit, the predicted stream and overlap against the compiled one.
+"""

@@ -1,0 +1,13 @@
+"""Pipeline parallel: schedules as tables of actions, and one program that runs them.
+
+One idea: a schedule is a stage x tick grid of small hashable actions (F, B,
+W, transfers) that generation, validation, simulation, plotting and the
+executor all read.
+
+* `actions`: the action IR and its dependency rules.
+* `schedule`: the table (`PipelineSchedule`), its validator and text form.
+* `generate`: the named schedules (gpipe, 1f1b, ooo, zb-h1, zb-h2, interleaved, zb-v).
+* `simulate`: a table's timeline under per-kind costs, and its plot.
+* `flavor`: a stage's forward + vjp cut into F, B and W phases.
+* `execute`: a table lowered to one SPMD `shard_map` program.
+"""

@@ -1,0 +1,48 @@
+"""`benchmarks/gpu.sh` runs end to end before it ever meets a GPU.
+
+A GPU is lent rarely and for one call: a step that breaks there (a shell
+function passed to `timeout`, a renamed flag) loses its only run. The dry run
+(`DRY=1`: tiny sizes, CPU, the same steps writing the same files) catches that
+here.
+"""
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu.sh"
+
+
+def _steps() -> list[str]:
+  return re.findall(r"^step (\S+) \d+ ", SCRIPT.read_text(), flags=re.M)
+
+
+def test_dry_run_writes_every_steps_file(tmp_path):
+  steps = _steps()
+  assert len(steps) >= 8 and len(set(steps)) == len(steps), steps  # one file per step
+  assert steps[:3] == ["step_time_demo_cnn", "step_time_mobilenet_v3_small", "step_time_resnet50"]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(DRY="1", OUT=str(tmp_path), PY=sys.executable, BUDGET="1200", JAX_PLATFORMS="cpu")
+  r = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True,
+                     timeout=1500)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  assert not (tmp_path / "skipped.txt").exists(), (tmp_path / "skipped.txt").read_text()
+  assert "jax" in (tmp_path / "env.txt").read_text()
+  for name in steps:
+    text = (tmp_path / f"{name}.md").read_text()
+    codes = re.findall(r"^exit (\d+) after", text, flags=re.M)
+    assert codes == ["0"], f"{name}: exit {codes}\n{text[-3000:]}"
+  # step-time steps print their table as they go: a run cut short keeps it
+  assert "jax.grad" in (tmp_path / "step_time_demo_cnn.md").read_text()
+
+
+def test_missing_dependency_stops_at_once(tmp_path):
+  fake = tmp_path / "py"
+  fake.write_text("#!/bin/sh\nexit 1\n")
+  fake.chmod(0o755)
+  env = dict(os.environ, OUT=str(tmp_path / "out"), PY=str(fake))
+  r = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True,
+                     timeout=60)
+  assert r.returncode == 1 and "missing a dependency" in r.stdout
