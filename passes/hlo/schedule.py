@@ -239,7 +239,7 @@ def _read(text: str) -> tuple[dict[str, list[_Raw]], str, bool]:
         if m.group(1):
           entry = m.group("name")
       continue
-    if line.strip() == "}":
+    if line.startswith("}"):  # XLA >= 0.12 may add `, execution_thread="parallel"`
       cur = None
       continue
     mi = _INSTR.match(line)
