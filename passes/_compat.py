@@ -145,10 +145,7 @@ def scan_info(eqn) -> ScanInfo:
   if eqn.primitive.name != "scan":
     raise TypeError(f"scan_info expects a scan equation, got {eqn.primitive.name}")
   p = eqn.params
-  if "ft_in" in p:
-    nc, nk, _ = (len(t) for t in p["ft_in"].unpack())
-  else:  # pragma: no cover - jax < 0.11
-    nc, nk = p["num_consts"], p["num_carry"]
+  nc, nk, _ = (len(t) for t in p["ft_in"].unpack())  # FlatTrees of (consts, carry, xs)
   return ScanInfo(p["jaxpr"], nc, nk, int(p["length"]), bool(p["reverse"]),
                   p.get("unroll", 1))
 
@@ -162,13 +159,8 @@ def scan_eqn(like, *, body, num_consts: int, num_carry: int, invars, outvars):
   p = dict(like.params, jaxpr=body)
   n_xs = len(body.jaxpr.invars) - num_consts - num_carry
   n_ys = len(body.jaxpr.outvars) - num_carry
-  if "ft_in" in p:
-    p["ft_in"] = _ft.pack((_ft.nones(num_consts), _ft.nones(num_carry), _ft.nones(n_xs)))
-    p["ft_out"] = _ft.pack((_ft.nones(num_carry), _ft.nones(n_ys)))
-  else:  # pragma: no cover - jax < 0.11
-    p.update(num_consts=num_consts, num_carry=num_carry)
-    if "linear" in p:
-      p["linear"] = (False,) * len(body.jaxpr.invars)
+  p["ft_in"] = _ft.pack((_ft.nones(num_consts), _ft.nones(num_carry), _ft.nones(n_xs)))
+  p["ft_out"] = _ft.pack((_ft.nones(num_carry), _ft.nones(n_ys)))
   return like.replace(invars=list(invars), outvars=list(outvars), params=p)
 
 
@@ -509,9 +501,9 @@ def is_tracer(x) -> bool:
 def varying_axes(x) -> frozenset:
   """The manual mesh axes `x` (a value or an aval) varies over under `shard_map(check_vma=True)`."""
   aval = x if isinstance(x, jax.core.AbstractValue) else jax.typeof(x)
-  vma = getattr(aval, "vma", None)  # later JAX
+  vma = getattr(aval, "vma", None)  # older JAX
   if vma is None:
-    mat = getattr(aval, "mat", None)  # jax 0.10: aval.mat.varying
+    mat = getattr(aval, "mat", None)  # jax 0.10-0.12: aval.mat.varying
     vma = getattr(mat, "varying", frozenset()) if mat is not None else frozenset()
   return frozenset(vma)
 
