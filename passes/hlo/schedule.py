@@ -160,6 +160,30 @@ class HloSchedule:
           return i
     raise KeyError(f"no instruction named {name!r}")
 
+  def reachable(self, roots) -> tuple[str, ...]:
+    """`roots` and every computation they call, transitively, in first-seen order."""
+    seen: dict[str, None] = {}
+    todo = list(roots)
+    while todo:
+      c = todo.pop(0)
+      if c in seen or c not in self.computations:
+        continue
+      seen[c] = None
+      todo += [x for i in self.computations[c] for x in i.calls]
+    return tuple(seen)
+
+  def loop_bodies(self) -> tuple[str, ...]:
+    """Computations that run once per iteration of a while loop (bodies, what they call)."""
+    bodies = [i.calls[-1] for c in self.computations.values() for i in c
+              if i.op == "while" and i.calls]
+    return self.reachable(bodies)
+
+  def copies(self, computations=None) -> tuple[Instr, ...]:
+    """The `copy` / `copy-start` instructions of `computations` (default: all)."""
+    names = self.computations if computations is None else computations
+    return tuple(i for c in names for i in self.computations.get(c, ())
+                 if i.op in ("copy", "copy-start"))
+
   def summary(self) -> str:
     """One line per async pair: callee kernels and what runs between start and done."""
     kinds: dict[str, int] = {}
@@ -178,6 +202,26 @@ class HloSchedule:
 
   def __str__(self) -> str:
     return self.summary()
+
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
+          "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
+          "c64": 8, "c128": 16}
+
+
+def shape_bytes(shape: str) -> int:
+  """Bytes of a printed HLO type (`f32[2,3]{1,0}`, or a tuple of them).
+
+  >>> shape_bytes("(f32[2,3]{1,0}, bf16[4]{0}, s32[])")
+  36
+  """
+  total = 0
+  for dt, dims in re.findall(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]", shape):
+    n = 1
+    for d in filter(None, dims.split(",")):
+      n *= int(d)
+    total += n * _BYTES.get(dt, 4)
+  return total
 
 
 def _short(items: list[str], n: int) -> str:

@@ -5,21 +5,32 @@ Contract: `lower(stage_fn, loss_fn, sched, mesh, axis_name, input_fn=None)
 
 Each stage kind ("flavor": first, middle, last virtual stage) is cut into
 F / B / W phases by `passes.pipeline.flavor` (the split pass; scanned layers
-split into a B-scan and W-scans).
+split into a B-scan and W-scans); `passes.pipeline.plan` turns the table into
+per (tick, device) integer rows and slot counts.
 
-The program is a `lax.scan` over the table's ticks; at each tick every device
-runs its cell's compute action through `lax.switch` (branch = flavor x kind),
-then the tick's output (an activation or an input gradient) moves one hop
-with `ppermute` on the ring towards its consumer (up or down: interleaved and
-ZB-V chunks flow both ways); the receive columns of the table say which slot
-keeps what arrives. A hand-off to the same device (ZB-V's tip) is local.
-Slots are assigned from the table by interval colouring, so a device's buffers
-hold what `peak_activations()` says, not one per microbatch. Weights shared by
-the first and the last stage (tied embeddings) get one gradient contribution
-from each W that uses them and a single `psum` at the end.
+The program is a `lax.scan` over the ticks. Its loop body is, per device:
+one `lax.switch` over the (flavor, kind, chunk) actions the table uses, then
+the ppermutes and the slot writes. The switch reads the slot stacks but never
+returns them: an action returns what it produces (the value it sends, a loss
+term, its residual record in a one-record carry), and the tick writes the
+record into its slot afterwards (a `dynamic_update_slice` under a `cond`, so
+ticks that produce none write nothing). Only the gradient accumulators are
+updated inside the switch, by the W actions alone (in place: no branch reads
+them without writing). A buffer that one branch updates and another only
+reads is copied whole every tick by XLA; this layout keeps the loop body free
+of slot copies (tests/test_pipeline_memory.py counts them).
+
+The output (an activation or an input gradient) moves one hop with `ppermute`
+on the ring towards its consumer (up or down: interleaved and ZB-V chunks flow
+both ways); the receive columns say which slot keeps what arrives. A hand-off
+to the same device (ZB-V's tip) is local. Weights shared by the first and the
+last stage (tied embeddings) get one gradient contribution from each W that
+uses them and a single `psum` at the end.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
@@ -30,12 +41,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from passes import _compat
+from passes.pipeline import plan as plan_pass
+from passes.pipeline import records as records_pass
 from passes.pipeline.flavor import Flavor, make_flavor
 from passes.pipeline.schedule import PipelineSchedule
 
-__all__ = ["Flavor", "lower", "make_flavor", "plan_table"]
-
-_KINDS = ("F", "B", "W", "BW")
+__all__ = ["Flavor", "Memory", "Program", "lower", "make_flavor", "memory"]
 
 
 def _read(env, v):
@@ -49,121 +60,6 @@ def _run(jaxpr, eqn_ids, env):
     for v, x in zip(eqn.outvars, outs):
       if not isinstance(v, _compat.DropVar):
         env[v] = x
-
-
-# --- slots ---------------------------------------------------------------------
-def _colour(intervals):
-  """Interval colouring: `intervals` [(start, end, key)] -> ({key: slot}, n_slots).
-
-  A slot is reusable by an interval starting after (or, for receive buffers
-  read before the write, at) the tick its previous holder ended.
-  """
-  free_at: list[int] = []
-  slot = {}
-  for start, end, key in sorted(intervals):
-    for i, f in enumerate(free_at):
-      if f <= start:
-        free_at[i] = end
-        slot[key] = i
-        break
-    else:
-      slot[key] = len(free_at)
-      free_at.append(end)
-  return slot, len(free_at)
-
-
-# Per (tick, stage) integers. Transfers: a device sends at most one value a tick
-# (its F output or its B output), to stage s + 1 ("up" ring) or s - 1 ("dn");
-# the receiver writes what arrives on each ring into an activation or gradient
-# slot (trash slots absorb the rest). A hand-off to the same device (the tip of
-# ZB-V's V) is written locally at the end of the producer's tick.
-_FIELDS = ("branch", "mb", "chunk", "in_slot", "fres_slot", "bres_slot", "up_src", "dn_src",
-           "up_act", "up_grad", "dn_act", "dn_grad", "loc_act", "loc_grad")
-_F = {name: i for i, name in enumerate(_FIELDS)}
-
-
-def plan_table(sched: PipelineSchedule, flavor_of: Callable[[int, int], int]):
-  """Per (tick, stage) integer rows for the scan, and slot counts per buffer."""
-  S, T, V = sched.stages, sched.ticks, sched.virtual_stages
-  ev: dict[tuple, int] = {}
-  for s, row in enumerate(sched.grid):
-    for t, cell in enumerate(row):
-      for a in cell:
-        ev[(a.kind, s, a.microbatch, a.chunk)] = t
-  ivs: dict[str, list] = {"act": [], "grad": []}
-  for (kind, s, m, c), t in ev.items():
-    f = flavor_of(s, c)
-    if kind == "RF":
-      ivs["act"].append((t, ev[("F", s, m, c)], (s, m, c)))
-    elif kind == "RB":
-      b = ev.get(("B", s, m, c), ev.get(("BW", s, m, c)))
-      ivs["grad"].append((t, b, (s, m, c)))
-    elif kind == "F":
-      vs = sched.vstage(s, c)
-      if vs < V - 1 and sched.place(vs + 1)[0] == s:  # local hand-off to the next chunk
-        nc = sched.place(vs + 1)[1]
-        ivs["act"].append((t, ev[("F", s, m, nc)], (s, m, nc)))
-      end = ev.get(("W", s, m, c), ev.get(("BW", s, m, c)))
-      # +1: a closed interval (F writes and W reads its slot during compute).
-      ivs.setdefault(f"fres{f}", []).append((t, end + 1, (s, m, c)))
-    if kind in ("B", "BW"):
-      vs = sched.vstage(s, c)
-      if vs > 0 and sched.place(vs - 1)[0] == s:
-        pc = sched.place(vs - 1)[1]
-        ivs["grad"].append((t, ev.get(("B", s, m, pc), ev.get(("BW", s, m, pc))), (s, m, pc)))
-    if kind == "B":
-      ivs.setdefault(f"bres{f}", []).append((t, ev[("W", s, m, c)] + 1, (s, m, c)))
-  slots, counts = {}, {}
-  for name, iv in ivs.items():
-    # Colour per device (buffers are per device); a buffer's size is the max.
-    n = 0
-    for s in range(S):
-      sl, k = _colour([x for x in iv if x[2][0] == s])
-      slots.update({(name, *key): v for key, v in sl.items()})
-      n = max(n, k)
-    counts[name] = n
-  rows = np.zeros((T, S, len(_FIELDS)), np.int32)
-  for name in ("up_act", "dn_act", "loc_act"):
-    rows[:, :, _F[name]] = counts["act"]    # the trash slot
-  for name in ("up_grad", "dn_grad", "loc_grad"):
-    rows[:, :, _F[name]] = counts["grad"]
-  lag = sched.lag
-  for s, row in enumerate(sched.grid):
-    for t, cell in enumerate(row):
-      for a in cell:
-        key = (s, a.microbatch, a.chunk)
-        f = flavor_of(s, a.chunk)
-        r = rows[t, s]
-        if a.kind in _KINDS:
-          r[0] = 1 + f * len(_KINDS) + _KINDS.index(a.kind)
-          r[1], r[2] = a.microbatch, a.chunk
-          if a.kind == "F":
-            r[3] = slots.get(("act", *key), 0)
-          elif a.kind in ("B", "BW"):
-            r[3] = slots.get(("grad", *key), 0)
-          r[4] = slots[(f"fres{f}", *key)]
-          r[5] = slots.get((f"bres{f}", *key), 0)
-          vs = sched.vstage(s, a.chunk)
-          tvs = vs + 1 if a.kind == "F" else vs - 1
-          if 0 <= tvs < V:
-            ds, dc = sched.place(tvs)
-            buf = "act" if a.kind == "F" else "grad"
-            if ds == s:
-              r[_F["loc_" + buf]] = slots[(buf, s, a.microbatch, dc)]
-            else:  # the sender's ring; S == 2 sends everything "up"
-              ring = "up" if ds == (s + 1) % S else "dn"
-              # with lag 1 the ring carries this tick's send during the next tick
-              rows[t + lag, s, _F[ring + "_src"]] = 0 if a.kind == "F" else 1
-        elif a.kind in ("RF", "RB"):
-          vs = sched.vstage(s, a.chunk)
-          ps = sched.place(vs - 1 if a.kind == "RF" else vs + 1)[0]
-          ring = "up" if s == (ps + 1) % S else "dn"
-          buf = "act" if a.kind == "RF" else "grad"
-          r[_F[f"{ring}_{buf}"]] = slots[(buf, *key)]
-  # Only the (flavor, kind) branches the table uses are compiled.
-  used = sorted(set(rows[:, :, 0].ravel().tolist()) | {0})
-  rows[:, :, 0] = np.searchsorted(np.asarray(used), rows[:, :, 0])
-  return rows, counts, tuple(used)
 
 
 # --- the program ------------------------------------------------------------------
@@ -190,47 +86,16 @@ def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
     raise ValueError(f"the executor runs tables with lag 0 or 1, got {sched.lag}")
 
   def step(stage_params, batch, shared=None):
-    inputs, targets = batch
-    for leaf in jax.tree.leaves(stage_params):
-      if jnp.ndim(leaf) < 1 or jnp.shape(leaf)[0] != V:
-        raise ValueError(f"stage_params leaves must be stacked on a leading axis of "
-                         f"{V} (virtual) stages; got a leaf of shape {jnp.shape(leaf)}")
-    bsz = {jnp.shape(x)[0] for x in jax.tree.leaves((inputs, targets))}
-    if len(bsz) != 1 or next(iter(bsz)) % M:
-      raise ValueError(f"inputs and targets need one leading batch size divisible by "
-                       f"microbatches={M}; got leading sizes {sorted(bsz)}")
-    mbs = lambda t: jax.tree.map(  # noqa: E731
-        lambda x: jnp.reshape(x, (M, x.shape[0] // M, *x.shape[1:])), t)
-    inputs_m, targets_m = mbs(inputs), mbs(targets)
-    aval = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))  # noqa: E731
-    p_aval = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stage_params)
-    in_aval = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), inputs_m)
-    tg_aval = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), targets_m)
-    sh_aval = None if shared is None else jax.tree.map(aval, shared)
-    extra = () if shared is None else (sh_aval,)
-    x_aval = (jax.eval_shape(input_fn, in_aval, *extra) if input_fn is not None else in_aval)
-    if not isinstance(x_aval, jax.ShapeDtypeStruct):
-      raise TypeError("the activation passed between stages must be one array; got "
-                      f"{x_aval}")
-    y_aval = jax.eval_shape(stage_fn, p_aval, x_aval)
-    if (getattr(y_aval, "shape", None), getattr(y_aval, "dtype", None)) != (
-        x_aval.shape, x_aval.dtype):
-      raise ValueError(f"stage_fn must map the activation to one of the same shape and "
-                       f"dtype ({x_aval.shape} {x_aval.dtype}); got {y_aval}")
-    x_aval = jax.ShapeDtypeStruct(x_aval.shape, x_aval.dtype)
-    kinds = sorted({(vs == 0, vs == V - 1) for vs in range(V)}, reverse=True)
-    flavors = [make_flavor(fi, la, stage_fn, loss_fn, input_fn, p_aval, sh_aval, x_aval,
-                           in_aval, tg_aval) for fi, la in kinds]
-    flavor_of = lambda s, c: kinds.index(  # noqa: E731
-        (sched.vstage(s, c) == 0, sched.vstage(s, c) == V - 1))
-    rows, counts, used = plan_table(sched, flavor_of)
+    inputs_m, targets_m = _microbatches(batch, M)
+    prog = _trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m,
+                  shared)
     # (V, ...) -> (S, v, ...): device s holds virtual stages sched.vstage(s, c).
     idx = np.array([[sched.vstage(s, c) for c in range(v)] for s in range(S)])
     inv = np.argsort(idx.ravel())
     to_dev = lambda x: x[idx]  # noqa: E731
     from_dev = lambda x: jnp.reshape(x, (V, *x.shape[2:]))[inv]  # noqa: E731
-    consts = [fl.consts for fl in flavors]
-    body = _body(flavors, counts, rows, used, S, M, x_aval, axis_name, sched.lag)
+    consts = [fl.consts for fl in prog.flavors]
+    body = _body(prog, S, v, M, axis_name, sched.lag)
     p_spec = jax.tree.map(lambda _: P(axis_name), stage_params)
     rep = lambda t: jax.tree.map(lambda _: P(), t)  # noqa: E731
     fn = jax.shard_map(body, mesh=mesh,
@@ -251,143 +116,238 @@ def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
   return step
 
 
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """What the executor runs for one set of shapes: cut stages, rows, record layouts."""
+  flavors: tuple[Flavor, ...]
+  plan: plan_pass.Plan
+  x_aval: jax.ShapeDtypeStruct        # the activation passed between stages
+  fres: records_pass.Records          # F's residual record (what B and W read)
+  bres: records_pass.Records          # B's record (what W reads)
+
+
+def _microbatches(batch, M):
+  inputs, targets = batch
+  bsz = {jnp.shape(x)[0] for x in jax.tree.leaves((inputs, targets))}
+  if len(bsz) != 1 or next(iter(bsz)) % M:
+    raise ValueError(f"inputs and targets need one leading batch size divisible by "
+                     f"microbatches={M}; got leading sizes {sorted(bsz)}")
+  return jax.tree.map(lambda x: jnp.reshape(x, (M, x.shape[0] // M, *x.shape[1:])),
+                      (inputs, targets))
+
+
+def _trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m,
+           shared) -> Program:
+  V = sched.virtual_stages
+  for leaf in jax.tree.leaves(stage_params):
+    if jnp.ndim(leaf) < 1 or jnp.shape(leaf)[0] != V:
+      raise ValueError(f"stage_params leaves must be stacked on a leading axis of "
+                       f"{V} (virtual) stages; got a leaf of shape {jnp.shape(leaf)}")
+  aval = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))  # noqa: E731
+  one = lambda t: jax.tree.map(  # noqa: E731
+      lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x)), t)
+  p_aval, in_aval, tg_aval = one(stage_params), one(inputs_m), one(targets_m)
+  sh_aval = None if shared is None else jax.tree.map(aval, shared)
+  extra = () if shared is None else (sh_aval,)
+  x_aval = (jax.eval_shape(input_fn, in_aval, *extra) if input_fn is not None else in_aval)
+  if not isinstance(x_aval, jax.ShapeDtypeStruct):
+    raise TypeError("the activation passed between stages must be one array; got "
+                    f"{x_aval}")
+  y_aval = jax.eval_shape(stage_fn, p_aval, x_aval)
+  if (getattr(y_aval, "shape", None), getattr(y_aval, "dtype", None)) != (
+      x_aval.shape, x_aval.dtype):
+    raise ValueError(f"stage_fn must map the activation to one of the same shape and "
+                     f"dtype ({x_aval.shape} {x_aval.dtype}); got {y_aval}")
+  x_aval = jax.ShapeDtypeStruct(x_aval.shape, x_aval.dtype)
+  kinds = sorted({(vs == 0, vs == V - 1) for vs in range(V)}, reverse=True)
+  flavors = tuple(make_flavor(fi, la, stage_fn, loss_fn, input_fn, p_aval, sh_aval, x_aval,
+                              in_aval, tg_aval) for fi, la in kinds)
+  flavor_of = lambda s, c: kinds.index(  # noqa: E731
+      (sched.vstage(s, c) == 0, sched.vstage(s, c) == V - 1))
+  return Program(flavors, plan_pass.plan(sched, flavor_of), x_aval,
+                 records_pass.layout([fl.fres for fl in flavors]),
+                 records_pass.layout([fl.bres for fl in flavors]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+  """Bytes per device of a pipelined step (the largest device)."""
+  weights: int            # the device's stage weights
+  grads: int              # their gradient accumulators
+  fres: int               # F's residual record of one microbatch on one (virtual) stage
+  bres: int               # B's record (what W reads)
+  peak: int               # the table's peak live microbatches per device (peak_activations)
+  slots: dict             # slots the executor allocates per buffer (plus one trash slot each)
+  activation: int         # bytes of one activation (a receive slot)
+
+  @property
+  def bound(self) -> int:
+    """What the schedule needs: weights, gradients, and `peak` microbatches' residuals."""
+    return self.weights + self.grads + self.peak * (self.fres + self.bres)
+
+  @property
+  def allocated(self) -> int:
+    """What the executor's buffers hold: accumulators, record and receive slots."""
+    return (self.grads + (self.slots["fres"] + 1) * self.fres
+            + (self.slots["bres"] + 1) * self.bres    # +1: the record being produced
+            + (self.slots["act"] + self.slots["grad"] + 2) * self.activation)
+
+
+def memory(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, stage_params,
+           batch, shared=None, input_fn: Callable | None = None) -> Memory:
+  """The memory a pipelined step needs per device (`Memory`), from shapes alone."""
+  inputs_m, targets_m = jax.eval_shape(lambda b: _microbatches(b, sched.microbatches), batch)
+  prog = _trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m,
+                shared)
+  rec = lambda r: sum(w * np.dtype(dt).itemsize for dt, w in r.widths.items())  # noqa: E731
+  per_v = sum(math.prod(jnp.shape(x)[1:]) * jnp.result_type(x).itemsize
+              for x in jax.tree.leaves(stage_params))
+  wb = per_v * sched.chunks
+  x = prog.x_aval
+  return Memory(wb, wb, rec(prog.fres), rec(prog.bres), max(sched.peak_activations()),
+                dict(prog.plan.counts), math.prod(x.shape) * x.dtype.itemsize)
+
+
 def _explicit(mesh) -> bool:
   explicit = getattr(jax.sharding.AxisType, "Explicit", None)
   return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ()))
 
 
-def _body(flavors, counts, rows, used, S, M, x_aval, axis_name, lag):
-  n_kinds = len(_KINDS)
+def _body(prog: Program, S, v, M, axis_name, lag):
+  F = plan_pass.F
+  flavors, pl, x_aval, fres, bres = (prog.flavors, prog.plan, prog.x_aval, prog.fres,
+                                     prog.bres)
 
   def body(params, shared, inputs_m, targets_m, consts):
-    params = jax.tree.map(lambda x: x[0], params)           # (v, ...) on this device
-    p_leaves, p_tree = jax.tree.flatten(params)
+    p_leaves, p_tree = jax.tree.flatten(jax.tree.map(lambda x: x[0], params))
+    # Chunk c's weights, sliced once per step (static slices: the actions of
+    # chunk c are their own branches).
+    chunk_w = [[x[c] for x in p_leaves] for c in range(v)]
     sh_leaves = jax.tree.leaves(shared)
-    me = lax.axis_index(axis_name)
-    table = jnp.asarray(rows)[:, me]                          # (T, fields)
+    in_leaves, tg_leaves = jax.tree.leaves(inputs_m), jax.tree.leaves(targets_m)
+    table = jnp.asarray(pl.rows)[:, lax.axis_index(axis_name)]   # (ticks, fields)
 
-    def buf(n, var):
-      return jnp.zeros((n + 1, *var.aval.shape), var.aval.dtype)  # +1: a trash slot
+    def stack(n, shape, dtype):
+      return jnp.zeros((n + 1, *shape), dtype)                     # +1: the trash slot
 
-    state = {
-        "act": jnp.zeros((counts["act"] + 1, *x_aval.shape), x_aval.dtype),
-        "grad": jnp.zeros((counts["grad"] + 1, *x_aval.shape), x_aval.dtype),
-        "fres": [[buf(counts.get(f"fres{i}", 0), u) for u in fl.fres]
-                 for i, fl in enumerate(flavors)],
-        "bres": [[buf(counts.get(f"bres{i}", 0), u) for u in fl.bres]
-                 for i, fl in enumerate(flavors)],
-        "gp": jax.tree.map(jnp.zeros_like, p_leaves),
-        "gsh": jax.tree.map(jnp.zeros_like, sh_leaves),
-        "loss": jnp.zeros((), jnp.float32),
-        "send_f": jnp.zeros(x_aval.shape, x_aval.dtype),
-        "send_b": jnp.zeros(x_aval.shape, x_aval.dtype),
+    bufs = {
+        "act": stack(pl.counts["act"], x_aval.shape, x_aval.dtype),
+        "grad": stack(pl.counts["grad"], x_aval.shape, x_aval.dtype),
+        # Records have no trash slot: only the ticks that produce one write it.
+        "fres": {dt: jnp.zeros((max(pl.counts["fres"], 1), w), dt)
+                 for dt, w in fres.widths.items()},
+        "bres": {dt: jnp.zeros((max(pl.counts["bres"], 1), w), dt)
+                 for dt, w in bres.widths.items()},
     }
-
-    def statics(i, fl, mb, chunk):
-      vals = [*consts[i], *(lax.dynamic_index_in_dim(x, chunk, keepdims=False)
-                            for x in p_leaves)]
-      if fl.n_shared:
-        vals += sh_leaves
-      if fl.first:
-        vals += [lax.dynamic_index_in_dim(x, mb, keepdims=False)
-                 for x in jax.tree.leaves(inputs_m)]
-      if fl.last:
-        vals += [lax.dynamic_index_in_dim(x, mb, keepdims=False)
-                 for x in jax.tree.leaves(targets_m)]
-      assert len(vals) == len(fl.static), (len(vals), len(fl.static))
-      return dict(zip(fl.static, vals))
-
-    def put(b, slot, x):
-      return lax.dynamic_update_index_in_dim(b, x.astype(b.dtype), slot, 0)
+    acc = {"gp": [[jnp.zeros_like(x) for x in ws] for ws in chunk_w],
+           "gsh": [jnp.zeros_like(x) for x in sh_leaves]}
+    no_out = jnp.zeros(x_aval.shape, x_aval.dtype)
+    zero = jnp.zeros((), jnp.float32)
 
     def get(b, slot):
       return lax.dynamic_index_in_dim(b, slot, keepdims=False)
 
-    def do_f(i, fl, st, r):
-      env = statics(i, fl, r[1], r[2])
-      if fl.x is not None:
-        env[fl.x] = get(st["act"], r[3])
-      _run(fl.jaxpr, fl.f_eqns, env)
-      y = _read(env, fl.jaxpr.outvars[0])
-      st = dict(st)
-      st["fres"] = list(st["fres"])
-      st["fres"][i] = [put(b, r[4], _read(env, u)) for b, u in zip(st["fres"][i], fl.fres)]
+    def put(b, slot, x):
+      return lax.dynamic_update_index_in_dim(b, x.astype(b.dtype), slot, 0)
+
+    def env_of(i, fl, c, r):
+      """The phase's static inputs: constants, chunk weights, shared, this microbatch."""
+      vals = [*consts[i], *chunk_w[c]]
+      if fl.n_shared:
+        vals += sh_leaves
+      if fl.first:
+        vals += [get(x, r[F["mb"]]) for x in in_leaves]
       if fl.last:
-        st["loss"] = st["loss"] + y.astype(jnp.float32) / M
-      else:
-        st["send_f"] = y.astype(st["send_f"].dtype)
-      return st
+        vals += [get(x, r[F["mb"]]) for x in tg_leaves]
+      assert len(vals) == len(fl.static), (len(vals), len(fl.static))
+      return dict(zip(fl.static, vals))
 
-    def do_b(i, fl, st, r, then_w):
-      env = statics(i, fl, r[1], r[2])
-      env.update(zip(fl.fres, [get(b, r[4]) for b in st["fres"][i]]))
-      ct = fl.jaxpr.invars[0]
-      env[ct] = (jnp.asarray(1.0 / M, ct.aval.dtype) if fl.last else get(st["grad"], r[3]))
-      _run(fl.jaxpr, fl.b_eqns, env)
-      st = dict(st)
-      if fl.dx is not None:
-        st["send_b"] = jnp.broadcast_to(_read(env, fl.dx), x_aval.shape).astype(x_aval.dtype)
-      if then_w:
-        return do_w(i, fl, st, r, env)
-      st["bres"] = list(st["bres"])
-      st["bres"][i] = [put(b, r[5], _read(env, u)) for b, u in zip(st["bres"][i], fl.bres)]
-      return st
+    def records(bufs, name, slot):
+      return {dt: get(b, slot) for dt, b in bufs[name].items()}
 
-    def do_w(i, fl, st, r, env=None):
-      if env is None:
-        env = statics(i, fl, r[1], r[2])
-        env.update(zip(fl.fres, [get(b, r[4]) for b in st["fres"][i]]))
-        env.update(zip(fl.bres, [get(b, r[5]) for b in st["bres"][i]]))
-      _run(fl.jaxpr, fl.w_eqns, env)
-      g = [_read(env, u) for u in fl.grads]
-      st = dict(st)
-      chunk = r[2]
-      st["gp"] = [lax.dynamic_update_index_in_dim(
-          acc, get(acc, chunk) + d.astype(acc.dtype), chunk, 0)
-          for acc, d in zip(st["gp"], g[:len(p_leaves)])]
-      if len(g) > len(p_leaves):
-        st["gsh"] = [acc + d.astype(acc.dtype) for acc, d in zip(st["gsh"], g[len(p_leaves):])]
-      return st
+    def action(i, kind, c):
+      fl = flavors[i]
 
-    branches = [lambda st, r: st]
-    for i, fl in enumerate(flavors):
-      branches += [
-          lambda st, r, i=i, fl=fl: do_f(i, fl, st, r),
-          lambda st, r, i=i, fl=fl: do_b(i, fl, st, r, False),
-          lambda st, r, i=i, fl=fl: do_w(i, fl, st, r),
-          lambda st, r, i=i, fl=fl: do_b(i, fl, st, r, True),
-      ]
-    assert len(branches) == 1 + n_kinds * len(flavors)
-    branches = [branches[u] for u in used]
+      def run(r, bufs, acc, f_rec, b_rec):
+        out, loss = no_out, zero
+        env = env_of(i, fl, c, r)
+        if kind == "F":
+          if fl.x is not None:
+            env[fl.x] = get(bufs["act"], r[F["in_slot"]])
+          _run(fl.jaxpr, fl.f_eqns, env)
+          y = _read(env, fl.jaxpr.outvars[0])
+          if fl.last:
+            loss = y.astype(jnp.float32) / M
+          else:
+            out = y.astype(x_aval.dtype)
+          return out, loss, acc, fres.pack(i, [_read(env, u) for u in fl.fres]), b_rec
+        env.update(zip(fl.fres, fres.unpack(i, records(bufs, "fres", r[F["fres"]]))))
+        if kind in ("B", "BW"):
+          ct = fl.jaxpr.invars[0]
+          env[ct] = (jnp.asarray(1.0 / M, ct.aval.dtype) if fl.last
+                     else get(bufs["grad"], r[F["in_slot"]]))
+          _run(fl.jaxpr, fl.b_eqns, env)
+          if fl.dx is not None:
+            out = jnp.broadcast_to(_read(env, fl.dx), x_aval.shape).astype(x_aval.dtype)
+          if kind == "B":
+            return out, loss, acc, f_rec, bres.pack(i, [_read(env, u) for u in fl.bres])
+        else:
+          env.update(zip(fl.bres, bres.unpack(i, records(bufs, "bres", r[F["bres"]]))))
+        _run(fl.jaxpr, fl.w_eqns, env)
+        g = [_read(env, u) for u in fl.grads]
+        n = len(p_leaves)
+        gp = list(acc["gp"])
+        gp[c] = [a + d.astype(a.dtype) for a, d in zip(gp[c], g[:n])]
+        gsh = [a + d.astype(a.dtype) for a, d in zip(acc["gsh"], g[n:])] or acc["gsh"]
+        return out, loss, {"gp": gp, "gsh": gsh}, f_rec, b_rec
+
+      return run
+
+    def idle(r, bufs, acc, f_rec, b_rec):
+      return no_out, zero, acc, f_rec, b_rec
+
+    branches = [idle] + [action(*b) for b in pl.branches]
     ring_up = [(k, (k + 1) % S) for k in range(S)]
     ring_dn = [(k, (k - 1) % S) for k in range(S)]
-    F = _F
 
-    def send(st, r):
-      up = jnp.where(r[F["up_src"]] == 0, st["send_f"], st["send_b"])
-      dn = jnp.where(r[F["dn_src"]] == 0, st["send_f"], st["send_b"])
-      return lax.ppermute(up, axis_name, ring_up), lax.ppermute(dn, axis_name, ring_dn)
+    def send(out):
+      """What arrives from below (stage s - 1) and from above (s + 1)."""
+      if S == 1:
+        return out, out
+      up = lax.ppermute(out, axis_name, ring_up)
+      # With 2 stages both neighbours are the same device: one ring carries all.
+      return up, (up if S == 2 else lax.ppermute(out, axis_name, ring_dn))
 
-    def tick(st, r):
-      if lag:  # last tick's send travels while this tick computes
-        from_below, from_above = send(st, r)
-      st = lax.switch(r[0], branches, st, r)
+    def keep(bufs, name, slot, rec):
+      """`rec` into slot `slot` of stack `name`, only on the ticks that produced one."""
+      return lax.cond(slot < pl.counts[name],
+                      lambda st: {dt: put(b, slot, rec[dt]) for dt, b in st.items()},
+                      lambda st: st, bufs[name])
+
+    def tick(carry, r):
+      bufs, acc, loss, out, f_rec, b_rec = carry
+      if lag:  # the last tick's output travels while this tick computes
+        below, above = send(out)
+      out, dl, acc, f_rec, b_rec = lax.switch(r[F["branch"]], branches, r, bufs, acc, f_rec,
+                                              b_rec)
       if not lag:
-        from_below, from_above = send(st, r)
-      st = dict(st)
-      act, grad = st["act"], st["grad"]
-      act = put(act, r[F["loc_act"]], st["send_f"])
-      grad = put(grad, r[F["loc_grad"]], st["send_b"])
-      act = put(put(act, r[F["up_act"]], from_below), r[F["dn_act"]], from_above)
-      grad = put(put(grad, r[F["up_grad"]], from_below), r[F["dn_grad"]], from_above)
-      st["act"], st["grad"] = act, grad
-      return st, None
+        below, above = send(out)
+      act, grad = bufs["act"], bufs["grad"]
+      act = put(put(put(act, r[F["loc_act"]], out), r[F["up_act"]], below),
+                r[F["dn_act"]], above)
+      grad = put(put(put(grad, r[F["loc_grad"]], out), r[F["up_grad"]], below),
+                 r[F["dn_grad"]], above)
+      bufs = {"act": act, "grad": grad,
+              "fres": keep(bufs, "fres", r[F["f_write"]], f_rec),
+              "bres": keep(bufs, "bres", r[F["b_write"]], b_rec)}
+      return (bufs, acc, loss + dl, out, f_rec, b_rec), None
 
-    st, _ = lax.scan(tick, state, table)
-    loss = lax.psum(st["loss"], axis_name)
-    gp = p_tree.unflatten([g[None] for g in st["gp"]])
+    init = (bufs, acc, zero, no_out, fres.empty(), bres.empty())
+    (_, acc, loss, *_), _ = lax.scan(tick, init, table)
+    loss = lax.psum(loss, axis_name)
+    gp = p_tree.unflatten([jnp.stack(gs)[None] for gs in zip(*acc["gp"])])
     gsh = jax.tree.unflatten(jax.tree.structure(shared),
-                             [lax.psum(g, axis_name) for g in st["gsh"]])
+                             [lax.psum(g, axis_name) for g in acc["gsh"]])
     return loss, gp, gsh
 
   return body

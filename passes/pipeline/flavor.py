@@ -14,7 +14,9 @@ forward + vjp is traced once and cut by `passes.split` into three phases:
 * W: the dW clusters of the parameters, from the saved residuals only.
 Forward equations that only the backward reads (a `jax.checkpoint`'s
 recomputation) run in the phase that first needs them, so rematerialisation
-keeps its memory saving.
+keeps its memory saving. Values of parameters and constants alone (a weight
+slice, a cast, a transpose) are recomputed in each phase that reads them,
+never stored per microbatch.
 
 Scanned layers (`lax.scan`, flax `nn.scan`): the split pass rewrites the
 transposed scan into a B-scan (the dX carry; it emits each layer's residuals
@@ -64,6 +66,32 @@ def _vars_read(jaxpr, ids):
   for k in ids:
     out.update(v for v in jaxpr.eqns[k].invars if isinstance(v, _compat.Var))
   return out
+
+
+def _param_only(jaxpr, roots) -> dict:
+  """{var: defining eqn index} of the forward values computed from `roots` alone."""
+  known, out = set(roots), {}
+  for k, e in enumerate(jaxpr.eqns):
+    ins = [v for v in e.invars if isinstance(v, _compat.Var)]
+    if not e.effects and all(v in known for v in ins):
+      for v in e.outvars:
+        if not isinstance(v, _compat.DropVar):
+          known.add(v)
+          out[v] = k
+  return out
+
+
+def _definers(jaxpr, phase, pc_def) -> set:
+  """The equations that recompute the parameter-only values `phase` reads."""
+  todo = [v for v in _vars_read(jaxpr, phase) if v in pc_def]
+  need = set()
+  while todo:
+    k = pc_def[todo.pop()]
+    if k not in need and k not in phase:
+      need.add(k)
+      todo += [v for v in jaxpr.eqns[k].invars
+               if isinstance(v, _compat.Var) and v in pc_def]
+  return need
 
 
 def make_flavor(first: bool, last: bool, stage_fn, loss_fn, input_fn, p_aval, sh_aval,
@@ -144,13 +172,20 @@ def make_flavor(first: bool, last: bool, stage_fn, loss_fn, input_fn, p_aval, sh
       elif need_w.intersection(e.outvars):
         w_set.add(k)
         need_w.update(ins)
+  # Values of parameters and constants alone (a weight slice `p[i]`, a cast,
+  # a transpose) are recomputed in each phase that reads them, never stored
+  # per microbatch: a stored copy would cost a stage's weights per slot.
+  pc_def = _param_only(jaxpr, set(invars[1:1 + n_consts + n[0] + n[1]]))
+  for phase in (b_set, w_set):
+    phase.update(_definers(jaxpr, phase, pc_def))
   f_def = {v for k in f_set for v in jaxpr.eqns[k].outvars} | ({x_var} if x_var else set())
   b_def = {v for k in b_set for v in jaxpr.eqns[k].outvars} | {ct}
   later = _vars_read(jaxpr, b_set) | _vars_read(jaxpr, w_set) | need_b | need_w
   order = {v: i for i, v in enumerate(
       [*invars, *(v for e in jaxpr.eqns for v in e.outvars)])}
-  fres = tuple(sorted(f_def & later, key=order.get))
-  bres = tuple(sorted(b_def & (_vars_read(jaxpr, w_set) | need_w), key=order.get))
+  fres = tuple(sorted((f_def & later) - set(pc_def), key=order.get))
+  bres = tuple(sorted((b_def & (_vars_read(jaxpr, w_set) | need_w)) - set(pc_def),
+                      key=order.get))
   fl = Flavor(first, last, jaxpr, tuple(sp.consts), static, x_var, tuple(sorted(f_set)),
               tuple(sorted(b_set)), tuple(sorted(w_set)), fres, bres, dx_var, grads, n[1])
   return merge_w_scans(fl)
