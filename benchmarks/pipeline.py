@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import time  # noqa: E402
@@ -42,13 +43,8 @@ def _bert_layer(p, x):
   q, k, v = jnp.split(qkv.reshape(b, s, 3 * h, 64), 3, axis=2)
   att = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / 8.0, axis=-1)
   o = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, s, d) @ p["out"]
-  x = _ln(x + o)
-  return _ln(x + jax.nn.gelu(x @ p["up"]) @ p["down"])
-
-
-def _ln(x):
-  m = x.mean(-1, keepdims=True)
-  return (x - m) * jax.lax.rsqrt(((x - m) ** 2).mean(-1, keepdims=True) + 1e-5)
+  x = layer_norm(x + o)
+  return layer_norm(x + jax.nn.gelu(x @ p["up"]) @ p["down"])
 
 
 def bert_costs(hidden=1024, seq=512, micro=4, dtype=jnp.bfloat16, spec="H100"):
@@ -106,49 +102,119 @@ def table_simulated() -> tuple[list[str], dict]:
   return lines, speed
 
 
-def table_cpu(stages=4, micro=8, batch=64, dim=128, reps=5) -> list[str]:
-  from passes.pipeline.execute import lower
+# The model of SpectraX's pipeline benchmark: residual blocks x + W2 gelu(W1 LN(x)).
+BLOCKS, DIM, HIDDEN, BATCH = 8, 256, 1024, 256
+
+
+def layer_norm(x):
+  m = x.mean(-1, keepdims=True)
+  return (x - m) * jax.lax.rsqrt(((x - m) ** 2).mean(-1, keepdims=True) + 1e-5)
+
+
+def mlp_stage(p, x):
+  """One stage: its blocks in a Python loop over the stacked weights `p["w1"][i]`."""
+  for i in range(p["w1"].shape[0]):
+    x = x + jax.nn.gelu(layer_norm(x) @ p["w1"][i]) @ p["w2"][i]
+  return x
+
+
+def mse(y, t):
+  return jnp.mean((y - t) ** 2)
+
+
+def mlp_problem(virtual_stages, blocks=BLOCKS, dim=DIM, hidden=HIDDEN, batch=BATCH, seed=0):
+  """(stage params stacked on `virtual_stages`, inputs, targets, unpipelined loss(params))."""
+  rng = np.random.default_rng(seed)
+  k = blocks // virtual_stages
+  params = {"w1": jnp.asarray(rng.standard_normal((virtual_stages, k, dim, hidden))
+                              / dim ** 0.5, jnp.float32),
+            "w2": jnp.asarray(rng.standard_normal((virtual_stages, k, hidden, dim))
+                              / hidden ** 0.5, jnp.float32)}
+  x = jnp.asarray(rng.standard_normal((batch, dim)), jnp.float32)
+  t = jnp.asarray(rng.standard_normal((batch, dim)), jnp.float32)
+
+  def loss(p):
+    h = x
+    for v in range(virtual_stages):
+      h = mlp_stage(jax.tree.map(lambda a: a[v], p), h)
+    return mse(h, t)
+
+  return params, x, t, loss
+
+
+def accumulated(loss_on, micro):
+  """value_and_grad over `micro` microbatches in a scan, one device: the same
+  per-microbatch kernels as a pipeline, without one."""
+  def step(p, x, t):
+    def one(acc, xt):
+      lg = jax.value_and_grad(loss_on)(p, *xt)
+      return jax.tree.map(jnp.add, acc, lg), None
+    zero = jax.tree.map(jnp.zeros_like, jax.eval_shape(jax.value_and_grad(loss_on), p,
+                                                        x[:1], t[:1]))
+    split = lambda a: a.reshape(micro, -1, *a.shape[1:])  # noqa: E731
+    (l, g), _ = jax.lax.scan(one, zero, (split(x), split(t)))
+    return l / micro, jax.tree.map(lambda a: a / micro, g)
+  return step
+
+
+def table_cpu(stages=4, micros=(8, 16), batch=BATCH, rounds=7, schedules=SCHEDULES):
+  """Every schedule on `stages` forced CPU devices, alternating with the baselines."""
+  from passes.pipeline.execute import lower, memory
   devs = jax.devices()[:stages]
   if len(devs) < stages:
     return [f"(CPU table skipped: {len(devs)} devices, need {stages})"]
   mesh = jax.make_mesh((stages,), ("stage",), devices=devs)
-  stage_fn = lambda p, x: x + jnp.tanh(x @ p["w1"]) @ p["w2"]  # noqa: E731
-  loss_fn = lambda y, t: jnp.mean((y - t) ** 2)  # noqa: E731
-  rng = np.random.default_rng(0)
-  x = jnp.asarray(rng.standard_normal((batch, dim)), jnp.float32)
-  t = jnp.asarray(rng.standard_normal((batch, dim)), jnp.float32)
+  lines = [f"Measured on {stages} forced **CPU** host devices in one process (the machine's "
+           f"{os.cpu_count()} cores shared by all devices), SpectraX's benchmark model: "
+           f"{BLOCKS} residual blocks x + W2 gelu(W1 LN(x)), D {DIM}, H {HIDDEN}, batch {batch}, "
+           f"MSE. Rounds alternate over every row; median of {rounds}. 'x unpip.' divides by "
+           "`jax.jit(jax.value_and_grad)` of the whole batch on one device; 'x accum.' by the "
+           "same model's value_and_grad accumulated over the microbatches on one device (the "
+           "pipeline's per-microbatch kernels without a pipeline). Temp: compiled temp bytes "
+           "per device; bound: the device's weights + gradient accumulators + peak "
+           "activations x (F + B residual record of one microbatch).", "",
+           "| schedule | microbatches | ticks | step (ms) | x unpip. | x accum. | temp (MB) | "
+           "bound (MB) | temp / bound |", "|---|---|---|---|---|---|---|---|---|"]
+  fns, meta = {}, {}
+  p1, x, t, loss = mlp_problem(stages, batch=batch)
 
-  def params(v):
-    return {k: jnp.asarray(rng.standard_normal((v, dim, dim)) / dim ** 0.5, jnp.float32)
-            for k in ("w1", "w2")}
+  def loss_on(p, xb, tb):
+    h = xb
+    for v in range(stages):
+      h = mlp_stage(jax.tree.map(lambda a: a[v], p), h)
+    return mse(h, tb)
 
-  def ref_loss(p):
-    h = x
-    for j in range(p["w1"].shape[0]):
-      h = stage_fn(jax.tree.map(lambda a: a[j], p), h)
-    return loss_fn(h, t)
-
-  def timeit(f, *args):
+  fns["unpipelined"] = (jax.jit(jax.value_and_grad(loss)), (p1,))
+  for m in micros:
+    fns[f"accum{m}"] = (jax.jit(accumulated(loss_on, m)), (p1, x, t))
+    for name in schedules:
+      sched = generate(name, stages, m)
+      p = mlp_problem(sched.virtual_stages, batch=batch)[0]
+      step = jax.jit(lower(mlp_stage, mse, sched, mesh, "stage"))
+      temp = step.lower(p, (x, t)).compile().memory_analysis().temp_size_in_bytes
+      meta[(name, m)] = (sched.ticks, temp, memory(mlp_stage, mse, sched, p, (x, t)).bound)
+      fns[(name, m)] = (step, (p, (x, t)))
+  for f, args in fns.values():
     jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(reps):
+  times = {k: [] for k in fns}
+  for _ in range(rounds):
+    for k, (f, args) in fns.items():
       t0 = time.perf_counter()
       jax.block_until_ready(f(*args))
-      ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
-
-  lines = [f"Measured wall time per step on {stages} forced **CPU** host devices (one process, "
-           f"the machine's shared cores), residual tanh MLP stages, dim {dim}, batch {batch}, "
-           f"{micro} microbatches; median of {reps}. Not a GPU number.", "",
-           "| schedule | step (ms) | ticks |", "|---|---|---|"]
-  p1 = params(stages)
-  lines.append(f"| unpipelined jax.value_and_grad, 1 device | "
-               f"{timeit(jax.jit(jax.value_and_grad(ref_loss)), p1) * 1e3:.1f} | - |")
-  for name in SCHEDULES:
-    sched = generate(name, stages, micro)
-    p = params(sched.virtual_stages)
-    step = jax.jit(lower(stage_fn, loss_fn, sched, mesh, "stage"))
-    lines.append(f"| {name} | {timeit(step, p, (x, t)) * 1e3:.1f} | {sched.ticks} |")
+      times[k].append(time.perf_counter() - t0)
+  ms = {k: float(np.median(v)) * 1e3 for k, v in times.items()}
+  lines.append(f"| unpipelined jax.value_and_grad, 1 device | - | - | {ms['unpipelined']:.0f} "
+               f"| 1.00 | - | - | - | - |")
+  for m in micros:
+    acc = ms[f"accum{m}"]
+    lines.append(f"| accumulated over microbatches, 1 device | {m} | - | {acc:.0f} | "
+                 f"{acc / ms['unpipelined']:.2f} | 1.00 | - | - | - |")
+    for name in schedules:
+      ticks, temp, bound = meta[(name, m)]
+      v = ms[(name, m)]
+      lines.append(f"| {name} | {m} | {ticks} | {v:.0f} | {v / ms['unpipelined']:.2f} | "
+                   f"{v / acc:.2f} | {temp / 1e6:.1f} | {bound / 1e6:.1f} | "
+                   f"{temp / bound:.2f} |")
   return lines
 
 
@@ -179,13 +245,17 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--write", action="store_true")
   ap.add_argument("--no-cpu", action="store_true")
+  ap.add_argument("--cpu-only", action="store_true", help="only the measured CPU table")
+  ap.add_argument("--rounds", type=int, default=7)
+  ap.add_argument("--batch", type=int, default=BATCH)
   args = ap.parse_args(argv)
   lines = _report.header("Pipeline schedules (benchmarks/pipeline.py)")
-  lines += table_metrics() + [""]
-  sim, speed = table_simulated()
-  lines += sim + [""] + summary(speed) + [""]
+  if not args.cpu_only:
+    lines += table_metrics() + [""]
+    sim, speed = table_simulated()
+    lines += sim + [""] + summary(speed) + [""]
   if not args.no_cpu:
-    lines += table_cpu()
+    lines += table_cpu(rounds=args.rounds, batch=args.batch)
   _report.emit(lines, args.write)
 
 

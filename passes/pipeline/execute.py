@@ -90,19 +90,22 @@ def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
     prog = _trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m,
                   shared)
     # (V, ...) -> (S, v, ...): device s holds virtual stages sched.vstage(s, c).
-    idx = np.array([[sched.vstage(s, c) for c in range(v)] for s in range(S)])
+    # Chunk c of device s is virtual stage sched.vstage(s, c): one (S, ...) tree per
+    # chunk, so a device's chunk weights arrive as their own buffers (no slicing).
+    idx = np.array([[sched.vstage(s, c) for s in range(S)] for c in range(v)])
     inv = np.argsort(idx.ravel())
-    to_dev = lambda x: x[idx]  # noqa: E731
-    from_dev = lambda x: jnp.reshape(x, (V, *x.shape[2:]))[inv]  # noqa: E731
+    chunks = tuple(jax.tree.map(lambda x, c=c: _take(x, idx[c]), stage_params)
+                   for c in range(v))
+    from_dev = lambda *xs: _untake(xs, idx, inv)  # noqa: E731
     consts = [fl.consts for fl in prog.flavors]
     body = _body(prog, S, v, M, axis_name, sched.lag)
-    p_spec = jax.tree.map(lambda _: P(axis_name), stage_params)
+    p_spec = tuple(jax.tree.map(lambda _: P(axis_name), stage_params) for _ in range(v))
     rep = lambda t: jax.tree.map(lambda _: P(), t)  # noqa: E731
     fn = jax.shard_map(body, mesh=mesh,
                        in_specs=(p_spec, rep(shared), rep(inputs_m), rep(targets_m),
                                  rep(consts)),
                        out_specs=(P(), p_spec, rep(shared)), check_vma=False)
-    args = (jax.tree.map(to_dev, stage_params), shared, inputs_m, targets_m, consts)
+    args = (chunks, shared, inputs_m, targets_m, consts)
     if _explicit(mesh):  # explicit-sharding meshes want arguments already placed
       specs = (p_spec, rep(shared), rep(inputs_m), rep(targets_m), rep(consts))
       args = tuple(jax.tree.map(lambda x, sp: jax.reshard(x, NamedSharding(mesh, sp)),
@@ -110,7 +113,7 @@ def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
     loss, gp, gsh = fn(*args)
     if _explicit(mesh):  # the (S, v) -> V reshape needs an unsharded operand there
       gp = jax.tree.map(lambda x: jax.reshard(x, NamedSharding(mesh, P())), gp)
-    gp = jax.tree.map(from_dev, gp)
+    gp = jax.tree.map(from_dev, *gp)
     return loss, (gp if shared is None else (gp, gsh))
 
   return step
@@ -208,6 +211,27 @@ def memory(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, stage
                 dict(prog.plan.counts), math.prod(x.shape) * x.dtype.itemsize)
 
 
+def _take(x, ids):
+  """`x[ids]`, as a slice where `ids` is a run (modulo and V placements): a gather
+  would make XLA materialise every stage's weights on every device."""
+  a = int(ids[0])
+  if list(ids) == list(range(a, a + len(ids))):
+    return x if len(ids) == x.shape[0] else x[a:a + len(ids)]
+  if list(ids) == list(range(a, a - len(ids), -1)):
+    return jnp.flip(x[a - len(ids) + 1:a + 1], 0)
+  return x[ids]
+
+
+def _untake(xs, idx, inv):
+  """The (V, ...) stack of the per-chunk stacks `xs` (chunk c holds stages idx[c])."""
+  order = sorted(range(len(xs)), key=lambda c: min(idx[c]))
+  parts = [xs[c] if idx[c][0] <= idx[c][-1] else jnp.flip(xs[c], 0) for c in order]
+  flat = np.concatenate([np.sort(idx[c]) for c in order])
+  if list(flat) == list(range(len(flat))):
+    return jnp.concatenate(parts)
+  return jnp.concatenate(xs)[inv]
+
+
 def _explicit(mesh) -> bool:
   explicit = getattr(jax.sharding.AxisType, "Explicit", None)
   return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ()))
@@ -218,11 +242,10 @@ def _body(prog: Program, S, v, M, axis_name, lag):
   flavors, pl, x_aval, fres, bres = (prog.flavors, prog.plan, prog.x_aval, prog.fres,
                                      prog.bres)
 
-  def body(params, shared, inputs_m, targets_m, consts):
-    p_leaves, p_tree = jax.tree.flatten(jax.tree.map(lambda x: x[0], params))
-    # Chunk c's weights, sliced once per step (static slices: the actions of
-    # chunk c are their own branches).
-    chunk_w = [[x[c] for x in p_leaves] for c in range(v)]
+  def body(chunks, shared, inputs_m, targets_m, consts):
+    p_tree = jax.tree.structure(chunks[0])
+    # Chunk c's weights (the actions of chunk c are their own branches).
+    chunk_w = [[x[0] for x in jax.tree.leaves(ch)] for ch in chunks]
     sh_leaves = jax.tree.leaves(shared)
     in_leaves, tg_leaves = jax.tree.leaves(inputs_m), jax.tree.leaves(targets_m)
     table = jnp.asarray(pl.rows)[:, lax.axis_index(axis_name)]   # (ticks, fields)
@@ -295,7 +318,7 @@ def _body(prog: Program, S, v, M, axis_name, lag):
           env.update(zip(fl.bres, bres.unpack(i, records(bufs, "bres", r[F["bres"]]))))
         _run(fl.jaxpr, fl.w_eqns, env)
         g = [_read(env, u) for u in fl.grads]
-        n = len(p_leaves)
+        n = len(chunk_w[c])
         gp = list(acc["gp"])
         gp[c] = [a + d.astype(a.dtype) for a, d in zip(gp[c], g[:n])]
         gsh = [a + d.astype(a.dtype) for a, d in zip(acc["gsh"], g[n:])] or acc["gsh"]
@@ -345,7 +368,7 @@ def _body(prog: Program, S, v, M, axis_name, lag):
     init = (bufs, acc, zero, no_out, fres.empty(), bres.empty())
     (_, acc, loss, *_), _ = lax.scan(tick, init, table)
     loss = lax.psum(loss, axis_name)
-    gp = p_tree.unflatten([jnp.stack(gs)[None] for gs in zip(*acc["gp"])])
+    gp = tuple(p_tree.unflatten([g[None] for g in gs]) for gs in acc["gp"])
     gsh = jax.tree.unflatten(jax.tree.structure(shared),
                              [lax.psum(g, axis_name) for g in acc["gsh"]])
     return loss, gp, gsh
