@@ -174,12 +174,12 @@ def paper_scale_summary(exact, every) -> list[str]:
   return [f"- ooo over GPipe at the paper's scale (simulated, table above): {rng(exact)} where "
           f"the layers divide evenly, {rng(every)} with the ~ cells; the paper measured "
           "1.41-1.99x (8-32 GPUs, its GPipe baseline).",
-          "- Why below 1 here: a 4 MiB transfer over Ethernet (1.4-3.4 ms) outlasts a stage's "
-          "forward (0.3-1.1 ms); the 1F1B family holds at most S - s microbatches in flight, "
+          "- Why below 1 here: an activation's transfer over Ethernet takes about as long as "
+          "a stage's forward or longer (caption above); the 1F1B family holds at most S - s microbatches in flight, "
           "so each stage waits on round trips that GPipe, with every microbatch in flight, "
           "hides. This simulator prices a transfer as a delay (no bandwidth shared between "
           "concurrent transfers) and the tables are planned without it, both of which favour "
-          "GPipe; with no transfer cost ooo is ahead of GPipe (BERT rows above, NVLink)."]
+          "GPipe; over NVLink ooo is ahead of GPipe (the BERT table before this one)."]
 
 
 def table_cpu(stages=4, micro=8, batch=64, dim=128, reps=5) -> list[str]:
