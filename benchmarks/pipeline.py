@@ -5,11 +5,13 @@ time from the cost model, and measured wall time of the real CPU execution.
   python -m benchmarks.pipeline --write    # and append them to benchmarks/RESULTS.md
   python -m benchmarks.pipeline --no-cpu   # tables and simulation only (no compiles)
 
-Simulated numbers come from `passes.cost` (H100 roofline) priced on the F / B / W
-phases that `passes.pipeline.execute` cuts from a BERT layer with the split pass;
-they are estimates, never measurements. The CPU table is measured on forced
-host devices (one process, shared cores): it checks that the programs run and
-what the table machinery costs, not GPU speed.
+Simulated numbers (the BERT table, and the paper-scale one: BERT-24 / BERT-48 on
+8-32 stages over 10GbE / 25GbE) come from `passes.cost` (H100 roofline) priced on
+the F / B / W phases that `passes.pipeline.execute` cuts from a BERT layer with
+the split pass; they are estimates, never measurements. The CPU table is measured
+on forced host devices (one process, shared cores): it checks that the programs
+run and what the table machinery costs, not GPU speed (benchmarks/pipeline_mp.py
+measures one stage per process and core).
 """
 from __future__ import annotations
 
@@ -171,15 +173,19 @@ def paper_scale_summary(exact, every) -> list[str]:
   if not every:
     return ["- (no cell with both gpipe and ooo at the paper's scale)"]
   rng = lambda r: f"{min(r):.2f}x-{max(r):.2f}x" if r else "none"  # noqa: E731
-  return [f"- ooo over GPipe at the paper's scale (simulated, table above): {rng(exact)} where "
+  lines = [f"- ooo over GPipe at the paper's scale (simulated, table above): {rng(exact)} where "
           f"the layers divide evenly, {rng(every)} with the ~ cells; the paper measured "
-          "1.41-1.99x (8-32 GPUs, its GPipe baseline).",
-          "- Why below 1 here: an activation's transfer over Ethernet takes about as long as "
-          "a stage's forward or longer (caption above); the 1F1B family holds at most S - s microbatches in flight, "
-          "so each stage waits on round trips that GPipe, with every microbatch in flight, "
-          "hides. This simulator prices a transfer as a delay (no bandwidth shared between "
-          "concurrent transfers) and the tables are planned without it, both of which favour "
-          "GPipe; over NVLink ooo is ahead of GPipe (the BERT table before this one)."]
+          "1.41-1.99x (8-32 GPUs, its GPipe baseline)."]
+  if max(every) < 1:
+    lines.append(
+        "- Why below 1 here: an activation's transfer over Ethernet takes about as long as a "
+        "stage's forward or longer (caption above); the 1F1B family holds at most S - s "
+        "microbatches in flight, so each stage waits on round trips that GPipe, with every "
+        "microbatch in flight, hides. This simulator prices a transfer as a delay (no "
+        "bandwidth shared between concurrent transfers) and the tables are planned without "
+        "it, both of which favour GPipe; over NVLink ooo is ahead of GPipe (the BERT table "
+        "before this one).")
+  return lines
 
 
 def table_cpu(stages=4, micro=8, batch=64, dim=128, reps=5) -> list[str]:

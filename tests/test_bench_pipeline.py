@@ -1,4 +1,4 @@
-"""benchmarks/pipeline.py: the simulated paper-scale table (cost model, no compiles of the model)."""
+"""benchmarks/pipeline.py: the simulated paper-scale table (cost model only)."""
 import math
 import re
 
