@@ -1,0 +1,54 @@
+"""The pipeline benchmarks' model: residual GELU MLP blocks (pipeline.py, pipeline_mp.py).
+
+SpectraX's pipeline benchmark model: `layers` blocks `x + gelu(LN(x) @ w1) @ w2`
+(LN without learned parameters), MSE loss. As pipeline stages each (virtual)
+stage runs `layers / stages` consecutive blocks, so the parameters are stacked
+`{"w1": (V, L/V, D, H), "w2": (V, L/V, H, D)}`. Plain numpy in, so the stage
+workers, the unpipelined baseline and the test build bit-identical inputs.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def layer_norm(x):
+  m = x.mean(-1, keepdims=True)
+  return (x - m) * jax.lax.rsqrt(((x - m) ** 2).mean(-1, keepdims=True) + 1e-5)
+
+
+def stage_fn(p, x):
+  """The blocks of one (virtual) stage, in order (a Python loop: unrolled)."""
+  for j in range(p["w1"].shape[0]):
+    x = x + jax.nn.gelu(layer_norm(x) @ p["w1"][j]) @ p["w2"][j]
+  return x
+
+
+def loss_fn(y, t):
+  return jnp.mean((y - t) ** 2)
+
+
+def flat_loss(params, batch):
+  """The same model without a pipeline: every stage's blocks in one program."""
+  x, t = batch
+  for s in range(params["w1"].shape[0]):
+    x = stage_fn(jax.tree.map(lambda a: a[s], params), x)
+  return loss_fn(x, t)
+
+
+def make_params(vstages: int, layers: int, dim: int, hidden: int, seed: int = 0) -> dict:
+  if layers % vstages:
+    raise ValueError(f"{layers} layers do not divide evenly over {vstages} (virtual) stages")
+  rng = np.random.default_rng(seed)
+  k = layers // vstages
+  # w2 scaled down so the residual stream stays O(1) through the stack.
+  return {"w1": (rng.standard_normal((vstages, k, dim, hidden)) / dim ** 0.5).astype(np.float32),
+          "w2": (rng.standard_normal((vstages, k, hidden, dim)) * 0.5 / hidden ** 0.5
+                 ).astype(np.float32)}
+
+
+def make_batch(batch: int, dim: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
+  rng = np.random.default_rng(seed)
+  return (rng.standard_normal((batch, dim)).astype(np.float32),
+          rng.standard_normal((batch, dim)).astype(np.float32))

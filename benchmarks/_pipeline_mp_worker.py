@@ -1,0 +1,123 @@
+"""One process of the multi-process pipeline benchmark (or of its baseline).
+
+Usage: python benchmarks/_pipeline_mp_worker.py CONFIG_JSON
+Started by `benchmarks/pipeline_mp.py` (and tests/test_pipeline_mp.py), one per
+pipeline stage, each pinned to its own core, with JAX_PLATFORMS=cpu and
+XLA_FLAGS=--xla_force_host_platform_device_count=1 in its environment: one CPU
+device per process, the stages talk over gloo (TCP on localhost).
+
+CONFIG_JSON keys: mode ("pipeline" or "baseline"), process_id, num_processes,
+port, layers, dim, hidden, batch, schedules, microbatches, rounds, warmup,
+out, and check (true: save loss and gradients to `out` (.npz) instead of
+timing). Process 0 writes `out`; the baseline is one process, no jax.distributed.
+"""
+import json
+import os
+import sys
+import time
+
+cfg = json.loads(sys.argv[1])
+# Set by the launcher; repeated here for a worker started by hand (jax reads
+# them when it is imported and when the backend starts).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+
+import jax  # noqa: E402
+
+pid, nproc = cfg.get("process_id", 0), cfg.get("num_processes", 1)
+if cfg["mode"] == "pipeline":
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")  # collectives across processes
+  jax.distributed.initialize(f"localhost:{cfg['port']}", num_processes=nproc, process_id=pid)
+
+import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import ooojax as ooo  # noqa: E402
+from benchmarks import _mlp_model as model  # noqa: E402
+
+
+def _time_once(f, *args) -> float:
+  # Both processes start the step together (barrier) so process 0 times the same
+  # step its peer runs, and the barrier's own cost stays outside the timing.
+  if nproc > 1:
+    multihost_utils.sync_global_devices("pipeline_mp")
+  t0 = time.perf_counter()
+  jax.block_until_ready(f(*args))
+  return time.perf_counter() - t0
+
+
+def _baseline():
+  params = jax.tree.map(jax.numpy.asarray,
+                        model.make_params(1, cfg["layers"], cfg["dim"], cfg["hidden"]))
+  batch = tuple(map(jax.numpy.asarray, model.make_batch(cfg["batch"], cfg["dim"])))
+  step = jax.jit(jax.value_and_grad(model.flat_loss))
+  t0 = time.perf_counter()
+  for _ in range(cfg["warmup"]):
+    jax.block_until_ready(step(params, batch))
+  warm = time.perf_counter() - t0
+  ms = [_time_once(step, params, batch) * 1e3 for _ in range(cfg["rounds"])]
+  return {"baseline": {"ms": ms, "compile_s": warm}}
+
+
+def _pipeline():
+  devs = jax.devices()
+  if len(devs) != nproc:
+    raise RuntimeError(f"expected one device per process ({nproc}), got {len(devs)}: "
+                       "set XLA_FLAGS=--xla_force_host_platform_device_count=1")
+  mesh = jax.sharding.Mesh(np.array(devs), ("stage",))
+  rep = NamedSharding(mesh, P())
+  x, t = model.make_batch(cfg["batch"], cfg["dim"])
+  batch = tuple(jax.make_array_from_process_local_data(rep, a, a.shape) for a in (x, t))
+  runs, out = {}, {}
+  for name in cfg["schedules"]:
+    for m in cfg["microbatches"]:
+      key = f"{name}/{m}"
+      try:
+        sched = ooo.pipeline.schedule(name, stages=nproc, microbatches=m)
+        v = sched.virtual_stages
+        full = model.make_params(v, cfg["layers"], cfg["dim"], cfg["hidden"])
+        # Stage params sharded on the stage axis: this process holds its rows.
+        per = v // nproc
+        params = {k: jax.make_array_from_process_local_data(
+            NamedSharding(mesh, P("stage")), a[pid * per:(pid + 1) * per], a.shape)
+            for k, a in full.items()}
+        step = jax.jit(ooo.pipeline.value_and_grad(model.stage_fn, model.loss_fn, mesh=mesh,
+                                                   axis_name="stage", schedule=sched))
+        t0 = time.perf_counter()
+        for _ in range(max(1, cfg["warmup"])):
+          res = jax.block_until_ready(step(params, batch))
+        out[key] = {"schedule": name, "microbatches": m, "ms": [],
+                    "compile_s": time.perf_counter() - t0,
+                    "bubble": sched.bubble_fraction(), "ticks": sched.ticks}
+        runs[key] = (step, params, res)
+      except Exception as e:  # noqa: BLE001 - a schedule that cannot run is a result
+        out[key] = {"schedule": name, "microbatches": m,
+                    "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+      print(f"[{pid}] {key}: {out[key].get('error') or 'compiled, %.1f s' % out[key]['compile_s']}",
+            flush=True)
+  if cfg.get("check"):
+    # Gradients are sharded over the processes: gather them so process 0 saves all.
+    flat = {}
+    for key, (_, _, (loss, grads)) in runs.items():
+      flat[f"{key}/loss"] = np.asarray(multihost_utils.process_allgather(loss, tiled=True))
+      for k, g in grads.items():
+        flat[f"{key}/{k}"] = np.asarray(multihost_utils.process_allgather(g, tiled=True))
+    return flat
+  # Rounds alternate between schedules, so drift (the other core's load) hits all alike.
+  for _ in range(cfg["rounds"]):
+    for key, (step, params, _) in runs.items():
+      out[key]["ms"].append(_time_once(step, params, batch) * 1e3)
+  return out
+
+
+result = _baseline() if cfg["mode"] == "baseline" else _pipeline()
+if pid == 0:
+  if cfg.get("check"):
+    np.savez(cfg["out"], **result)
+  else:
+    with open(cfg["out"], "w") as f:
+      json.dump(result, f, indent=1)
+if nproc > 1:
+  jax.distributed.shutdown()

@@ -1,0 +1,220 @@
+"""Pipeline schedules on real parallel hardware: one stage per process, one core each.
+
+  python -m benchmarks.pipeline_mp                   # unshaped localhost, print the table
+  python -m benchmarks.pipeline_mp --link-gbit 1     # and again over a 1 Gbit/s loopback
+  python -m benchmarks.pipeline_mp --write           # append the tables to RESULTS.md
+
+Starts `--stages` worker processes (benchmarks/_pipeline_mp_worker.py), each
+pinned to its own core (`taskset`) with one CPU device, joined by
+`jax.distributed` on localhost with gloo collectives: the stages really run in
+parallel and their activations really cross a (TCP) link. Each runs
+`jax.jit(ooo.pipeline.value_and_grad(...))` of SpectraX's residual GELU MLP
+(benchmarks/_mlp_model.py) for every schedule; the baseline is the unpipelined
+`jax.jit(jax.value_and_grad(loss))` in one process on one core. Timing: warm-up,
+then rounds alternating over the schedules, a barrier before each timed step,
+median per schedule. `--link-gbit X` runs the stage processes in a network
+namespace whose loopback is shaped to X Gbit/s by a tbf qdisc (needs root,
+`unshare` and `tc`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+
+import jax
+import numpy as np
+
+from benchmarks import _report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "benchmarks", "_pipeline_mp_worker.py")
+SCHEDULES = ("gpipe", "1f1b", "ooo", "zb-h1", "zb-h2", "interleaved", "zb-v")
+# tbf: a 1 MB bucket (several activations) so a transfer is not cut into
+# timer-tick-sized bursts; 50 ms of queue so nothing is dropped.
+TBF = "tbf rate {gbit}gbit burst 1mb latency 50ms"
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def worker_env() -> dict:
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+             PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])))
+  return env
+
+
+def _pinned(core: int | None, cfg: dict) -> list[str]:
+  cmd = [sys.executable, WORKER, json.dumps(cfg)]
+  if core is None or shutil.which("taskset") is None:
+    return cmd
+  return ["taskset", "-c", str(core), *cmd]
+
+
+def _wait(procs, timeout: float) -> None:
+  logs = []
+  for p in procs:
+    try:
+      logs.append(p.communicate(timeout=timeout)[0])
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      raise RuntimeError(f"a worker ran past {timeout:.0f} s (a peer failed or hung?)") from None
+  for i, (p, log) in enumerate(zip(procs, logs)):
+    if p.returncode != 0:
+      raise RuntimeError(f"worker {i} exited {p.returncode}:\n{log[-3000:]}")
+
+
+def run_workers(cfg: dict, n: int, cores=None, timeout: float = 3600) -> None:
+  """Runs `n` stage processes (process i pinned to cores[i]) on a fresh port."""
+  port = free_port()
+  cores = list(cores) if cores is not None else list(range(n))
+  procs = [subprocess.Popen(
+      _pinned(cores[i % len(cores)], {**cfg, "mode": "pipeline", "process_id": i,
+                                      "num_processes": n, "port": port}),
+      env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      for i in range(n)]
+  _wait(procs, timeout)
+
+
+def run_baseline(cfg: dict, core: int = 0, timeout: float = 3600) -> dict:
+  with tempfile.TemporaryDirectory() as d:
+    out = os.path.join(d, "base.json")
+    p = subprocess.Popen(_pinned(core, {**cfg, "mode": "baseline", "out": out}),
+                         env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    _wait([p], timeout)
+    with open(out) as f:
+      return json.load(f)["baseline"]
+
+
+def run_shaped(cfg: dict, n: int, cores, gbit: float, timeout: float = 3600) -> None:
+  """`run_workers` inside a new network namespace whose loopback is shaped to `gbit`."""
+  missing = [t for t in ("unshare", "tc", "ip") if shutil.which(t) is None]
+  if missing or os.geteuid() != 0:
+    raise RuntimeError(f"--link-gbit needs root and unshare/tc/ip (missing: {missing}, "
+                       f"uid {os.geteuid()})")
+  script = (f"ip link set lo up && tc qdisc add dev lo root {TBF.format(gbit=gbit)} "
+            '&& exec "$@"')
+  inner = [sys.executable, "-m", "benchmarks.pipeline_mp", "--_spawn",
+           json.dumps({"cfg": cfg, "n": n, "cores": list(cores), "timeout": timeout})]
+  p = subprocess.run(["unshare", "-n", "sh", "-c", script, "sh", *inner], cwd=ROOT,
+                     env=worker_env(), capture_output=True, text=True, timeout=timeout + 60)
+  if p.returncode != 0:
+    raise RuntimeError(f"shaped run failed ({p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}")
+
+
+def measure(cfg: dict, n: int, cores, gbit: float | None) -> dict:
+  with tempfile.TemporaryDirectory() as d:
+    out = os.path.join(d, "stages.json")
+    cfg = {**cfg, "out": out}
+    if gbit is None:
+      run_workers(cfg, n, cores)
+    else:
+      run_shaped(cfg, n, cores, gbit)
+    with open(out) as f:
+      return json.load(f)
+
+
+def table(results: dict, base: dict, n: int, link: str) -> list[str]:
+  b = float(np.median(base["ms"]))
+  lines = [f"Link: {link}. Baseline (unpipelined jax.value_and_grad, 1 process, 1 core): "
+           f"{b:.1f} ms (median of {len(base['ms'])}).", "",
+           f"| schedule | microbatches | step (ms), median [min-max] | speedup over 1 core | "
+           f"ideal {n}(1 - bubble) | measured / ideal |", "|---|---|---|---|---|---|"]
+  for r in results.values():
+    if "error" in r:
+      lines.append(f"| {r['schedule']} | {r['microbatches']} | failed: {r['error']} | | | |")
+      continue
+    ms = float(np.median(r["ms"]))
+    ideal = n * (1 - r["bubble"])
+    lines.append(f"| {r['schedule']} | {r['microbatches']} | {ms:.1f} [{min(r['ms']):.1f}-"
+                 f"{max(r['ms']):.1f}] | {b / ms:.2f}x | {ideal:.2f}x | {b / ms / ideal:.2f} |")
+  return lines
+
+
+def verdict(results: dict, link: str) -> list[str]:
+  """Whether ooo beats gpipe and 1f1b at each microbatch count."""
+  out = []
+  med = {(r["schedule"], r["microbatches"]): float(np.median(r["ms"]))
+         for r in results.values() if "error" not in r}
+  for m in sorted({k[1] for k in med}):
+    if ("ooo", m) not in med:
+      continue
+    vs = [f"{other} {med[(other, m)] / med[('ooo', m)]:.2f}x"
+          for other in ("gpipe", "1f1b") if (other, m) in med]
+    out.append(f"- {link}, {m} microbatches: ooo's speedup over " + ", ".join(vs)
+               + " (> 1: ooo faster).")
+  return out
+
+
+def _cpu_name() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      return next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+  except (OSError, StopIteration):
+    return "unknown CPU"
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--stages", type=int, default=2, help="processes, one per core")
+  ap.add_argument("--cores", type=int, nargs="*", help="core of each stage (default 0..N-1)")
+  ap.add_argument("--schedules", nargs="*", default=list(SCHEDULES))
+  ap.add_argument("--microbatches", type=int, nargs="*", default=[8, 16])
+  ap.add_argument("--layers", type=int, default=8)
+  ap.add_argument("--dim", type=int, default=256)
+  ap.add_argument("--hidden", type=int, default=1024)
+  ap.add_argument("--batch", type=int, default=256)
+  ap.add_argument("--rounds", type=int, default=7, help="timed steps per schedule (median)")
+  ap.add_argument("--warmup", type=int, default=2)
+  ap.add_argument("--link-gbit", type=float, nargs="*", default=[],
+                  help="also run over a loopback shaped to this many Gbit/s")
+  ap.add_argument("--json", help="save all raw timings here")
+  ap.add_argument("--write", action="store_true")
+  ap.add_argument("--_spawn", help=argparse.SUPPRESS)  # inside the shaped namespace
+  args = ap.parse_args(argv)
+  if args._spawn:
+    a = json.loads(args._spawn)
+    run_workers(a["cfg"], a["n"], a["cores"], a["timeout"])
+    return
+  n = args.stages
+  cores = args.cores or list(range(n))
+  if len(cores) != n:
+    raise SystemExit(f"--cores names {len(cores)} cores for {n} stages")
+  if n > (os.cpu_count() or 1):
+    print(f"warning: {n} stages on {os.cpu_count()} cores: stages share cores", flush=True)
+  cfg = {k: getattr(args, k) for k in ("layers", "dim", "hidden", "batch", "rounds", "warmup",
+                                       "schedules", "microbatches")}
+  base = run_baseline(cfg, cores[0])
+  runs = {"unshaped localhost": measure(cfg, n, cores, None)}
+  for g in args.link_gbit:
+    runs[f"loopback shaped to {g:g} Gbit/s (tbf)"] = measure(cfg, n, cores, g)
+  # The baseline again after the stage runs, pooled: load drift hits both sides.
+  base["ms"] += run_baseline(cfg, cores[0])["ms"]
+  lines = _report.header("Pipeline schedules, one stage per process (benchmarks/pipeline_mp.py)")
+  lines += [f"**Measured** on {_cpu_name()}: {n} processes, each pinned to its own core with one "
+            f"jax CPU device, jax.distributed + gloo over localhost TCP; model: {args.layers} "
+            f"residual blocks x + gelu(LN(x) W1) W2, D={args.dim}, H={args.hidden}, batch "
+            f"{args.batch}, MSE, float32; {args.rounds} timed rounds alternating over the "
+            f"schedules after {args.warmup} warm-up steps. Ideal = {n} x (1 - bubble fraction) "
+            "of the table with F = B = W (jax " + jax.__version__ + ").", ""]
+  for link, res in runs.items():
+    lines += table(res, base, n, link) + [""] + verdict(res, link) + [""]
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"baseline": base, "runs": runs}, f, indent=1)
+  _report.emit(lines, args.write)
+
+
+if __name__ == "__main__":
+  main()
