@@ -37,6 +37,26 @@ def flat_loss(params, batch):
   return loss_fn(x, t)
 
 
+def accumulated(micro: int):
+  """`(params, batch) -> (loss, grads)`: value_and_grad of `flat_loss` accumulated over
+  `micro` microbatches in a scan on one device: the pipeline's per-microbatch
+  kernels without a pipeline (small microbatches run below a CPU's GEMM peak)."""
+  vg = jax.value_and_grad(flat_loss)
+
+  def step(params, batch):
+    split = lambda a: a.reshape(micro, -1, *a.shape[1:])  # noqa: E731
+
+    def one(acc, mb):
+      return jax.tree.map(jnp.add, acc, vg(params, mb)), None
+
+    zero = jax.tree.map(jnp.zeros_like, jax.eval_shape(vg, params, jax.tree.map(
+        lambda a: a[:a.shape[0] // micro], batch)))
+    (loss, grads), _ = jax.lax.scan(one, zero, jax.tree.map(split, batch))
+    return loss / micro, jax.tree.map(lambda g: g / micro, grads)
+
+  return step
+
+
 def make_params(vstages: int, layers: int, dim: int, hidden: int, seed: int = 0) -> dict:
   if layers % vstages:
     raise ValueError(f"{layers} layers do not divide evenly over {vstages} (virtual) stages")

@@ -49,16 +49,23 @@ def _time_once(f, *args) -> float:
 
 
 def _baseline():
+  """One core: the unpipelined step, and the same model accumulated over each
+  microbatch count (the pipeline's kernels without a pipeline), alternating."""
   params = jax.tree.map(jax.numpy.asarray,
                         model.make_params(1, cfg["layers"], cfg["dim"], cfg["hidden"]))
   batch = tuple(map(jax.numpy.asarray, model.make_batch(cfg["batch"], cfg["dim"])))
-  step = jax.jit(jax.value_and_grad(model.flat_loss))
-  t0 = time.perf_counter()
-  for _ in range(cfg["warmup"]):
-    jax.block_until_ready(step(params, batch))
-  warm = time.perf_counter() - t0
-  ms = [_time_once(step, params, batch) * 1e3 for _ in range(cfg["rounds"])]
-  return {"baseline": {"ms": ms, "compile_s": warm}}
+  steps = {"baseline": jax.jit(jax.value_and_grad(model.flat_loss))}
+  steps.update({f"accum/{m}": jax.jit(model.accumulated(m)) for m in cfg["microbatches"]})
+  out = {}
+  for k, step in steps.items():
+    t0 = time.perf_counter()
+    for _ in range(cfg["warmup"]):
+      jax.block_until_ready(step(params, batch))
+    out[k] = {"ms": [], "compile_s": time.perf_counter() - t0}
+  for _ in range(cfg["rounds"]):
+    for k, step in steps.items():
+      out[k]["ms"].append(_time_once(step, params, batch) * 1e3)
+  return out
 
 
 def _pipeline():

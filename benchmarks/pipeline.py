@@ -189,21 +189,6 @@ def paper_scale_summary(exact, every) -> list[str]:
 BLOCKS, DIM, HIDDEN, BATCH = 8, 256, 1024, 256
 
 
-def accumulated(loss_on, micro):
-  """value_and_grad over `micro` microbatches in a scan, one device: the same
-  per-microbatch kernels as a pipeline, without one."""
-  def step(p, x, t):
-    def one(acc, xt):
-      lg = jax.value_and_grad(loss_on)(p, *xt)
-      return jax.tree.map(jnp.add, acc, lg), None
-    zero = jax.tree.map(jnp.zeros_like, jax.eval_shape(jax.value_and_grad(loss_on), p,
-                                                        x[:1], t[:1]))
-    split = lambda a: a.reshape(micro, -1, *a.shape[1:])  # noqa: E731
-    (l, g), _ = jax.lax.scan(one, zero, (split(x), split(t)))
-    return l / micro, jax.tree.map(lambda a: a / micro, g)
-  return step
-
-
 def table_cpu(stages=4, micros=(8, 16), batch=BATCH, rounds=7, schedules=SCHEDULES):
   """Every schedule on `stages` forced CPU devices, alternating with the baselines."""
   from passes.pipeline.execute import lower, memory
@@ -227,13 +212,10 @@ def table_cpu(stages=4, micros=(8, 16), batch=BATCH, rounds=7, schedules=SCHEDUL
   x, t = (jnp.asarray(a) for a in mlp.make_batch(batch, DIM))
   p1 = params(stages)
 
-  def loss_on(p, xb, tb):
-    return mlp.flat_loss(p, (xb, tb))
-
   loss = lambda p: mlp.flat_loss(p, (x, t))  # noqa: E731
   fns["unpipelined"] = (jax.jit(jax.value_and_grad(loss)), (p1,))
   for m in micros:
-    fns[f"accum{m}"] = (jax.jit(accumulated(loss_on, m)), (p1, x, t))
+    fns[f"accum{m}"] = (jax.jit(mlp.accumulated(m)), (p1, (x, t)))
     for name in schedules:
       sched = generate(name, stages, m)
       p = params(sched.virtual_stages)

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from passes.pipeline.execute import lower
+from passes.pipeline.execute import Memory, lower
+from passes.pipeline.execute import memory as _memory
 from passes.pipeline.generate import SCHEDULES, generate
 from passes.pipeline.schedule import Action, PipelineSchedule, ScheduleError
 
-__all__ = ["SCHEDULES", "Action", "PipelineSchedule", "ScheduleError", "schedule",
-           "value_and_grad"]
+__all__ = ["SCHEDULES", "Action", "Memory", "PipelineSchedule", "ScheduleError", "memory",
+           "schedule", "value_and_grad"]
 
 
 def schedule(name: str, stages: int, microbatches: int, chunks: int | None = None,
@@ -101,3 +102,23 @@ def value_and_grad(stage_fn: Callable, loss_fn: Callable, *, mesh, axis_name: st
     raise TypeError(f"schedule must be a name {SCHEDULES} or a PipelineSchedule, got "
                     f"{type(schedule).__name__}")
   return lower(stage_fn, loss_fn, sched, mesh, axis_name, input_fn)
+
+
+def memory(stage_fn: Callable, loss_fn: Callable, schedule: PipelineSchedule, stage_params,
+           batch, shared=None, input_fn: Callable | None = None) -> Memory:
+  """Bytes per device of the pipelined step, from shapes alone (arrays or
+  `jax.ShapeDtypeStruct`s): `weights`, `grads`, `fres` / `bres` (one
+  microbatch's residual records), `peak`, `slots`, and `bound` (weights +
+  gradients + peak x records: what the schedule needs).
+
+  >>> import jax, jax.numpy as jnp
+  >>> sd = jax.ShapeDtypeStruct
+  >>> m = memory(lambda w, x: jnp.tanh(x @ w), lambda y, t: jnp.mean((y - t) ** 2),
+  ...            schedule("1f1b", stages=2, microbatches=4), sd((2, 64, 64), jnp.float32),
+  ...            (sd((16, 64), jnp.float32), sd((16, 64), jnp.float32)))
+  >>> m.weights, m.peak    # one 64x64 f32 stage per device; 1F1B keeps 2 microbatches
+  (16384, 2)
+  >>> m.fres               # x, tanh(x w) and, on the last stage, y - t: 3 x 4 x 64 f32
+  3072
+  """
+  return _memory(stage_fn, loss_fn, schedule, stage_params, batch, shared, input_fn)

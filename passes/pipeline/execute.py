@@ -44,6 +44,7 @@ from passes import _compat
 from passes.pipeline import plan as plan_pass
 from passes.pipeline import records as records_pass
 from passes.pipeline.flavor import Flavor, make_flavor
+from passes.pipeline.generate import unfuse
 from passes.pipeline.schedule import PipelineSchedule
 
 __all__ = ["Flavor", "Memory", "Program", "lower", "make_flavor", "memory"]
@@ -167,7 +168,9 @@ def _trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m
                               in_aval, tg_aval) for fi, la in kinds)
   flavor_of = lambda s, c: kinds.index(  # noqa: E731
       (sched.vstage(s, c) == 0, sched.vstage(s, c) == V - 1))
-  return Program(flavors, plan_pass.plan(sched, flavor_of), x_aval,
+  # The executor is lock-step (a tick lasts as long as its slowest cell): it
+  # runs a fused BW as B then W in consecutive ticks (`generate.unfuse`).
+  return Program(flavors, plan_pass.plan(unfuse(sched), flavor_of), x_aval,
                  records_pass.layout([fl.fres for fl in flavors]),
                  records_pass.layout([fl.bres for fl in flavors]))
 

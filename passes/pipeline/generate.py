@@ -108,6 +108,37 @@ def generate(name: str, stages: int, microbatches: int, chunks: int | None = Non
   return sched.validate()
 
 
+def unfuse(sched: PipelineSchedule) -> PipelineSchedule:
+  """The same per-stage orders with every fused BW as B then W, placed on unit ticks.
+
+  What a lock-step executor should run: each of its ticks lasts as long as its
+  slowest cell, so a BW (two units) beside an F (one) idles the F's stage for a
+  unit; split, every tick holds one unit of work and the per-stage order (hence
+  what each stage holds) is unchanged but for W's record living one tick longer.
+
+  >>> s = generate("1f1b", stages=2, microbatches=4)
+  >>> u = unfuse(s)
+  >>> u.fused, s.fused, u.ticks > s.ticks
+  (False, True, True)
+  """
+  if not sched.fused:
+    return sched
+  orders: list[list[Action]] = []
+  for s, row in enumerate(sched.grid):
+    out: list[Action] = []
+    for cell in row:
+      for a in cell:
+        if a.kind == "BW":
+          out += [Action(s, "B", a.microbatch, a.chunk), Action(s, "W", a.microbatch, a.chunk)]
+        elif a.kind in ("F", "B", "W"):
+          out.append(a)
+    orders.append(out)
+  S, v = sched.stages, sched.chunks
+  grid = _place(S, sched.microbatches, v, orders, sched.lag, sched.placement)
+  return dataclasses.replace(
+      sched, grid=_lower_comms(S, v, grid, sched.lag, sched.placement)).validate()
+
+
 def _greedy(S: int, M: int, v: int, pol: Policy, placement: str = "modulo",
             costs=None) -> list[list[Action]]:
   """Event-driven list scheduling under the policy; durations from `costs`
