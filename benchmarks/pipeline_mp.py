@@ -35,9 +35,13 @@ from benchmarks import _report
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "benchmarks", "_pipeline_mp_worker.py")
 SCHEDULES = ("gpipe", "1f1b", "ooo", "zb-h1", "zb-h2", "interleaved", "zb-v")
-# tbf: a 1 MB bucket (several activations) so a transfer is not cut into
-# timer-tick-sized bursts; 50 ms of queue so nothing is dropped.
-TBF = "tbf rate {gbit}gbit burst 1mb latency 50ms"
+# tbf: the bucket holds one timer tick (1 ms) of the rate and at least a few
+# packets: a larger bucket lets a whole activation through at loopback speed
+# (a 1 MB bucket did: 0.1 Gbit/s changed nothing). The loopback's MTU drops to
+# Ethernet's so a packet fits such a bucket; 50 ms of queue drops nothing.
+def tbf(gbit: float) -> str:
+  burst = max(int(gbit * 1e9 / 8 / 1000), 8 * 1514)
+  return f"tbf rate {gbit}gbit burst {burst} latency 50ms"
 
 
 def free_port() -> int:
@@ -103,7 +107,7 @@ def run_shaped(cfg: dict, n: int, cores, gbit: float, timeout: float = 3600) -> 
   if missing or os.geteuid() != 0:
     raise RuntimeError(f"--link-gbit needs root and unshare/tc/ip (missing: {missing}, "
                        f"uid {os.geteuid()})")
-  script = (f"ip link set lo up && tc qdisc add dev lo root {TBF.format(gbit=gbit)} "
+  script = (f"ip link set lo mtu 1500 up && tc qdisc add dev lo root {tbf(gbit)} "
             '&& exec "$@"')
   inner = [sys.executable, "-m", "benchmarks.pipeline_mp", "--_spawn",
            json.dumps({"cfg": cfg, "n": n, "cores": list(cores), "timeout": timeout})]

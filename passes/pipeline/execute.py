@@ -336,13 +336,28 @@ def _body(prog: Program, S, v, M, axis_name, lag):
     ring_up = [(k, (k + 1) % S) for k in range(S)]
     ring_dn = [(k, (k - 1) % S) for k in range(S)]
 
-    def send(out):
+    def ring(out, r, name, full):
+      """What arrives on one ring. With lag 0 only the pairs that carry a value
+      this tick send (a switch over the table's patterns, the same on every
+      device): no filler crosses a slow link. With lag 1 the whole ring sends,
+      unconditionally, so that XLA can overlap it with the tick's action (a
+      collective inside a conditional cannot)."""
+      pats = pl.patterns[name]
+      if len(pats) == 1:  # nothing ever moves on this ring
+        return no_out
+      if lag:
+        return lax.ppermute(out, axis_name, full)
+      return lax.switch(r[F[f"{name}_pat"]], [
+          (lambda o, p=p: lax.ppermute(o, axis_name, list(p)) if p else no_out)
+          for p in pats], out)
+
+    def send(out, r):
       """What arrives from below (stage s - 1) and from above (s + 1)."""
       if S == 1:
         return out, out
-      up = lax.ppermute(out, axis_name, ring_up)
-      # With 2 stages both neighbours are the same device: one ring carries all.
-      return up, (up if S == 2 else lax.ppermute(out, axis_name, ring_dn))
+      up = ring(out, r, "up", ring_up)
+      # With 2 stages both neighbours are the same device: the plan puts all on "up".
+      return up, (up if S == 2 else ring(out, r, "dn", ring_dn))
 
     def keep(bufs, name, slot, rec):
       """`rec` into slot `slot` of stack `name`, only on the ticks that produced one."""
@@ -353,11 +368,11 @@ def _body(prog: Program, S, v, M, axis_name, lag):
     def tick(carry, r):
       bufs, acc, loss, out, f_rec, b_rec = carry
       if lag:  # the last tick's output travels while this tick computes
-        below, above = send(out)
+        below, above = send(out, r)
       out, dl, acc, f_rec, b_rec = lax.switch(r[F["branch"]], branches, r, bufs, acc, f_rec,
                                               b_rec)
       if not lag:
-        below, above = send(out)
+        below, above = send(out, r)
       act, grad = bufs["act"], bufs["grad"]
       act = put(put(put(act, r[F["loc_act"]], out), r[F["up_act"]], below),
                 r[F["dn_act"]], above)

@@ -29,8 +29,10 @@ BUFFERS = ("act", "grad", "fres", "bres")
 # B); `*_act` / `*_grad` the slots that what arrives on the up ring (from
 # stage s - 1), the down ring (from s + 1), or locally (the same device: the
 # tip of ZB-V's V) is written to.
+# `up_pat` / `dn_pat` (the same on every device) index `Plan.patterns[ring]`:
+# which (sender, receiver) pairs of that ring carry a value at this tick.
 FIELDS = ("branch", "mb", "in_slot", "fres", "bres", "f_write", "b_write",
-          "up_act", "up_grad", "dn_act", "dn_grad", "loc_act", "loc_grad")
+          "up_act", "up_grad", "dn_act", "dn_grad", "loc_act", "loc_grad", "up_pat", "dn_pat")
 F = {name: i for i, name in enumerate(FIELDS)}
 
 
@@ -39,6 +41,7 @@ class Plan:
   rows: np.ndarray                              # (ticks, stages, len(FIELDS)) int32
   branches: tuple[tuple[int, str, int], ...]    # (flavor, kind, chunk) per branch >= 1
   counts: dict                                  # slots per buffer (without trash)
+  patterns: dict = dataclasses.field(default_factory=dict)  # ring -> ((src, dst) pairs, ...)
 
 
 def _colour(intervals):
@@ -142,4 +145,20 @@ def plan(sched: PipelineSchedule, flavor_of: Callable[[int, int], int]) -> Plan:
           buf = "act" if a.kind == "RF" else "grad"
           r[F[f"{ring_of(s, ps)}_{buf}"]] = slots[(buf, *key)]
   order = tuple(sorted(branches, key=branches.get))
-  return Plan(rows, order, counts)
+  return Plan(rows, order, counts, _patterns(rows, counts, S))
+
+
+def _patterns(rows, counts, S) -> dict:
+  """Per ring, the distinct sets of (sender, receiver) pairs a tick uses; writes
+  each tick's set index into the `*_pat` columns (pattern 0: nothing moves)."""
+  out = {}
+  for ring, src in (("up", lambda d: (d - 1) % S), ("dn", lambda d: (d + 1) % S)):
+    pats: dict[tuple, int] = {(): 0}
+    for t in range(rows.shape[0]):
+      pairs = tuple(sorted(
+          (src(d), d) for d in range(S)
+          if rows[t, d, F[f"{ring}_act"]] < counts["act"]
+          or rows[t, d, F[f"{ring}_grad"]] < counts["grad"]))
+      rows[t, :, F[f"{ring}_pat"]] = pats.setdefault(pairs, len(pats))
+    out[ring] = tuple(sorted(pats, key=pats.get))
+  return out
