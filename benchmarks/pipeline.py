@@ -21,6 +21,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import functools  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
@@ -189,8 +190,10 @@ def paper_scale_summary(exact, every) -> list[str]:
 BLOCKS, DIM, HIDDEN, BATCH = 8, 256, 1024, 256
 
 
-def table_cpu(stages=4, micros=(8, 16), batch=BATCH, rounds=7, schedules=SCHEDULES):
-  """Every schedule on `stages` forced CPU devices, alternating with the baselines."""
+def table_cpu(stages=4, micros=(8, 16), batch=BATCH, rounds=7, schedules=SCHEDULES,
+              record=None):
+  """Every schedule on `stages` forced CPU devices, alternating with the baselines;
+  `record` (a dict) receives every row's per-round ms."""
   from passes.pipeline.execute import lower, memory
   devs = jax.devices()[:stages]
   if len(devs) < stages:
@@ -232,6 +235,9 @@ def table_cpu(stages=4, micros=(8, 16), batch=BATCH, rounds=7, schedules=SCHEDUL
       jax.block_until_ready(f(*args))
       times[k].append(time.perf_counter() - t0)
   ms = {k: float(np.median(v)) * 1e3 for k, v in times.items()}
+  if record is not None:
+    record.update({k if isinstance(k, str) else f"{k[0]}/{k[1]}": [x * 1e3 for x in v]
+                   for k, v in times.items()})
   lines.append(f"| unpipelined jax.value_and_grad, 1 device | - | - | {ms['unpipelined']:.0f} "
                f"| 1.00 | - | - | - | - |")
   for m in micros:
@@ -277,6 +283,8 @@ def main(argv=None):
   ap.add_argument("--cpu-only", action="store_true", help="only the measured CPU table")
   ap.add_argument("--rounds", type=int, default=7)
   ap.add_argument("--batch", type=int, default=BATCH)
+  ap.add_argument("--schedules", nargs="*", default=list(SCHEDULES))
+  ap.add_argument("--json", help="save the CPU table's per-round ms here")
   args = ap.parse_args(argv)
   lines = _report.header("Pipeline schedules (benchmarks/pipeline.py)")
   if not args.cpu_only:
@@ -286,7 +294,12 @@ def main(argv=None):
     paper, exact, every = table_paper_scale()
     lines += paper + [""] + paper_scale_summary(exact, every) + [""]
   if not args.no_cpu:
-    lines += table_cpu(rounds=args.rounds, batch=args.batch)
+    record: dict = {}
+    lines += table_cpu(rounds=args.rounds, batch=args.batch, schedules=args.schedules,
+                       record=record)
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(record, f, indent=1)
   _report.emit(lines, args.write)
 
 
