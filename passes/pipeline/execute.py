@@ -231,7 +231,7 @@ def _untake(xs, idx, inv):
   parts = [xs[c] if idx[c][0] <= idx[c][-1] else jnp.flip(xs[c], 0) for c in order]
   flat = np.concatenate([np.sort(idx[c]) for c in order])
   if list(flat) == list(range(len(flat))):
-    return jnp.concatenate(parts)
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
   return jnp.concatenate(xs)[inv]
 
 
