@@ -258,6 +258,9 @@ def _on_stream(jaxpr, eqn_ids, env, stream: int, life,
   if life.stager.ok:  # as equations, staged with the rest (see `_Lifetimes`)
     flat = site.pack.staged([life.subst.get(v, v) for v in ins], life)
     life.take(eqn_ids)
+    if pinned:  # its anchor reads them later, maybe after a flush (an unstageable
+      for v in flat:  # equation, e.g. a collective, in between): outputs of that call
+        life.keep(v)
 
     def unpack(bufs):
       vals = site.unpack.staged(bufs, life)
@@ -390,6 +393,8 @@ class _Anchor:
     b2, t2 = stage.barrier_eqn([*flats, out])
     b3, t3 = stage.barrier_eqn([*t2[:-1], out])  # chained: see `after`
     life.add([b1, anchor, b2, b3])
+    if life.uses.get(out, 0):  # the barriers' two reads are not the program's: its
+      life.keep(out)           # readers may come after a flush (an unstageable equation)
     it = iter(t3[:-1])
     for c in self.calls:
       c[3]([next(it) for _ in c[2]])
