@@ -258,8 +258,10 @@ def _on_stream(jaxpr, eqn_ids, env, stream: int, life,
   if life.stager.ok:  # as equations, staged with the rest (see `_Lifetimes`)
     flat = site.pack.staged([life.subst.get(v, v) for v in ins], life)
     life.take(eqn_ids)
-    if pinned:  # its anchor reads them later, maybe after a flush (an unstageable
-      for v in flat:  # equation, e.g. a collective, in between): outputs of that call
+    if pinned:
+      # Its anchor reads these later, maybe after a flush (an equation the stager
+      # cannot hold in between, e.g. a psum with effects inside shard_map).
+      for v in flat:
         life.keep(v)
 
     def unpack(bufs):

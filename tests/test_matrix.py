@@ -106,13 +106,19 @@ def _shard(f, mesh):
                                out_specs=(P(), P()), check_vma=False))
 
 
-@pytest.mark.parametrize("mode", ["in_order", "single_gpu", "data_parallel"])
-def test_resnet18_sync_batchnorm_shard_map(mode):
+@pytest.fixture(scope="module")
+def small():
+  """The small problem and jax.grad's answer under shard_map, computed once."""
   loss, params, stats, x, y = _problem()
   mesh = _mesh()
-  ref = _shard(_per_device(loss, "jax"), mesh)(params, stats, x, y)
-  got = _shard(_per_device(loss, mode), mesh)(params, stats, x, y)
-  assert_trees_close(got, ref)
+  return loss, (params, stats, x, y), _shard(_per_device(loss, "jax"), mesh)(params, stats,
+                                                                            x, y)
+
+
+@pytest.mark.parametrize("mode", ["in_order", "single_gpu", "data_parallel"])
+def test_resnet18_sync_batchnorm_shard_map(mode, small):
+  loss, args, ref = small
+  assert_trees_close(_shard(_per_device(loss, mode), _mesh())(*args), ref)
 
 
 # Where the H100 cost model puts dW clusters on stream 1 (pinned calls): the
@@ -129,8 +135,8 @@ def test_resnet18_sync_batchnorm_single_gpu_h100_cost_model_on_cpu():
   assert_trees_close(got, ref)
 
 
-@pytest.mark.parametrize("mode", ["single_gpu", "data_parallel"])
-def test_resnet18_sync_batchnorm_pmap(mode):
+def test_resnet18_sync_batchnorm_pmap_data_parallel():
+  mode = "data_parallel"
   loss, params, stats, x, y = _problem()
   split = lambda a: a.reshape(N_DEV, -1, *a.shape[1:])  # noqa: E731
   rep = lambda t: jax.tree.map(lambda a: jnp.stack([a] * N_DEV), t)  # noqa: E731
