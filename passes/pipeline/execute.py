@@ -112,7 +112,7 @@ def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
       args = tuple(jax.tree.map(lambda x, sp: jax.reshard(x, NamedSharding(mesh, sp)),
                                 args, specs))
     loss, gp, gsh = fn(*args)
-    if _explicit(mesh):  # the (S, v) -> V reshape needs an unsharded operand there
+    if _explicit(mesh) and v > 1:  # chunks interleave into V: unsharded operands there
       gp = jax.tree.map(lambda x: jax.reshard(x, NamedSharding(mesh, P())), gp)
     gp = jax.tree.map(from_dev, *gp)
     return loss, (gp if shared is None else (gp, gsh))
