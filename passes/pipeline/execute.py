@@ -90,7 +90,6 @@ def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
     inputs_m, targets_m = _microbatches(batch, M)
     prog = _trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m,
                   shared)
-    # (V, ...) -> (S, v, ...): device s holds virtual stages sched.vstage(s, c).
     # Chunk c of device s is virtual stage sched.vstage(s, c): one (S, ...) tree per
     # chunk, so a device's chunk weights arrive as their own buffers (no slicing).
     idx = np.array([[sched.vstage(s, c) for s in range(S)] for c in range(v)])
@@ -183,7 +182,7 @@ class Memory:
   fres: int               # F's residual record of one microbatch on one (virtual) stage
   bres: int               # B's record (what W reads)
   peak: int               # the table's peak live microbatches per device (peak_activations)
-  slots: dict             # slots the executor allocates per buffer (plus one trash slot each)
+  slots: dict             # slots per buffer (receive stacks add one trash slot)
   activation: int         # bytes of one activation (a receive slot)
 
   @property
