@@ -6,17 +6,18 @@ import jax.numpy as jnp
 import optax
 
 
-def init_params(init):
-  """`init()` (a flax `model.init` closure) compiled once at low XLA optimisation.
+def init_params(init, *args):
+  """`init(*args)` (a flax `model.init` closure) compiled once at low XLA optimisation.
 
   Eager flax init dispatches op by op (20 s for MobileNetV3 on 2 CPU cores);
   a default-optimised jit spends most of its time compiling code that runs once.
   """
-  lowered = jax.jit(init).lower()
+  # not `.lower().compile(options)()`: jax 0.11.2's AOT call drops the
+  # constants it hoists out of control flow ("compiled for 4 inputs but called with 2")
   try:
-    return lowered.compile({"xla_backend_optimization_level": 0})()
-  except Exception:  # noqa: BLE001 - a backend without the option: default compile
-    return lowered.compile()()
+    return jax.jit(init, compiler_options={"xla_backend_optimization_level": 0})(*args)
+  except jax.errors.JaxRuntimeError:  # a backend without the option: default compile
+    return jax.jit(init)(*args)
 
 
 def image_classifier(model, batch: int, image: int, classes: int, real_init: bool = True):

@@ -1,0 +1,160 @@
+"""The model matrix: every `features` case in every mode, against `jax.grad`.
+
+`cell(case, mode)` runs one cell and returns `(got, want)` (gradient trees
+with the aux output), or raises what the mode raises. `h100(case)` compiles
+the single-GPU gradient for a compile-only H100 and counts heavy dW calls
+overlapped. The tests (`tests/test_matrix.py`) assert on these; the results
+table (`benchmarks/matrix.py`) prints them.
+
+Modes:
+  in_order, single_gpu: `ooo.grad` on one device (under `jax.shard_map` over
+    the data axis when the loss names it), single_gpu with the H100 cost model
+    so dW clusters really go to stream 1;
+  dp_shard_map, dp_pmap: `mode="data_parallel"` with the batch split over the
+    data axis, against `pmean(jax.grad)`;
+  pipeline: `ooo.pipeline.value_and_grad` of the case's `Stack` on 2 stages,
+    against `jax.value_and_grad` of the unrolled stack (cases without a stack:
+    `NotAStack`).
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import ooojax as ooo
+from ooojax import gpu_hlo
+from ooojax.models.features import AXIS, Case
+
+MODES = ("in_order", "single_gpu", "dp_shard_map", "dp_pmap", "pipeline")
+DEVICES = 4         # data-axis size for the mapped cells
+STAGES = 2
+
+
+class NotAStack(Exception):
+  """The case's model is not a stack of identical blocks: no pipeline cell."""
+
+
+def _jit(f):
+  # correctness cells compile at XLA O0: a third less compile time on 2 cores
+  return jax.jit(f, compiler_options={"xla_backend_optimization_level": 0})
+
+
+def _grad(case: Case, mode: str, **kw):
+  if mode == "jax":
+    return jax.grad(case.loss, has_aux=True)
+  if mode.startswith("dp_"):
+    return ooo.grad(case.loss, has_aux=True, mode="data_parallel", axis_name=AXIS, **kw)
+  return ooo.grad(case.loss, has_aux=True, mode=mode,
+                  **({"device": "H100"} if mode == "single_gpu" else {}), **kw)
+
+
+def _per_device(case: Case, mode: str):
+  """The mean over the data axis of each device's gradient (data_parallel
+  reduces it itself), and the aux output."""
+  g = _grad(case, mode)
+
+  def f(*args):
+    grads, aux = g(*args)
+    if not mode.startswith("dp_"):
+      grads = jax.lax.pmean(grads, AXIS)
+    return grads, aux
+  return f
+
+
+def _specs(case: Case):
+  return (P(),) + tuple(P(AXIS) if s else P() for s in case.split)
+
+
+def _shard_map(case: Case, mode: str, devices: int):
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), (AXIS,))
+  return _jit(jax.shard_map(_per_device(case, mode), mesh=mesh, in_specs=_specs(case),
+                            out_specs=(P(), P()), check_vma=False))(*case.args)
+
+
+def _pmap(case: Case, mode: str, devices: int):
+  def place(a, split):
+    if split:
+      return a.reshape(devices, -1, *a.shape[1:])
+    return jax.tree.map(lambda x: jax.numpy.stack([x] * devices), a)
+  args = [place(case.params, False)] + [place(a, s) for a, s in zip(case.batch, case.split)]
+  out = jax.pmap(_per_device(case, mode), axis_name=AXIS,
+                 devices=jax.devices()[:devices])(*args)
+  return jax.tree.map(lambda a: a[0], out)
+
+
+def _per_stage(s, stages: int):
+  """Blocks grouped `stages` ways: params (L, ...) -> (stages, L/stages, ...),
+  and a stage function that runs its L/stages blocks in order."""
+  blocks = jax.tree.leaves(s.params)[0].shape[0]
+  if blocks % stages:
+    raise ValueError(f"{blocks} blocks do not split over {stages} stages")
+  per = blocks // stages
+  params = jax.tree.map(lambda a: a.reshape(stages, per, *a.shape[1:]), s.params)
+
+  def stage_fn(p, h):
+    for j in range(per):
+      h = s.stage_fn(jax.tree.map(lambda a: a[j], p), h)
+    return h
+  return stage_fn, params
+
+
+def _pipeline(case: Case, schedule: str):
+  s = case.stack
+  if s is None:
+    raise NotAStack(f"{case.name} is not a stack of identical blocks")
+  mesh = jax.make_mesh((STAGES,), ("stage",), devices=jax.devices()[:STAGES])
+  micro = 2 * STAGES
+  stage_fn, params = _per_stage(s, STAGES)
+  step = ooo.pipeline.value_and_grad(stage_fn, s.loss_fn, mesh=mesh, axis_name="stage",
+                                     schedule=schedule, microbatches=micro,
+                                     input_fn=s.input_fn)
+  got = _jit(step)(params, (s.inputs, s.targets), s.shared)
+
+  # the pipeline's model: the mean over microbatches of the unrolled stack's loss
+  def loss(params, *shared):
+    total = 0.0
+    for x, t in zip(*(jax.tree.map(lambda a: a.reshape(micro, -1, *a.shape[1:]), b)
+                      for b in (s.inputs, s.targets))):
+      h = x if s.input_fn is None else s.input_fn(x, *shared)
+      for j in range(STAGES):
+        h = stage_fn(jax.tree.map(lambda a, j=j: a[j], params), h)
+      total = total + s.loss_fn(h, t, *shared)
+    return total / micro
+
+  extra = () if s.shared is None else (s.shared,)
+  want = _jit(jax.value_and_grad(loss, argnums=tuple(range(1 + len(extra)))))(params,
+                                                                               *extra)
+  if s.shared is None:
+    want = (want[0], want[1][0])
+  return got, want
+
+
+def cell(case: Case, mode: str, *, devices: int = DEVICES, schedule: str = "1f1b"):
+  """`(got, want)` for one cell; raises what ooo raises (jax.grad's error
+  type in an error case, checked by the caller)."""
+  if mode not in MODES:
+    raise ValueError(f"unknown matrix mode {mode!r}; allowed: {MODES}")
+  if mode == "pipeline":
+    return _pipeline(case, schedule)
+  if mode == "dp_pmap":
+    return _pmap(case, mode, devices), _pmap(case, "jax", devices)
+  if case.axis is not None or mode == "dp_shard_map":
+    return _shard_map(case, mode, devices), _shard_map(case, "jax", devices)
+  return _jit(_grad(case, mode))(*case.args), _jit(_grad(case, "jax"))(*case.args)
+
+
+def h100(case: Case, *, devices: int = DEVICES):
+  """`(k, n)`: heavy dW calls overlapped with dX work, of all heavy dW calls, in
+  the single-GPU gradient compiled for a compile-only H100."""
+  sd = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+  g = _grad(case, "single_gpu")
+  if case.axis is None:
+    s = gpu_hlo.schedule(g, *jax.tree.map(sd, case.args))
+  else:
+    mesh = gpu_hlo.mesh("H100", devices, (AXIS,))
+    fn = jax.jit(jax.shard_map(_per_device(case, "single_gpu"), mesh=mesh,
+                               in_specs=_specs(case), out_specs=(P(), P()),
+                               check_vma=False))
+    s = gpu_hlo.schedule(fn, *jax.tree.map(sd, case.args), mesh=mesh)
+  return s.heavy_overlap()
