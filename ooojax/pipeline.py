@@ -4,6 +4,9 @@
 >>> sched = ooo.pipeline.schedule("zb-h1", stages=4, microbatches=8)
 >>> round(sched.bubble_fraction(), 3), max(sched.peak_activations())
 (0.111, 4)
+>>> zb2 = ooo.pipeline.schedule("zb-h2", stages=4, microbatches=8)
+>>> round(zb2.bubble_fraction(), 3), round(zb2.steady_bubble(steps=4), 3)  # simulated
+(0.111, 0.0)
 
 `value_and_grad(stage_fn, loss_fn, mesh=..., axis_name=..., schedule=...)`
 returns `step(stage_params, batch, shared=None) -> (loss, grads)` that runs the
@@ -18,13 +21,14 @@ from passes.pipeline.execute import Memory, lower
 from passes.pipeline.execute import memory as _memory
 from passes.pipeline.generate import SCHEDULES, generate
 from passes.pipeline.schedule import Action, PipelineSchedule, ScheduleError
+from passes.pipeline.steps import SteadyState, steady_state, tile
 
-__all__ = ["SCHEDULES", "Action", "Memory", "PipelineSchedule", "ScheduleError", "memory",
-           "schedule", "value_and_grad"]
+__all__ = ["SCHEDULES", "Action", "Memory", "PipelineSchedule", "ScheduleError", "SteadyState",
+           "memory", "schedule", "steady_state", "tile", "value_and_grad"]
 
 
 def schedule(name: str, stages: int, microbatches: int, chunks: int | None = None,
-             lag: int = 0) -> PipelineSchedule:
+             lag: int = 0, steps: int = 1) -> PipelineSchedule:
   """A validated schedule table by name (one of `SCHEDULES`).
 
   Args:
@@ -36,6 +40,10 @@ def schedule(name: str, stages: int, microbatches: int, chunks: int | None = Non
     chunks: virtual stages per device for "interleaved" (default 2).
     lag: 1 receives each transfer one tick after its send, so the executor
       overlaps it with the next tick's compute (more ticks, hidden transfers).
+    steps: training steps laid out in one table (`tile`): step t + 1's
+      forwards on a stage start once that stage's update of step t is done,
+      so one step's drain overlaps the next one's warm-up. Simulation,
+      validation and plots only: the executor runs one-step tables.
 
   Returns:
     A `PipelineSchedule`: `validate()`, `bubble_fraction(costs)`,
@@ -45,7 +53,7 @@ def schedule(name: str, stages: int, microbatches: int, chunks: int | None = Non
   >>> print(s.to_text().splitlines()[1])
   0F0+0SF0 0F1+0SF1 0RB0 0B0 0W0+0RB1 0B1 0W1
   """
-  return generate(name, stages, microbatches, chunks, lag)
+  return tile(generate(name, stages, microbatches, chunks, lag), steps)
 
 
 def value_and_grad(stage_fn: Callable, loss_fn: Callable, *, mesh, axis_name: str,

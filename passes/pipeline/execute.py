@@ -85,6 +85,10 @@ def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
     raise ValueError("an interleaved schedule needs at least 2 stages to execute")
   if sched.lag not in (0, 1):
     raise ValueError(f"the executor runs tables with lag 0 or 1, got {sched.lag}")
+  if sched.steps != 1 or any(a.kind == "U" for row in sched.grid for c in row for a in c):
+    raise ValueError(f"the executor runs one step's table without updates; {sched.name!r} "
+                     f"holds {sched.steps} steps (from tile): pass the one-step table and "
+                     "apply the optimizer to the returned gradients")
 
   def step(stage_params, batch, shared=None):
     inputs_m, targets_m = _microbatches(batch, M)
