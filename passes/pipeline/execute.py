@@ -2,6 +2,10 @@
 
 Contract: `lower(stage_fn, loss_fn, sched, mesh, axis_name, input_fn=None)
 -> step(stage_params, batch, shared=None) -> (loss, grads)`.
+`lower_train(stage_fn, loss_fn, sched, mesh, axis_name, optimizer)` runs a
+table tiled over steps (`passes.pipeline.steps.tile`): `train(stage_params,
+opt_state, batches) -> (stage_params, opt_state, losses)`, the weights and
+optimizer states loop state, each (stage, chunk) updated at its `U` tick.
 
 Each stage kind ("flavor": first, middle, last virtual stage) is cut into
 F / B / W phases by `passes.pipeline.flavor` (the split pass; scanned layers
