@@ -301,7 +301,8 @@ def validate(sched: PipelineSchedule) -> None:
           if ps != s:  # crosses devices: needs a send at tp and a receive at tp
             ch = "F" if kind == "F" else "B"
             if sends.get((ch, dvs, m, step)) != (ps, tp):
-              fail(f"{a} needs S{ch}{m}{_at(step)} from stage {ps} at tick {tp} (missing send)", (s, t))
+              fail(f"{a} needs S{ch}{m}{_at(step)} from stage {ps} at tick {tp} "
+                   "(missing send)", (s, t))
             if recvs.get((ch, sched.vstage(s, a.chunk), m, step)) != (s, tp + sched.lag):
               fail(f"{a} needs R{ch} of microbatch {m}{_at(step)} on stage {s} at tick "
                    f"{tp + sched.lag} (missing receive)", (s, t))
