@@ -4,6 +4,9 @@
 >>> sched = ooo.pipeline.schedule("zb-h1", stages=4, microbatches=8)
 >>> round(sched.bubble_fraction(), 3), max(sched.peak_activations())
 (0.111, 4)
+>>> zb2 = ooo.pipeline.schedule("zb-h2", stages=4, microbatches=8)
+>>> round(zb2.bubble_fraction(), 3), round(zb2.steady_bubble(steps=4), 3)  # simulated
+(0.111, 0.0)
 
 `value_and_grad(stage_fn, loss_fn, mesh=..., axis_name=..., schedule=...)`
 returns `step(stage_params, batch, shared=None) -> (loss, grads)` that runs the
@@ -14,17 +17,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from passes.pipeline.execute import Memory, lower
+from passes.pipeline.execute import Memory, lower, lower_train
 from passes.pipeline.execute import memory as _memory
 from passes.pipeline.generate import SCHEDULES, generate
 from passes.pipeline.schedule import Action, PipelineSchedule, ScheduleError
+from passes.pipeline.steps import SteadyState, steady_state, tile
 
-__all__ = ["SCHEDULES", "Action", "Memory", "PipelineSchedule", "ScheduleError", "memory",
-           "schedule", "value_and_grad"]
+__all__ = ["SCHEDULES", "Action", "Memory", "PipelineSchedule", "ScheduleError", "SteadyState",
+           "memory", "schedule", "steady_state", "tile", "train", "value_and_grad"]
 
 
 def schedule(name: str, stages: int, microbatches: int, chunks: int | None = None,
-             lag: int = 0) -> PipelineSchedule:
+             lag: int = 0, steps: int = 1) -> PipelineSchedule:
   """A validated schedule table by name (one of `SCHEDULES`).
 
   Args:
@@ -36,6 +40,10 @@ def schedule(name: str, stages: int, microbatches: int, chunks: int | None = Non
     chunks: virtual stages per device for "interleaved" (default 2).
     lag: 1 receives each transfer one tick after its send, so the executor
       overlaps it with the next tick's compute (more ticks, hidden transfers).
+    steps: training steps laid out in one table (`tile`): step t + 1's
+      forwards on a stage start once that stage's update of step t is done,
+      so one step's drain overlaps the next one's warm-up. Run such a table
+      with `train` (`value_and_grad` runs one-step tables).
 
   Returns:
     A `PipelineSchedule`: `validate()`, `bubble_fraction(costs)`,
@@ -45,7 +53,7 @@ def schedule(name: str, stages: int, microbatches: int, chunks: int | None = Non
   >>> print(s.to_text().splitlines()[1])
   0F0+0SF0 0F1+0SF1 0RB0 0B0 0W0+0RB1 0B1 0W1
   """
-  return generate(name, stages, microbatches, chunks, lag)
+  return tile(generate(name, stages, microbatches, chunks, lag), steps)
 
 
 def value_and_grad(stage_fn: Callable, loss_fn: Callable, *, mesh, axis_name: str,
@@ -102,6 +110,53 @@ def value_and_grad(stage_fn: Callable, loss_fn: Callable, *, mesh, axis_name: st
     raise TypeError(f"schedule must be a name {SCHEDULES} or a PipelineSchedule, got "
                     f"{type(schedule).__name__}")
   return lower(stage_fn, loss_fn, sched, mesh, axis_name, input_fn)
+
+
+def train(stage_fn: Callable, loss_fn: Callable, optimizer, *, mesh, axis_name: str,
+          schedule: str | PipelineSchedule = "zb-h2", microbatches: int | None = None,
+          steps: int = 2, chunks: int | None = None,
+          input_fn: Callable | None = None) -> Callable:
+  """Several pipelined training steps in one program, each stage's optimizer
+  update inside the tick loop: step t + 1's warm-up runs under step t's drain.
+
+  Args:
+    stage_fn, loss_fn, mesh, axis_name, input_fn: as in `value_and_grad`
+      (no `shared` weights: their update would need a reduction across stages).
+    optimizer: an optax `GradientTransformation` that acts leaf by leaf (sgd,
+      momentum, adam, adamw); it runs per virtual stage.
+    schedule: a name, or a table tiled over steps (`tile(sched, steps)`).
+    microbatches, steps, chunks: with a schedule name.
+
+  Returns:
+    `train(stage_params, opt_state, batches) -> (stage_params, opt_state, losses)`
+    with `opt_state = jax.vmap(optimizer.init)(stage_params)` (one state per
+    virtual stage) and `batches = (inputs, targets)` stacked on a leading axis of
+    `steps`; `losses[t]` is step t's loss. The parameters each forward reads, and
+    so the trajectory, are the synchronous loop's. Wrap it in `jax.jit`.
+
+  >>> import jax, jax.numpy as jnp, optax
+  >>> mesh = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+  >>> opt = optax.sgd(0.1)
+  >>> run = train(lambda w, x: jnp.tanh(x @ w), lambda y, t: jnp.mean((y - t) ** 2), opt,
+  ...             mesh=mesh, axis_name="stage", schedule="zb-h2", microbatches=2, steps=3)
+  >>> w = jnp.ones((2, 3, 3)) * 0.1
+  >>> w, state, losses = jax.jit(run)(w, jax.vmap(opt.init)(w),
+  ...                                 (jnp.ones((3, 4, 3)), jnp.zeros((3, 4, 3))))
+  >>> losses.shape, bool(losses[2] < losses[0])
+  ((3,), True)
+  """
+  if axis_name not in mesh.shape:
+    raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
+                     f"{dict(mesh.shape)}")
+  if isinstance(schedule, str):
+    sched = tile(generate(schedule, mesh.shape[axis_name],
+                          microbatches or 2 * mesh.shape[axis_name], chunks), steps)
+  elif isinstance(schedule, PipelineSchedule):
+    sched = schedule.validate()
+  else:
+    raise TypeError(f"schedule must be a name {SCHEDULES} or a PipelineSchedule, got "
+                    f"{type(schedule).__name__}")
+  return lower_train(stage_fn, loss_fn, sched, mesh, axis_name, optimizer, input_fn)
 
 
 def memory(stage_fn: Callable, loss_fn: Callable, schedule: PipelineSchedule, stage_params,

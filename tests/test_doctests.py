@@ -6,7 +6,7 @@ import pytest
 
 MODULES = ["ooojax._api", "ooojax._calibrate", "ooojax._explain", "ooojax.flax", "passes.split", "passes.cost",
            "passes.simulate", "passes.hlo.schedule", "passes.hlo.compare", "ooojax.gpu_hlo",
-           "passes.collectives.plan", "ooojax.data_parallel"]
+           "passes.collectives.plan", "ooojax.data_parallel", "passes.pipeline.steps"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -8,6 +8,8 @@ executor all read.
 * `schedule`: the table (`PipelineSchedule`), its validator and text form.
 * `generate`: the named schedules (gpipe, 1f1b, ooo, zb-h1, zb-h2, interleaved, zb-v).
 * `simulate`: a table's timeline under per-kind costs, and its plot.
+* `steps`: a table tiled over several training steps (per-stage updates U),
+  and its steady-state bubble per step.
 * `flavor`: a stage's forward + vjp cut into F, B and W phases.
 * `execute`: a table lowered to one SPMD `shard_map` program.
 """

@@ -1,9 +1,11 @@
 """pipeline.actions: the pipeline action IR, shared by every pipeline pass.
 
-An `Action` is `(stage, kind, microbatch, chunk)`, hashable, with a text form
-that round-trips (`2B5`, `0F3.1`); kinds are compute (F, B, W, the fused BW)
-or transfers (SF/RF: send/receive an activation, SB/RB: an input gradient).
-`deps` is the one rule of what a compute action waits for.
+An `Action` is `(stage, kind, microbatch, chunk, step)`, hashable, with a text
+form that round-trips (`2B5`, `0F3.1`, `1W7@2`: step 2 of a multi-step table);
+kinds are compute (F, B, W, the fused BW), the optimizer update U of one
+(stage, chunk) after its step's last W (`0U@1`, `0U.1`: no microbatch), or
+transfers (SF/RF: send/receive an activation, SB/RB: an input gradient).
+`deps` is the one rule of what a compute or update action waits for.
 """
 from __future__ import annotations
 
@@ -11,29 +13,36 @@ import dataclasses
 import re
 
 COMPUTE = ("F", "B", "W", "BW")
+UPDATE = "U"
 COMMS = ("SF", "RF", "SB", "RB")
-_ACTION_RE = re.compile(r"^(\d+)(BW|SF|RF|SB|RB|F|B|W)(\d+)(?:\.(\d+))?$")
+_ACTION_RE = re.compile(r"^(\d+)(BW|SF|RF|SB|RB|F|B|W|U)(\d*)(?:\.(\d+))?(?:@(\d+))?$")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Action:
-  """One action of one stage: `kind` of `microbatch` for virtual-stage `chunk`."""
+  """One action of one stage: `kind` of `microbatch` for virtual-stage `chunk`,
+  in training step `step` (0 but in a table tiled over several steps)."""
   stage: int
   kind: str
   microbatch: int
   chunk: int = 0
+  step: int = 0
 
   def __str__(self) -> str:
+    m = "" if self.kind == UPDATE else str(self.microbatch)
     c = f".{self.chunk}" if self.chunk else ""
-    return f"{self.stage}{self.kind}{self.microbatch}{c}"
+    t = f"@{self.step}" if self.step else ""
+    return f"{self.stage}{self.kind}{m}{c}{t}"
 
   @classmethod
   def parse(cls, text: str) -> Action:
     m = _ACTION_RE.match(text.strip())
-    if m is None:
+    if m is None or (m.group(3) == "") != (m.group(2) == UPDATE):
       raise ValueError(f"cannot parse pipeline action {text!r}; expected e.g. '2B5' "
-                       "(stage 2, B of microbatch 5) or '0F3.1' (chunk 1)")
-    return cls(int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4) or 0))
+                       "(stage 2, B of microbatch 5), '0F3.1' (chunk 1), '1W7@2' (step 2) "
+                       "or '0U@1' (stage 0's optimizer update after step 1)")
+    return cls(int(m.group(1)), m.group(2), int(m.group(3) or 0), int(m.group(4) or 0),
+               int(m.group(5) or 0))
 
 
 def vstage_of(S: int, stage: int, chunk: int, placement: str = "modulo") -> int:
@@ -55,12 +64,22 @@ class ScheduleError(ValueError):
   """An invalid pipeline table; the message shows the grid with the bad action marked."""
 
 
-def deps(a: Action, vstage: int, last: int) -> list[tuple[str, int, int]]:
-  """(kind, vstage, microbatch) the compute action `a` (on virtual stage `vstage`
-  of `last + 1`) waits for; kind "B" means B or BW."""
+def deps(a: Action, vstage: int, last: int, microbatches: int = 0
+         ) -> list[tuple[str, int, int, int]]:
+  """(kind, vstage, microbatch, step) the action `a` (on virtual stage `vstage`
+  of `last + 1`) waits for; kind "B" means B or BW, "W" means W or BW.
+
+  Across steps: F of step t > 0 waits for its virtual stage's update U of step
+  t - 1 (the weights it reads), and U waits for every W of its virtual stage
+  in its step (`microbatches` of them) -- per stage, never a global barrier.
+  """
+  t = a.step
   if a.kind == "F":
-    return [("F", vstage - 1, a.microbatch)] if vstage > 0 else []
+    d = [("F", vstage - 1, a.microbatch, t)] if vstage > 0 else []
+    return d + ([(UPDATE, vstage, 0, t - 1)] if t > 0 else [])
   if a.kind in ("B", "BW"):
-    d = [("F", vstage, a.microbatch)]
-    return d + ([("B", vstage + 1, a.microbatch)] if vstage < last else [])
-  return [("B", vstage, a.microbatch)]  # W
+    d = [("F", vstage, a.microbatch, t)]
+    return d + ([("B", vstage + 1, a.microbatch, t)] if vstage < last else [])
+  if a.kind == UPDATE:
+    return [("W", vstage, m, t) for m in range(microbatches)]
+  return [("B", vstage, a.microbatch, t)]  # W

@@ -2,6 +2,10 @@
 
 Contract: `lower(stage_fn, loss_fn, sched, mesh, axis_name, input_fn=None)
 -> step(stage_params, batch, shared=None) -> (loss, grads)`.
+`lower_train(stage_fn, loss_fn, sched, mesh, axis_name, optimizer)` runs a
+table tiled over steps (`passes.pipeline.steps.tile`): `train(stage_params,
+opt_state, batches) -> (stage_params, opt_state, losses)`, the weights and
+optimizer states loop state, each (stage, chunk) updated at its `U` tick.
 
 Each stage kind ("flavor": first, middle, last virtual stage) is cut into
 F / B / W phases by `passes.pipeline.flavor` (the split pass; scanned layers
@@ -47,7 +51,7 @@ from passes.pipeline.flavor import Flavor, make_flavor
 from passes.pipeline.generate import unfuse
 from passes.pipeline.schedule import PipelineSchedule
 
-__all__ = ["Flavor", "Memory", "Program", "lower", "make_flavor", "memory"]
+__all__ = ["Flavor", "Memory", "Program", "lower", "lower_train", "make_flavor", "memory"]
 
 
 def _read(env, v):
@@ -64,16 +68,8 @@ def _run(jaxpr, eqn_ids, env):
 
 
 # --- the program ------------------------------------------------------------------
-def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
-          axis_name: str, input_fn: Callable | None = None) -> Callable:
-  """Returns `step(stage_params, batch, shared=None) -> (loss, grads)`; see the module doc.
-
-  `stage_params` leaves are stacked on a leading axis of `sched.virtual_stages`;
-  `batch = (inputs, targets)` with a leading batch axis split into
-  `sched.microbatches`. `grads` mirrors `stage_params`, or is
-  `(stage_grads, shared_grads)` when `shared` is given.
-  """
-  S, V, M, v = sched.stages, sched.virtual_stages, sched.microbatches, sched.chunks
+def _check(sched: PipelineSchedule, mesh, axis_name: str) -> None:
+  S, v = sched.stages, sched.chunks
   if axis_name not in mesh.shape:
     raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
                      f"{dict(mesh.shape)}")
@@ -86,37 +82,112 @@ def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
   if sched.lag not in (0, 1):
     raise ValueError(f"the executor runs tables with lag 0 or 1, got {sched.lag}")
 
+
+def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
+          axis_name: str, input_fn: Callable | None = None) -> Callable:
+  """Returns `step(stage_params, batch, shared=None) -> (loss, grads)`; see the module doc.
+
+  `stage_params` leaves are stacked on a leading axis of `sched.virtual_stages`;
+  `batch = (inputs, targets)` with a leading batch axis split into
+  `sched.microbatches`. `grads` mirrors `stage_params`, or is
+  `(stage_grads, shared_grads)` when `shared` is given.
+  """
+  _check(sched, mesh, axis_name)
+  if sched.steps != 1 or any(a.kind == "U" for row in sched.grid for c in row for a in c):
+    raise ValueError(f"value_and_grad runs one step's table without updates; "
+                     f"{sched.name!r} holds {sched.steps} steps (from tile): run it with "
+                     "lower_train (ooo.pipeline.train), or pass the one-step table")
+  M = sched.microbatches
+
   def step(stage_params, batch, shared=None):
     inputs_m, targets_m = _microbatches(batch, M)
     prog = _trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m,
                   shared)
-    # Chunk c of device s is virtual stage sched.vstage(s, c): one (S, ...) tree per
-    # chunk, so a device's chunk weights arrive as their own buffers (no slicing).
-    idx = np.array([[sched.vstage(s, c) for s in range(S)] for c in range(v)])
-    inv = np.argsort(idx.ravel())
-    chunks = tuple(jax.tree.map(lambda x, c=c: _take(x, idx[c]), stage_params)
-                   for c in range(v))
-    from_dev = lambda *xs: _untake(xs, idx, inv)  # noqa: E731
-    consts = [fl.consts for fl in prog.flavors]
-    body = _body(prog, S, v, M, axis_name, sched.lag)
-    p_spec = tuple(jax.tree.map(lambda _: P(axis_name), stage_params) for _ in range(v))
-    rep = lambda t: jax.tree.map(lambda _: P(), t)  # noqa: E731
-    fn = jax.shard_map(body, mesh=mesh,
-                       in_specs=(p_spec, rep(shared), rep(inputs_m), rep(targets_m),
-                                 rep(consts)),
-                       out_specs=(P(), p_spec, rep(shared)), check_vma=False)
-    args = (chunks, shared, inputs_m, targets_m, consts)
-    if _explicit(mesh):  # explicit-sharding meshes want arguments already placed
-      specs = (p_spec, rep(shared), rep(inputs_m), rep(targets_m), rep(consts))
-      args = tuple(jax.tree.map(lambda x, sp: jax.reshard(x, NamedSharding(mesh, sp)),
-                                args, specs))
-    loss, gp, gsh = fn(*args)
-    if _explicit(mesh) and v > 1:  # chunks interleave into V: unsharded operands there
-      gp = jax.tree.map(lambda x: jax.reshard(x, NamedSharding(mesh, P())), gp)
-    gp = jax.tree.map(from_dev, *gp)
+    body = _body(prog, sched.stages, sched.chunks, M, axis_name, sched.lag)
+    loss, gp, gsh = _shard(body, sched, mesh, axis_name, stage_params, shared,
+                           inputs_m, targets_m, [fl.consts for fl in prog.flavors])
     return loss, (gp if shared is None else (gp, gsh))
 
   return step
+
+
+def lower_train(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
+                axis_name: str, optimizer, input_fn: Callable | None = None) -> Callable:
+  """Returns `train(stage_params, opt_state, batches) -> (stage_params, opt_state, losses)`
+  running a table tiled over `sched.steps` steps (`tile`), with each stage's
+  optimizer update inside the tick loop at its `U` action.
+
+  `opt_state = jax.vmap(optimizer.init)(stage_params)`: one state per virtual
+  stage, updated by that stage alone. `batches = (inputs, targets)` with leading
+  axes (steps, batch). `losses[t]` is step t's loss. The weights step t + 1's
+  forwards read are those of the synchronous loop (its stage's update of step t
+  precedes them), so the trajectory is the synchronous one for any optax
+  transformation that acts leaf by leaf (sgd, momentum, adam, adamw, weight
+  decay); one that reduces over every leaf (`clip_by_global_norm`) would see
+  one stage's leaves only, and tied (`shared`) weights would need a reduction
+  across the stages before their update: neither is supported.
+  """
+  _check(sched, mesh, axis_name)
+  if sched.steps < 2:
+    raise ValueError(f"lower_train runs a table tiled over steps; {sched.name!r} holds one "
+                     "step: pass tile(sched, steps) with steps >= 2 (or use value_and_grad "
+                     "and apply the optimizer after the step)")
+  M, N = sched.microbatches, sched.steps
+
+  def train(stage_params, opt_state, batches):
+    lead = {jnp.shape(x)[0] for x in jax.tree.leaves(batches)}
+    if lead != {N}:
+      raise ValueError(f"batches need a leading axis of {N} steps (the table's steps); "
+                       f"got leading sizes {sorted(lead)}")
+    flat = jax.tree.map(lambda x: jnp.reshape(x, (-1, *jnp.shape(x)[2:])), batches)
+    inputs_m, targets_m = _microbatches(flat, N * M)   # index step * M + microbatch
+    prog = _trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m,
+                  None)
+    body = _body(prog, sched.stages, sched.chunks, M, axis_name, sched.lag,
+                 optimizer=optimizer, steps=N)
+    losses, params, opt_state = _shard(body, sched, mesh, axis_name, stage_params, None,
+                                       inputs_m, targets_m, [fl.consts for fl in prog.flavors],
+                                       opt_state)
+    return params, opt_state, losses
+
+  return train
+
+
+def _shard(body, sched, mesh, axis_name, stage_params, shared, inputs_m, targets_m, consts,
+           opt_state=None):
+  """Runs `body` under `shard_map`: each device gets its chunks' weights (and
+  optimizer states); returns what it returns, per-chunk trees back in
+  virtual-stage order."""
+  S, v = sched.stages, sched.chunks
+  # Chunk c of device s is virtual stage sched.vstage(s, c): one (S, ...) tree per
+  # chunk, so a device's chunk weights arrive as their own buffers (no slicing).
+  idx = np.array([[sched.vstage(s, c) for s in range(S)] for c in range(v)])
+  inv = np.argsort(idx.ravel())
+  split = lambda tree: tuple(jax.tree.map(lambda x, c=c: _take(x, idx[c]), tree)  # noqa: E731
+                             for c in range(v))
+  from_dev = lambda *xs: _untake(xs, idx, inv)  # noqa: E731
+  p_spec = tuple(jax.tree.map(lambda _: P(axis_name), stage_params) for _ in range(v))
+  rep = lambda t: jax.tree.map(lambda _: P(), t)  # noqa: E731
+  specs = (p_spec, rep(shared), rep(inputs_m), rep(targets_m), rep(consts))
+  args = (split(stage_params), shared, inputs_m, targets_m, consts)
+  if opt_state is None:
+    out_specs = (P(), p_spec, rep(shared))
+  else:
+    o_spec = tuple(jax.tree.map(lambda _: P(axis_name), opt_state) for _ in range(v))
+    specs, args = specs + (o_spec,), args + (split(opt_state),)
+    out_specs = (P(), p_spec, o_spec)
+  fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)
+  if _explicit(mesh):  # explicit-sharding meshes want arguments already placed
+    args = tuple(jax.tree.map(lambda x, sp: jax.reshard(x, NamedSharding(mesh, sp)), args,
+                              specs))
+  loss, per_chunk, last = fn(*args)
+  trees = (per_chunk,) if opt_state is None else (per_chunk, last)
+  out = []
+  for t in trees:
+    if _explicit(mesh) and v > 1:  # chunks interleave into V: unsharded operands there
+      t = jax.tree.map(lambda x: jax.reshard(x, NamedSharding(mesh, P())), t)
+    out.append(jax.tree.map(from_dev, *t))
+  return (loss, out[0], last) if opt_state is None else (loss, *out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,12 +310,16 @@ def _explicit(mesh) -> bool:
   return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ()))
 
 
-def _body(prog: Program, S, v, M, axis_name, lag):
+def _body(prog: Program, S, v, M, axis_name, lag, optimizer=None, steps=1):
+  """The per-device program. With an `optimizer` (a table tiled over `steps`),
+  the weights and optimizer states are loop state, updated at the ticks whose
+  `upd` bits name a chunk; otherwise the weights are loop constants."""
   F = plan_pass.F
   flavors, pl, x_aval, fres, bres = (prog.flavors, prog.plan, prog.x_aval, prog.fres,
                                      prog.bres)
+  train = optimizer is not None
 
-  def body(chunks, shared, inputs_m, targets_m, consts):
+  def body(chunks, shared, inputs_m, targets_m, consts, opt=None):
     p_tree = jax.tree.structure(chunks[0])
     # Chunk c's weights (the actions of chunk c are their own branches).
     chunk_w = [[x[0] for x in jax.tree.leaves(ch)] for ch in chunks]
@@ -275,9 +350,9 @@ def _body(prog: Program, S, v, M, axis_name, lag):
     def put(b, slot, x):
       return lax.dynamic_update_index_in_dim(b, x.astype(b.dtype), slot, 0)
 
-    def env_of(i, fl, c, r):
+    def env_of(i, fl, c, r, ws):
       """The phase's static inputs: constants, chunk weights, shared, this microbatch."""
-      vals = [*consts[i], *chunk_w[c]]
+      vals = [*consts[i], *ws[c]]
       if fl.n_shared:
         vals += sh_leaves
       if fl.first:
@@ -293,9 +368,10 @@ def _body(prog: Program, S, v, M, axis_name, lag):
     def action(i, kind, c):
       fl = flavors[i]
 
-      def run(r, bufs, acc, f_rec, b_rec):
+      def run(r, bufs, acc, f_rec, b_rec, w):
         out, loss = no_out, zero
-        env = env_of(i, fl, c, r)
+        ws = chunk_w if w is None else w   # loop constants, or loop state when training
+        env = env_of(i, fl, c, r, ws)
         if kind == "F":
           if fl.x is not None:
             env[fl.x] = get(bufs["act"], r[F["in_slot"]])
@@ -328,7 +404,7 @@ def _body(prog: Program, S, v, M, axis_name, lag):
 
       return run
 
-    def idle(r, bufs, acc, f_rec, b_rec):
+    def idle(r, bufs, acc, f_rec, b_rec, w):
       return no_out, zero, acc, f_rec, b_rec
 
     branches = [idle] + [action(*b) for b in pl.branches]
@@ -364,12 +440,27 @@ def _body(prog: Program, S, v, M, axis_name, lag):
                       lambda st: {dt: put(b, slot, rec[dt]) for dt, b in st.items()},
                       lambda st: st, bufs[name])
 
+    def update(r, w, o, acc):
+      """Each chunk whose bit is set in `upd`: the optimizer step on its summed
+      gradients (all of its step's W ran by this tick), then a zero accumulator."""
+      w, o, gp = list(w), list(o), list(acc["gp"])
+      for c in range(v):
+        def apply(args):
+          wc, oc, gc = args
+          params = p_tree.unflatten(wc)
+          updates, oc = optimizer.update(p_tree.unflatten(gc), oc, params)
+          new = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
+          return jax.tree.leaves(new), oc, [jnp.zeros_like(g) for g in gc]
+        w[c], o[c], gp[c] = lax.cond(((r[F["upd"]] >> c) & 1) == 1, apply, lambda a: a,
+                                     (w[c], o[c], gp[c]))
+      return w, o, {"gp": gp, "gsh": acc["gsh"]}
+
     def tick(carry, r):
-      bufs, acc, loss, out, f_rec, b_rec = carry
+      bufs, acc, loss, out, f_rec, b_rec, w, o = carry
       if lag:  # the last tick's output travels while this tick computes
         below, above = send(out, r)
       out, dl, acc, f_rec, b_rec = lax.switch(r[F["branch"]], branches, r, bufs, acc, f_rec,
-                                              b_rec)
+                                              b_rec, w)
       if not lag:
         below, above = send(out, r)
       act, grad = bufs["act"], bufs["grad"]
@@ -380,11 +471,24 @@ def _body(prog: Program, S, v, M, axis_name, lag):
       bufs = {"act": act, "grad": grad,
               "fres": keep(bufs, "fres", r[F["f_write"]], f_rec),
               "bres": keep(bufs, "bres", r[F["b_write"]], b_rec)}
-      return (bufs, acc, loss + dl, out, f_rec, b_rec), None
+      if train:
+        w, o, acc = update(r, w, o, acc)
+        loss = loss.at[r[F["step"]]].add(dl)
+      else:
+        loss = loss + dl
+      return (bufs, acc, loss, out, f_rec, b_rec, w, o), None
 
-    init = (bufs, acc, zero, no_out, fres.empty(), bres.empty())
-    (_, acc, loss, *_), _ = lax.scan(tick, init, table)
+    w0 = o0 = None
+    if train:
+      w0 = chunk_w
+      o0 = [jax.tree.map(lambda x: x[0], oc) for oc in opt]
+    loss0 = jnp.zeros((steps,), jnp.float32) if train else zero
+    init = (bufs, acc, loss0, no_out, fres.empty(), bres.empty(), w0, o0)
+    (_, acc, loss, _, _, _, w, o), _ = lax.scan(tick, init, table)
     loss = lax.psum(loss, axis_name)
+    if train:
+      return (loss, tuple(p_tree.unflatten([x[None] for x in ws]) for ws in w),
+              tuple(jax.tree.map(lambda x: x[None], oc) for oc in o))
     gp = tuple(p_tree.unflatten([g[None] for g in gs]) for gs in acc["gp"])
     gsh = jax.tree.unflatten(jax.tree.structure(shared),
                              [lax.psum(g, axis_name) for g in acc["gsh"]])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from passes.pipeline.actions import UPDATE, deps
 from passes.pipeline.schedule import (Action, PipelineSchedule, ScheduleError, place_of,
                                       vstage_of)
 
@@ -129,8 +130,8 @@ def unfuse(sched: PipelineSchedule) -> PipelineSchedule:
     for cell in row:
       for a in cell:
         if a.kind == "BW":
-          out += [Action(s, "B", a.microbatch, a.chunk), Action(s, "W", a.microbatch, a.chunk)]
-        elif a.kind in ("F", "B", "W"):
+          out += [dataclasses.replace(a, kind="B"), dataclasses.replace(a, kind="W")]
+        elif a.kind in ("F", "B", "W", UPDATE):
           out.append(a)
     orders.append(out)
   S, v = sched.stages, sched.chunks
@@ -234,39 +235,50 @@ def _greedy(S: int, M: int, v: int, pol: Policy, placement: str = "modulo",
 
 def _place(S: int, M: int, v: int, orders: Sequence[Sequence[Action]], lag: int = 0,
            placement: str = "modulo") -> list[list[list[Action]]]:
-  """As-soon-as-possible unit-tick placement of per-stage orders."""
+  """As-soon-as-possible unit-tick placement of per-stage orders (with `U`
+  updates, placed in the cell of the W they follow)."""
   V = S * v
-  done: dict[tuple[str, int, int], int] = {}
+  done: dict[tuple[str, int, int, int], int] = {}
   pos = [0] * S
   grid: list[list[list[Action]]] = [[] for _ in range(S)]
+
+  def ready(a, t, same_tick):
+    for key in deps(a, vstage_of(S, a.stage, a.chunk, placement), V - 1, M):
+      tp = done.get(key)
+      if tp is None:
+        return False
+      tp += lag if place_of(S, key[1], placement)[0] != a.stage else 0
+      if tp > t or (tp == t and not same_tick):
+        return False
+    return True
+
+  def mark(a, t):
+    grid[a.stage][t].append(a)
+    pos[a.stage] += 1
+    vs = vstage_of(S, a.stage, a.chunk, placement)
+    if a.kind == UPDATE:
+      done[(UPDATE, vs, 0, a.step)] = t
+      return
+    done[("B" if a.kind == "BW" else a.kind, vs, a.microbatch, a.step)] = t
+    if a.kind == "BW":
+      done[("W", vs, a.microbatch, a.step)] = t
+
   t = idle = 0
   while any(pos[s] < len(orders[s]) for s in range(S)):
-    placed = []
-    for s in range(S):
-      if pos[s] >= len(orders[s]):
-        continue
-      a = orders[s][pos[s]]
-      vs = vstage_of(S, s, a.chunk, placement)
-      if a.kind == "F":
-        need = [("F", vs - 1)] if vs > 0 else []
-      elif a.kind in ("B", "BW"):
-        need = [("F", vs)] + ([("B", vs + 1)] if vs < V - 1 else [])
-      else:
-        need = [("B", vs)]
-      if all(done.get((k, d, a.microbatch), t)
-             + (lag if place_of(S, d, placement)[0] != s else 0) < t
-             for k, d in need):
-        placed.append(a)
+    placed = [orders[s][pos[s]] for s in range(S) if pos[s] < len(orders[s])
+              and orders[s][pos[s]].kind != UPDATE and ready(orders[s][pos[s]], t, False)]
     for s in range(S):
       grid[s].append([])
+    for a in placed:
+      mark(a, t)
+    for s in range(S):  # an update joins the cell of its last W
+      while pos[s] < len(orders[s]) and orders[s][pos[s]].kind == UPDATE and ready(
+          orders[s][pos[s]], t, True):
+        placed.append(orders[s][pos[s]])
+        mark(orders[s][pos[s]], t)
     idle = 0 if placed else idle + 1
     if idle > lag + 1:  # nothing placed and nothing still in transit
       raise ScheduleError(f"per-stage orders deadlock at tick {t}")
-    for a in placed:
-      grid[a.stage][t].append(a)
-      pos[a.stage] += 1
-      vs = vstage_of(S, a.stage, a.chunk, placement)
-      done[("B" if a.kind == "BW" else a.kind, vs, a.microbatch)] = t
     t += 1
   return grid
 
@@ -291,6 +303,6 @@ def _lower_comms(S: int, v: int, grid, lag: int = 0, placement: str = "modulo"
         ds, dc = place_of(S, tvs, placement)
         if ds == s:  # same device (one-stage interleaving): no transfer
           continue
-        out[s][t].append(Action(s, "S" + ch, a.microbatch, a.chunk))
-        out[ds][t + lag].append(Action(ds, "R" + ch, a.microbatch, dc))
+        out[s][t].append(Action(s, "S" + ch, a.microbatch, a.chunk, a.step))
+        out[ds][t + lag].append(Action(ds, "R" + ch, a.microbatch, dc, a.step))
   return tuple(tuple(tuple(cell) for cell in row) for row in out)

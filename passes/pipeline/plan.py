@@ -23,7 +23,10 @@ from passes.pipeline.schedule import PipelineSchedule
 KINDS = ("F", "B", "W", "BW")
 BUFFERS = ("act", "grad", "fres", "bres")
 
-# Per (tick, device) integers. `branch` indexes `Plan.branches` (0: idle);
+# Per (tick, device) integers. `branch` indexes `Plan.branches` (0: idle); `mb`
+# is the microbatch's index over all steps of the table (step * M + m), `step`
+# its step, and `upd` a bit per chunk whose optimizer update (U) runs at the end
+# of this tick (tables tiled over steps);
 # `in_slot` is the act (F) or grad (B, BW) slot the action reads; `fres` /
 # `bres` the record slots it reads (B, W) or writes (`fres` for F, `bres` for
 # B); `*_act` / `*_grad` the slots that what arrives on the up ring (from
@@ -31,7 +34,7 @@ BUFFERS = ("act", "grad", "fres", "bres")
 # tip of ZB-V's V) is written to.
 # `up_pat` / `dn_pat` (the same on every device) index `Plan.patterns[ring]`:
 # which (sender, receiver) pairs of that ring carry a value at this tick.
-FIELDS = ("branch", "mb", "in_slot", "fres", "bres", "f_write", "b_write",
+FIELDS = ("branch", "mb", "step", "upd", "in_slot", "fres", "bres", "f_write", "b_write",
           "up_act", "up_grad", "dn_act", "dn_grad", "loc_act", "loc_grad", "up_pat", "dn_pat")
 F = {name: i for i, name in enumerate(FIELDS)}
 
@@ -65,28 +68,28 @@ def _colour(intervals):
 
 
 def _intervals(sched: PipelineSchedule, ev: dict) -> dict[str, list]:
-  """Per buffer, (first tick, end tick, (device, microbatch, chunk)) of every value."""
+  """Per buffer, (first tick, end tick, (device, microbatch, chunk, step)) of every value."""
   V = sched.virtual_stages
   ivs: dict[str, list] = {b: [] for b in BUFFERS}
-  b_tick = lambda s, m, c: ev.get(("B", s, m, c), ev.get(("BW", s, m, c)))  # noqa: E731
-  for (kind, s, m, c), t in ev.items():
+  b_tick = lambda s, m, c, n: ev.get(("B", s, m, c, n), ev.get(("BW", s, m, c, n)))  # noqa: E731
+  for (kind, s, m, c, n), t in ev.items():
     vs = sched.vstage(s, c)
     if kind == "RF":
-      ivs["act"].append((t, ev[("F", s, m, c)], (s, m, c)))
+      ivs["act"].append((t, ev[("F", s, m, c, n)], (s, m, c, n)))
     elif kind == "RB":
-      ivs["grad"].append((t, b_tick(s, m, c), (s, m, c)))
+      ivs["grad"].append((t, b_tick(s, m, c, n), (s, m, c, n)))
     elif kind == "F":
       if vs < V - 1 and sched.place(vs + 1)[0] == s:  # local hand-off to the next chunk
         nc = sched.place(vs + 1)[1]
-        ivs["act"].append((t, ev[("F", s, m, nc)], (s, m, nc)))
-      end = ev.get(("W", s, m, c), ev.get(("BW", s, m, c)))
+        ivs["act"].append((t, ev[("F", s, m, nc, n)], (s, m, nc, n)))
+      end = ev.get(("W", s, m, c, n), ev.get(("BW", s, m, c, n)))
       # +1: the record is written at the end of F's tick and read during W's.
-      ivs["fres"].append((t, end + 1, (s, m, c)))
+      ivs["fres"].append((t, end + 1, (s, m, c, n)))
     if kind in ("B", "BW") and vs > 0 and sched.place(vs - 1)[0] == s:
       pc = sched.place(vs - 1)[1]
-      ivs["grad"].append((t, b_tick(s, m, pc), (s, m, pc)))
+      ivs["grad"].append((t, b_tick(s, m, pc, n), (s, m, pc, n)))
     if kind == "B":
-      ivs["bres"].append((t, ev[("W", s, m, c)] + 1, (s, m, c)))
+      ivs["bres"].append((t, ev[("W", s, m, c, n)] + 1, (s, m, c, n)))
   return ivs
 
 
@@ -97,7 +100,7 @@ def plan(sched: PipelineSchedule, flavor_of: Callable[[int, int], int]) -> Plan:
   for s, row in enumerate(sched.grid):
     for t, cell in enumerate(row):
       for a in cell:
-        ev[(a.kind, s, a.microbatch, a.chunk)] = t
+        ev[(a.kind, s, a.microbatch, a.chunk, a.step)] = t
   slots, counts = {}, {}
   for name, iv in _intervals(sched, ev).items():
     n = 0
@@ -118,13 +121,14 @@ def plan(sched: PipelineSchedule, flavor_of: Callable[[int, int], int]) -> Plan:
   for s, row in enumerate(sched.grid):
     for t, cell in enumerate(row):
       for a in cell:
-        key = (s, a.microbatch, a.chunk)
+        key = (s, a.microbatch, a.chunk, a.step)
         r = rows[t, s]
         vs = sched.vstage(s, a.chunk)
         if a.kind in KINDS:
           b = (flavor_of(s, a.chunk), a.kind, a.chunk)
           r[F["branch"]] = branches.setdefault(b, len(branches) + 1)
-          r[F["mb"]] = a.microbatch
+          r[F["mb"]] = a.step * sched.microbatches + a.microbatch
+          r[F["step"]] = a.step
           if a.kind == "F":
             r[F["in_slot"]] = slots.get(("act", *key), 0)
             r[F["f_write"]] = slots[("fres", *key)]
@@ -139,7 +143,9 @@ def plan(sched: PipelineSchedule, flavor_of: Callable[[int, int], int]) -> Plan:
           tvs = vs + 1 if a.kind == "F" else vs - 1
           if a.kind != "W" and 0 <= tvs < V and sched.place(tvs)[0] == s:
             buf = "act" if a.kind == "F" else "grad"
-            r[F["loc_" + buf]] = slots[(buf, s, a.microbatch, sched.place(tvs)[1])]
+            r[F["loc_" + buf]] = slots[(buf, s, a.microbatch, sched.place(tvs)[1], a.step)]
+        elif a.kind == "U":
+          r[F["upd"]] |= 1 << a.chunk
         elif a.kind in ("RF", "RB"):
           ps = sched.place(vs - 1 if a.kind == "RF" else vs + 1)[0]
           buf = "act" if a.kind == "RF" else "grad"

@@ -5,8 +5,9 @@ Contract: `simulate(sched, costs, comm) -> PipelineTimeline`, `plot(sched, costs
 Each stage runs its compute actions in the table's order; an action starts once
 its stage is free and what it depends on has finished (plus `comm` seconds when
 that came from another device). `costs` are per whole stage (`{"F", "B", "W"}`,
-default 1 each); an interleaved chunk costs `1 / chunks` of them and the fused
-BW costs B + W. The result is a cost-model estimate, never a measurement.
+default 1 each, and `"U"`, a stage's optimizer update in a multi-step table,
+default 0); an interleaved chunk costs `1 / chunks` of them and the fused BW
+costs B + W. The result is a cost-model estimate, never a measurement.
 """
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ from collections.abc import Mapping
 
 from typing import TYPE_CHECKING
 
-from passes.pipeline.actions import Action, ScheduleError, deps
+from passes.pipeline.actions import UPDATE, Action, ScheduleError, deps
 
 if TYPE_CHECKING:
   from passes.pipeline.schedule import PipelineSchedule
 
-COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "BW": "#C44E52"}
+COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "BW": "#C44E52", "U": "#8172B3"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,10 +68,10 @@ def simulate(sched: PipelineSchedule, costs: Mapping[str, float] | None = None,
   >>> simulate(generate("gpipe", 2, 2)).makespan   # 3 ticks of F, then BW = 2 x 3
   9.0
   """
-  costs = {"F": 1.0, "B": 1.0, "W": 1.0, **(costs or {})}
+  costs = {"F": 1.0, "B": 1.0, "W": 1.0, UPDATE: 0.0, **(costs or {})}
   orders = sched.orders()
-  S = sched.stages
-  fin: dict[tuple[str, int, int], float] = {}
+  S, M = sched.stages, sched.microbatches
+  fin: dict[tuple[str, int, int, int], float] = {}   # (kind, vstage, mb, step) -> end
   pos, free = [0] * S, [0.0] * S
   spans = []
   remaining = sum(len(o) for o in orders)
@@ -79,27 +80,24 @@ def simulate(sched: PipelineSchedule, costs: Mapping[str, float] | None = None,
     for s in range(S):
       while pos[s] < len(orders[s]):
         a = orders[s][pos[s]]
+        vs = sched.vstage(s, a.chunk)
         start = free[s]
         ok = True
-        for kind, dvs, m in deps(a, sched.vstage(a.stage, a.chunk), sched.virtual_stages - 1):
-          if a.kind == "W" or (kind, dvs, m) in fin:
-            if a.kind == "W":
-              key = ("B", dvs, m)
-              if key not in fin:
-                ok = False
-                break
-              start = max(start, fin[key])
-              continue
-            ps, _ = sched.place(dvs)
-            start = max(start, fin[(kind, dvs, m)] + (comm if ps != s else 0.0))
-          else:
+        for key in deps(a, vs, sched.virtual_stages - 1, M):
+          if key not in fin:
             ok = False
             break
+          remote = sched.place(key[1])[0] != s
+          start = max(start, fin[key] + (comm if remote else 0.0))
         if not ok:
           break
         end = start + _cost(costs, a.kind, sched.chunks)
-        vs = sched.vstage(s, a.chunk)
-        fin[("B" if a.kind == "BW" else a.kind, vs, a.microbatch)] = end
+        if a.kind == UPDATE:
+          fin[(UPDATE, vs, 0, a.step)] = end
+        else:
+          fin[("B" if a.kind == "BW" else a.kind, vs, a.microbatch, a.step)] = end
+          if a.kind == "BW":  # an update waits for "W": BW is one
+            fin[("W", vs, a.microbatch, a.step)] = end
         spans.append((a, start, end))
         free[s] = end
         pos[s] += 1
@@ -122,7 +120,14 @@ def plot(sched: PipelineSchedule, costs: Mapping[str, float] | None = None, ax=N
   if ax is None:
     _, ax = plt.subplots(figsize=(min(2 + tl.makespan * 0.35, 24), 0.5 + 0.45 * sched.stages))
   for a, b, e in tl.spans:
-    ax.barh(a.stage, e - b, left=b, color=COLORS[a.kind], edgecolor="white", height=0.9)
+    if a.kind == UPDATE and e == b:  # a free update: a mark where the next step may start
+      ax.plot([b, b], [a.stage - 0.45, a.stage + 0.45], color="black", lw=1.5)
+      continue
+    # Alternate steps are drawn lighter, so a tiled table shows where steps overlap.
+    ax.barh(a.stage, e - b, left=b, color=COLORS[a.kind], edgecolor="white", height=0.9,
+            alpha=0.55 if a.step % 2 else 1.0)
+    if a.kind == UPDATE:
+      continue
     label = f"{a.microbatch}" + (f".{a.chunk}" if sched.chunks > 1 else "")
     if (e - b) * 2.5 >= len(label) * min(1.0, tl.makespan / 30):  # skip labels that cannot fit
       ax.text((b + e) / 2, a.stage, label, ha="center", va="center", fontsize=7, color="white")
@@ -130,9 +135,11 @@ def plot(sched: PipelineSchedule, costs: Mapping[str, float] | None = None, ax=N
   ax.set_yticklabels([f"stage {s}" for s in range(sched.stages)])
   ax.invert_yaxis()
   ax.set_xlabel("time (cost units, simulated)")
-  ax.set_title(f"{sched.name}: bubble {tl.bubble_fraction:.1%}, "
+  steps = f" x {sched.steps} steps (alternate steps lighter, | = update)" if sched.steps > 1 else ""
+  ax.set_title(f"{sched.name}{steps}: bubble {tl.bubble_fraction:.1%}, "
                f"peak activations {max(sched.peak_activations())}")
-  kinds = sorted({a.kind for a, _, _ in tl.spans}, key="F B W BW".split().index)
+  kinds = sorted({a.kind for a, b, e in tl.spans if a.kind != UPDATE or e > b},
+                 key="F B W BW U".split().index)
   from matplotlib.patches import Patch
   ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in kinds],
             loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
