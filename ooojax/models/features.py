@@ -2,9 +2,10 @@
 
 Each `make(name, real=False)` returns a `Case`: `loss(params, *batch) ->
 (scalar, aux)` with `has_aux` semantics, its arguments, and how the batch
-splits over a data axis. `real=True` gives sizes where the compiled-H100
-schedule says something (a few heavy dW GEMMs/convs per block); the default
-tiny sizes trace and compile in seconds on a 2-core CPU.
+splits over a data axis. `real=True` gives sizes for the compiled-H100 overlap
+figures; the default sizes compile in seconds on a 2-core CPU and are just
+big enough (GEMMs of 2^23 FLOPs and up) that the H100 cost model puts dW
+clusters on stream 1, so the CPU cells run the pinned-call path too.
 
 Cases whose model is a stack of identical blocks also carry a `Stack`: the
 same model as `ooo.pipeline.value_and_grad`'s `(stage_fn, loss_fn, input_fn)`
@@ -140,9 +141,9 @@ class _DropMLP(nn.Module):
 
 
 def dropout_rng(real=False):
-  d = 1024 if real else 16
+  d = 1024 if real else 256
   model = _DropMLP(d)
-  x = jax.random.normal(jax.random.key(0), (256 if real else 8, d))
+  x = jax.random.normal(jax.random.key(0), (256 if real else 128, d))
   y = jax.random.randint(jax.random.key(1), (x.shape[0],), 0, 10)
   params = init_params(model.init, jax.random.key(2), x[:1])["params"]
 
@@ -185,9 +186,9 @@ class _Bf16MLP(nn.Module):
 
 
 def bf16_loss_scaling(real=False):
-  d = 1024 if real else 16
+  d = 1024 if real else 256
   model = _Bf16MLP(d)
-  x = jax.random.normal(jax.random.key(0), (256 if real else 8, d))
+  x = jax.random.normal(jax.random.key(0), (256 if real else 128, d))
   y = jax.random.randint(jax.random.key(1), (x.shape[0],), 0, 10)
   # f32 master weights; the forward runs on a bf16 copy
   master = jax.tree.map(lambda a: a.astype(jnp.float32), init_params(
@@ -255,10 +256,10 @@ def _mlp_stack_case(name, features, block, dim, layers, batch, real, **kw):
 
 
 def remat(policy="dots_saveable", real=False):
-  dim = 512 if real else 16
+  dim = 512 if real else 128
   block = nn.remat(_Block, policy=REMAT_POLICIES[policy], prevent_cse=False)(dim)
   return _mlp_stack_case(f"remat_{policy}", f"jax.checkpoint, policy {policy}", block,
-                         dim, 4, 256 if real else 8, real)
+                         dim, 4, 256 if real else 128, real)
 
 
 # ---------------------------------------------------------------- attention
@@ -332,8 +333,8 @@ class _TiedLM(nn.Module):
 
 
 def _lm_case(name, features, kernel, real):
-  vocab, dim, heads, layers = (512, 512, 8, 2) if real else (64, 16, 2, 2)
-  batch, seq = (16, 128) if real else (4, 8)
+  vocab, dim, heads, layers = (512, 512, 8, 2) if real else (128, 128, 4, 2)
+  batch, seq = (16, 128) if real else (8, 32)
   model = _TiedLM(vocab, dim, heads, layers, kernel)
   tokens = jax.random.randint(jax.random.key(0), (batch, seq + 1), 1, vocab)
   tokens = tokens.at[:, -2:].set(0)        # padded tails
@@ -391,9 +392,9 @@ class _MoE(nn.Module):
 
 
 def moe_top_k(real=False):
-  dim = 256 if real else 16
+  dim = 256 if real else 128
   return _mlp_stack_case("moe_top_k", "mixture of experts, top-2 routing, gather/scatter",
-                         _MoE(dim), dim, 2, 256 if real else 8, real)
+                         _MoE(dim), dim, 2, 256 if real else 128, real)
 
 
 # ---------------------------------------------------------------- control flow
@@ -416,9 +417,9 @@ class _Control(nn.Module):
 
 
 def cond_while(real=False):
-  dim = 512 if real else 16
+  dim = 512 if real else 256
   return _mlp_stack_case("cond_while", "lax.cond, fori_loop, while_loop (trip count "
-                         "from data)", _Control(dim), dim, 2, 256 if real else 8, real)
+                         "from data)", _Control(dim), dim, 2, 256 if real else 128, real)
 
 
 def while_differentiated(real=False):
@@ -460,9 +461,9 @@ class _LinenScan(nn.Module):
 
 
 def linen_scan(real=False):
-  dim, layers = (1024, 4) if real else (16, 4)
+  dim, layers = (1024, 4) if real else (128, 4)
   model = _LinenScan(dim, layers)
-  x = jax.random.normal(jax.random.key(0), (256 if real else 8, dim))
+  x = jax.random.normal(jax.random.key(0), (256 if real else 128, dim))
   y = jax.random.randint(jax.random.key(1), (x.shape[0],), 0, 10)
   params = init_params(model.init, jax.random.key(2), x[:1])["params"]
 
@@ -508,9 +509,9 @@ class _NnxScan(nnx.Module):
 
 
 def nnx_scan(real=False):
-  dim, layers = (1024, 4) if real else (16, 4)
+  dim, layers = (1024, 4) if real else (128, 4)
   graph, params = nnx.split(_NnxScan(dim, layers, nnx.Rngs(0)), nnx.Param)
-  x = jax.random.normal(jax.random.key(0), (256 if real else 8, dim))
+  x = jax.random.normal(jax.random.key(0), (256 if real else 128, dim))
   y = jax.random.randint(jax.random.key(1), (x.shape[0],), 0, 10)
 
   def loss(params, x, y):
