@@ -5,7 +5,7 @@ import importlib
 import pytest
 
 MODULES = ["ooojax._api", "ooojax._calibrate", "ooojax._explain", "ooojax.flax", "passes.split", "passes.cost",
-           "passes.simulate", "passes.hlo.schedule", "passes.hlo.compare", "ooojax.gpu_hlo",
+           "passes.simulate", "passes.hlo.schedule", "passes.hlo.compare", "passes.hlo.windows", "ooojax.gpu_hlo",
            "passes.collectives.plan", "ooojax.data_parallel"]
 
 
