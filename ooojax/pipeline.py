@@ -9,18 +9,21 @@
 returns `step(stage_params, batch, shared=None) -> (loss, grads)` that runs the
 table with `jax.shard_map` over the stage axis; B and W of each stage come from
 the split pass (no recomputation of the dX chain, no hand-written backward).
+`explain(stage_fn, loss_fn, schedule, stage_params, batch)` prices the table on
+the model (simulated bubble, memory per stage, compiled ppermute windows).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from ooojax._explain_pipeline import PipelineReport, explain
 from passes.pipeline.execute import Memory, lower
 from passes.pipeline.execute import memory as _memory
 from passes.pipeline.generate import SCHEDULES, generate
 from passes.pipeline.schedule import Action, PipelineSchedule, ScheduleError
 
-__all__ = ["SCHEDULES", "Action", "Memory", "PipelineSchedule", "ScheduleError", "memory",
-           "schedule", "value_and_grad"]
+__all__ = ["SCHEDULES", "Action", "Memory", "PipelineReport", "PipelineSchedule",
+           "ScheduleError", "explain", "memory", "schedule", "value_and_grad"]
 
 
 def schedule(name: str, stages: int, microbatches: int, chunks: int | None = None,
