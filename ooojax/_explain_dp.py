@@ -192,7 +192,7 @@ class CompiledDataParallel:
   def summary(self) -> str:
     busy = sum(w.overlapped for w in self.windows)
     lines = [f"compiled for {self.gpu} x {self.devices} (compile-only): "
-             f"{len(self.windows)} all-reduces (plan: {self.predicted} buckets), {busy} with "
+             f"all-reduces: {len(self.windows)} (the plan issues {self.predicted}), {busy} with "
              "conv/GEMM work inside their window"]
     lines += [f"  {w.summary()}" for w in self.windows]
     return "\n".join(lines)
