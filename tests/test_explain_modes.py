@@ -75,6 +75,19 @@ def test_data_parallel_report_chooses_k_and_buckets():
   assert one.comm_seconds == 0.0 and one.overlap == 1.0   # nothing to reduce on one device
 
 
+def test_data_parallel_report_reads_the_axis_size_inside_shard_map():
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("batch",))
+  box = {}
+
+  def per_device(p, x):
+    box["r"] = ooo.explain(mlp_loss, p, x, bucket_bytes=1, **DP)
+    return jnp.zeros(())
+  full = jax.ShapeDtypeStruct((4 * SHARD.shape[0], D), jnp.float32)
+  jax.eval_shape(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("batch")),
+                               out_specs=P(), check_vma=False), PARAMS, full)
+  assert isinstance(box["r"], ooo.DataParallelReport) and box["r"].plan.n_devices == 4
+
+
 def test_data_parallel_report_errors():
   with pytest.raises(ValueError, match="axis_size=N"):
     ooo.explain(mlp_loss, PARAMS, SHARD, **DP)
