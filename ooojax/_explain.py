@@ -187,7 +187,7 @@ def explain(fun, *args, argnums=0, has_aux=False, **options):
   >>> d = ooo.explain(lambda p, x: jnp.sum(jnp.tanh(x @ p["w"]) * p["s"]),
   ...                 {"w": jnp.ones((3, 2)), "s": jnp.ones(2)}, jnp.ones((4, 3)),
   ...                 mode="data_parallel", axis_name="batch", axis_size=8, bucket_bytes=1)
-  >>> [b.params for b in d.buckets]
+  >>> [b.paths for b in d.buckets]
   [("['w']",), ("['s']",)]
   """
   from ooojax._api import value_and_grad

@@ -26,7 +26,7 @@ EXPLAIN_ONLY = ("axis_size", "cross_step")
 class BucketRow:
   """One all-reduce: what it carries and when the link runs it (simulated)."""
   index: int
-  params: tuple[str, ...]   # parameter paths of its gradient leaves
+  paths: tuple[str, ...]    # parameter paths of its gradient leaves
   nbytes: int
   after: str                # compute unit it is issued after ("" = after the backward)
   start: float              # seconds, on the link
@@ -116,8 +116,8 @@ class DataParallelReport:
         f"({how('bucket_bytes')}); on the link (simulated):",
     ]
     for b in self.buckets:
-      names = ", ".join(b.params[:3]) + (f" +{len(b.params) - 3}" if len(b.params) > 3 else "")
-      lines.append(f"    S{b.index}: {len(b.params)} leaves, {b.nbytes} B, after "
+      names = ", ".join(b.paths[:3]) + (f" +{len(b.paths) - 3}" if len(b.paths) > 3 else "")
+      lines.append(f"    S{b.index}: {len(b.paths)} leaves, {b.nbytes} B, after "
                    f"{b.after or 'the backward'}, {b.start * 1e3:.3f}-{b.end * 1e3:.3f} ms"
                    f"{' (first-k)' if b.deferred else ''}: {names}")
     for l in p.loops:

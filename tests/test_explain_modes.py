@@ -34,10 +34,10 @@ def test_data_parallel_report_is_the_plan_ooo_grad_emits(tmp_path):
   assert r.mode == "data_parallel" and r.first_k == 1 and r.first_k_layers == ("['l0']",)
   rows = r.buckets
   assert len(rows) == 2 * L                      # bucket_bytes=1: one leaf per bucket
-  assert sorted(p for b in rows for p in b.params) == sorted(r.param_names)
+  assert sorted(p for b in rows for p in b.paths) == sorted(r.param_names)
   assert len(r.param_names) == 2 * L and "['l3']['w']" in r.param_names
   assert sum(b.nbytes for b in rows) == L * (D * D + D) * 4
-  assert {p for b in rows if b.deferred for p in b.params} == {"['l0']['w']", "['l0']['b']"}
+  assert {p for b in rows if b.deferred for p in b.paths} == {"['l0']['w']", "['l0']['b']"}
   assert all(b.end > b.start for b in rows) and rows[-1].deferred   # layer 0 last
   assert r.plan.makespan >= r.compute_seconds and 0.0 <= r.overlap <= 1.0
   assert r.exposed_seconds == pytest.approx(r.plan.makespan - r.compute_seconds)
