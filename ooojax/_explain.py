@@ -169,17 +169,37 @@ class Report:
     return ax
 
 
-def explain(fun, *args, argnums=0, has_aux=False, **options) -> Report:
+def explain(fun, *args, argnums=0, has_aux=False, **options):
   """Splits and schedules `fun` at `args` without running it.
+
+  Takes `ooo.grad`'s arguments and options (`kwargs={...}` for `fun`'s keyword
+  arguments) and returns a `Report`. With `mode="data_parallel"` (and
+  `axis_name`) it returns a `DataParallelReport` instead: `args` are one
+  device's shard, `axis_size=N` gives the number of devices outside
+  `pmap` / `shard_map`, `cross_step=True` chooses k as
+  `ooojax.data_parallel.make_train_step` does. Pipelines:
+  `ooo.pipeline.explain`.
 
   >>> import jax.numpy as jnp, ooojax as ooo
   >>> r = ooo.explain(lambda w, x: jnp.sum(jnp.tanh(x @ w)), jnp.ones((3, 2)), jnp.ones((4, 3)))
   >>> r.counts["DW"] > 0
   True
+  >>> d = ooo.explain(lambda p, x: jnp.sum(jnp.tanh(x @ p["w"]) * p["s"]),
+  ...                 {"w": jnp.ones((3, 2)), "s": jnp.ones(2)}, jnp.ones((4, 3)),
+  ...                 mode="data_parallel", axis_name="batch", axis_size=8, bucket_bytes=1)
+  >>> [b.paths for b in d.buckets]
+  [("['w']",), ("['s']",)]
   """
   from ooojax._api import value_and_grad
   from ooojax._compiled import Call
+  from ooojax import _explain_dp
   kwargs = options.pop("kwargs", {})
+  only = {k: options.pop(k) for k in _explain_dp.EXPLAIN_ONLY if k in options}
+  if options.get("mode") == "data_parallel":
+    return _explain_dp.explain_dp(fun, args, argnums, has_aux, options, kwargs, **only)
+  if only:
+    raise ValueError(f"{sorted(only)} apply to mode='data_parallel' only (got mode="
+                     f"{options.get('mode', 'auto')!r})")
   vg = value_and_grad(fun, argnums, has_aux, **options)
   plan, _ = vg.plan(args, kwargs)
   return Report(plan.split, plan.schedule, vg.options.resolved_mode(),

@@ -5,6 +5,13 @@ with the package) or the demo CNN for a compile-only GPU (`ooojax.gpu_hlo`) and
 prints the async pairs XLA scheduled, plus "heavy dW calls overlapped: k / n":
 n stream-annotated calls whose callee holds a conv/GEMM kernel, k of them with
 a conv/GEMM kernel scheduled between start and done.
+
+`--mode data_parallel` prints `ooo.explain`'s data-parallel report (buckets,
+k, link schedule, predicted overlap; the model's arguments are one device's
+shard, `--devices` of them) and the compiled all-reduce windows;
+`--mode pipeline` prints `ooo.pipeline.explain`'s report for the MLP stack
+(`ooojax.models.mlp_stack`) and the compiled collective-permute windows.
+Without the gpu-hlo extra both print the report and say why nothing compiled.
 """
 from __future__ import annotations
 
@@ -13,7 +20,12 @@ import dataclasses
 import time
 from typing import Any
 
-MODES = ("single_gpu", "in_order", "jax")
+MODES = ("single_gpu", "in_order", "jax", "data_parallel", "pipeline")
+GRAD_MODES = ("single_gpu", "in_order", "jax")
+# Stack models for the pipeline mode: (make, full-size kwargs, tiny kwargs); vstages is
+# set from --stages (and the schedule's chunks).
+PIPELINE_MODELS = {"mlp_stack": ({"dim": 1024, "hidden": 4096, "batch": 64},
+                                 {"dim": 64, "hidden": 128, "batch": 16})}
 
 
 def _parse_value(v: str):
@@ -93,14 +105,13 @@ def grad_fn(loss_fn, kw: dict, mode: str, gpu: str = "H100", ordering: str | Non
   import jax
 
   import ooojax as ooo
-  from passes.cost import DEVICE_SPECS
   if mode == "jax":
     return jax.grad(loss_fn, **kw)
-  if mode not in MODES:
-    raise ValueError(f"unknown mode {mode!r}; allowed: {MODES}")
-  spec = gpu.upper() if gpu.upper() in DEVICE_SPECS else "H100"
+  if mode not in GRAD_MODES:
+    raise ValueError(f"unknown mode {mode!r}; allowed: {GRAD_MODES} (data_parallel and "
+                     "pipeline print explain reports: see run)")
   opts = {"ordering": ordering} if ordering else {}
-  return ooo.grad(loss_fn, mode=mode, device=spec, **opts, **kw)
+  return ooo.grad(loss_fn, mode=mode, device=_spec(gpu), **opts, **kw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,23 +160,126 @@ def compile_model(fn, args, *, gpu: str = "H100", devices: int = 1,
 def add_parser(sub) -> None:
   p = sub.add_parser("hlo", help="print the compiled XLA:GPU schedule of a model's gradient "
                      "(compile-only, no GPU needed)")
-  p.add_argument("--model", default="demo", help="'demo' or a zoo name (ooojax/models)")
+  p.add_argument("--model", default=None, help="'demo' (default) or a zoo name "
+                 "(ooojax/models); with --mode pipeline: 'mlp_stack' (default)")
   p.add_argument("--tiny", action="store_true", help="the zoo's tiny sizes")
   p.add_argument("--batch", type=int, default=None)
   p.add_argument("--size", action="append", default=[], metavar="NAME=VALUE",
                  help="override a zoo size argument, e.g. layers=1 (repeatable)")
   p.add_argument("--gpu", default="H100", help="H100, H200 or A100")
   p.add_argument("--mode", default="single_gpu", choices=MODES,
-                 help="ooo.grad mode, or 'jax' for jax.grad")
+                 help="ooo.grad mode, 'jax' for jax.grad, or the data_parallel / pipeline "
+                 "explain reports")
   p.add_argument("--ordering", default=None, help="ooo.grad ordering option (default: ooo's)")
   p.add_argument("--devices", type=int, default=1,
-                 help="compile-only devices; >1 shards the batch (data parallel)")
+                 help="compile-only devices; >1 shards the batch (data parallel); with "
+                 "--mode data_parallel the axis size (default 8)")
+  p.add_argument("--link", default=None,
+                 help="data_parallel / pipeline: network preset (nvlink, 100GbE, 25GbE, 10GbE)")
+  p.add_argument("--schedule", default="ooo", help="pipeline: a schedule name")
+  p.add_argument("--stages", type=int, default=4, help="pipeline: stages (devices)")
+  p.add_argument("--microbatches", type=int, default=None,
+                 help="pipeline: microbatches (default 2 x stages)")
+  p.add_argument("--chunks", type=int, default=None, help="pipeline: interleaved chunks")
+  p.add_argument("--lag", type=int, default=0,
+                 help="pipeline: 1 receives each transfer one tick after its send")
   p.add_argument("--opt", action="append", default=[], metavar="NAME=VALUE",
                  help="XLA option for the compile (repeatable)")
   p.add_argument("--out", default=None, help="write the scheduled HLO text here")
 
 
+def _spec(gpu: str) -> str:
+  from passes.cost import DEVICE_SPECS
+  return gpu.upper() if gpu.upper() in DEVICE_SPECS else "H100"
+
+
+def _first_line(e: Exception) -> str:
+  return str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+
+
+def batch_argnums(args) -> tuple[int, ...]:
+  """The zoo's per-example arguments: single arrays after the parameters (images,
+  labels, tokens), not collections (batch_stats) nor PRNG keys."""
+  import jax
+  import numpy as np
+
+  def is_key(a):
+    return (jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
+            or (a.dtype == np.uint32 and tuple(a.shape) == (2,)))
+  return tuple(i for i, a in enumerate(args) if i > 0 and hasattr(a, "shape")
+               and len(a.shape) >= 1 and not is_key(a))
+
+
+def run_data_parallel(args) -> int:
+  import jax
+
+  import ooojax as ooo
+  from ooojax import gpu_hlo
+  model = args.model or "demo"
+  loss_fn, fargs, kw = load_model(model, tiny=args.tiny, batch=args.batch,
+                                  sizes=parse_kv(args.size))
+  n = args.devices if args.devices > 1 else 8
+  print(f"{model} ({'tiny' if args.tiny else 'full'} size, arguments = one device's shard), "
+        f"mode=data_parallel over {n} devices, jax {jax.__version__}")
+  report = ooo.explain(loss_fn, *fargs, **kw, mode="data_parallel", axis_name="d",
+                       axis_size=n, device=_spec(args.gpu), link=args.link)
+  print(report)
+  reason = gpu_hlo.unavailable_reason()
+  if reason is not None:
+    print(f"compiled: skipped ({reason})")
+    return 0
+  try:
+    print(report.compiled(args.gpu, batch_argnums=batch_argnums(fargs),
+                          compiler_options=parse_kv(args.opt)))
+  except Exception as e:  # noqa: BLE001 - say what failed, not a traceback
+    print(f"compile failed: {type(e).__name__}: {_first_line(e)}")
+    return 1
+  return 0
+
+
+def run_pipeline(args) -> int:
+  import jax
+
+  import ooojax as ooo
+  from ooojax import gpu_hlo
+  from ooojax.models import mlp_stack
+  model = args.model or "mlp_stack"
+  if model not in PIPELINE_MODELS:
+    raise ValueError(f"--mode pipeline needs a stack model: one of {sorted(PIPELINE_MODELS)}, "
+                     f"got {model!r}")
+  sched = ooo.pipeline.schedule(args.schedule, args.stages,
+                                args.microbatches or 2 * args.stages, args.chunks, args.lag)
+  full, tiny = PIPELINE_MODELS[model]
+  kw = {**(tiny if args.tiny else full), "vstages": sched.virtual_stages,
+        "layers": 2 * sched.virtual_stages}
+  if args.batch is not None:
+    kw["batch"] = args.batch
+  kw.update(parse_kv(args.size))
+  stage_fn, loss_fn, params, batch = mlp_stack.make(**kw)
+  print(f"{model} ({'tiny' if args.tiny else 'full'} size: {kw}), mode=pipeline, "
+        f"jax {jax.__version__}")
+  report = ooo.pipeline.explain(stage_fn, loss_fn, sched, params, batch,
+                                device=_spec(args.gpu), link=args.link)
+  reason = gpu_hlo.unavailable_reason()
+  if reason is None:
+    try:
+      report = report.compiled(args.gpu, compiler_options=parse_kv(args.opt))
+    except Exception as e:  # noqa: BLE001 - say what failed, not a traceback
+      print(report)
+      print(f"compile failed: {type(e).__name__}: {_first_line(e)}")
+      return 1
+  print(report)
+  if reason is not None:
+    print(f"compiled: skipped ({reason})")
+  return 0
+
+
 def run(args) -> int:
+  if args.mode == "data_parallel":
+    return run_data_parallel(args)
+  if args.mode == "pipeline":
+    return run_pipeline(args)
+  args.model = args.model or "demo"
   loss_fn, fargs, kw = load_model(args.model, tiny=args.tiny, batch=args.batch,
                                   sizes=parse_kv(args.size))
   fn = grad_fn(loss_fn, kw, args.mode, args.gpu, args.ordering)
@@ -176,7 +290,7 @@ def run(args) -> int:
     c = compile_model(fn, fargs, gpu=args.gpu, devices=args.devices,
                       compiler_options=parse_kv(args.opt))
   except Exception as e:  # noqa: BLE001 - say what to change, not a traceback
-    msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    msg = _first_line(e)
     hint = (" (XLA:GPU cannot compile ordering='control_deps': pass --ordering none)"
             if "control_dep" in str(e) else "")
     print(f"compile failed: {type(e).__name__}: {msg}{hint}")

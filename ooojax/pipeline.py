@@ -12,19 +12,23 @@
 returns `step(stage_params, batch, shared=None) -> (loss, grads)` that runs the
 table with `jax.shard_map` over the stage axis; B and W of each stage come from
 the split pass (no recomputation of the dX chain, no hand-written backward).
+`explain(stage_fn, loss_fn, schedule, stage_params, batch)` prices the table on
+the model (simulated bubble, memory per stage, compiled ppermute windows).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from ooojax._explain_pipeline import PipelineReport, explain
 from passes.pipeline.execute import Memory, lower, lower_train
 from passes.pipeline.execute import memory as _memory
 from passes.pipeline.generate import SCHEDULES, generate
 from passes.pipeline.schedule import Action, PipelineSchedule, ScheduleError
 from passes.pipeline.steps import SteadyState, steady_state, tile
 
-__all__ = ["SCHEDULES", "Action", "Memory", "PipelineSchedule", "ScheduleError", "SteadyState",
-           "memory", "schedule", "steady_state", "tile", "train", "value_and_grad"]
+__all__ = ["SCHEDULES", "Action", "Memory", "PipelineReport", "PipelineSchedule", "ScheduleError",
+           "SteadyState", "explain", "memory", "schedule", "steady_state", "tile", "train",
+           "value_and_grad"]
 
 
 def schedule(name: str, stages: int, microbatches: int, chunks: int | None = None,

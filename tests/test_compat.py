@@ -33,7 +33,7 @@ def _reads_params(tree) -> list[int]:
     elif isinstance(node, (ast.For, ast.comprehension)):
       target = node.iter
     if isinstance(target, ast.Attribute) and target.attr == "params":
-      lines.append(node.lineno)
+      lines.append(target.lineno)  # a comprehension node has no line of its own
   return lines
 
 
@@ -46,7 +46,7 @@ def _jax_private(tree) -> list[int]:
     elif isinstance(node, ast.Import):
       mods = [a.name for a in node.names]
     if any(m.startswith("jax._src") for m in mods):
-      lines.append(node.lineno)
+      lines.append(target.lineno)  # a comprehension node has no line of its own
   return lines
 
 

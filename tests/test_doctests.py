@@ -5,8 +5,9 @@ import importlib
 import pytest
 
 MODULES = ["ooojax._api", "ooojax._calibrate", "ooojax._explain", "ooojax.flax", "passes.split", "passes.cost",
-           "passes.simulate", "passes.hlo.schedule", "passes.hlo.compare", "ooojax.gpu_hlo",
-           "passes.collectives.plan", "ooojax.data_parallel", "passes.pipeline.steps"]
+           "passes.simulate", "passes.hlo.schedule", "passes.hlo.compare", "passes.hlo.windows",
+           "ooojax.gpu_hlo", "passes.collectives.plan", "ooojax.data_parallel",
+           "ooojax._explain_pipeline", "ooojax.models.mlp_stack", "passes.pipeline.steps"]
 
 
 @pytest.mark.parametrize("name", MODULES)

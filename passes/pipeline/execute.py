@@ -269,12 +269,23 @@ class Memory:
             + (self.slots["act"] + self.slots["grad"] + 2) * self.activation)
 
 
+def program(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, stage_params,
+            batch, shared=None, input_fn: Callable | None = None) -> Program:
+  """The `Program` a step runs for these shapes (cut stages, rows, records), untraced
+  by any mesh: what `memory` and `ooo.pipeline.explain` read."""
+  inputs_m, targets_m = jax.eval_shape(lambda b: _microbatches(b, sched.microbatches), batch)
+  return _trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m, shared)
+
+
 def memory(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, stage_params,
            batch, shared=None, input_fn: Callable | None = None) -> Memory:
   """The memory a pipelined step needs per device (`Memory`), from shapes alone."""
-  inputs_m, targets_m = jax.eval_shape(lambda b: _microbatches(b, sched.microbatches), batch)
-  prog = _trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m,
-                shared)
+  prog = program(stage_fn, loss_fn, sched, stage_params, batch, shared, input_fn)
+  return memory_of(prog, sched, stage_params)
+
+
+def memory_of(prog: Program, sched: PipelineSchedule, stage_params) -> Memory:
+  """`memory` of an already cut `Program`."""
   rec = lambda r: sum(w * np.dtype(dt).itemsize for dt, w in r.widths.items())  # noqa: E731
   per_v = sum(math.prod(jnp.shape(x)[1:]) * jnp.result_type(x).itemsize
               for x in jax.tree.leaves(stage_params))

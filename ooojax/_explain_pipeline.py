@@ -1,0 +1,264 @@
+"""`ooo.pipeline.explain`: a pipeline schedule priced on the model it would run.
+
+The table (`passes.pipeline.schedule`) says what runs where; the stage cut
+(`passes.pipeline.execute.program`: F / B / W phases of the user's stage
+function, by the split pass) gives each phase a cost-model price, with which
+the table's simulator (`passes.pipeline.simulate`) gives the bubble; the
+same cut gives the bytes per device (`memory`). With a compile-only GPU the
+report also reads, from the compiled tick loop, which collective-permutes
+have the tick's compute inside their start..done window. Bubble and times
+are simulated (cost model), never measured.
+"""
+from __future__ import annotations
+
+import dataclasses
+import html
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+
+from passes.hlo.windows import Window
+from passes.pipeline.execute import Memory
+from passes.pipeline.schedule import PipelineSchedule
+
+
+@dataclasses.dataclass(frozen=True)
+class StageMemory:
+  """Bytes of one device (stage) of the pipelined step."""
+  stage: int
+  peak: int          # most (microbatch, chunk) activations it holds at once
+  bound: int         # weights + gradients + peak x (F and B records): what its table needs
+  allocated: int     # what the executor's buffers hold (one SPMD program: every stage alike)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineReport:
+  """A pipeline schedule for one model: table, simulated bubble, memory, compiled windows.
+
+  `costs` are seconds per whole stage and phase (`{"F", "B", "W"}`, the
+  slowest stage kind; an interleaved chunk costs `1 / chunks` of them),
+  priced by the cost model for `device`; `comm` the seconds one activation
+  takes over `link` (0 without one). `windows` is None until compiled
+  (`explain(..., gpu="H100")` or `compiled()`).
+  """
+  schedule: PipelineSchedule
+  costs: Mapping[str, float]
+  comm: float
+  memory: Memory
+  device: str
+  link: str = ""
+  phases: tuple[tuple[str, float, float, float], ...] = ()  # (stage kind, F, B, W) per chunk
+  gpu: str | None = None
+  windows: tuple[Window, ...] | None = None
+  call: Any = dataclasses.field(default=None, compare=False, repr=False)  # for compiled()
+
+  # --- simulated from the table and the costs ------------------------------
+  def timeline(self):
+    """`passes.pipeline.simulate.PipelineTimeline` with the model's costs (simulated)."""
+    return self.schedule.simulate(self.costs, self.comm)
+
+  @property
+  def bubble_fraction(self) -> float:
+    """Idle share of stages x step, simulated with the cost-model phase costs."""
+    return self.timeline().bubble_fraction
+
+  @property
+  def unit_bubble_fraction(self) -> float:
+    """The same with F = B = W = 1 and free transfers (the table alone)."""
+    return self.schedule.bubble_fraction()
+
+  @property
+  def step_seconds(self) -> float:
+    return self.timeline().makespan
+
+  @property
+  def peak_activations(self) -> tuple[int, ...]:
+    return self.schedule.peak_activations()
+
+  @property
+  def stages(self) -> tuple[StageMemory, ...]:
+    m = self.memory
+    per = m.fres + m.bres
+    return tuple(StageMemory(s, p, m.weights + m.grads + p * per, m.allocated)
+                 for s, p in enumerate(self.peak_activations))
+
+  def to_text(self) -> str:
+    """The table's text form (`PipelineSchedule.parse` reads it back)."""
+    return self.schedule.to_text()
+
+  def summary(self) -> str:
+    s, m = self.schedule, self.memory
+    mb = _bytes
+    ms = lambda t: f"{t * 1e3:.3f}"  # noqa: E731
+    lines = [f"ooojax pipeline plan: {s.name}, {s.stages} stages x {s.chunks} chunk(s), "
+             f"{s.microbatches} microbatches, {s.ticks} ticks" + (f", lag {s.lag}" if s.lag
+                                                                   else ""),
+             str(s)]
+    lines.append(f"  phase costs per stage (cost model, {self.device}, not measured): "
+                 + ", ".join(f"{k} {ms(v)} ms" for k, v in self.costs.items())
+                 + (f"; transfer {ms(self.comm)} ms per hop over {self.link}" if self.link
+                    else "; transfers free (no link given)"))
+    for kind, f, b, w in self.phases:
+      lines.append(f"    {kind} stage, one microbatch: F {ms(f)}, B {ms(b)}, W {ms(w)} ms")
+    lines.append(f"  bubble (simulated): {self.bubble_fraction:.1%} with these costs, "
+                 f"{self.unit_bubble_fraction:.1%} with F = B = W = 1; step "
+                 f"{ms(self.step_seconds)} ms (simulated)")
+    lines.append(f"  memory per device: weights {mb(m.weights)}, gradients {mb(m.grads)}, "
+                 f"one microbatch's records {mb(m.fres + m.bres)}, one activation "
+                 f"{mb(m.activation)}; executor buffers {mb(m.allocated)} (slots {m.slots})")
+    for st in self.stages:
+      lines.append(f"    stage {st.stage}: peak activations {st.peak}, bound {mb(st.bound)}")
+    if self.windows is not None:
+      lines.append(_windows_text(self.windows, self.gpu))
+    return "\n".join(lines)
+
+  def __repr__(self) -> str:
+    return self.summary()
+
+  def _repr_html_(self) -> str:
+    return f"<pre>{html.escape(self.summary())}</pre>"
+
+  def plot(self, ax=None):
+    """Stages x time with the model's costs (simulated, ms); returns the Axes."""
+    ms = {k: v * 1e3 for k, v in self.costs.items()}
+    ax = self.schedule.plot(ms, ax=ax, comm=self.comm * 1e3)
+    ax.set_xlabel(f"ms (simulated, {self.device} cost model)")
+    ax.set_title(f"{self.schedule.name}: bubble {self.bubble_fraction:.1%} (simulated), peak "
+                 f"activations {max(self.peak_activations)}", fontsize=9)
+    return ax
+
+  def compiled(self, gpu: str = "H100", *, compiler_options=None) -> PipelineReport:
+    """This report with `windows`: the step compiled for `schedule.stages`
+    compile-only `gpu`s and each collective-permute's window read back."""
+    return dataclasses.replace(self, gpu=gpu,
+                               windows=compile_windows(self, gpu, compiler_options))
+
+
+def _bytes(n: float) -> str:
+  for unit in ("B", "KiB", "MiB"):
+    if n < 1024:
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1024
+  return f"{n:.2f} GiB"
+
+
+def _windows_text(windows, gpu) -> str:
+  busy = sum(w.overlapped for w in windows)
+  lines = [f"  compiled for {gpu} (compile-only): {len(windows)} collective-permutes, "
+           f"{sum(w.in_loop for w in windows)} in the tick loop, {busy} with the tick's "
+           "compute (F/B/W GEMMs) inside their window"]
+  lines += [f"    {w.summary()}" for w in windows]
+  return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  stage_fn: Callable
+  loss_fn: Callable
+  stage_params: Any
+  batch: Any
+  shared: Any
+  input_fn: Callable | None
+
+
+def _phase_costs(prog, device) -> tuple[tuple[str, float, float, float], ...]:
+  from passes.cost import CostModel
+  cm = CostModel(device)
+  out = []
+  for fl in prog.flavors:
+    price = lambda ids, fl=fl: cm.unit_cost([fl.jaxpr.eqns[k] for k in ids]).seconds  # noqa: E731
+    kind = "first and last" if fl.first and fl.last else (
+        "first" if fl.first else "last" if fl.last else "middle")
+    out.append((kind, price(fl.f_eqns), price(fl.b_eqns), price(fl.w_eqns)))
+  return tuple(out)
+
+
+def _schedule(schedule, stage_params, microbatches, chunks) -> PipelineSchedule:
+  from passes.pipeline.generate import SCHEDULES, generate
+  if isinstance(schedule, PipelineSchedule):
+    if microbatches not in (None, schedule.microbatches):
+      raise ValueError(f"microbatches={microbatches} disagrees with the schedule's "
+                       f"{schedule.microbatches}; pass one or the other")
+    return schedule.validate()
+  if not isinstance(schedule, str):
+    raise TypeError(f"schedule must be a name {SCHEDULES} or a PipelineSchedule, got "
+                    f"{type(schedule).__name__}")
+  if schedule not in SCHEDULES:
+    raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+  leaves = jax.tree.leaves(stage_params)
+  if not leaves or any(len(getattr(x, "shape", ())) < 1 for x in leaves):
+    raise ValueError("stage_params leaves must be arrays stacked on a leading axis of "
+                     "(virtual) stages")
+  v = leaves[0].shape[0]
+  c = chunks or (2 if schedule in ("interleaved", "zb-v") else 1)
+  if v % c:
+    raise ValueError(f"stage_params hold {v} virtual stages, not a multiple of chunks={c}")
+  return generate(schedule, v // c, microbatches or 2 * (v // c), chunks)
+
+
+def explain(stage_fn: Callable, loss_fn: Callable, schedule: str | PipelineSchedule,
+            stage_params, batch, shared=None, input_fn: Callable | None = None, *,
+            microbatches: int | None = None, chunks: int | None = None,
+            device: str = "H100", link: str | None = None, gpu: str | None = None,
+            compiler_options=None) -> PipelineReport:
+  """The schedule, its simulated bubble and the memory per stage for this model.
+
+  Args:
+    stage_fn, loss_fn, stage_params, batch, shared, input_fn: as for
+      `ooo.pipeline.memory` / `value_and_grad`; arrays or `jax.ShapeDtypeStruct`s.
+    schedule: a `PipelineSchedule`, or a name (`SCHEDULES`): then the stages
+      are the leading axis of `stage_params` over `chunks`, and `microbatches`
+      defaults to 2 x stages.
+    device: the cost-model spec the phases are priced with.
+    link: a network preset ("nvlink", "100GbE", ...) whose transfer of one
+      activation delays each cross-device dependency in the simulation.
+    gpu: "H100" / "H200" / "A100": also compile the step for compile-only
+      GPUs (`ooojax.gpu_hlo`) and read the collective-permute windows.
+
+  Returns:
+    A `PipelineReport`.
+
+  >>> import jax.numpy as jnp, ooojax as ooo
+  >>> from ooojax.models import mlp_stack
+  >>> stage_fn, loss_fn, params, batch = mlp_stack.make(4, layers=4, dim=64, hidden=128)
+  >>> r = ooo.pipeline.explain(stage_fn, loss_fn, "1f1b", params, batch, microbatches=8)
+  >>> r.peak_activations, round(r.unit_bubble_fraction, 3)
+  ((4, 3, 2, 1), 0.273)
+  """
+  from passes.collectives.plan import get_link
+  from passes.cost import get_spec
+  from passes.pipeline.execute import memory_of, program
+  sched = _schedule(schedule, stage_params, microbatches, chunks)
+  prog = program(stage_fn, loss_fn, sched, stage_params, batch, shared, input_fn)
+  phases = _phase_costs(prog, device)
+  # lock-step ticks: the slowest stage kind sets each phase's pace; per whole stage
+  costs = {k: max(p[i] for p in phases) * sched.chunks for i, k in enumerate("FBW", 1)}
+  x = prog.x_aval
+  act = x.size * x.dtype.itemsize
+  comm = get_link(link).seconds(act) if link is not None else 0.0
+  name = get_spec(device).name  # a ValueError naming the specs for an unknown one
+  report = PipelineReport(sched, costs, comm, memory_of(prog, sched, stage_params), name,
+                          get_link(link).name if link is not None else "", phases,
+                          call=_Call(stage_fn, loss_fn, stage_params, batch, shared, input_fn))
+  return report.compiled(gpu, compiler_options=compiler_options) if gpu else report
+
+
+def compile_windows(report: PipelineReport, gpu: str, compiler_options=None
+                    ) -> tuple[Window, ...]:
+  from ooojax import gpu_hlo
+  from passes.hlo.windows import windows
+  from passes.pipeline.execute import lower
+  c = report.call
+  if c is None:
+    raise ValueError("this PipelineReport was not made by ooo.pipeline.explain, so there "
+                     "is no step to compile")
+  reason = gpu_hlo.unavailable_reason()
+  if reason is not None:
+    raise RuntimeError(f"cannot compile for a GPU here: {reason}")
+  sched = report.schedule
+  mesh = gpu_hlo.mesh(gpu, sched.stages, ("stage",))
+  step = lower(c.stage_fn, c.loss_fn, sched, mesh, "stage", c.input_fn)
+  args = (c.stage_params, c.batch) + (() if c.shared is None else (c.shared,))
+  hlo = gpu_hlo.schedule(jax.jit(step), *args, mesh=mesh, compiler_options=compiler_options)
+  return windows(hlo, "collective-permute")

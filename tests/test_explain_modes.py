@@ -1,0 +1,216 @@
+"""`ooo.explain(mode="data_parallel")`, `ooo.pipeline.explain` and their `hlo` CLI modes."""
+import jax
+import jax.numpy as jnp
+import matplotlib
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+matplotlib.use("Agg")
+
+import ooojax as ooo  # noqa: E402
+from ooojax import gpu_hlo  # noqa: E402
+from ooojax.models import mlp_stack  # noqa: E402
+
+needs_gpu_hlo = pytest.mark.skipif(gpu_hlo.unavailable_reason() is not None,
+                                   reason=f"compile-only GPU: {gpu_hlo.unavailable_reason()}")
+
+L, D = 4, 128
+PARAMS = {f"l{i}": {"w": jax.ShapeDtypeStruct((D, D), jnp.float32),
+                    "b": jax.ShapeDtypeStruct((D,), jnp.float32)} for i in range(L)}
+SHARD = jax.ShapeDtypeStruct((64, D), jnp.float32)  # one device's rows
+DP = dict(mode="data_parallel", axis_name="batch", device="H100", link="10GbE")
+
+
+def mlp_loss(p, x):
+  for i in range(L):
+    x = jnp.tanh(x @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"])
+  return jnp.mean(x ** 2)
+
+
+# --- data parallel ---------------------------------------------------------------
+def test_data_parallel_report_is_the_plan_ooo_grad_emits(tmp_path):
+  r = ooo.explain(mlp_loss, PARAMS, SHARD, axis_size=8, bucket_bytes=1, first_k=1, **DP)
+  assert r.mode == "data_parallel" and r.first_k == 1 and r.first_k_layers == ("['l0']",)
+  rows = r.buckets
+  assert len(rows) == 2 * L                      # bucket_bytes=1: one leaf per bucket
+  assert sorted(p for b in rows for p in b.paths) == sorted(r.param_names)
+  assert len(r.param_names) == 2 * L and "['l3']['w']" in r.param_names
+  assert sum(b.nbytes for b in rows) == L * (D * D + D) * 4
+  assert {p for b in rows if b.deferred for p in b.paths} == {"['l0']['w']", "['l0']['b']"}
+  assert all(b.end > b.start for b in rows) and rows[-1].deferred   # layer 0 last
+  assert r.plan.makespan >= r.compute_seconds and 0.0 <= r.overlap <= 1.0
+  assert r.exposed_seconds == pytest.approx(r.plan.makespan - r.compute_seconds)
+  # the same plan `ooo.grad(mode="data_parallel")` makes inside shard_map
+  vg = ooo.value_and_grad(mlp_loss, bucket_bytes=1, first_k=1, **DP)
+  box = {}
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("batch",))
+
+  def per_device(p, x):
+    box["plan"], _ = vg.plan((p, x), {})
+    return jnp.zeros(())
+  full = jax.ShapeDtypeStruct((8 * SHARD.shape[0], D), jnp.float32)
+  jax.eval_shape(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("batch")),
+                               out_specs=P(), check_vma=False), PARAMS, full)
+  emitted = box["plan"].collectives
+  assert [b.grads for b in emitted.buckets] == [b.grads for b in r.plan.buckets]
+  assert emitted.link_actions == r.plan.link_actions
+  text = repr(r)
+  for s in ("reverse first-k: k=1", "['l0'] run their dW after the dX chain", "S7:",
+            "(first-k)", "link:", "cost + link model, not measured", "hidden",
+            "one all-reduce after the backward"):
+    assert s in text, s
+  assert "<pre>" in r._repr_html_()
+  ax = r.plot()
+  ax.figure.savefig(tmp_path / "dp.png")
+  assert (tmp_path / "dp.png").stat().st_size > 1000
+
+
+def test_data_parallel_report_chooses_k_and_buckets():
+  r = ooo.explain(mlp_loss, PARAMS, SHARD, axis_size=16, cross_step=True, **DP)
+  assert set(r.chosen) == {"bucket_bytes", "first_k"} and "chosen by the cost model" in repr(r)
+  assert r.plan.bucket_bytes in (0, 256 << 10, 1 << 20, 4 << 20, 25 << 20)
+  assert r.plan.cross_step <= r.plan.makespan + 1e-12
+  one = ooo.explain(mlp_loss, PARAMS, SHARD, axis_size=1, **DP)
+  assert one.comm_seconds == 0.0 and one.overlap == 1.0   # nothing to reduce on one device
+
+
+def test_data_parallel_report_reads_the_axis_size_inside_shard_map():
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("batch",))
+  box = {}
+
+  def per_device(p, x):
+    box["r"] = ooo.explain(mlp_loss, p, x, bucket_bytes=1, **DP)
+    return jnp.zeros(())
+  full = jax.ShapeDtypeStruct((4 * SHARD.shape[0], D), jnp.float32)
+  jax.eval_shape(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("batch")),
+                               out_specs=P(), check_vma=False), PARAMS, full)
+  assert isinstance(box["r"], ooo.DataParallelReport) and box["r"].plan.n_devices == 4
+
+
+def test_data_parallel_report_errors():
+  with pytest.raises(ValueError, match="axis_size=N"):
+    ooo.explain(mlp_loss, PARAMS, SHARD, **DP)
+  with pytest.raises(ValueError, match="axis_size must be a positive int"):
+    ooo.explain(mlp_loss, PARAMS, SHARD, axis_size=0, **DP)
+  with pytest.raises(ValueError, match="mode='data_parallel' only"):
+    ooo.explain(mlp_loss, PARAMS, SHARD, axis_size=8, mode="in_order")
+  with pytest.raises(ValueError, match="needs axis_name"):
+    ooo.explain(mlp_loss, PARAMS, SHARD, axis_size=8, mode="data_parallel")
+  with pytest.raises(TypeError, match="unexpected keyword"):
+    ooo.explain(mlp_loss, PARAMS, SHARD, axis_size=8, bucket_mb=1, **DP)
+  with pytest.raises(ValueError, match="unknown link"):
+    ooo.explain(mlp_loss, PARAMS, SHARD, axis_size=8, **{**DP, "link": "carrier pigeon"})
+  with pytest.raises(ValueError, match="first_k=9 is larger"):
+    ooo.explain(mlp_loss, PARAMS, SHARD, axis_size=8, first_k=9, **DP)
+
+
+@needs_gpu_hlo
+def test_data_parallel_compiled_all_reduce_windows():
+  r = ooo.explain(mlp_loss, PARAMS, SHARD, axis_size=8, bucket_bytes=1, first_k=1, **DP)
+  c = r.compiled("H100")
+  # One all-reduce per bucket, kept apart by the emitter's data edges; the
+  # backward's GEMMs run inside most windows (the last buckets have none left).
+  assert len(c.windows) == c.predicted == len(r.buckets)
+  assert sum(w.overlapped for w in c.windows) >= len(c.windows) - 2
+  assert all(not w.in_loop for w in c.windows)
+  assert "all-reduces: 8" in c.summary() and "<pre>" in c._repr_html_()
+
+
+# --- pipeline -----------------------------------------------------------------------
+def _stack(vstages=2):
+  return mlp_stack.make(vstages, layers=2 * vstages, dim=32, hidden=64, batch=16)
+
+
+def test_pipeline_report_contents(tmp_path):
+  stage_fn, loss_fn, params, batch = _stack(4)
+  sched = ooo.pipeline.schedule("zb-h1", stages=4, microbatches=8)
+  r = ooo.pipeline.explain(stage_fn, loss_fn, sched, params, batch, link="25GbE")
+  assert r.schedule == sched and r.windows is None
+  assert r.peak_activations == sched.peak_activations()
+  assert r.memory == ooo.pipeline.memory(stage_fn, loss_fn, sched, params, batch)
+  assert [s.peak for s in r.stages] == list(sched.peak_activations())
+  m = r.memory
+  assert r.stages[0].bound == m.weights + m.grads + sched.peak_activations()[0] * (m.fres + m.bres)
+  assert set(r.costs) == {"F", "B", "W"} and all(v > 0 for v in r.costs.values())
+  assert r.comm > 0 and r.link == "25GbE"
+  assert r.unit_bubble_fraction == pytest.approx(sched.bubble_fraction())
+  assert r.bubble_fraction == pytest.approx(sched.bubble_fraction(r.costs, r.comm))
+  assert ooo.pipeline.PipelineSchedule.parse(r.to_text()) == sched
+  text = repr(r)
+  for s in ("bubble (simulated)", "cost model, H100, not measured", "stage 3: peak activations",
+            "25GbE", "s0 "):
+    assert s in text, s
+  assert "<pre>" in r._repr_html_()
+  ax = r.plot()
+  assert "simulated" in ax.get_xlabel()
+  ax.figure.savefig(tmp_path / "pipe.png")
+  assert (tmp_path / "pipe.png").stat().st_size > 1000
+  # by name: stages from the stacked parameters, 2 x stages microbatches
+  by_name = ooo.pipeline.explain(stage_fn, loss_fn, "zb-h1", params, batch)
+  assert by_name.schedule == sched and by_name.comm == 0.0
+
+
+def test_pipeline_report_interleaved_by_name():
+  stage_fn, loss_fn, params, batch = _stack(4)   # 4 virtual stages = 2 devices x 2 chunks
+  r = ooo.pipeline.explain(stage_fn, loss_fn, "interleaved", params, batch, microbatches=4)
+  assert (r.schedule.stages, r.schedule.chunks, len(r.stages)) == (2, 2, 2)
+
+
+def test_pipeline_report_errors():
+  stage_fn, loss_fn, params, batch = _stack(2)
+  ex = ooo.pipeline.explain
+  with pytest.raises(ValueError, match="unknown schedule"):
+    ex(stage_fn, loss_fn, "zigzag", params, batch)
+  with pytest.raises(TypeError, match="schedule must be a name"):
+    ex(stage_fn, loss_fn, 3, params, batch)
+  sched = ooo.pipeline.schedule("1f1b", stages=2, microbatches=4)
+  with pytest.raises(ValueError, match="disagrees"):
+    ex(stage_fn, loss_fn, sched, params, batch, microbatches=8)
+  with pytest.raises(ValueError, match="stacked on a leading axis of 4"):
+    ex(stage_fn, loss_fn, ooo.pipeline.schedule("1f1b", stages=4, microbatches=4), params,
+       batch)
+  with pytest.raises(ValueError, match="divisible by microbatches=3"):
+    ex(stage_fn, loss_fn, "1f1b", params, batch, microbatches=3)
+  with pytest.raises(ValueError, match="unknown device spec"):
+    ex(stage_fn, loss_fn, sched, params, batch, device="Z80")
+  with pytest.raises(ValueError, match="unknown link"):
+    ex(stage_fn, loss_fn, sched, params, batch, link="smoke signals")
+
+
+@needs_gpu_hlo
+@pytest.mark.parametrize("lag", [0, 1])
+def test_pipeline_compiled_ppermute_windows(lag):
+  stage_fn, loss_fn, params, batch = _stack(2)
+  sched = ooo.pipeline.schedule("ooo", stages=2, microbatches=4, lag=lag)
+  r = ooo.pipeline.explain(stage_fn, loss_fn, sched, params, batch, gpu="H100")
+  assert r.gpu == "H100" and r.windows and all(w.in_loop for w in r.windows)
+  assert all(w.kind == "collective-permute" for w in r.windows)
+  busy = [w for w in r.windows if w.overlapped]
+  if lag:
+    # issued before the action: the tick's action switch (its GEMMs) runs inside
+    assert len(busy) == 1 and busy[0].compute[0].startswith("conditional")
+  else:
+    assert not busy            # lag 0: a tick's transfer waits for its action
+  assert "collective-permutes" in repr(r) and "tick loop" in repr(r)
+
+
+# --- the hlo CLI --------------------------------------------------------------------
+def test_cli_data_parallel(capsys):
+  from ooojax.__main__ import main
+  assert main(["hlo", "--mode", "data_parallel", "--tiny", "--devices", "2"]) == 0
+  out = capsys.readouterr().out
+  assert "mode=data_parallel over 2 devices" in out and "reverse first-k" in out
+  assert ("all-reduces:" in out) == (gpu_hlo.unavailable_reason() is None)
+  assert ("compiled: skipped" in out) == (gpu_hlo.unavailable_reason() is not None)
+
+
+def test_cli_pipeline(capsys):
+  from ooojax.__main__ import main
+  assert main(["hlo", "--mode", "pipeline", "--tiny", "--stages", "2", "--microbatches", "2",
+               "--schedule", "1f1b", "--size", "dim=32", "--size", "hidden=32"]) == 0
+  out = capsys.readouterr().out
+  assert "ooojax pipeline plan: 1f1b, 2 stages" in out and "bubble (simulated)" in out
+  assert ("collective-permutes" in out) == (gpu_hlo.unavailable_reason() is None)
+  with pytest.raises(ValueError, match="needs a stack model"):
+    main(["hlo", "--mode", "pipeline", "--model", "resnet50"])
