@@ -542,6 +542,11 @@ CASES = {
 }
 
 
+# the cases whose model is a stack of identical blocks (they carry a `Stack`)
+STACKED = ("bf16_loss_scaling", *(f"remat_{p}" for p in REMAT_POLICIES), "attention_masked",
+           "attention_custom_vjp", "moe_top_k", "cond_while", "linen_scan", "nnx_scan")
+
+
 def make(name: str, real: bool = False) -> Case:
   """The matrix row `name` (one of `CASES`), tiny or at a `real` size."""
   if name not in CASES:

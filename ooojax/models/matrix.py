@@ -88,13 +88,13 @@ def _per_stage(s, stages: int):
   and a stage function that runs its L/stages blocks in order."""
   blocks = jax.tree.leaves(s.params)[0].shape[0]
   if blocks % stages:
-    raise ValueError(f"{blocks} blocks do not split over {stages} stages")
+    raise ValueError(f"{blocks} blocks do not split over {stages} (virtual) stages")
   per = blocks // stages
   params = jax.tree.map(lambda a: a.reshape(stages, per, *a.shape[1:]), s.params)
 
   def stage_fn(p, h):
     for j in range(per):
-      h = s.stage_fn(jax.tree.map(lambda a: a[j], p), h)
+      h = s.stage_fn(jax.tree.map(lambda a, j=j: a[j], p), h)
     return h
   return stage_fn, params
 
@@ -104,20 +104,21 @@ def _pipeline(case: Case, schedule: str):
   if s is None:
     raise NotAStack(f"{case.name} is not a stack of identical blocks")
   mesh = jax.make_mesh((STAGES,), ("stage",), devices=jax.devices()[:STAGES])
-  micro = 2 * STAGES
-  stage_fn, params = _per_stage(s, STAGES)
+  sched = ooo.pipeline.schedule(schedule, STAGES, 2 * STAGES)
+  stage_fn, params = _per_stage(s, sched.virtual_stages)
   step = ooo.pipeline.value_and_grad(stage_fn, s.loss_fn, mesh=mesh, axis_name="stage",
-                                     schedule=schedule, microbatches=micro,
-                                     input_fn=s.input_fn)
+                                     schedule=sched, input_fn=s.input_fn)
   got = _jit(step)(params, (s.inputs, s.targets), s.shared)
 
   # the pipeline's model: the mean over microbatches of the unrolled stack's loss
+  micro = sched.microbatches
+
   def loss(params, *shared):
     total = 0.0
     for x, t in zip(*(jax.tree.map(lambda a: a.reshape(micro, -1, *a.shape[1:]), b)
                       for b in (s.inputs, s.targets))):
       h = x if s.input_fn is None else s.input_fn(x, *shared)
-      for j in range(STAGES):
+      for j in range(sched.virtual_stages):
         h = stage_fn(jax.tree.map(lambda a, j=j: a[j], params), h)
       total = total + s.loss_fn(h, t, *shared)
     return total / micro
