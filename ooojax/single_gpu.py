@@ -264,9 +264,10 @@ class SingleGPUStep:
     return jax.tree.leaves(optax.apply_updates(state.params, u)), o
 
   def _late_grads(self, local, annotate):
-    if annotate:
-      return side_call(self.plan.late, local, stream=1)
-    return None, _compat.eval_jaxpr(self.plan.late, [], *local)
+    with jax.named_scope("ooo_deferred"):  # names the call in compiled HLO metadata
+      if annotate:
+        return side_call(self.plan.late, local, stream=1)
+      return None, _compat.eval_jaxpr(self.plan.late, [], *local)
 
   def _body(self, state, batch):
     p, pend = self.plan, state.pending

@@ -32,7 +32,7 @@ from typing import Any
 from passes import _compat
 from passes.cost import CostModel
 from passes.ir import Action, Kind, Schedule, Split, Unit, UnitKind
-from passes.schedule import _anchorable, _eqn_seconds
+from passes.schedule import _anchorable, _eqn_seconds, is_heavy
 from passes.simulate import simulate
 
 
@@ -99,11 +99,18 @@ def deferrable(split: Split) -> dict[int, int]:
 
 
 def _anchor_before(split: Split, first: int) -> int:
+  """The last sizeable forward conv / matmul before `first` (else the last of any size)."""
   eqns = split.jaxpr.jaxpr.eqns
+  fallback = -1
   for k in range(min(first, len(eqns)) - 1, -1, -1):
-    if split.kinds[k] is Kind.FORWARD and _anchorable(eqns[k]):
+    if split.kinds[k] is not Kind.FORWARD or not is_heavy(eqns[k]):
+      continue
+    if _anchorable(eqns[k]):
       return k
-  return -1
+    if fallback < 0 and len(eqns[k].outvars) == 1 and not isinstance(eqns[k].outvars[0],
+                                                                     _compat.DropVar):
+      fallback = k
+  return fallback
 
 
 def defer(split: Split, sched: Schedule, leaves: Collection[int]) -> Deferral:
@@ -141,7 +148,8 @@ def defer(split: Split, sched: Schedule, leaves: Collection[int]) -> Deferral:
   start = split.grad_out_start
   n_grads = len(jaxpr.outvars) - start
   outs = [jaxpr.outvars[start + i] for i in leaves]
-  late = _compat.open_jaxpr([], ins, outs, [eqns[k] for k in ids], _compat.NO_EFFECTS)
+  late = _compat.open_jaxpr([], ins, outs, [eqns[k] for k in ids], _compat.NO_EFFECTS,
+                            _compat.call_debug_info())
   kept = tuple(i for i in range(n_grads) if i not in set(leaves))
   new_outs = [*jaxpr.outvars[:start], *(jaxpr.outvars[start + i] for i in kept), *ins]
   pos = {i: start + j for j, i in enumerate(kept)}
