@@ -23,8 +23,8 @@ from passes import defer
 from passes.cost import CostModel
 
 
-def _plan(name, device):
-  loss, args, kw = load_model(name, batch=32)
+def _plan(name, device, batch):
+  loss, args, kw = load_model(name, batch=batch)
   vg = ooo.value_and_grad(loss, mode="single_gpu", device=device, **kw)
   box = {}
 
@@ -45,17 +45,18 @@ def paper_leaves(split) -> tuple[int, ...]:
   return tuple(sorted(out))
 
 
-def rows(models, device="H100"):
+def rows(models, device="H100", batch=32):
   out = []
   for name in models:
     t = time.perf_counter()
-    plan = _plan(name, device)
+    plan = _plan(name, device, batch)
     sp, sched = plan.split, plan.schedule
     cm = CostModel(device)
     chosen = defer.choose(sp, sched, cm)
     base = defer.steady_state(sp, sched, cm, ())
     auto = defer.steady_state(sp, sched, cm, chosen)
-    row = {"model": name, "clusters": len(sp.clusters),
+    f0 = sched.unit("F0")
+    row = {"model": name, "batch": batch, "fwd_util": f0.util, "clusters": len(sp.clusters),
            "in_order_ms": sched.in_order_makespan * 1e3, "single_gpu_ms": base.makespan * 1e3,
            "deferred": len(chosen), "defer_auto_ms": auto.makespan * 1e3}
     if name == "densenet121":
@@ -71,12 +72,12 @@ def rows(models, device="H100"):
 
 
 def table(rs) -> str:
-  lines = ["| model | dW clusters | in-order ms | single_gpu ms | deferred (auto) | with deferral ms | speedup vs single_gpu | paper's choice: deferred, ms |",
-           "|---|---|---|---|---|---|---|---|"]
+  lines = ["| model | batch | dW clusters | in-order ms | single_gpu ms | deferred (auto) | with deferral ms | speedup vs single_gpu | paper's choice: deferred, ms |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for r in rs:
     paper = (f"{r['paper_deferred']}, {r['defer_paper_ms']:.3f}" if "paper_deferred" in r
              else "-")
-    lines.append(f"| {r['model']} | {r['clusters']} | {r['in_order_ms']:.3f} | "
+    lines.append(f"| {r['model']} | {r['batch']} | {r['clusters']} | {r['in_order_ms']:.3f} | "
                  f"{r['single_gpu_ms']:.3f} | {r['deferred']} | {r['defer_auto_ms']:.3f} | "
                  f"{r['single_gpu_ms'] / r['defer_auto_ms']:.3f}x | {paper} |")
   return "\n".join(lines)
@@ -86,14 +87,15 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--models", nargs="+", default=["densenet121"])
   ap.add_argument("--device", default="H100")
+  ap.add_argument("--batch", type=int, nargs="+", default=[32])
   ap.add_argument("--write", action="store_true")
   a = ap.parse_args(argv)
-  rs = rows(a.models, a.device)
+  rs = [r for b in a.batch for r in rows(a.models, a.device, b)]
   text = table(rs)
   for r in rs:
-    print(r["model"], "auto deferred:", r["chosen"][:8], "..." if len(r["chosen"]) > 8 else "")
+    print(r["model"], r["batch"], f"forward util {r['fwd_util']:.2f}", "auto deferred:", r["chosen"][:8], "..." if len(r["chosen"]) > 8 else "")
   lines = _report.header("single-GPU next-iteration dW, SIMULATED (cost model and simulator, "
-                         f"{a.device} spec, batch 32, steady state)")
+                         f"{a.device} spec, steady state)")
   _report.emit([*lines, text], a.write)
 
 
