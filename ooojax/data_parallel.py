@@ -22,8 +22,8 @@ a checkpoint taken between steps restores the same training.
 
 `Pending` is the general container for work one step leaves to the next
 (per-parameter values still to be reduced, values ready to apply, and whether
-they are real); the single-GPU deferred-dW mode can carry its late dW the same
-way.
+they are real); `ooojax.single_gpu` carries its deferred dW clusters' inputs
+in it the same way.
 """
 from __future__ import annotations
 

@@ -596,3 +596,12 @@ TRACER_VALUE_ERRORS = tuple(
         "ConcretizationTypeError", "TracerBoolConversionError",
         "TracerIntegerConversionError", "TracerArrayConversionError"))
     if t is not None)
+
+
+def used_inputs(closed, used_outputs: Sequence[bool]) -> list[bool]:
+  """Which inputs of a closed jaxpr the chosen outputs read (JAX's own DCE rules).
+
+  E.g. whether an optimizer's update of one parameter reads another's gradient.
+  """
+  _, used = _pe.dce_jaxpr(closed.jaxpr, list(used_outputs))
+  return list(used)

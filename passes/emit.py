@@ -36,8 +36,9 @@ single equation. Elsewhere (eager, under `vmap`) each equation is bound.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -349,6 +350,19 @@ class _Traced:
     return outs
 
 
+def side_call(jaxpr, vals: Sequence[Any], stream: int = 1) -> tuple[list, Callable]:
+  """Evaluates `jaxpr` (no consts) as one call annotated for GPU stream `stream`.
+
+  Returns `(buffers, unpack)`: the call's flat outputs (one per dtype) and
+  `unpack(buffers) -> outputs` in `jaxpr.outvars`' shapes. Tie the buffers to
+  main-stream work (`lax.optimization_barrier`) before unpacking them to keep
+  the call's window open until that work (see `_Anchor`).
+  """
+  site = _StreamCall(list(jaxpr.eqns), list(jaxpr.invars), list(jaxpr.outvars), stream, {})
+  flat = site.pack(list(vals), {})
+  return list(flat[len(jaxpr.invars):]), lambda bufs: site.unpack(list(bufs), {})
+
+
 def _body(eqns, ins, outs, in_shapes, dtypes, slot, stacks):
   """The call's body: flat operands in, one flat buffer per dtype out."""
   eqns = list(enumerate(eqns))
@@ -422,9 +436,57 @@ class _Anchor:
       self.env.update(zip(out_vars, unpack(flat)))
 
 
+@dataclasses.dataclass(frozen=True)
+class LateLeaves:
+  """Input leaves bound mid-emission, after forward equation `anchor` (-1: before the forward).
+
+  `bind(anchor_value)` (the anchor's output, or None) returns the values of
+  the dynamic leaves at positions `leaves`. Until then those leaves are
+  unbound: a reader emitted earlier fails loudly (KeyError) rather than
+  reading a stale value. The single-GPU deferred-dW step binds the deferred
+  parameters this way, once their gradients, computed beside the forward,
+  are tied to the anchor (see `ooojax.single_gpu`).
+  """
+  anchor: int
+  leaves: tuple[int, ...]
+  bind: Callable[[Any], Sequence[Any]] = dataclasses.field(compare=False)
+
+
+class _Late:
+  """The anchor hook of `LateLeaves` (the `_Anchor` interface of `_run_eqns`)."""
+
+  def __init__(self, env, invars, late: LateLeaves):
+    self.env, self.invars, self.late = env, invars, late
+
+  def bind(self, value) -> None:
+    vals = list(self.late.bind(value))
+    if len(vals) != len(self.invars):
+      raise ValueError(f"LateLeaves.bind returned {len(vals)} values for "
+                       f"{len(self.invars)} leaves")
+    self.env.update(zip(self.invars, vals))
+
+  def stage(self, eqn, life) -> None:
+    life.add([eqn])
+    out = eqn.outvars[0]
+    life.keep(out)
+    life.flush()  # the late values are computed in the caller's trace
+    self.bind(self.env[out])
+
+  def unpin(self, life) -> None:  # pragma: no cover - an effectful anchor
+    life.flush()
+    self.bind(None)
+
+  def before(self, invals):
+    return invals
+
+  def after(self, outs):
+    self.bind(outs[0])
+
+
 def emit(split: Split, sched: Schedule, consts: Sequence[Any],
          leaves: Sequence[Any], *, ordering: str = "auto",
-         annotate: bool = True, collectives=None, consume: bool = False) -> list[Any]:
+         annotate: bool = True, collectives=None, consume: bool = False,
+         late: LateLeaves | None = None) -> list[Any]:
   """Evaluates the split jaxpr in schedule order in the current trace.
 
   Args:
@@ -440,6 +502,8 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
     consume: the caller hands over `split`'s jaxpr: emitted equations are
       removed from it as emission goes (lower peak memory); do not use the
       split afterwards.
+    late: leaves bound mid-emission (`LateLeaves`); their entries in `leaves`
+      are ignored.
 
   Returns:
     The flat outputs `(value, *aux, *grads)`.
@@ -457,8 +521,10 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
   ct_aval = jaxpr.invars[0].aval
   env: dict = {}
   ct = jax.lax.full((), 1, ct_aval.dtype)
-  for v, x in zip(jaxpr.invars, [ct, *consts, *leaves]):
-    env[v] = x
+  skip_in = set() if late is None else {1 + len(consts) + i for i in late.leaves}
+  for i, (v, x) in enumerate(zip(jaxpr.invars, [ct, *consts, *leaves])):
+    if i not in skip_in:
+      env[v] = x
   dead = [k is Kind.DEAD for k in split.kinds]
   units = {u.name: u for u in sched.units}
   main = [units[a.unit] for a in sched.streams[0]]
@@ -468,6 +534,14 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
   anchors: dict[int, _Anchor] = {}
   side_outs: list = []
   life = _Lifetimes(jaxpr, env, dead, consume)
+  if late is not None:
+    hook = _Late(env, [jaxpr.invars[1 + len(consts) + i] for i in late.leaves], late)
+    if late.anchor < 0:
+      hook.bind(None)
+    else:
+      if split.kinds[late.anchor] is not Kind.FORWARD or late.anchor in anchors:
+        raise ValueError(f"LateLeaves.anchor={late.anchor} is not a free forward equation")
+      anchors[late.anchor] = hook
 
   def meta(gid):
     if ordering != "scheduling_group":

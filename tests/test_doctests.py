@@ -7,7 +7,8 @@ import pytest
 MODULES = ["ooojax._api", "ooojax._calibrate", "ooojax._explain", "ooojax.flax", "passes.split", "passes.cost",
            "passes.simulate", "passes.hlo.schedule", "passes.hlo.compare", "passes.hlo.windows",
            "ooojax.gpu_hlo", "passes.collectives.plan", "ooojax.data_parallel",
-           "ooojax._explain_pipeline", "ooojax.models.mlp_stack", "passes.pipeline.steps"]
+           "ooojax._explain_pipeline", "ooojax.models.mlp_stack", "passes.pipeline.steps",
+           "ooojax.single_gpu"]
 
 
 @pytest.mark.parametrize("name", MODULES)
