@@ -1,7 +1,7 @@
 """`ooo.pipeline.explain`: a pipeline schedule priced on the model it would run.
 
 The table (`passes.pipeline.schedule`) says what runs where; the stage cut
-(`passes.pipeline.execute.program`: F / B / W phases of the user's stage
+(`passes.pipeline.program.program`: F / B / W phases of the user's stage
 function, by the split pass) gives each phase a cost-model price, with which
 the table's simulator (`passes.pipeline.simulate`) gives the bubble; the
 same cut gives the bytes per device (`memory`). With a compile-only GPU the
@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 from passes.hlo.windows import Window
-from passes.pipeline.execute import Memory
+from passes.pipeline.program import Memory
 from passes.pipeline.schedule import PipelineSchedule
 
 
@@ -228,7 +228,7 @@ def explain(stage_fn: Callable, loss_fn: Callable, schedule: str | PipelineSched
   """
   from passes.collectives.plan import get_link
   from passes.cost import get_spec
-  from passes.pipeline.execute import memory_of, program
+  from passes.pipeline.program import memory_of, program
   sched = _schedule(schedule, stage_params, microbatches, chunks)
   prog = program(stage_fn, loss_fn, sched, stage_params, batch, shared, input_fn)
   phases = _phase_costs(prog, device)

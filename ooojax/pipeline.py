@@ -20,8 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ooojax._explain_pipeline import PipelineReport, explain
-from passes.pipeline.execute import Memory, lower, lower_train
-from passes.pipeline.execute import memory as _memory
+from passes.pipeline.execute import lower, lower_train
+from passes.pipeline.program import Memory
+from passes.pipeline.program import memory as _memory
 from passes.pipeline.generate import SCHEDULES, generate
 from passes.pipeline.schedule import Action, PipelineSchedule, ScheduleError
 from passes.pipeline.steps import SteadyState, steady_state, tile

@@ -12,7 +12,7 @@ import pytest
 import ooojax as ooo
 from ooojax import gpu_hlo
 from passes.hlo.schedule import parse, shape_bytes
-from passes.pipeline.execute import memory
+from passes.pipeline.program import memory
 
 D, H, BLOCKS = 64, 256, 2
 
