@@ -64,6 +64,7 @@ def test_pipeline_cell_other_schedules(name, schedule):
 # heavy dW calls overlapped on the compile-only H100 at the matrix's sizes
 # (measured with jax 0.11.2); a case not listed puts nothing on stream 1 there.
 H100_OVERLAP = {"bf16_loss_scaling": 4, "attention_masked": 7, "attention_custom_vjp": 7,
+                "moe_top_k": 5,
                 "cond_while": 2, "linen_scan": 1, "nnx_scan": 1,
                 **{f"remat_{p}": 7 for p in features.REMAT_POLICIES}}
 

@@ -372,7 +372,9 @@ def attention_custom_vjp(real=False):
 # ---------------------------------------------------------------- MoE
 
 class _MoE(nn.Module):
-  """Top-k routed experts: token gather into expert slots, scatter-add back."""
+  """Top-k routed experts with a capacity, as GShard/Switch-style code writes
+  them: tokens scattered into per-expert slots, expert GEMMs, gathered back and
+  scatter-added into their tokens (assignments past the capacity are dropped)."""
   dim: int
   experts: int = 4
   k: int = 2
@@ -380,20 +382,25 @@ class _MoE(nn.Module):
   @nn.compact
   def __call__(self, x):
     b, d = x.shape
+    e_n, k = self.experts, self.k
+    cap = -(-5 * b * k // (4 * e_n))                    # capacity factor 1.25
     h = nn.LayerNorm()(x)
-    gates, idx = jax.lax.top_k(jax.nn.softmax(nn.Dense(self.experts)(h)), self.k)
-    w1 = self.param("w1", nn.initializers.lecun_normal(), (self.experts, d, 2 * d))
-    w2 = self.param("w2", nn.initializers.lecun_normal(), (self.experts, 2 * d, d))
-    tok = jnp.repeat(jnp.arange(b), self.k)            # (b*k,) token of each slot
-    e = idx.reshape(-1)
-    y = jnp.einsum("nd,nde->ne", h[tok], w1[e])         # gathers
-    y = jnp.einsum("ne,ned->nd", nn.gelu(y), w2[e]) * gates.reshape(-1, 1)
-    return x + jnp.zeros_like(x).at[tok].add(y)        # scatter-add
+    gates, idx = jax.lax.top_k(jax.nn.softmax(nn.Dense(e_n)(h)), k)
+    w1 = self.param("w1", nn.initializers.lecun_normal(), (e_n, d, 2 * d))
+    w2 = self.param("w2", nn.initializers.lecun_normal(), (e_n, 2 * d, d))
+    e = idx.reshape(-1)                                 # expert of each assignment
+    tok = jnp.repeat(jnp.arange(b), k)                  # its token
+    pos = (jnp.cumsum(jax.nn.one_hot(e, e_n, dtype=jnp.int32), 0) - 1)[jnp.arange(b * k), e]
+    keep = pos < cap
+    slots = jnp.zeros((e_n, cap, d), x.dtype).at[e, pos].set(h[tok], mode="drop")  # scatter
+    y = jnp.einsum("ecf,efd->ecd", nn.gelu(jnp.einsum("ecd,edf->ecf", slots, w1)), w2)
+    y = y[e, jnp.minimum(pos, cap - 1)] * (gates.reshape(-1) * keep)[:, None]      # gather
+    return x + jnp.zeros_like(x).at[tok].add(y)         # scatter-add combine
 
 
 def moe_top_k(real=False):
   dim = 256 if real else 128
-  return _mlp_stack_case("moe_top_k", "mixture of experts, top-2 routing, gather/scatter",
+  return _mlp_stack_case("moe_top_k", "mixture of experts: top-2 routing, capacity, scatter/gather dispatch",
                          _MoE(dim), dim, 2, 256 if real else 128, real)
 
 
