@@ -101,28 +101,32 @@ def test_resnet18_sync_batchnorm_compiles_for_h100():
   assert n >= 10 and k >= n // 2            # dW convs on stream 1 beside dX convs (11 / 20)
 
 
+OPT = optax.sgd(0.1, momentum=0.9)
+
+
+def _train_step(case, mode, mesh):
+  """shard_map'd SGD step: ((params, stats, opt_state), x, y) -> (state, ce)."""
+  g = matrix._per_device(case, mode)
+
+  def step(state, x, y):
+    params, stats, opt_state = state
+    grads, aux = g(params, stats, x, y)
+    upd, opt_state = OPT.update(grads, opt_state, params)
+    return (optax.apply_updates(params, upd), aux["batch_stats"], opt_state), aux["ce"]
+
+  ax = features.AXIS
+  return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(ax), P(ax)),
+                               out_specs=(P(), P()), check_vma=False))
+
+
 @pytest.mark.parametrize("mode", ["single_gpu", "dp_shard_map"])
 def test_resnet18_sync_batchnorm_sgd_train_step(mode):
   case = _case("resnet18_sync_bn")
   stats, x, y = case.batch
   mesh = jax.sharding.Mesh(jax.devices()[:matrix.DEVICES], (features.AXIS,))
-  opt = optax.sgd(0.1, momentum=0.9)
-
-  def make(m):
-    g = matrix._per_device(case, m)
-
-    def step(state, x, y):
-      params, stats, opt_state = state
-      grads, aux = g(params, stats, x, y)
-      upd, opt_state = opt.update(grads, opt_state, params)
-      return (optax.apply_updates(params, upd), aux["batch_stats"], opt_state), aux["ce"]
-
-    ax = features.AXIS
-    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(ax), P(ax)),
-                                 out_specs=(P(), P()), check_vma=False))
 
   def train(m):
-    state, step = (case.params, stats, opt.init(case.params)), make(m)
+    state, step = (case.params, stats, OPT.init(case.params)), _train_step(case, m, mesh)
     losses = []
     for _ in range(2):
       state, ce = step(state, x, y)
@@ -130,3 +134,16 @@ def test_resnet18_sync_batchnorm_sgd_train_step(mode):
     return state[:2], losses
 
   assert_trees_close(train(mode), train("jax"))
+
+
+@no_gpu_hlo
+def test_resnet18_sync_batchnorm_train_step_compiles_for_h100():
+  case = _resnet_pinned()
+  mesh = gpu_hlo.mesh("H100", matrix.DEVICES, (features.AXIS,))
+  sd = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+  state = (case.params, case.batch[0], OPT.init(case.params))
+  s = gpu_hlo.schedule(_train_step(case, "single_gpu", mesh),
+                       *jax.tree.map(sd, (state, *case.batch[1:])), mesh=mesh)
+  k, n = s.heavy_overlap()
+  assert n >= 10 and k >= n // 2
+  assert s.pairs_of("all-reduce")           # the synchronized batch statistics
