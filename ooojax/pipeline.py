@@ -12,6 +12,9 @@
 returns `step(stage_params, batch, shared=None) -> (loss, grads)` that runs the
 table with `jax.shard_map` over the stage axis; B and W of each stage come from
 the split pass (no recomputation of the dX chain, no hand-written backward).
+`value_and_grad(loss_fn, mesh=..., axis_name=...)`, with the plain loss one
+passes to `jax.value_and_grad`, cuts the stages itself
+(`passes.pipeline.cut`): `step(params, *batch) -> (loss, grads)`.
 """
 from __future__ import annotations
 
@@ -29,8 +32,8 @@ from passes.pipeline.generate import SCHEDULES, generate
 from passes.pipeline.schedule import Action, PipelineSchedule, ScheduleError
 from passes.pipeline.steps import SteadyState, steady_state, tile
 
-__all__ = ["SCHEDULES", "Action", "Cut", "CutError", "Memory", "PipelineSchedule", "ScheduleError", "SteadyState",
-           "memory", "schedule", "steady_state", "tile", "train", "value_and_grad"]
+__all__ = ["SCHEDULES", "Action", "Cut", "CutError", "Memory", "PipelineSchedule",
+           "ScheduleError", "SteadyState", "memory", "schedule", "steady_state", "tile", "train", "value_and_grad"]
 
 
 def schedule(name: str, stages: int, microbatches: int, chunks: int | None = None,

@@ -30,12 +30,11 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from passes import _compat
+from passes import _compat, fingerprint
 
 __all__ = ["Cut", "CutError", "cut"]
 
@@ -169,8 +168,8 @@ def _evaluate(eqns, env: dict, outs) -> list:
 class _Program:
   eqns: list
   consts: dict            # constvar -> value
-  params: list            # parameter invars
-  batch: list             # batch invars
+  param_vars: list        # parameter invars
+  batch_vars: list        # batch invars
   loss: Any               # the scalar output
   dep: dict               # var -> _P | _B bits
   producer: dict          # var -> defining equation index
@@ -214,46 +213,6 @@ def _program(closed, n_params: int) -> _Program:
   return _Program(eqns, consts, invars[:n_params], invars[n_params:], outs[0], dep, producer)
 
 
-# --- structural keys ----------------------------------------------------------------
-def _value_key(x) -> Any:
-  a = np.asarray(x)
-  return (a.dtype.str, a.shape, a.tobytes()) if a.size <= 4096 else ("id", id(x))
-
-
-def _param_key(p, memo: dict) -> Any:
-  if isinstance(p, _compat.JAXPR_TYPES):
-    if id(p) not in memo:
-      j = p.jaxpr
-      memo[id(p)] = ("jaxpr", _key(j.eqns, [*j.constvars, *j.invars], j.outvars, memo),
-                     tuple(_value_key(c) for c in getattr(p, "consts", ())))
-    return memo[id(p)]
-  if isinstance(p, (tuple, list)):
-    return tuple(_param_key(q, memo) for q in p)
-  if isinstance(p, float):
-    return ("f", p.hex())
-  if isinstance(p, np.ndarray):
-    return _value_key(p)
-  try:
-    hash(p)
-  except TypeError:
-    return ("id", id(p))
-  return ("fn", type(p).__name__) if callable(p) and not isinstance(p, type) else p
-
-
-def _key(eqns, ins, outs, memo: dict) -> tuple:
-  """Equal for two equation lists that compute the same function of `ins` -> `outs`."""
-  ids = {v: i for i, v in enumerate(ins)}
-  rows: list = [tuple(v.aval for v in ins)]
-  for e in eqns:
-    refs = tuple(("L", v.aval, _value_key(v.val)) if isinstance(v, _compat.Literal)
-                 else ids[v] for v in e.invars)
-    for v in e.outvars:
-      ids[v] = len(ids)
-    rows.append((e.primitive.name, refs, tuple(v.aval for v in e.outvars),
-                 tuple((k, _param_key(p, memo)) for k, p in _compat.param_items(e))))
-  return tuple(rows), tuple(ids.get(v, ("L", repr(v))) for v in outs)
-
-
 # --- the stack -----------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class _Stack:
@@ -269,12 +228,11 @@ class _Stack:
   layer_out: Any = None          # layer 0's output (loop stacks)
   body: Any = None               # the scan body (scanned)
   body_consts: tuple = ()        # the scan's consts (vars computed from constants alone)
-  unroll: Any = 1
 
 
 def _scan_stack(prog: _Program) -> _Stack | None:
   """The scan over the largest stacked parameters, checked; None if there is none."""
-  params = set(prog.params)
+  params = set(prog.param_vars)
   best, size = None, -1
   for k, e in enumerate(prog.eqns):
     if not _compat.is_scan(e):
@@ -308,7 +266,7 @@ def _scan_stack(prog: _Program) -> _Stack | None:
                      "e.g. a mask computed from the batch); automatic cutting passes one "
                      "activation between stages" + EXPLICIT)
   return _Stack(carry[0], e.outvars[0], frozenset([best]), (tuple(xs),), True,
-                info.reverse, info.length, body=info.body, body_consts=tuple(consts), unroll=info.unroll)
+                info.reverse, info.length, body=info.body, body_consts=tuple(consts))
 
 
 def _segments(prog: _Program):
@@ -385,8 +343,8 @@ def _piece(prog: _Program, ids, x_in, x_out, memo):
       if _is_var(v) and v not in seen and prog.producer.get(v) is None:
         ins.append(v)
         seen.add(v)
-  key = (_key([prog.eqns[k] for k in eqns], ins, [x_out], memo),
-         tuple(_value_key(prog.consts[v]) for v in ins if v in prog.consts))
+  key = (fingerprint.structure_key([prog.eqns[k] for k in eqns], ins, [x_out], memo),
+         tuple(fingerprint.value_key(prog.consts[v]) for v in ins if v in prog.consts))
   return eqns, tuple(ins), key
 
 
@@ -397,7 +355,7 @@ def _loop_stack(prog: _Program) -> _Stack | None:
   pieces = [_piece(prog, ids, x_in, x_out, memo) for ids, x_in, x_out in segs]
   ident: dict = {}
   keys = [None if p is None else ident.setdefault(p[2], len(ident)) for p in pieces]
-  params = set(prog.params)
+  params = set(prog.param_vars)
   n_par = [0 if p is None else sum(v in params for v in p[1]) for p in pieces]
   size = [len(ids) for ids, _, _ in segs]
   S, best, score = len(segs), None, (0, 0)
@@ -457,10 +415,10 @@ def cut(jaxpr, n_params: int) -> Cut:
     raise CutError(f"the loss reads a value from inside the stack ({e.primitive.name} -> "
                    f"{e.outvars[0].aval}, e.g. per-layer outputs or sown intermediates); "
                    "only the last layer's output may leave the stack" + EXPLICIT)
-  index = {v: i for i, v in enumerate(prog.params)}
-  b_index = {v: i for i, v in enumerate(prog.batch)}
+  index = {v: i for i, v in enumerate(prog.param_vars)}
+  b_index = {v: i for i, v in enumerate(prog.batch_vars)}
   stack_params = {v for row in stack.layers for v in row}
-  outside = (prog.reads(pro) | prog.reads(epi)) & set(prog.params)
+  outside = (prog.reads(pro) | prog.reads(epi)) & set(prog.param_vars)
   if outside & stack_params:
     v = next(iter(outside & stack_params))
     raise CutError(f"a parameter of the stack ({v.aval}) is also read outside it; automatic "
@@ -472,17 +430,17 @@ def cut(jaxpr, n_params: int) -> Cut:
   consts = prog.consts
   pro_eqns = [prog.eqns[k] for k in pro]
   epi_eqns = [prog.eqns[k] for k in epi]
-  shared_vars = [prog.params[i] for i in shared]
+  shared_vars = [prog.param_vars[i] for i in shared]
 
   def input_fn(ins, sh):
     env = dict(consts)
-    env.update(zip([prog.batch[i] for i in inputs], ins))
+    env.update(zip([prog.batch_vars[i] for i in inputs], ins))
     env.update(zip(shared_vars, sh))
     return _evaluate(pro_eqns, env, [stack.x_in])[0]
 
   def loss_fn(y, tg, sh):
     env = dict(consts)
-    env.update(zip([prog.batch[i] for i in targets], tg))
+    env.update(zip([prog.batch_vars[i] for i in targets], tg))
     env.update(zip(shared_vars, sh))
     env[stack.x_out] = y
     return _evaluate(epi_eqns, env, [prog.loss])[0]

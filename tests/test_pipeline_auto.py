@@ -1,0 +1,179 @@
+"""Automatic stage cutting: `ooo.pipeline.value_and_grad(loss_fn, ...)` of a plain loss
+equals `jax.value_and_grad` of the same loss averaged over microbatches."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import ooojax as ooo
+from ooojax.models import features
+from tests.conftest import assert_trees_close
+
+
+def _jit(f):
+  # Correctness tests compile at XLA O0: a third less compile time on 2 shared cores.
+  return jax.jit(f, compiler_options={"xla_backend_optimization_level": 0})
+
+
+def _mesh(n):
+  return jax.make_mesh((n,), ("stage",), devices=jax.devices()[:n])
+
+
+def _check(loss, params, batch, stages, schedule, microbatches=4, has_aux=False, **kw):
+  step = ooo.pipeline.value_and_grad(loss, mesh=_mesh(stages), axis_name="stage",
+                                     schedule=schedule, microbatches=microbatches,
+                                     has_aux=has_aux, **kw)
+  got_loss, got = _jit(step)(params, *batch)
+  if has_aux:
+    got_loss, aux = got_loss
+    assert aux is None
+    plain = lambda p, *b: loss(p, *b)[0]  # noqa: E731
+  else:
+    plain = loss
+
+  def mean_over_microbatches(p):
+    parts = [jax.tree.map(lambda a, i=i: a.reshape(microbatches, -1, *a.shape[1:])[i], batch)
+             for i in range(microbatches)]
+    return sum(plain(p, *b) for b in parts) / microbatches
+
+  want_loss, want = _jit(jax.value_and_grad(mean_over_microbatches))(params)
+  assert_trees_close(got_loss, want_loss)
+  assert_trees_close(got, want)          # same tree as the user's params
+
+
+# --- the model matrix's scanned stacks ------------------------------------------------
+@pytest.mark.parametrize("name,stages,schedule", [
+    ("linen_scan", 2, "1f1b"), ("nnx_scan", 2, "zb-h1"), ("linen_scan", 4, "zb-h1")])
+def test_matrix_scan_cases(name, stages, schedule):
+  case = features.make(name)
+  _check(case.loss, case.params, case.batch, stages, schedule, has_aux=True)
+
+
+def test_matrix_remat_loop():
+  # four nn.remat blocks in a Python loop (one remat equation each), no prologue
+  case = features.make("remat_dots_saveable")
+  _check(case.loss, case.params, case.batch, 2, "interleaved", has_aux=True)
+
+
+# --- a GPT-style LM: nn.scan layers, tied embeddings ------------------------------------
+class _GPTBlock(nn.Module):
+  dim: int
+  heads: int
+
+  @nn.compact
+  def __call__(self, x, _):
+    mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+    h = nn.LayerNorm()(x)
+    x = x + nn.MultiHeadDotProductAttention(self.heads, qkv_features=self.dim)(h, mask=mask)
+    h = nn.Dense(self.dim)(nn.gelu(nn.Dense(2 * self.dim)(nn.LayerNorm()(x))))
+    return x + h, None
+
+
+class _GPT(nn.Module):
+  vocab: int = 13
+  dim: int = 8
+  heads: int = 2
+  layers: int = 4
+
+  @nn.compact
+  def __call__(self, tokens):
+    emb = nn.Embed(self.vocab, self.dim)
+    pos = self.param("pos", nn.initializers.normal(0.02), (tokens.shape[1], self.dim))
+    x = emb(tokens) + pos
+    x, _ = nn.scan(_GPTBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                   length=self.layers)(self.dim, self.heads)(x, None)
+    return emb.attend(nn.LayerNorm()(x))     # tied output projection
+
+
+def _gpt():
+  model = _GPT()
+  tokens = jax.random.randint(jax.random.key(0), (8, 7), 0, model.vocab)
+  params = model.init(jax.random.key(1), tokens[:1, :-1])["params"]
+
+  def loss(params, tokens):
+    logits = model.apply({"params": params}, tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+  return loss, params, (tokens,)
+
+
+@pytest.mark.parametrize("stages,schedule", [(2, "1f1b"), (2, "interleaved"), (4, "zb-h1")])
+def test_gpt_tied_embeddings(stages, schedule):
+  loss, params, batch = _gpt()
+  _check(loss, params, batch, stages, schedule)
+
+
+# --- an unrolled Python loop of identical blocks ---------------------------------------
+def _mlp(layers=4, widths=None):
+  keys = iter(jax.random.split(jax.random.key(0), 16))
+  dims = widths or [16] * (layers + 1)
+  params = {"embed": jax.random.normal(next(keys), (6, dims[0])) * 0.4,
+            "layers": [{"w": jax.random.normal(next(keys), (a, b)) / a ** 0.5,
+                        "b": jnp.full((b,), 0.1)} for a, b in zip(dims, dims[1:])],
+            "head": jax.random.normal(next(keys), (dims[-1], 5)) * 0.3}
+
+  def loss(params, x, y):
+    h = jnp.tanh(x @ params["embed"])
+    for p in params["layers"]:
+      z = jax.nn.gelu(h @ p["w"] + p["b"])
+      h = h + z if z.shape == h.shape else z
+    logits = h @ params["head"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  x = jax.random.normal(next(keys), (8, 6))
+  y = jax.random.randint(next(keys), (8,), 0, 5)
+  return loss, params, (x, y)
+
+
+@pytest.mark.parametrize("stages,schedule", [(4, "1f1b"), (2, "zb-h1")])
+def test_unrolled_mlp(stages, schedule):
+  loss, params, batch = _mlp()
+  _check(loss, params, batch, stages, schedule)
+
+
+def test_reverse_lax_scan_with_constants():
+  # a plain lax.scan run backwards over the layers, its body closing over a
+  # value computed from constants (recomputed on every stage)
+  def loss(params, x, y):
+    scale = jnp.tril(jnp.ones((3, 3)))
+    h = jax.lax.scan(lambda h, w: (jnp.tanh(h @ (w * scale)) + h, None), x @ params["in"],
+                     params["w"], reverse=True)[0]
+    return jnp.mean((h @ params["in"].T - y) ** 2)
+
+  ks = jax.random.split(jax.random.key(0), 4)
+  params = {"in": jax.random.normal(ks[0], (5, 3)),
+            "w": jax.random.normal(ks[1], (4, 3, 3)) * jnp.arange(1.0, 5.0)[:, None, None]}
+  batch = (jax.random.normal(ks[2], (8, 5)), jax.random.normal(ks[3], (8, 5)))
+  _check(loss, params, batch, 2, "1f1b")
+
+
+# --- what it cannot cut ---------------------------------------------------------------
+def _raises(loss, params, batch, match, stages=2):
+  step = ooo.pipeline.value_and_grad(loss, mesh=_mesh(stages), axis_name="stage",
+                                     schedule="1f1b", microbatches=2)
+  with pytest.raises(ValueError, match=match) as info:
+    jax.eval_shape(step, params, *batch)
+  assert "stage_fn" in str(info.value)       # points at the explicit API
+
+
+def test_uncuttable_models():
+  loss, params, batch = _mlp(widths=[16, 24, 12, 20])   # layers of different shapes
+  _raises(loss, params, batch, "found no repeated stack")
+  loss, params, batch = _mlp(layers=3)                   # 3 layers, 2 stages
+  _raises(loss, params, batch, "3 layers, which do not split evenly over 2")
+
+  def sown(params, x, y):     # the loss reads every layer's output, not just the last
+    h, hs = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), h), x, params)
+    return jnp.mean((h - y) ** 2) + jnp.mean(hs ** 2)
+  _raises(sown, jnp.ones((4, 3, 3)), (jnp.ones((4, 3)), jnp.ones((4, 3))),
+          "reads a value from inside the stack")
+
+
+def test_explicit_form_arguments():
+  loss, params, batch = _mlp()
+  with pytest.raises(TypeError, match="input_fn belongs to the explicit form"):
+    ooo.pipeline.value_and_grad(loss, mesh=_mesh(2), axis_name="stage",
+                                input_fn=lambda x: x)
+  with pytest.raises(TypeError, match="has_aux belongs to the automatic form"):
+    ooo.pipeline.value_and_grad(loss, loss, mesh=_mesh(2), axis_name="stage", has_aux=True)
