@@ -6,7 +6,8 @@ import pytest
 
 MODULES = ["ooojax._api", "ooojax._calibrate", "ooojax._explain", "ooojax.flax", "passes.split", "passes.cost",
            "passes.simulate", "passes.hlo.schedule", "passes.hlo.compare", "ooojax.gpu_hlo",
-           "passes.collectives.plan", "ooojax.data_parallel", "passes.pipeline.steps"]
+           "passes.collectives.plan", "ooojax.data_parallel", "passes.pipeline.steps",
+           "passes.fingerprint"]
 
 
 @pytest.mark.parametrize("name", MODULES)
