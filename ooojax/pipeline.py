@@ -68,7 +68,8 @@ def schedule(name: str, stages: int, microbatches: int, chunks: int | None = Non
 def value_and_grad(fn: Callable, loss_fn: Callable | None = None, *, mesh, axis_name: str,
                    schedule: str | PipelineSchedule = "ooo",
                    microbatches: int | None = None, chunks: int | None = None,
-                   input_fn: Callable | None = None, has_aux: bool = False) -> Callable:
+                   input_fn: Callable | None = None, has_aux: bool = False,
+                   data_axis: str | None = None) -> Callable:
   """Pipelined loss and gradients: of a plain loss (stages cut automatically), or
   of a stack of stages written by hand.
 
@@ -107,6 +108,9 @@ def value_and_grad(fn: Callable, loss_fn: Callable | None = None, *, mesh, axis_
     input_fn: (explicit form) optional `(inputs[, shared]) -> activation` run by
       the first stage (e.g. an embedding).
     has_aux: (automatic form) `fn` returns `(loss, aux)`.
+    data_axis: a second mesh axis (e.g. `("data", "stage")`) over which each
+      microbatch's rows are split: every data replica runs the pipeline on its
+      slice, and the loss and gradients are the mean over the replicas.
 
   Returns:
     Automatic form: `step(params, *batch)`, see above. Explicit form:
@@ -147,11 +151,11 @@ def value_and_grad(fn: Callable, loss_fn: Callable | None = None, *, mesh, axis_
       raise TypeError("input_fn belongs to the explicit form value_and_grad(stage_fn, "
                       "loss_fn, input_fn=...); the automatic form value_and_grad(loss_fn) "
                       "finds the embedding itself")
-    return _auto(fn, sched, mesh, axis_name, has_aux)
+    return _auto(fn, sched, mesh, axis_name, has_aux, data_axis)
   if has_aux:
     raise TypeError("has_aux belongs to the automatic form value_and_grad(loss_fn, ...); "
                     "the explicit form's loss_fn returns a scalar")
-  return lower(fn, loss_fn, sched, mesh, axis_name, input_fn)
+  return lower(fn, loss_fn, sched, mesh, axis_name, input_fn, data_axis)
 
 
 def _table(schedule, stages: int, microbatches: int | None,
@@ -168,22 +172,25 @@ def _table(schedule, stages: int, microbatches: int | None,
 
 
 def _auto(loss_fn: Callable, sched: PipelineSchedule, mesh, axis_name: str,
-          has_aux: bool) -> Callable:
+          has_aux: bool, data_axis: str | None) -> Callable:
   """`step(params, *batch)` of a plain loss, cut by `passes.pipeline.cut` and run
   by `passes.pipeline.execute.lower` (traced once per input structure and shapes)."""
   M, V = sched.microbatches, sched.virtual_stages
+  D = mesh.shape[data_axis] if data_axis in mesh.shape else 1
   cache: dict = {}
 
   def step(params, *batch):
     leaves, p_tree = jax.tree.flatten(params)
     b_leaves, b_tree = jax.tree.flatten(batch)
     for x in b_leaves:
-      if jnp.ndim(x) < 1 or jnp.shape(x)[0] % M:
-        raise ValueError(f"every batch leaf is split on its leading axis into "
-                         f"microbatches={M}; got a leaf of shape {jnp.shape(x)}")
+      if jnp.ndim(x) < 1 or jnp.shape(x)[0] % (M * D):
+        per = f"microbatches={M}" + (f" x {D} data replicas" if D > 1 else "")
+        raise ValueError(f"every batch leaf is split on its leading axis into {per}; got "
+                         f"a leaf of shape {jnp.shape(x)} (pass scalars through a closure)")
     sd = lambda x, s: jax.ShapeDtypeStruct(s, jnp.result_type(x))  # noqa: E731
     p_avals = [sd(x, jnp.shape(x)) for x in leaves]
-    b_avals = [sd(x, (jnp.shape(x)[0] // M, *jnp.shape(x)[1:])) for x in b_leaves]
+    # traced at one data replica's slice of one microbatch: what each device runs
+    b_avals = [sd(x, (jnp.shape(x)[0] // (M * D), *jnp.shape(x)[1:])) for x in b_leaves]
     key = (p_tree, b_tree, tuple((a.shape, a.dtype) for a in p_avals + b_avals))
     if key not in cache:
       n = len(leaves)
@@ -194,7 +201,8 @@ def _auto(loss_fn: Callable, sched: PipelineSchedule, mesh, axis_name: str,
 
       c = cut(jax.make_jaxpr(flat)(*p_avals, *b_avals), n)
       per = c.per_stage(V)
-      cache[key] = c, lower(c.stage_fn(per), c.loss_fn, sched, mesh, axis_name, c.input_fn)
+      cache[key] = c, lower(c.stage_fn(per), c.loss_fn, sched, mesh, axis_name, c.input_fn,
+                            data_axis)
     c, run = cache[key]
     loss, (gp, gsh) = run(c.stage_params(leaves, V),
                           (tuple(b_leaves[i] for i in c.inputs),

@@ -177,3 +177,22 @@ def test_explicit_form_arguments():
                                 input_fn=lambda x: x)
   with pytest.raises(TypeError, match="has_aux belongs to the automatic form"):
     ooo.pipeline.value_and_grad(loss, loss, mesh=_mesh(2), axis_name="stage", has_aux=True)
+
+
+# --- data x stage ----------------------------------------------------------------------
+def test_data_by_stage_mesh():
+  # 2 data replicas x 2 stages: each microbatch's rows split over "data"; the
+  # loss and gradients are the mean over replicas. A loss that scales with the
+  # rows it sees tells a split batch from a replicated one.
+  mean, params, batch = _gpt()
+  loss = lambda p, tok: mean(p, tok) * tok.shape[0]  # noqa: E731
+  mesh = jax.make_mesh((2, 2), ("data", "stage"), devices=jax.devices()[:4])
+  step = ooo.pipeline.value_and_grad(loss, mesh=mesh, axis_name="stage", data_axis="data",
+                                     schedule="zb-h1", microbatches=2)
+  got = _jit(step)(params, *batch)
+
+  def mean_of_pieces(p):   # microbatch m, replica d: rows [m, d] of a (2, 2, 2, ...) split
+    tok = batch[0].reshape(2, 2, -1, *batch[0].shape[1:])
+    return sum(loss(p, tok[m, d]) for m in range(2) for d in range(2)) / 4
+
+  assert_trees_close(got, _jit(jax.value_and_grad(mean_of_pieces))(params))
