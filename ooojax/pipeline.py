@@ -174,10 +174,11 @@ def _table(schedule, stages: int, microbatches: int | None,
 def _auto(loss_fn: Callable, sched: PipelineSchedule, mesh, axis_name: str,
           has_aux: bool, data_axis: str | None) -> Callable:
   """`step(params, *batch)` of a plain loss, cut by `passes.pipeline.cut` and run
-  by `passes.pipeline.execute.lower` (traced once per input structure and shapes)."""
+  by `passes.pipeline.execute.lower`. The loss is traced on every call of `step`
+  (once per `jax.jit` trace): a cached trace would keep the constants it closes
+  over, tracers of an outer trace included."""
   M, V = sched.microbatches, sched.virtual_stages
   D = mesh.shape[data_axis] if data_axis in mesh.shape else 1
-  cache: dict = {}
 
   def step(params, *batch):
     leaves, p_tree = jax.tree.flatten(params)
@@ -191,19 +192,15 @@ def _auto(loss_fn: Callable, sched: PipelineSchedule, mesh, axis_name: str,
     p_avals = [sd(x, jnp.shape(x)) for x in leaves]
     # traced at one data replica's slice of one microbatch: what each device runs
     b_avals = [sd(x, (jnp.shape(x)[0] // (M * D), *jnp.shape(x)[1:])) for x in b_leaves]
-    key = (p_tree, b_tree, tuple((a.shape, a.dtype) for a in p_avals + b_avals))
-    if key not in cache:
-      n = len(leaves)
+    n = len(leaves)
 
-      def flat(*xs):
-        out = loss_fn(p_tree.unflatten(xs[:n]), *b_tree.unflatten(xs[n:]))
-        return out[0] if has_aux else out
+    def flat(*xs):
+      out = loss_fn(p_tree.unflatten(xs[:n]), *b_tree.unflatten(xs[n:]))
+      return out[0] if has_aux else out
 
-      c = cut(jax.make_jaxpr(flat)(*p_avals, *b_avals), n)
-      per = c.per_stage(V)
-      cache[key] = c, lower(c.stage_fn(per), c.loss_fn, sched, mesh, axis_name, c.input_fn,
-                            data_axis)
-    c, run = cache[key]
+    c = cut(jax.make_jaxpr(flat)(*p_avals, *b_avals), n)
+    run = lower(c.stage_fn(c.per_stage(V)), c.loss_fn, sched, mesh, axis_name, c.input_fn,
+                data_axis)
     loss, (gp, gsh) = run(c.stage_params(leaves, V),
                           (tuple(b_leaves[i] for i in c.inputs),
                            tuple(b_leaves[i] for i in c.targets)),

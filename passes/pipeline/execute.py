@@ -1,7 +1,8 @@
 """pipeline.execute: lower a pipeline table to one SPMD `shard_map` program.
 
-Contract: `lower(stage_fn, loss_fn, sched, mesh, axis_name, input_fn=None)
--> step(stage_params, batch, shared=None) -> (loss, grads)`.
+Contract: `lower(stage_fn, loss_fn, sched, mesh, axis_name, input_fn=None,
+data_axis=None) -> step(stage_params, batch, shared=None) -> (loss, grads)`
+(with a `data_axis`, each microbatch's rows split over that mesh axis).
 `lower_train(stage_fn, loss_fn, sched, mesh, axis_name, optimizer)` runs a
 table tiled over steps (`passes.pipeline.steps.tile`): `train(stage_params,
 opt_state, batches) -> (stage_params, opt_state, losses)`, the weights and
