@@ -356,22 +356,25 @@ def _loop_stack(prog: _Program) -> _Stack | None:
   ident: dict = {}
   keys = [None if p is None else ident.setdefault(p[2], len(ident)) for p in pieces]
   params = set(prog.param_vars)
-  n_par = [0 if p is None else sum(v in params for v in p[1]) for p in pieces]
-  size = [len(ids) for ids, _, _ in segs]
-  S, best, score = len(segs), None, (0, 0)
+  S = len(segs)
+  n_par = np.cumsum([0] + [0 if p is None else sum(v in params for v in p[1]) for p in pieces])
+  size = np.cumsum([0] + [len(ids) for ids, _, _ in segs])
+  best, score = None, (0, 0)
   for per in range(1, S // 2 + 1):
+    # run[i]: how many pieces from i on equal the piece `per` later (O(S) per period)
+    run = [0] * (S + 1)
+    for i in range(S - per - 1, -1, -1):
+      same = keys[i] is not None and keys[i] == keys[i + per]
+      run[i] = run[i + 1] + 1 if same else 0
     for s in range(S - 2 * per + 1):
-      if keys[s] is None or (s >= per and keys[s - per] == keys[s] and
-                             keys[s - per:s] == keys[s:s + per]):
-        continue      # not the start of a run (a run starting earlier covers it)
-      n = 1
-      while s + (n + 1) * per <= S and keys[s + n * per:s + (n + 1) * per] == keys[s:s + per]:
-        n += 1
+      n = run[s] // per + 1                   # layers: the group at s, repeated
+      if n < 2 or (s >= per and run[s - per] >= per):
+        continue      # no repeat, or not the start of a run (one starting earlier covers it)
       x_in, x_out = pieces[s][1][0], segs[s + per - 1][2]
-      if (n < 2 or None in keys[s:s + per] or not sum(n_par[s:s + per]) or x_out is None
+      if (n_par[s + per] == n_par[s] or x_out is None
           or (x_in.aval.shape, x_in.aval.dtype) != (x_out.aval.shape, x_out.aval.dtype)):
         continue
-      cand = (sum(size[s:s + n * per]), n)
+      cand = (int(size[s + n * per] - size[s]), n)
       if cand > score:
         best, score = (s, per, n), cand
   if best is None:
@@ -399,14 +402,33 @@ def _loop_stack(prog: _Program) -> _Stack | None:
                 False, False, n, tuple(layer_eqns), layer_ins, segs[s + per - 1][2])
 
 
+def _pick(prog: _Program) -> _Stack | None:
+  """The scan stack or the loop stack, whichever holds more parameters (a loop of
+  blocks may hold small scans of its own)."""
+  loop = _loop_stack(prog)
+  try:
+    scan = _scan_stack(prog)
+  except CutError:
+    if loop is None:
+      raise
+    return loop
+  weight = lambda st: sum(int(np.prod(v.aval.shape))  # noqa: E731
+                          for row in st.layers for v in row)
+  if scan is None or (loop is not None and weight(loop) > weight(scan)):
+    return loop
+  return scan
+
+
 def cut(jaxpr, n_params: int) -> Cut:
   """Cuts `jaxpr` (`(*param_leaves, *batch_leaves) -> loss`) into prologue, stack, epilogue."""
   prog = _program(jaxpr, n_params)
-  stack = _scan_stack(prog) or _loop_stack(prog)
+  stack = _pick(prog)
   if stack is None:
     raise CutError("found no repeated stack of layers in the loss: neither a scan over "
                    "stacked parameters (nn.scan, nnx.scan, lax.scan) nor a run of "
-                   "identical blocks whose parameters have equal shapes" + EXPLICIT)
+                   "identical blocks whose parameters have equal shapes (blocks that also "
+                   "read a per-example value besides the activation, such as a padding "
+                   "mask or a dropout key, are not cut either)" + EXPLICIT)
   pro = prog.slice([stack.x_in])
   epi = prog.slice([prog.loss], stop=[stack.x_out])
   inside = stack.eqns.intersection(pro + epi)
