@@ -84,8 +84,9 @@ def value_and_grad(fn: Callable, loss_fn: Callable | None = None, *, mesh, axis_
     last; parameters both of those read (tied embeddings) are replicated and
     their gradient is reduced once. Returns `step(params, *batch) -> (loss,
     grads)` with `grads` in the structure of `params` (ready for optax). Every
-    leaf of `batch` is split on its leading axis into microbatches, and the
-    loss is the mean over microbatches of `loss_fn` on each: equal to
+    leaf of `batch` is split on its leading axis into microbatches (scalars,
+    such as a loss scale, go whole to each), and the loss is the mean over
+    microbatches of `loss_fn` on each: equal to
     `loss_fn(params, *batch)` for a loss that is a mean over equal-sized
     examples. With `has_aux=True` `loss_fn` returns `(loss, aux)`; `aux` is
     not computed (the stages never gather it) and `step` returns `((loss,
@@ -183,15 +184,18 @@ def _auto(loss_fn: Callable, sched: PipelineSchedule, mesh, axis_name: str,
   def step(params, *batch):
     leaves, p_tree = jax.tree.flatten(params)
     b_leaves, b_tree = jax.tree.flatten(batch)
-    for x in b_leaves:
-      if jnp.ndim(x) < 1 or jnp.shape(x)[0] % (M * D):
-        per = f"microbatches={M}" + (f" x {D} data replicas" if D > 1 else "")
-        raise ValueError(f"every batch leaf is split on its leading axis into {per}; got "
-                         f"a leaf of shape {jnp.shape(x)} (pass scalars through a closure)")
+    scalar = [jnp.ndim(x) == 0 for x in b_leaves]   # passed whole to every microbatch
+    rows = {jnp.shape(x)[0] for x, sc in zip(b_leaves, scalar) if not sc}
+    if len(rows) != 1 or next(iter(rows)) % (M * D):
+      per = f"microbatches={M}" + (f" x {D} data replicas" if D > 1 else "")
+      raise ValueError(f"the batch's arrays need one leading size divisible by {per} (they "
+                       f"are split on it); got leading sizes {sorted(rows)}")
+    B = next(iter(rows))
     sd = lambda x, s: jax.ShapeDtypeStruct(s, jnp.result_type(x))  # noqa: E731
     p_avals = [sd(x, jnp.shape(x)) for x in leaves]
     # traced at one data replica's slice of one microbatch: what each device runs
-    b_avals = [sd(x, (jnp.shape(x)[0] // (M * D), *jnp.shape(x)[1:])) for x in b_leaves]
+    b_avals = [sd(x, () if sc else (jnp.shape(x)[0] // (M * D), *jnp.shape(x)[1:]))
+               for x, sc in zip(b_leaves, scalar)]
     n = len(leaves)
 
     def flat(*xs):
@@ -199,11 +203,15 @@ def _auto(loss_fn: Callable, sched: PipelineSchedule, mesh, axis_name: str,
       return out[0] if has_aux else out
 
     c = cut(jax.make_jaxpr(flat)(*p_avals, *b_avals), n)
-    run = lower(c.stage_fn(c.per_stage(V)), c.loss_fn, sched, mesh, axis_name, c.input_fn,
-                data_axis)
-    loss, (gp, gsh) = run(c.stage_params(leaves, V),
-                          (tuple(b_leaves[i] for i in c.inputs),
-                           tuple(b_leaves[i] for i in c.targets)),
+    # A scalar travels as a row per example (the executor splits every leaf), read at [0].
+    whole = lambda ids, xs: tuple(x[0] if scalar[i] else x  # noqa: E731
+                                  for i, x in zip(ids, xs))
+    run = lower(c.stage_fn(c.per_stage(V)),
+                lambda y, tg, sh: c.loss_fn(y, whole(c.targets, tg), sh), sched, mesh,
+                axis_name, lambda ins, sh: c.input_fn(whole(c.inputs, ins), sh), data_axis)
+    rowed = lambda ids: tuple(  # noqa: E731
+        jnp.broadcast_to(b_leaves[i], (B,)) if scalar[i] else b_leaves[i] for i in ids)
+    loss, (gp, gsh) = run(c.stage_params(leaves, V), (rowed(c.inputs), rowed(c.targets)),
                           tuple(leaves[i] for i in c.shared))
     if _explicit(mesh):  # stage axes come back sharded; the user's leaves are whole
       gp = jax.tree.map(lambda g: jax.reshard(g, NamedSharding(mesh, P())), gp)

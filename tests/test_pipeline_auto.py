@@ -50,6 +50,23 @@ def test_matrix_scan_cases(name, stages, schedule):
   _check(case.loss, case.params, case.batch, stages, schedule, has_aux=True)
 
 
+def test_matrix_bf16_master_weights():
+  # f32 master weights cast to bf16 at the top (recomputed per stage), a loop of
+  # four bf16 blocks, and a scalar loss scale passed whole to every microbatch
+  case = features.make("bf16_loss_scaling")
+  step = ooo.pipeline.value_and_grad(case.loss, mesh=_mesh(2), axis_name="stage",
+                                     schedule="1f1b", microbatches=2, has_aux=True)
+  (loss, _), grads = _jit(step)(case.params, *case.batch)
+  x, y, scale = case.batch
+
+  def mean_over_microbatches(p):
+    return sum(case.loss(p, x[i:i + 4], y[i:i + 4], scale)[0] for i in (0, 4)) / 2
+
+  want_loss, want = _jit(jax.value_and_grad(mean_over_microbatches))(case.params)
+  assert_trees_close(loss, want_loss, rtol=case.rtol)
+  assert_trees_close(grads, want, rtol=case.rtol, atol_scale=case.rtol)
+
+
 def test_matrix_remat_loop():
   # four nn.remat blocks in a Python loop (one remat equation each), no prologue
   case = features.make("remat_dots_saveable")
