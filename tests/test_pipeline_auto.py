@@ -92,32 +92,40 @@ class _GPT(nn.Module):
   dim: int = 8
   heads: int = 2
   layers: int = 4
+  scan: bool = True
 
   @nn.compact
   def __call__(self, tokens):
     emb = nn.Embed(self.vocab, self.dim)
     pos = self.param("pos", nn.initializers.normal(0.02), (tokens.shape[1], self.dim))
     x = emb(tokens) + pos
-    x, _ = nn.scan(_GPTBlock, variable_axes={"params": 0}, split_rngs={"params": True},
-                   length=self.layers)(self.dim, self.heads)(x, None)
+    if self.scan:
+      x, _ = nn.scan(_GPTBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                     length=self.layers)(self.dim, self.heads)(x, None)
+    else:
+      for _ in range(self.layers):
+        x, _ = _GPTBlock(self.dim, self.heads)(x, None)
     return emb.attend(nn.LayerNorm()(x))     # tied output projection
 
 
-def _gpt():
-  model = _GPT()
+def _gpt(scan=True):
+  model = _GPT(scan=scan)
   tokens = jax.random.randint(jax.random.key(0), (8, 7), 0, model.vocab)
   params = model.init(jax.random.key(1), tokens[:1, :-1])["params"]
 
   def loss(params, tokens):
-    logits = model.apply({"params": params}, tokens[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]   # labels live across the layers
+    logits = model.apply({"params": params}, inputs)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
   return loss, params, (tokens,)
 
 
-@pytest.mark.parametrize("stages,schedule", [(2, "interleaved"), (4, "zb-h1")])
-def test_gpt_tied_embeddings(stages, schedule):
-  loss, params, batch = _gpt()
+@pytest.mark.parametrize("scan,stages,schedule", [
+    (True, 2, "interleaved"), (True, 4, "zb-h1"), (False, 2, "1f1b")])
+def test_gpt_tied_embeddings(scan, stages, schedule):
+  # nn.scan layers, or the same blocks in a Python loop
+  loss, params, batch = _gpt(scan)
   _check(loss, params, batch, stages, schedule)
 
 

@@ -11,18 +11,21 @@ The stack is found in the top-level equations (top-level `jit` calls inlined):
 * a `scan` whose xs are parameter leaves with a leading layer axis (flax
   `nn.scan`, `nnx.scan`, `lax.scan` over stacked weights): one carry (the
   activation), consts computed from constants alone;
-* else a run of structurally identical blocks (a Python loop of layers): the
-  equations that read both the batch and the parameters ("mixed") are cut
-  where a single value is live (the activation); each piece gets a key
-  (primitives, params, literals, wiring, shapes; parameter leaves by position)
-  and the longest run of a repeated group of pieces is the stack, one group
-  per layer, each reading its own parameter leaves of the same shapes.
+* a run of structurally identical blocks (a Python loop of layers): the
+  batch-dependent equations (those of the batch alone moved to just before
+  their first use) are cut where a single value is live, the activation. Each
+  piece, with the parameter-only values it reads recomputed inside it, gets a
+  key (primitives, params, literals, wiring, shapes; parameter leaves by
+  position; `fingerprint.structure_key`), and the run of a repeated group of
+  pieces covering the most equations is the stack: one group per layer, each
+  reading its own parameter leaves, of equal shapes.
 
-Values of parameters or of the batch alone (a weight cast, a mask from the
-tokens) are computed where they are read: the prologue is the backward slice
-of the stack's input, the epilogue the slice of the loss from the stack's
-output; both may recompute the same value. Parameter leaves either read
-(tied embeddings) become the executor's `shared` weights.
+Of the two, the one holding more parameters wins. Values of parameters or of
+the batch alone (a weight cast, labels sliced from the tokens) are computed
+where they are read: the prologue is the backward slice of the stack's input,
+the epilogue the slice of the loss from the stack's output; both may
+recompute the same value. Parameter leaves either reads (tied embeddings, the
+head) become the executor's `shared` weights.
 """
 from __future__ import annotations
 
@@ -269,13 +272,17 @@ def _scan_stack(prog: _Program) -> _Stack | None:
                 info.reverse, info.length, body=info.body, body_consts=tuple(consts))
 
 
-def _segments(prog: _Program):
+def _segments(prog: _Program, inputs_live: bool):
   """The batch-dependent equations cut where one value is live: [(ids, x_in, x_out)].
 
   Values of parameters alone are not among them (recomputed where read); a
   value of the batch alone is computed just before its first use (labels
-  sliced from the tokens at the top are not live across the stack).
+  sliced from the tokens at the top are not live across the stack). A batch
+  input is live from its first use to its last when `inputs_live` (a raw input
+  that is the first layer's input must be, for that layer to cut as the others
+  do), else never (tokens read at the top and again by the loss).
   """
+  batch = set(prog.batch_vars)
   data = [k for k in range(len(prog.eqns)) if prog.bits(k) & (_B | _PINNED)]
   users: dict = {}
   for k in data:
@@ -292,7 +299,7 @@ def _segments(prog: _Program):
   last: dict = {}
   for i, k in enumerate(data):
     for v in prog.eqns[k].invars:
-      if _is_var(v) and prog.dep.get(v, 0) & _B:
+      if _is_var(v) and prog.dep.get(v, 0) & _B and (inputs_live or v not in batch):
         d = pos.get(prog.producer.get(v))
         first.setdefault(v, i if d is None else d)   # batch inputs: from their first use
         last[v] = i
@@ -348,10 +355,9 @@ def _piece(prog: _Program, ids, x_in, x_out, memo):
   return eqns, tuple(ins), key
 
 
-def _loop_stack(prog: _Program) -> _Stack | None:
-  """The longest run of a repeated group of pieces with parameters, checked."""
-  memo: dict = {}
-  segs = _segments(prog)
+def _runs(prog: _Program, inputs_live: bool, memo: dict):
+  """The pieces, and the best run as `((equations, layers), (start, period, layers))`."""
+  segs = _segments(prog, inputs_live)
   pieces = [_piece(prog, ids, x_in, x_out, memo) for ids, x_in, x_out in segs]
   ident: dict = {}
   keys = [None if p is None else ident.setdefault(p[2], len(ident)) for p in pieces]
@@ -377,6 +383,15 @@ def _loop_stack(prog: _Program) -> _Stack | None:
       cand = (int(size[s + n * per] - size[s]), n)
       if cand > score:
         best, score = (s, per, n), cand
+  return segs, pieces, score, best
+
+
+def _loop_stack(prog: _Program) -> _Stack | None:
+  """The longest run of a repeated group of pieces with parameters, checked."""
+  memo: dict = {}
+  segs, pieces, score, best = max((_runs(prog, live, memo) for live in (True, False)),
+                                  key=lambda r: r[2])
+  params = set(prog.param_vars)
   if best is None:
     return None
   s, per, n = best
