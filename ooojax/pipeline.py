@@ -14,12 +14,21 @@ table with `jax.shard_map` over the stage axis; B and W of each stage come from
 the split pass (no recomputation of the dX chain, no hand-written backward).
 `explain(stage_fn, loss_fn, schedule, stage_params, batch)` prices the table on
 the model (simulated bubble, memory per stage, compiled ppermute windows).
+`value_and_grad(loss_fn, mesh=..., axis_name=...)`, with the plain loss one
+passes to `jax.value_and_grad`, cuts the stages itself
+(`passes.pipeline.cut`): `step(params, *batch) -> (loss, grads)`.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from ooojax._explain_pipeline import PipelineReport, explain
+from passes.pipeline.cut import Cut, CutError, cut
 from passes.pipeline.execute import lower, lower_train
 from passes.pipeline.program import Memory
 from passes.pipeline.program import memory as _memory
@@ -27,9 +36,9 @@ from passes.pipeline.generate import SCHEDULES, generate
 from passes.pipeline.schedule import Action, PipelineSchedule, ScheduleError
 from passes.pipeline.steps import SteadyState, steady_state, tile
 
-__all__ = ["SCHEDULES", "Action", "Memory", "PipelineReport", "PipelineSchedule", "ScheduleError",
-           "SteadyState", "explain", "memory", "schedule", "steady_state", "tile", "train",
-           "value_and_grad"]
+__all__ = ["SCHEDULES", "Action", "Cut", "CutError", "Memory", "PipelineReport",
+           "PipelineSchedule", "ScheduleError", "SteadyState", "explain", "memory", "schedule",
+           "steady_state", "tile", "train", "value_and_grad"]
 
 
 def schedule(name: str, stages: int, microbatches: int, chunks: int | None = None,
@@ -61,28 +70,56 @@ def schedule(name: str, stages: int, microbatches: int, chunks: int | None = Non
   return tile(generate(name, stages, microbatches, chunks, lag), steps)
 
 
-def value_and_grad(stage_fn: Callable, loss_fn: Callable, *, mesh, axis_name: str,
+def value_and_grad(fn: Callable, loss_fn: Callable | None = None, *, mesh, axis_name: str,
                    schedule: str | PipelineSchedule = "ooo",
                    microbatches: int | None = None, chunks: int | None = None,
-                   input_fn: Callable | None = None) -> Callable:
-  """Pipelined loss and gradients of a stack of stages.
+                   input_fn: Callable | None = None, has_aux: bool = False,
+                   data_axis: str | None = None) -> Callable:
+  """Pipelined loss and gradients: of a plain loss (stages cut automatically), or
+  of a stack of stages written by hand.
 
-  The model is `loss_fn(stage_fn(p[V-1], ... stage_fn(p[0], x)), targets)`
-  averaged over microbatches, with `x = inputs` or `input_fn(inputs)`.
+  Two forms, told apart by the number of functions given:
+
+  * `value_and_grad(loss_fn, mesh=..., axis_name=...)`: the `loss_fn(params,
+    *batch)` one would pass to `jax.value_and_grad`. ooojax traces it, finds the
+    stack of layers (a scan over stacked parameters: flax `nn.scan`, `nnx.scan`,
+    `lax.scan`; or a Python loop of identical blocks), splits its layers evenly
+    over the (virtual) stages, runs what comes before the stack (embedding) on
+    the first stage and what comes after it (final norm, head, loss) on the
+    last; parameters both of those read (tied embeddings) are replicated and
+    their gradient is reduced once. Returns `step(params, *batch) -> (loss,
+    grads)` with `grads` in the structure of `params` (ready for optax). Every
+    leaf of `batch` is split on its leading axis into microbatches (scalars,
+    such as a loss scale, go whole to each), and the loss is the mean over
+    microbatches of `loss_fn` on each: equal to
+    `loss_fn(params, *batch)` for a loss that is a mean over equal-sized
+    examples. With `has_aux=True` `loss_fn` returns `(loss, aux)`; `aux` is
+    not computed (the stages never gather it) and `step` returns `((loss,
+    None), grads)`. A model it cannot cut raises a `ValueError` that says why.
+  * `value_and_grad(stage_fn, loss_fn, ...)`: the explicit stack, below.
+
+  The model of the explicit form is `loss_fn(stage_fn(p[V-1], ... stage_fn(p[0],
+  x)), targets)` averaged over microbatches, with `x = inputs` or `input_fn(inputs)`.
 
   Args:
-    stage_fn: `(params_of_one_stage, activation) -> activation` (same shape).
-    loss_fn: `(activation, targets) -> scalar` (a mean over the microbatch).
-      With `shared` weights (see below): `(activation, targets, shared)`.
+    fn: the plain loss (automatic form), or `stage_fn`: `(params_of_one_stage,
+      activation) -> activation` (same shape).
+    loss_fn: (explicit form) `(activation, targets) -> scalar` (a mean over the
+      microbatch). With `shared` weights (see below): `(activation, targets, shared)`.
     mesh: a `jax.sharding.Mesh` with a stage axis.
     axis_name: the stage axis's name; its size is the number of stages.
     schedule: a schedule name or a `PipelineSchedule` for this many stages.
     microbatches: with a schedule name: how many (default: 2 x stages).
     chunks: with "interleaved": virtual stages per device.
-    input_fn: optional `(inputs[, shared]) -> activation` run by the first stage
-      (e.g. an embedding).
+    input_fn: (explicit form) optional `(inputs[, shared]) -> activation` run by
+      the first stage (e.g. an embedding).
+    has_aux: (automatic form) `fn` returns `(loss, aux)`.
+    data_axis: a second mesh axis (e.g. `("data", "stage")`) over which each
+      microbatch's rows are split: every data replica runs the pipeline on its
+      slice, and the loss and gradients are the mean over the replicas.
 
   Returns:
+    Automatic form: `step(params, *batch)`, see above. Explicit form:
     `step(stage_params, batch, shared=None) -> (loss, grads)`; `stage_params`
     leaves are stacked on a leading axis of (virtual) stages; `batch` is
     `(inputs, targets)`; `grads` mirrors `stage_params`, or is
@@ -99,22 +136,99 @@ def value_and_grad(stage_fn: Callable, loss_fn: Callable, *, mesh, axis_name: st
   >>> loss, g = jax.jit(step)(w, (jnp.ones((4, 3)), jnp.zeros((4, 3))))
   >>> g.shape
   (2, 3, 3)
+
+  The same model as a plain loss over a scan of layers:
+
+  >>> def plain(w, x, t):
+  ...   h = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, w)[0]
+  ...   return jnp.mean((h - t) ** 2)
+  >>> step = value_and_grad(plain, mesh=mesh, axis_name="stage", schedule="ooo",
+  ...                       microbatches=2)
+  >>> loss2, g2 = jax.jit(step)(w, jnp.ones((4, 3)), jnp.zeros((4, 3)))
+  >>> bool(jnp.allclose(g2, g)), bool(jnp.allclose(loss2, loss))
+  (True, True)
   """
   if axis_name not in mesh.shape:
     raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
                      f"{dict(mesh.shape)}")
-  stages = mesh.shape[axis_name]
+  sched = _table(schedule, mesh.shape[axis_name], microbatches, chunks)
+  if loss_fn is None:
+    if input_fn is not None:
+      raise TypeError("input_fn belongs to the explicit form value_and_grad(stage_fn, "
+                      "loss_fn, input_fn=...); the automatic form value_and_grad(loss_fn) "
+                      "finds the embedding itself")
+    return _auto(fn, sched, mesh, axis_name, has_aux, data_axis)
+  if has_aux:
+    raise TypeError("has_aux belongs to the automatic form value_and_grad(loss_fn, ...); "
+                    "the explicit form's loss_fn returns a scalar")
+  return lower(fn, loss_fn, sched, mesh, axis_name, input_fn, data_axis)
+
+
+def _table(schedule, stages: int, microbatches: int | None,
+           chunks: int | None) -> PipelineSchedule:
   if isinstance(schedule, str):
-    sched = generate(schedule, stages, microbatches or 2 * stages, chunks)
-  elif isinstance(schedule, PipelineSchedule):
+    return generate(schedule, stages, microbatches or 2 * stages, chunks)
+  if isinstance(schedule, PipelineSchedule):
     if microbatches not in (None, schedule.microbatches):
       raise ValueError(f"microbatches={microbatches} disagrees with the schedule's "
                        f"{schedule.microbatches}; pass one or the other")
-    sched = schedule.validate()
-  else:
-    raise TypeError(f"schedule must be a name {SCHEDULES} or a PipelineSchedule, got "
-                    f"{type(schedule).__name__}")
-  return lower(stage_fn, loss_fn, sched, mesh, axis_name, input_fn)
+    return schedule.validate()
+  raise TypeError(f"schedule must be a name {SCHEDULES} or a PipelineSchedule, got "
+                  f"{type(schedule).__name__}")
+
+
+def _auto(loss_fn: Callable, sched: PipelineSchedule, mesh, axis_name: str,
+          has_aux: bool, data_axis: str | None) -> Callable:
+  """`step(params, *batch)` of a plain loss, cut by `passes.pipeline.cut` and run
+  by `passes.pipeline.execute.lower`. The loss is traced on every call of `step`
+  (once per `jax.jit` trace): a cached trace would keep the constants it closes
+  over, tracers of an outer trace included."""
+  M, V = sched.microbatches, sched.virtual_stages
+  D = mesh.shape[data_axis] if data_axis in mesh.shape else 1
+
+  def step(params, *batch):
+    leaves, p_tree = jax.tree.flatten(params)
+    b_leaves, b_tree = jax.tree.flatten(batch)
+    scalar = [jnp.ndim(x) == 0 for x in b_leaves]   # passed whole to every microbatch
+    rows = {jnp.shape(x)[0] for x, sc in zip(b_leaves, scalar) if not sc}
+    if len(rows) != 1 or next(iter(rows)) % (M * D):
+      per = f"microbatches={M}" + (f" x {D} data replicas" if D > 1 else "")
+      raise ValueError(f"the batch's arrays need one leading size divisible by {per} (they "
+                       f"are split on it); got leading sizes {sorted(rows)}")
+    B = next(iter(rows))
+    sd = lambda x, s: jax.ShapeDtypeStruct(s, jnp.result_type(x))  # noqa: E731
+    p_avals = [sd(x, jnp.shape(x)) for x in leaves]
+    # traced at one data replica's slice of one microbatch: what each device runs
+    b_avals = [sd(x, () if sc else (jnp.shape(x)[0] // (M * D), *jnp.shape(x)[1:]))
+               for x, sc in zip(b_leaves, scalar)]
+    n = len(leaves)
+
+    def flat(*xs):
+      out = loss_fn(p_tree.unflatten(xs[:n]), *b_tree.unflatten(xs[n:]))
+      return out[0] if has_aux else out
+
+    c = cut(jax.make_jaxpr(flat)(*p_avals, *b_avals), n)
+    # A scalar travels as a row per example (the executor splits every leaf), read at [0].
+    whole = lambda ids, xs: tuple(x[0] if scalar[i] else x  # noqa: E731
+                                  for i, x in zip(ids, xs))
+    run = lower(c.stage_fn(c.per_stage(V)),
+                lambda y, tg, sh: c.loss_fn(y, whole(c.targets, tg), sh), sched, mesh,
+                axis_name, lambda ins, sh: c.input_fn(whole(c.inputs, ins), sh), data_axis)
+    rowed = lambda ids: tuple(  # noqa: E731
+        jnp.broadcast_to(b_leaves[i], (B,)) if scalar[i] else b_leaves[i] for i in ids)
+    loss, (gp, gsh) = run(c.stage_params(leaves, V), (rowed(c.inputs), rowed(c.targets)),
+                          tuple(leaves[i] for i in c.shared))
+    if _explicit(mesh):  # stage axes come back sharded; the user's leaves are whole
+      gp = jax.tree.map(lambda g: jax.reshard(g, NamedSharding(mesh, P())), gp)
+    grads = p_tree.unflatten(c.grads(leaves, gp, gsh))
+    return ((loss, None), grads) if has_aux else (loss, grads)
+
+  return step
+
+
+def _explicit(mesh) -> bool:
+  explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+  return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ()))
 
 
 def train(stage_fn: Callable, loss_fn: Callable, optimizer, *, mesh, axis_name: str,

@@ -112,3 +112,59 @@ def exact_key(eqns, ins, outs) -> tuple:
                  tuple((k, _exact(p)) for k, p in _compat.param_items(e)),
                  tuple(e.effects) if e.effects else (), getattr(e, "ctx", None)))
   return tuple(rows), tuple(ids[v] for v in outs)
+
+
+def value_key(x) -> Any:
+  """An array's value as a key (by identity past 4096 elements: kept cheap)."""
+  a = np.asarray(x)
+  return (a.dtype.str, a.shape, a.tobytes()) if a.size <= 4096 else ("id", id(x))
+
+
+def _structure_param(p, memo: dict) -> Any:
+  if isinstance(p, _compat.JAXPR_TYPES):
+    if id(p) not in memo:
+      j = p.jaxpr
+      memo[id(p)] = ("jaxpr", structure_key(j.eqns, [*j.constvars, *j.invars], j.outvars, memo),
+                     tuple(value_key(c) for c in getattr(p, "consts", ())))
+    return memo[id(p)]
+  if isinstance(p, (tuple, list)):
+    return tuple(_structure_param(q, memo) for q in p)
+  if isinstance(p, float):
+    return ("f", p.hex())
+  if isinstance(p, np.ndarray):
+    return value_key(p)
+  try:
+    hash(p)
+  except TypeError:
+    return ("id", id(p))
+  return ("fn", type(p).__name__) if callable(p) and not isinstance(p, type) else p
+
+
+def structure_key(eqns, ins, outs, memo: dict | None = None) -> tuple:
+  """Equal for two equation lists that compute the same function of `ins` -> `outs`.
+
+  Between `fingerprint` and `exact_key`: literal values count, and jaxprs held in
+  params (a remat's or a jit's body) by their structure and consts, so the
+  separately traced bodies of two layers of a Python loop compare equal.
+  Rules (functions in params) count by type only, as in `fingerprint`.
+  `memo` caches keys of jaxprs by identity across calls.
+
+  >>> import jax, jax.numpy as jnp
+  >>> a = jax.make_jaxpr(jax.checkpoint(lambda x: jnp.sin(x) * 2.0))(1.0).jaxpr
+  >>> b = jax.make_jaxpr(jax.checkpoint(lambda x: jnp.sin(x) * 2.0))(1.0).jaxpr
+  >>> c = jax.make_jaxpr(jax.checkpoint(lambda x: jnp.sin(x) * 3.0))(1.0).jaxpr
+  >>> key = lambda j: structure_key(j.eqns, j.invars, j.outvars)
+  >>> key(a) == key(b), key(a) == key(c)
+  (True, False)
+  """
+  memo = {} if memo is None else memo
+  ids = {v: i for i, v in enumerate(ins)}
+  rows: list = [tuple(v.aval for v in ins)]
+  for e in eqns:
+    refs = tuple(("L", v.aval, value_key(v.val)) if isinstance(v, _compat.Literal)
+                 else ids[v] for v in e.invars)
+    for v in e.outvars:
+      ids[v] = len(ids)
+    rows.append((e.primitive.name, refs, tuple(v.aval for v in e.outvars),
+                 tuple((k, _structure_param(p, memo)) for k, p in _compat.param_items(e))))
+  return tuple(rows), tuple(ids.get(v, ("L", repr(v))) for v in outs)

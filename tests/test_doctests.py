@@ -8,7 +8,7 @@ MODULES = ["ooojax._api", "ooojax._calibrate", "ooojax._explain", "ooojax.flax",
            "passes.simulate", "passes.hlo.schedule", "passes.hlo.compare", "passes.hlo.windows",
            "ooojax.gpu_hlo", "passes.collectives.plan", "ooojax.data_parallel",
            "ooojax._explain_pipeline", "ooojax.models.mlp_stack", "passes.pipeline.steps",
-           "ooojax.single_gpu"]
+           "ooojax.single_gpu", "passes.fingerprint"]
 
 
 @pytest.mark.parametrize("name", MODULES)

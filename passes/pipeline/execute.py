@@ -1,7 +1,8 @@
 """pipeline.execute: lower a pipeline table to one SPMD `shard_map` program.
 
-Contract: `lower(stage_fn, loss_fn, sched, mesh, axis_name, input_fn=None)
--> step(stage_params, batch, shared=None) -> (loss, grads)`.
+Contract: `lower(stage_fn, loss_fn, sched, mesh, axis_name, input_fn=None,
+data_axis=None) -> step(stage_params, batch, shared=None) -> (loss, grads)`
+(with a `data_axis`, each microbatch's rows split over that mesh axis).
 `lower_train(stage_fn, loss_fn, sched, mesh, axis_name, optimizer)` runs a
 table tiled over steps (`passes.pipeline.steps.tile`): `train(stage_params,
 opt_state, batches) -> (stage_params, opt_state, losses)`, the weights and
@@ -83,15 +84,19 @@ def _check(sched: PipelineSchedule, mesh, axis_name: str) -> None:
 
 
 def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
-          axis_name: str, input_fn: Callable | None = None) -> Callable:
+          axis_name: str, input_fn: Callable | None = None,
+          data_axis: str | None = None) -> Callable:
   """Returns `step(stage_params, batch, shared=None) -> (loss, grads)`; see the module doc.
 
   `stage_params` leaves are stacked on a leading axis of `sched.virtual_stages`;
   `batch = (inputs, targets)` with a leading batch axis split into
   `sched.microbatches`. `grads` mirrors `stage_params`, or is
-  `(stage_grads, shared_grads)` when `shared` is given.
+  `(stage_grads, shared_grads)` when `shared` is given. With a `data_axis` (a
+  second mesh axis) each microbatch is split over it too: every data replica
+  runs the table on its slice, and the loss and gradients are their mean.
   """
   _check(sched, mesh, axis_name)
+  D = _data_size(mesh, axis_name, data_axis)
   if sched.steps != 1 or any(a.kind == "U" for row in sched.grid for c in row for a in c):
     raise ValueError(f"value_and_grad runs one step's table without updates; "
                      f"{sched.name!r} holds {sched.steps} steps (from tile): run it with "
@@ -99,12 +104,16 @@ def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
   M = sched.microbatches
 
   def step(stage_params, batch, shared=None):
-    inputs_m, targets_m = split_microbatches(batch, M)
-    prog = trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m,
-                  shared)
-    body = _body(prog, sched.stages, sched.chunks, M, axis_name, sched.lag)
+    inputs_m, targets_m = split_microbatches(batch, M, D)
+    local = lambda t: jax.tree.map(  # noqa: E731 - one data replica's slice
+        lambda x: jax.ShapeDtypeStruct((M, x.shape[1] // D, *x.shape[2:]), x.dtype), t)
+    prog = trace(stage_fn, loss_fn, input_fn, sched, stage_params, local(inputs_m),
+                 local(targets_m), shared)
+    body = _body(prog, sched.stages, sched.chunks, M, axis_name, sched.lag,
+                 data_axis=data_axis)
     loss, gp, gsh = _shard(body, sched, mesh, axis_name, stage_params, shared,
-                           inputs_m, targets_m, [fl.consts for fl in prog.flavors])
+                           inputs_m, targets_m, [fl.consts for fl in prog.flavors],
+                           data_axis=data_axis)
     return loss, (gp if shared is None else (gp, gsh))
 
   return step
@@ -153,7 +162,7 @@ def lower_train(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, 
 
 
 def _shard(body, sched, mesh, axis_name, stage_params, shared, inputs_m, targets_m, consts,
-           opt_state=None):
+           opt_state=None, data_axis=None):
   """Runs `body` under `shard_map`: each device gets its chunks' weights (and
   optimizer states); returns what it returns, per-chunk trees back in
   virtual-stage order."""
@@ -167,7 +176,9 @@ def _shard(body, sched, mesh, axis_name, stage_params, shared, inputs_m, targets
   from_dev = lambda *xs: _untake(xs, idx, inv)  # noqa: E731
   p_spec = tuple(jax.tree.map(lambda _: P(axis_name), stage_params) for _ in range(v))
   rep = lambda t: jax.tree.map(lambda _: P(), t)  # noqa: E731
-  specs = (p_spec, rep(shared), rep(inputs_m), rep(targets_m), rep(consts))
+  dat = lambda t: jax.tree.map(lambda _: P(None, data_axis), t)  # noqa: E731
+  per_mb = dat if data_axis else rep     # (microbatch, rows, ...): rows over the data axis
+  specs = (p_spec, rep(shared), per_mb(inputs_m), per_mb(targets_m), rep(consts))
   args = (split(stage_params), shared, inputs_m, targets_m, consts)
   if opt_state is None:
     out_specs = (P(), p_spec, rep(shared))
@@ -187,6 +198,15 @@ def _shard(body, sched, mesh, axis_name, stage_params, shared, inputs_m, targets
       t = jax.tree.map(lambda x: jax.reshard(x, NamedSharding(mesh, P())), t)
     out.append(jax.tree.map(from_dev, *t))
   return (loss, out[0], last) if opt_state is None else (loss, *out)
+
+
+def _data_size(mesh, axis_name, data_axis) -> int:
+  if data_axis is None:
+    return 1
+  if data_axis not in mesh.shape or data_axis == axis_name:
+    raise ValueError(f"data_axis={data_axis!r} must be a mesh axis other than the stage "
+                     f"axis {axis_name!r}; the mesh has {dict(mesh.shape)}")
+  return mesh.shape[data_axis]
 
 
 def _take(x, ids):
@@ -215,7 +235,7 @@ def _explicit(mesh) -> bool:
   return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ()))
 
 
-def _body(prog: Program, S, v, M, axis_name, lag, optimizer=None, steps=1):
+def _body(prog: Program, S, v, M, axis_name, lag, optimizer=None, steps=1, data_axis=None):
   """The per-device program. With an `optimizer` (a table tiled over `steps`),
   the weights and optimizer states are loop state, updated at the ticks whose
   `upd` bits name a chunk; otherwise the weights are loop constants."""
@@ -394,9 +414,11 @@ def _body(prog: Program, S, v, M, axis_name, lag, optimizer=None, steps=1):
     if train:
       return (loss, tuple(p_tree.unflatten([x[None] for x in ws]) for ws in w),
               tuple(jax.tree.map(lambda x: x[None], oc) for oc in o))
+    gsh = [lax.psum(g, axis_name) for g in acc["gsh"]]
+    if data_axis is not None:   # the mean over the data replicas' slices
+      loss, gsh = lax.pmean(loss, data_axis), [lax.pmean(g, data_axis) for g in gsh]
+      acc["gp"] = [[lax.pmean(g, data_axis) for g in gs] for gs in acc["gp"]]
     gp = tuple(p_tree.unflatten([g[None] for g in gs]) for gs in acc["gp"])
-    gsh = jax.tree.unflatten(jax.tree.structure(shared),
-                             [lax.psum(g, axis_name) for g in acc["gsh"]])
-    return loss, gp, gsh
+    return loss, gp, jax.tree.unflatten(jax.tree.structure(shared), gsh)
 
   return body

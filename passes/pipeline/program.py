@@ -37,12 +37,14 @@ class Program:
   bres: records_pass.Records          # B's record (what W reads)
 
 
-def split_microbatches(batch, M):
+def split_microbatches(batch, M, D=1):
+  """(inputs, targets) -> each leaf (M, rows, ...); rows split further over D data replicas."""
   inputs, targets = batch
   bsz = {jnp.shape(x)[0] for x in jax.tree.leaves((inputs, targets))}
-  if len(bsz) != 1 or next(iter(bsz)) % M:
+  if len(bsz) != 1 or next(iter(bsz)) % (M * D):
+    per = f"microbatches={M}" + (f" x {D} data replicas" if D > 1 else "")
     raise ValueError(f"inputs and targets need one leading batch size divisible by "
-                     f"microbatches={M}; got leading sizes {sorted(bsz)}")
+                     f"{per}; got leading sizes {sorted(bsz)}")
   return jax.tree.map(lambda x: jnp.reshape(x, (M, x.shape[0] // M, *x.shape[1:])),
                       (inputs, targets))
 

@@ -1,0 +1,512 @@
+"""pipeline.cut: a plain loss's jaxpr cut into prologue, a stack of layers, epilogue.
+
+Contract: `cut(jaxpr, n_params) -> Cut` for `jaxpr = make_jaxpr(flat_loss)(*param_leaves,
+*batch_leaves)` with one scalar output; raises `CutError` (a `ValueError`) when
+the program holds no stack it can pipeline. Read by `ooojax.pipeline`, which
+hands `Cut.input_fn`, `Cut.stage_fn(per)` and `Cut.loss_fn` to
+`passes.pipeline.execute.lower`.
+
+The stack is found in the top-level equations (top-level `jit` calls inlined):
+
+* a `scan` whose xs are parameter leaves with a leading layer axis (flax
+  `nn.scan`, `nnx.scan`, `lax.scan` over stacked weights): one carry (the
+  activation), consts computed from constants alone;
+* a run of structurally identical blocks (a Python loop of layers): the
+  batch-dependent equations (those of the batch alone moved to just before
+  their first use) are cut where a single value is live, the activation. Each
+  piece, with the parameter-only values it reads recomputed inside it, gets a
+  key (primitives, params, literals, wiring, shapes; parameter leaves by
+  position; `fingerprint.structure_key`), and the run of a repeated group of
+  pieces covering the most equations is the stack: one group per layer, each
+  reading its own parameter leaves, of equal shapes.
+
+Of the two, the one holding more parameters wins. Values of parameters or of
+the batch alone (a weight cast, labels sliced from the tokens) are computed
+where they are read: the prologue is the backward slice of the stack's input,
+the epilogue the slice of the loss from the stack's output; both may
+recompute the same value. Parameter leaves either reads (tied embeddings, the
+head) become the executor's `shared` weights.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from passes import _compat, fingerprint
+
+__all__ = ["Cut", "CutError", "cut"]
+
+EXPLICIT = ("; pipeline it with the explicit API instead: ooo.pipeline.value_and_grad("
+            "stage_fn, loss_fn, input_fn=..., mesh=..., axis_name=...) with parameters "
+            "stacked on a stage axis (README, 'Pipeline parallel')")
+
+
+class CutError(ValueError):
+  """The loss holds no stack of layers that automatic cutting can pipeline."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Cut:
+  """A loss as `loss_fn(stack(input_fn(inputs, shared)), targets, shared)`.
+
+  Leaf indices refer to the traced function's parameter leaves (`stacked`,
+  `shared`) and batch leaves (`inputs`, `targets`).
+  """
+  layers: int
+  scanned: bool                         # one scan: `stacked[0]` leaves carry the layer axis
+  reverse: bool                         # a reverse scan runs layer L-1 first
+  stacked: tuple[tuple[int, ...], ...]  # per layer (one row when scanned): its leaves
+  shared: tuple[int, ...]               # leaves the prologue or the epilogue read
+  inputs: tuple[int, ...]               # batch leaves the prologue reads
+  targets: tuple[int, ...]              # batch leaves the epilogue reads
+  input_fn: Callable                    # (inputs, shared) -> activation
+  loss_fn: Callable                     # (activation, targets, shared) -> scalar
+  layer_fn: Callable = dataclasses.field(repr=False)  # (consts, layer_leaves, x) -> x
+  consts_fn: Callable = dataclasses.field(repr=False)  # () -> the layers' constants
+
+  def stage_fn(self, per: int) -> Callable:
+    """`(stage_leaves, x) -> x` running `per` consecutive layers (leaves `(per, ...)`)."""
+    def stage(p, x):
+      consts = self.consts_fn()
+      if self.scanned:  # keep the user's loop: the split pass cuts scans into B/W scans
+        return lax.scan(lambda h, ps: (self.layer_fn(consts, ps, h), None), x, p)[0]
+      for j in range(per):
+        x = self.layer_fn(consts, tuple(a[j] for a in p), x)
+      return x
+    return stage
+
+  def per_stage(self, vstages: int) -> int:
+    """Layers per virtual stage (an even split; raises `CutError` if there is none)."""
+    if self.layers % vstages:
+      raise CutError(f"the stack has {self.layers} layers, which do not split evenly over "
+                     f"{vstages} virtual stages (stages x chunks); use a layer count "
+                     f"divisible by {vstages}, or fewer stages, or cut by hand" + EXPLICIT)
+    return self.layers // vstages
+
+  def stage_params(self, leaves: Sequence[Any], vstages: int) -> tuple:
+    """The stack's leaves as the executor wants them: `(vstages, layers / vstages, ...)`."""
+    per = self.per_stage(vstages)
+    if self.scanned:
+      cols = [leaves[i] for i in self.stacked[0]]
+      if self.reverse:
+        cols = [jnp.flip(a, 0) for a in cols]
+    else:
+      cols = [jnp.stack([leaves[row[i]] for row in self.stacked])
+              for i in range(len(self.stacked[0]))]
+    return tuple(a.reshape(vstages, per, *a.shape[1:]) for a in cols)
+
+  def grads(self, leaves: Sequence[Any], stage_grads, shared_grads) -> list:
+    """The gradient of every parameter leaf, in the leaves' order (zeros for unread ones)."""
+    out: list = [None] * len(leaves)
+    for k, g in enumerate(stage_grads):
+      g = g.reshape(self.layers, *g.shape[2:])
+      if self.scanned:
+        out[self.stacked[0][k]] = jnp.flip(g, 0) if self.reverse else g
+      else:
+        for j, row in enumerate(self.stacked):
+          out[row[k]] = g[j]
+    for i, g in zip(self.shared, shared_grads):
+      out[i] = g
+    return [jnp.zeros_like(x) if g is None else g for x, g in zip(leaves, out)]
+
+
+# --- the program's equations ------------------------------------------------------
+_P, _B = 1, 2            # depends on a parameter / on the batch
+_PINNED = 4              # effectful: never recomputed elsewhere
+
+
+def _is_var(v) -> bool:
+  return isinstance(v, _compat.Var) and not isinstance(v, _compat.DropVar)
+
+
+def _flatten(closed):
+  """The top-level equations with `jit` calls inlined (fresh variables), and the
+  constants' values by variable."""
+  consts = dict(zip(closed.jaxpr.constvars, closed.consts))
+  eqns: list = []
+
+  def walk(jaxpr, sub, fresh):
+    for e in jaxpr.eqns:
+      ins = [sub.get(v, v) if isinstance(v, _compat.Var) else v for v in e.invars]
+      call = _compat.call_body(e) if e.primitive.name in ("jit", "pjit") else None
+      if call is None:
+        outs = e.outvars
+        if fresh:
+          outs = [v if isinstance(v, _compat.DropVar) else _compat.new_var(v.aval)
+                  for v in e.outvars]
+          sub.update(zip(e.outvars, outs))
+        eqns.append(e.replace(invars=ins, outvars=outs) if fresh or ins != e.invars else e)
+        continue
+      inner, inner_consts, _ = call
+      m: dict = {}
+      for v, c in zip(inner.constvars, inner_consts):
+        m[v] = _compat.new_var(v.aval)
+        consts[m[v]] = c
+      m.update(zip(inner.invars, ins))
+      walk(inner, m, True)
+      for ov, iv in zip(e.outvars, inner.outvars):
+        sub[ov] = m.get(iv, iv) if isinstance(iv, _compat.Var) else iv
+
+  top: dict = {}
+  walk(closed.jaxpr, top, False)
+  outs = [top.get(v, v) if isinstance(v, _compat.Var) else v for v in closed.jaxpr.outvars]
+  return eqns, outs, consts
+
+
+def _evaluate(eqns, env: dict, outs) -> list:
+  read = lambda v: v.val if isinstance(v, _compat.Literal) else env[v]  # noqa: E731
+  for e in eqns:
+    for v, x in zip(e.outvars, _compat.bind_eqn(e, [read(v) for v in e.invars])):
+      if not isinstance(v, _compat.DropVar):
+        env[v] = x
+  return [read(v) for v in outs]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Program:
+  eqns: list
+  consts: dict            # constvar -> value
+  param_vars: list        # parameter invars
+  batch_vars: list        # batch invars
+  loss: Any               # the scalar output
+  dep: dict               # var -> _P | _B bits
+  producer: dict          # var -> defining equation index
+
+  def slice(self, roots, stop=()) -> list[int]:
+    """Indices of the equations `roots` need, not looking past the `stop` vars."""
+    todo, seen, stop = [v for v in roots if _is_var(v)], set(), set(stop)
+    while todo:
+      v = todo.pop()
+      k = self.producer.get(v)
+      if v in stop or k is None or k in seen:
+        continue
+      seen.add(k)
+      todo += [u for u in self.eqns[k].invars if _is_var(u)]
+    return sorted(seen)
+
+  def reads(self, ids) -> set:
+    return {v for k in ids for v in self.eqns[k].invars if _is_var(v)}
+
+  def bits(self, k) -> int:
+    outs = [v for v in self.eqns[k].outvars if _is_var(v)]
+    return self.dep[outs[0]] if outs else _PINNED
+
+
+def _program(closed, n_params: int) -> _Program:
+  eqns, outs, consts = _flatten(closed)
+  invars = list(closed.jaxpr.invars)
+  dep = {v: _P for v in invars[:n_params]}
+  dep.update({v: _B for v in invars[n_params:]})
+  producer = {}
+  for k, e in enumerate(eqns):
+    bits = _PINNED if e.effects else 0
+    for v in e.invars:
+      if _is_var(v):
+        bits |= dep.get(v, 0)
+    for v in e.outvars:
+      if _is_var(v):
+        dep[v], producer[v] = bits, k
+  if len(outs) != 1:
+    raise CutError(f"the traced loss returns {len(outs)} values; it must return one scalar")
+  return _Program(eqns, consts, invars[:n_params], invars[n_params:], outs[0], dep, producer)
+
+
+# --- the stack -----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Stack:
+  x_in: Any                      # the first layer's input (a var)
+  x_out: Any                     # the last layer's output
+  eqns: frozenset                # the stack's equation indices (not its floating definers)
+  layers: tuple                  # per layer: its parameter invars (one row when scanned)
+  scanned: bool
+  reverse: bool
+  length: int                    # layers
+  layer_eqns: tuple = ()         # layer 0's equations, in order (loop stacks)
+  layer_ins: tuple = ()          # (x, *layer 0's parameter and constant vars) (loop stacks)
+  layer_out: Any = None          # layer 0's output (loop stacks)
+  body: Any = None               # the scan body (scanned)
+  body_consts: tuple = ()        # the scan's consts (vars computed from constants alone)
+
+
+def _scan_stack(prog: _Program) -> _Stack | None:
+  """The scan over the largest stacked parameters, checked; None if there is none."""
+  params = set(prog.param_vars)
+  best, size = None, -1
+  for k, e in enumerate(prog.eqns):
+    if not _compat.is_scan(e):
+      continue
+    _, _, xs = _compat.scan_info(e).split_in(e.invars)
+    n = sum(int(np.prod(v.aval.shape)) for v in xs if _is_var(v) and v in params)
+    if n > size and n > 0:
+      best, size = k, n
+  if best is None:
+    return None
+  e = prog.eqns[best]
+  info = _compat.scan_info(e)
+  consts, carry, xs = info.split_in(e.invars)
+  where = f"the scan over {info.length} layers"
+  other = [v for v in xs if not (_is_var(v) and v in params)]
+  if other:
+    raise CutError(f"{where} also scans over {len(other)} per-layer input(s) that are not "
+                   f"parameters ({', '.join(str(v.aval) for v in other)}); automatic "
+                   "cutting scans over parameter leaves only" + EXPLICIT)
+  if len(carry) != 1 or not _is_var(carry[0]) or not prog.dep.get(carry[0], 0) & _B:
+    raise CutError(f"{where} carries {len(carry)} value(s) "
+                   f"({', '.join(str(v.aval) for v in carry)}); automatic cutting needs "
+                   "exactly one carry, the activation, computed from the batch" + EXPLICIT)
+  for v in consts:
+    bits = prog.dep.get(v, 0) if _is_var(v) else 0
+    if bits & _P:
+      raise CutError(f"{where} reads a parameter in every layer ({v.aval}): weights shared "
+                     "by the layers cannot be split over stages automatically" + EXPLICIT)
+    if bits:
+      raise CutError(f"{where} reads a per-example value besides its carry ({v.aval}, "
+                     "e.g. a mask computed from the batch); automatic cutting passes one "
+                     "activation between stages" + EXPLICIT)
+  return _Stack(carry[0], e.outvars[0], frozenset([best]), (tuple(xs),), True,
+                info.reverse, info.length, body=info.body, body_consts=tuple(consts))
+
+
+def _segments(prog: _Program, inputs_live: bool):
+  """The batch-dependent equations cut where one value is live: [(ids, x_in, x_out)].
+
+  Values of parameters alone are not among them (recomputed where read); a
+  value of the batch alone is computed just before its first use (labels
+  sliced from the tokens at the top are not live across the stack). A batch
+  input is live from its first use to its last when `inputs_live` (a raw input
+  that is the first layer's input must be, for that layer to cut as the others
+  do), else never (tokens read at the top and again by the loss).
+  """
+  batch = set(prog.batch_vars)
+  data = [k for k in range(len(prog.eqns)) if prog.bits(k) & (_B | _PINNED)]
+  users: dict = {}
+  for k in data:
+    for v in prog.eqns[k].invars:
+      if _is_var(v):
+        users.setdefault(v, []).append(k)
+  at = {}
+  for k in reversed(data):
+    uses = [at[u] for v in prog.eqns[k].outvars if _is_var(v) for u in users.get(v, ())]
+    at[k] = min(uses) if prog.bits(k) == _B and uses else k
+  data.sort(key=lambda k: (at[k], k))
+  pos = {k: i for i, k in enumerate(data)}
+  first: dict = {}
+  last: dict = {}
+  for i, k in enumerate(data):
+    for v in prog.eqns[k].invars:
+      if _is_var(v) and prog.dep.get(v, 0) & _B and (inputs_live or v not in batch):
+        d = pos.get(prog.producer.get(v))
+        first.setdefault(v, i if d is None else d)   # batch inputs: from their first use
+        last[v] = i
+  if _is_var(prog.loss) and prog.producer.get(prog.loss) in pos:
+    first.setdefault(prog.loss, pos[prog.producer[prog.loss]])
+    last[prog.loss] = len(data)
+  # v is live at boundary i (just before data[i]) for first[v] < i <= last[v]
+  starts: dict = {}
+  for v, i in first.items():
+    starts.setdefault(i + 1, []).append(v)
+  ends: dict = {}
+  for v, i in last.items():
+    ends.setdefault(i + 1, []).append(v)
+  live: set = set()
+  cuts = []                 # (position, the live var or None)
+  for i in range(len(data) + 1):
+    live.update(starts.get(i, ()))
+    live.difference_update(ends.get(i, ()))
+    if len(live) <= 1:
+      cuts.append((i, next(iter(live), None)))
+  return [(tuple(data[a:b]), x_in, x_out)
+          for (a, x_in), (b, x_out) in zip(cuts, cuts[1:])]
+
+
+def _piece(prog: _Program, ids, x_in, x_out, memo):
+  """One piece of a stack: (its equations, with the parameter-only values it reads
+  recomputed; its inputs (x, *parameter and constant vars); its key), or None when
+  it reads a per-example value besides its input x."""
+  own = set(ids)
+  pulled: set = set()
+  for v in prog.reads(ids):
+    k = prog.producer.get(v)
+    if k in own:
+      continue
+    if prog.dep.get(v, 0) & _B:        # from the batch: only as the piece's input
+      if x_in is None:
+        x_in = v
+      elif v is not x_in:
+        return None
+    elif k is not None:                # from parameters and constants alone
+      pulled.update(prog.slice([v]))
+  if x_in is None or x_out is None:
+    return None
+  eqns = sorted(own | pulled)
+  ins, seen = [x_in], {x_in}
+  for k in eqns:
+    for v in prog.eqns[k].invars:
+      if _is_var(v) and v not in seen and prog.producer.get(v) is None:
+        ins.append(v)
+        seen.add(v)
+  key = (fingerprint.structure_key([prog.eqns[k] for k in eqns], ins, [x_out], memo),
+         tuple(fingerprint.value_key(prog.consts[v]) for v in ins if v in prog.consts))
+  return eqns, tuple(ins), key
+
+
+def _runs(prog: _Program, inputs_live: bool, memo: dict):
+  """The pieces, and the best run as `((equations, layers), (start, period, layers))`."""
+  segs = _segments(prog, inputs_live)
+  pieces = [_piece(prog, ids, x_in, x_out, memo) for ids, x_in, x_out in segs]
+  ident: dict = {}
+  keys = [None if p is None else ident.setdefault(p[2], len(ident)) for p in pieces]
+  params = set(prog.param_vars)
+  S = len(segs)
+  n_par = np.cumsum([0] + [0 if p is None else sum(v in params for v in p[1]) for p in pieces])
+  size = np.cumsum([0] + [len(ids) for ids, _, _ in segs])
+  best, score = None, (0, 0)
+  for per in range(1, S // 2 + 1):
+    # run[i]: how many pieces from i on equal the piece `per` later (O(S) per period)
+    run = [0] * (S + 1)
+    for i in range(S - per - 1, -1, -1):
+      same = keys[i] is not None and keys[i] == keys[i + per]
+      run[i] = run[i + 1] + 1 if same else 0
+    for s in range(S - 2 * per + 1):
+      n = run[s] // per + 1                   # layers: the group at s, repeated
+      if n < 2 or (s >= per and run[s - per] >= per):
+        continue      # no repeat, or not the start of a run (one starting earlier covers it)
+      x_in, x_out = pieces[s][1][0], segs[s + per - 1][2]
+      if (n_par[s + per] == n_par[s] or x_out is None
+          or (x_in.aval.shape, x_in.aval.dtype) != (x_out.aval.shape, x_out.aval.dtype)):
+        continue
+      cand = (int(size[s + n * per] - size[s]), n)
+      if cand > score:
+        best, score = (s, per, n), cand
+  return segs, pieces, score, best
+
+
+def _loop_stack(prog: _Program) -> _Stack | None:
+  """The longest run of a repeated group of pieces with parameters, checked."""
+  memo: dict = {}
+  segs, pieces, score, best = max((_runs(prog, live, memo) for live in (True, False)),
+                                  key=lambda r: r[2])
+  params = set(prog.param_vars)
+  if best is None:
+    return None
+  s, per, n = best
+  layers, all_eqns = [], set()
+  key0 = None
+  for j in range(n):
+    a, b = s + j * per, s + (j + 1) * per
+    ids = [k for ids, _, _ in segs[a:b] for k in ids]
+    all_eqns.update(ids)
+    eqns, ins, key = (_piece(prog, ids, pieces[a][1][0], segs[b - 1][2], memo)
+                      or (None, None, None))
+    if key is None or (key0 is not None and key != key0):
+      raise CutError(f"layers 0 and {j} of the repeated stack ({n} layers) differ in how "
+                     "they use their parameters" + EXPLICIT)
+    if j == 0:
+      key0, layer_eqns, layer_ins = key, eqns, ins
+    layers.append(tuple(v for v in ins[1:] if v in params))
+  used = [v for row in layers for v in row]
+  if len(set(used)) != len(used):
+    raise CutError(f"the {n} repeated layers share parameter leaves: weights shared by the "
+                   "layers cannot be split over stages automatically" + EXPLICIT)
+  return _Stack(pieces[s][1][0], segs[s + n * per - 1][2], frozenset(all_eqns), tuple(layers),
+                False, False, n, tuple(layer_eqns), layer_ins, segs[s + per - 1][2])
+
+
+def _pick(prog: _Program) -> _Stack | None:
+  """The scan stack or the loop stack, whichever holds more parameters (a loop of
+  blocks may hold small scans of its own)."""
+  loop = _loop_stack(prog)
+  try:
+    scan = _scan_stack(prog)
+  except CutError:
+    if loop is None:
+      raise
+    return loop
+  weight = lambda st: sum(int(np.prod(v.aval.shape))  # noqa: E731
+                          for row in st.layers for v in row)
+  if scan is None or (loop is not None and weight(loop) > weight(scan)):
+    return loop
+  return scan
+
+
+def cut(jaxpr, n_params: int) -> Cut:
+  """Cuts `jaxpr` (`(*param_leaves, *batch_leaves) -> loss`) into prologue, stack, epilogue."""
+  prog = _program(jaxpr, n_params)
+  stack = _pick(prog)
+  if stack is None:
+    raise CutError("found no repeated stack of layers in the loss: neither a scan over "
+                   "stacked parameters (nn.scan, nnx.scan, lax.scan) nor a run of "
+                   "identical blocks whose parameters have equal shapes (blocks that also "
+                   "read a per-example value besides the activation, such as a padding "
+                   "mask or a dropout key, are not cut either)" + EXPLICIT)
+  pro = prog.slice([stack.x_in])
+  epi = prog.slice([prog.loss], stop=[stack.x_out])
+  inside = stack.eqns.intersection(pro + epi)
+  if inside:
+    e = prog.eqns[min(inside)]
+    raise CutError(f"the loss reads a value from inside the stack ({e.primitive.name} -> "
+                   f"{e.outvars[0].aval}, e.g. per-layer outputs or sown intermediates); "
+                   "only the last layer's output may leave the stack" + EXPLICIT)
+  index = {v: i for i, v in enumerate(prog.param_vars)}
+  b_index = {v: i for i, v in enumerate(prog.batch_vars)}
+  stack_params = {v for row in stack.layers for v in row}
+  outside = (prog.reads(pro) | prog.reads(epi)) & set(prog.param_vars)
+  if outside & stack_params:
+    v = next(iter(outside & stack_params))
+    raise CutError(f"a parameter of the stack ({v.aval}) is also read outside it; automatic "
+                   "cutting shares only weights outside the stack" + EXPLICIT)
+  shared = tuple(sorted(index[v] for v in outside))
+  inputs = tuple(sorted(b_index[v] for v in (prog.reads(pro) | {stack.x_in})
+                        if v in b_index))
+  targets = tuple(sorted(b_index[v] for v in prog.reads(epi) if v in b_index))
+  consts = prog.consts
+  pro_eqns = [prog.eqns[k] for k in pro]
+  epi_eqns = [prog.eqns[k] for k in epi]
+  shared_vars = [prog.param_vars[i] for i in shared]
+
+  def input_fn(ins, sh):
+    env = dict(consts)
+    env.update(zip([prog.batch_vars[i] for i in inputs], ins))
+    env.update(zip(shared_vars, sh))
+    return _evaluate(pro_eqns, env, [stack.x_in])[0]
+
+  def loss_fn(y, tg, sh):
+    env = dict(consts)
+    env.update(zip([prog.batch_vars[i] for i in targets], tg))
+    env.update(zip(shared_vars, sh))
+    env[stack.x_out] = y
+    return _evaluate(epi_eqns, env, [prog.loss])[0]
+
+  if stack.scanned:
+    c_vars = [v for v in stack.body_consts if _is_var(v)]
+    c_eqns = [prog.eqns[k] for k in prog.slice(c_vars)]
+
+    def consts_fn():
+      env = dict(consts)
+      _evaluate(c_eqns, env, [])
+      return [v.val if isinstance(v, _compat.Literal) else env[v] for v in stack.body_consts]
+
+    def layer_fn(cs, p, x):
+      body = stack.body
+      return _compat.eval_jaxpr(body.jaxpr, body.consts, *cs, x, *p)[0]
+  else:
+    l_eqns = [prog.eqns[k] for k in stack.layer_eqns]
+    l_params = [v for v in stack.layer_ins[1:] if v in stack_params]
+
+    def consts_fn():
+      return ()
+
+    def layer_fn(cs, p, x):
+      env = dict(consts)
+      env[stack.layer_ins[0]] = x
+      env.update(zip(l_params, p))
+      return _evaluate(l_eqns, env, [stack.layer_out])[0]
+
+  return Cut(stack.length, stack.scanned, stack.reverse,
+             tuple(tuple(index[v] for v in row) for row in stack.layers), shared, inputs,
+             targets, input_fn, loss_fn, layer_fn, consts_fn)

@@ -1,0 +1,243 @@
+"""Automatic stage cutting: `ooo.pipeline.value_and_grad(loss_fn, ...)` of a plain loss
+equals `jax.value_and_grad` of the same loss averaged over microbatches."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import ooojax as ooo
+from ooojax.models import features
+from tests.conftest import assert_trees_close
+
+
+def _jit(f):
+  # Correctness tests compile at XLA O0: a third less compile time on 2 shared cores.
+  return jax.jit(f, compiler_options={"xla_backend_optimization_level": 0})
+
+
+def _mesh(n):
+  return jax.make_mesh((n,), ("stage",), devices=jax.devices()[:n])
+
+
+def _check(loss, params, batch, stages, schedule, microbatches=4, has_aux=False, **kw):
+  step = ooo.pipeline.value_and_grad(loss, mesh=_mesh(stages), axis_name="stage",
+                                     schedule=schedule, microbatches=microbatches,
+                                     has_aux=has_aux, **kw)
+  got_loss, got = _jit(step)(params, *batch)
+  if has_aux:
+    got_loss, aux = got_loss
+    assert aux is None
+    plain = lambda p, *b: loss(p, *b)[0]  # noqa: E731
+  else:
+    plain = loss
+
+  def mean_over_microbatches(p):
+    parts = [jax.tree.map(lambda a, i=i: a.reshape(microbatches, -1, *a.shape[1:])[i], batch)
+             for i in range(microbatches)]
+    return sum(plain(p, *b) for b in parts) / microbatches
+
+  want_loss, want = _jit(jax.value_and_grad(mean_over_microbatches))(params)
+  assert_trees_close(got_loss, want_loss)
+  assert_trees_close(got, want)          # same tree as the user's params
+
+
+# --- the model matrix's scanned stacks ------------------------------------------------
+@pytest.mark.parametrize("name,stages,schedule", [
+    ("linen_scan", 2, "1f1b"), ("nnx_scan", 2, "zb-h1")])
+def test_matrix_scan_cases(name, stages, schedule):
+  case = features.make(name)
+  _check(case.loss, case.params, case.batch, stages, schedule, has_aux=True)
+
+
+def test_matrix_bf16_master_weights():
+  # f32 master weights cast to bf16 at the top (recomputed per stage), a loop of
+  # four bf16 blocks, and a scalar loss scale passed whole to every microbatch
+  case = features.make("bf16_loss_scaling")
+  step = ooo.pipeline.value_and_grad(case.loss, mesh=_mesh(2), axis_name="stage",
+                                     schedule="1f1b", microbatches=2, has_aux=True)
+  (loss, _), grads = _jit(step)(case.params, *case.batch)
+  x, y, scale = case.batch
+
+  def mean_over_microbatches(p):
+    return sum(case.loss(p, x[i:i + 4], y[i:i + 4], scale)[0] for i in (0, 4)) / 2
+
+  want_loss, want = _jit(jax.value_and_grad(mean_over_microbatches))(case.params)
+  assert_trees_close(loss, want_loss, rtol=case.rtol)
+  assert_trees_close(grads, want, rtol=case.rtol, atol_scale=case.rtol)
+
+
+def test_matrix_remat_loop():
+  # four nn.remat blocks in a Python loop (one remat equation each), no prologue
+  case = features.make("remat_dots_saveable")
+  _check(case.loss, case.params, case.batch, 2, "interleaved", has_aux=True)
+
+
+# --- a GPT-style LM: nn.scan layers, tied embeddings ------------------------------------
+class _GPTBlock(nn.Module):
+  dim: int
+  heads: int
+
+  @nn.compact
+  def __call__(self, x, _):
+    mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+    h = nn.LayerNorm()(x)
+    x = x + nn.MultiHeadDotProductAttention(self.heads, qkv_features=self.dim)(h, mask=mask)
+    h = nn.Dense(self.dim)(nn.gelu(nn.Dense(2 * self.dim)(nn.LayerNorm()(x))))
+    return x + h, None
+
+
+class _GPT(nn.Module):
+  vocab: int = 13
+  dim: int = 8
+  heads: int = 2
+  layers: int = 4
+  scan: bool = True
+
+  @nn.compact
+  def __call__(self, tokens):
+    emb = nn.Embed(self.vocab, self.dim)
+    pos = self.param("pos", nn.initializers.normal(0.02), (tokens.shape[1], self.dim))
+    x = emb(tokens) + pos
+    if self.scan:
+      x, _ = nn.scan(_GPTBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                     length=self.layers)(self.dim, self.heads)(x, None)
+    else:
+      for _ in range(self.layers):
+        x, _ = _GPTBlock(self.dim, self.heads)(x, None)
+    return emb.attend(nn.LayerNorm()(x))     # tied output projection
+
+
+def _gpt(scan=True):
+  model = _GPT(scan=scan)
+  tokens = jax.random.randint(jax.random.key(0), (8, 7), 0, model.vocab)
+  params = model.init(jax.random.key(1), tokens[:1, :-1])["params"]
+
+  def loss(params, tokens):
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]   # labels live across the layers
+    logits = model.apply({"params": params}, inputs)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  return loss, params, (tokens,)
+
+
+@pytest.mark.parametrize("scan,stages,schedule", [
+    (True, 2, "interleaved"), (True, 4, "zb-h1"), (False, 2, "1f1b")])
+def test_gpt_tied_embeddings(scan, stages, schedule):
+  # nn.scan layers, or the same blocks in a Python loop
+  loss, params, batch = _gpt(scan)
+  _check(loss, params, batch, stages, schedule)
+
+
+# --- an unrolled Python loop of identical blocks ---------------------------------------
+def _mlp(layers=4, widths=None):
+  keys = iter(jax.random.split(jax.random.key(0), 16))
+  dims = widths or [16] * (layers + 1)
+  params = {"embed": jax.random.normal(next(keys), (6, dims[0])) * 0.4,
+            "layers": [{"w": jax.random.normal(next(keys), (a, b)) / a ** 0.5,
+                        "b": jnp.full((b,), 0.1)} for a, b in zip(dims, dims[1:])],
+            "head": jax.random.normal(next(keys), (dims[-1], 5)) * 0.3}
+
+  def loss(params, x, y):
+    h = jnp.tanh(x @ params["embed"])
+    for p in params["layers"]:
+      z = jax.nn.gelu(h @ p["w"] + p["b"])
+      h = h + z if z.shape == h.shape else z
+    logits = h @ params["head"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  x = jax.random.normal(next(keys), (8, 6))
+  y = jax.random.randint(next(keys), (8,), 0, 5)
+  return loss, params, (x, y)
+
+
+@pytest.mark.parametrize("stages,schedule", [(4, "1f1b"), (2, "zb-h1")])
+def test_unrolled_mlp(stages, schedule):
+  loss, params, batch = _mlp()
+  _check(loss, params, batch, stages, schedule)
+
+
+def test_reverse_lax_scan_with_constants():
+  # a plain lax.scan run backwards over the layers, its body closing over a
+  # value computed from constants (recomputed on every stage)
+  def loss(params, x, y):
+    scale = jnp.tril(jnp.ones((3, 3)))
+    h = jax.lax.scan(lambda h, w: (jnp.tanh(h @ (w * scale)) + h, None), x @ params["in"],
+                     params["w"], reverse=True)[0]
+    return jnp.mean((h @ params["in"].T - y) ** 2)
+
+  ks = jax.random.split(jax.random.key(0), 4)
+  params = {"in": jax.random.normal(ks[0], (5, 3)),
+            "w": jax.random.normal(ks[1], (4, 3, 3)) * jnp.arange(1.0, 5.0)[:, None, None]}
+  batch = (jax.random.normal(ks[2], (8, 5)), jax.random.normal(ks[3], (8, 5)))
+  _check(loss, params, batch, 2, "1f1b")
+
+
+# --- what it cannot cut ---------------------------------------------------------------
+def _raises(loss, params, batch, match, stages=2):
+  step = ooo.pipeline.value_and_grad(loss, mesh=_mesh(stages), axis_name="stage",
+                                     schedule="1f1b", microbatches=2)
+  with pytest.raises(ValueError, match=match) as info:
+    jax.eval_shape(step, params, *batch)
+  assert "stage_fn" in str(info.value)       # points at the explicit API
+
+
+def test_uncuttable_models():
+  loss, params, batch = _mlp(widths=[16, 24, 12, 20])   # layers of different shapes
+  _raises(loss, params, batch, "found no repeated stack")
+  loss, params, batch = _mlp(layers=3)                   # 3 layers, 2 stages
+  _raises(loss, params, batch, "3 layers, which do not split evenly over 2")
+
+  def sown(params, x, y):     # the loss reads every layer's output, not just the last
+    h, hs = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), h), x, params)
+    return jnp.mean((h - y) ** 2) + jnp.mean(hs ** 2)
+  _raises(sown, jnp.ones((4, 3, 3)), (jnp.ones((4, 3)), jnp.ones((4, 3))),
+          "reads a value from inside the stack")
+
+
+def test_explicit_form_arguments():
+  loss, params, batch = _mlp()
+  with pytest.raises(TypeError, match="input_fn belongs to the explicit form"):
+    ooo.pipeline.value_and_grad(loss, mesh=_mesh(2), axis_name="stage",
+                                input_fn=lambda x: x)
+  with pytest.raises(TypeError, match="has_aux belongs to the automatic form"):
+    ooo.pipeline.value_and_grad(loss, loss, mesh=_mesh(2), axis_name="stage", has_aux=True)
+
+
+# --- data x stage ----------------------------------------------------------------------
+def test_data_by_stage_mesh():
+  # 2 data replicas x 2 stages: each microbatch's rows split over "data"; the
+  # loss and gradients are the mean over replicas. A loss that scales with the
+  # rows it sees tells a split batch from a replicated one.
+  mean, params, batch = _gpt()
+  loss = lambda p, tok: mean(p, tok) * tok.shape[0]  # noqa: E731
+  mesh = jax.make_mesh((2, 2), ("data", "stage"), devices=jax.devices()[:4])
+  step = ooo.pipeline.value_and_grad(loss, mesh=mesh, axis_name="stage", data_axis="data",
+                                     schedule="zb-h1", microbatches=2)
+  got = _jit(step)(params, *batch)
+
+  def mean_of_pieces(p):   # microbatch m, replica d: rows [m, d] of a (2, 2, 2, ...) split
+    tok = batch[0].reshape(2, 2, -1, *batch[0].shape[1:])
+    return sum(loss(p, tok[m, d]) for m in range(2) for d in range(2)) / 4
+
+  assert_trees_close(got, _jit(jax.value_and_grad(mean_of_pieces))(params))
+
+
+def test_data_by_stage_explicit_form():
+  # the explicit (stage_fn, loss_fn) form takes the same data_axis
+  w = jax.random.normal(jax.random.key(0), (2, 4, 4)) * 0.5
+  x, t = jax.random.normal(jax.random.key(1), (8, 4)), jnp.zeros((8, 4))
+  stage_fn = lambda w, h: jnp.tanh(h @ w)  # noqa: E731
+  loss_fn = lambda y, t: jnp.sum((y - t) ** 2)  # noqa: E731 - a sum: rows seen matter
+  mesh = jax.make_mesh((2, 2), ("data", "stage"), devices=jax.devices()[:4])
+  step = ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=mesh, axis_name="stage",
+                                     data_axis="data", schedule="1f1b", microbatches=2)
+
+  def mean_of_pieces(w):
+    xs, ts = x.reshape(4, 2, 4), t.reshape(4, 2, 4)
+    return sum(loss_fn(stage_fn(w[1], stage_fn(w[0], a)), b) for a, b in zip(xs, ts)) / 4
+
+  assert_trees_close(_jit(step)(w, (x, t)), _jit(jax.value_and_grad(mean_of_pieces))(w))
+  with pytest.raises(ValueError, match="must be a mesh axis other than the stage axis"):
+    ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=mesh, axis_name="stage",
+                                data_axis="stage")(w, (x, t))
