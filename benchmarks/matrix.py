@@ -1,8 +1,9 @@
 """The model matrix as a table: every `ooojax.models.features` case in every mode.
 
 Cells: "equal" (gradients and aux equal `jax.grad`'s), "same error" (jax.grad
-refuses the model and ooojax raises the same type), "n/a" (no pipeline form:
-not a stack of identical blocks), or the error. The H100 column is the
+refuses the model and ooojax raises the same type), "n/a" (no hand-written
+pipeline form: not a stack of identical blocks), or the error (pipeline_auto:
+the models automatic stage cutting refuses, with its message). The H100 column is the
 single-GPU gradient compiled for a compile-only H100 at the case's real size:
 heavy dW calls with dX GEMMs/convs between start and done, of all heavy dW
 calls on stream 1.
@@ -26,7 +27,7 @@ from benchmarks._report import emit, header  # noqa: E402
 from ooojax import gpu_hlo  # noqa: E402
 from ooojax.models import features, matrix  # noqa: E402
 
-MODES = ("in_order", "single_gpu", "dp_shard_map", "dp_pmap", "pipeline")
+MODES = matrix.MODES
 
 
 def _close(got, want, rtol):
@@ -101,7 +102,9 @@ def main(argv=None):
             f"over {matrix.DEVICES} devices where the loss names the data axis; dp_*: "
             "`mode=\"data_parallel\"` against `pmean(jax.grad)`; pipeline: "
             f"`ooo.pipeline.value_and_grad` on {matrix.STAGES} stages, 4 microbatches, "
-            "1F1B, against the unrolled stack averaged over the microbatches."]
+            "1F1B, against the unrolled stack averaged over the microbatches; "
+            "pipeline_auto: the same from the unmodified loss (`value_and_grad(loss_fn, "
+            "...)`, stages cut by ooojax), against the loss averaged over the microbatches."]
   emit(lines, a.write)
 
 

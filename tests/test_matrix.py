@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from ooojax import gpu_hlo
 from ooojax.models import features, matrix
+from passes.pipeline.cut import CutError
 from tests.conftest import assert_trees_close
 
 NAMES = sorted(features.CASES)
@@ -59,6 +60,28 @@ def test_pipeline_cell(name):
                                            ("remat_save_only_these_names", "zb-v")])
 def test_pipeline_cell_other_schedules(name, schedule):
   _check(_case(name), "pipeline", schedule=schedule)
+
+
+# What automatic stage cutting cannot take, and the error it raises instead
+AUTO_REFUSED = {
+    "resnet18_sync_bn": ValueError,        # batch_stats would be split as batch rows
+    "dropout_rng": NameError,              # axis_index with no data axis bound (JAX's error)
+    "attention_masked": CutError,          # blocks read the padding mask besides the activation
+    "attention_custom_vjp": CutError,
+    "while_differentiated": CutError,      # no stack
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_pipeline_auto_cell(name):
+  case = _case(name)
+  if name in AUTO_REFUSED:
+    with pytest.raises(AUTO_REFUSED[name], match=None if name == "dropout_rng" else "stage_fn|"
+                       "leading size"):
+      matrix.cell(case, "pipeline_auto")
+    return
+  got, want = matrix.cell(case, "pipeline_auto")
+  assert_trees_close(got, want, rtol=case.rtol, atol_scale=case.rtol)
 
 
 # heavy dW calls overlapped on the compile-only H100 at the matrix's sizes

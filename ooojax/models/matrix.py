@@ -14,7 +14,10 @@ Modes:
     data axis, against `pmean(jax.grad)`;
   pipeline: `ooo.pipeline.value_and_grad` of the case's `Stack` on 2 stages,
     against `jax.value_and_grad` of the unrolled stack (cases without a stack:
-    `NotAStack`).
+    `NotAStack`);
+  pipeline_auto: `ooo.pipeline.value_and_grad(case.loss, ...)`, the stages cut
+    by ooojax from the unmodified loss, against `jax.value_and_grad` of the
+    loss averaged over the microbatches (a model it cannot cut: `CutError`).
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import ooojax as ooo
 from ooojax import gpu_hlo
 from ooojax.models.features import AXIS, Case
 
-MODES = ("in_order", "single_gpu", "dp_shard_map", "dp_pmap", "pipeline")
+MODES = ("in_order", "single_gpu", "dp_shard_map", "dp_pmap", "pipeline", "pipeline_auto")
 DEVICES = 4         # data-axis size for the mapped cells
 STAGES = 2
 
@@ -131,6 +134,25 @@ def _pipeline(case: Case, schedule: str):
   return got, want
 
 
+def _pipeline_auto(case: Case, schedule: str):
+  mesh = jax.make_mesh((STAGES,), ("stage",), devices=jax.devices()[:STAGES])
+  sched = ooo.pipeline.schedule(schedule, STAGES, 2 * STAGES)
+  step = ooo.pipeline.value_and_grad(case.loss, mesh=mesh, axis_name="stage", schedule=sched,
+                                     has_aux=True)
+  (loss, _), grads = _jit(step)(case.params, *case.batch)
+  micro = sched.microbatches
+
+  def mean_loss(params):   # batch leaves split on their leading axis, scalars whole
+    total = 0.0
+    for m in range(micro):
+      part = jax.tree.map(lambda a: a if a.ndim == 0 else
+                          a.reshape(micro, -1, *a.shape[1:])[m], case.batch)
+      total = total + case.loss(params, *part)[0]
+    return total / micro
+
+  return (loss, grads), _jit(jax.value_and_grad(mean_loss))(case.params)
+
+
 def cell(case: Case, mode: str, *, devices: int = DEVICES, schedule: str = "1f1b"):
   """`(got, want)` for one cell; raises what ooo raises (jax.grad's error
   type in an error case, checked by the caller)."""
@@ -138,6 +160,8 @@ def cell(case: Case, mode: str, *, devices: int = DEVICES, schedule: str = "1f1b
     raise ValueError(f"unknown matrix mode {mode!r}; allowed: {MODES}")
   if mode == "pipeline":
     return _pipeline(case, schedule)
+  if mode == "pipeline_auto":
+    return _pipeline_auto(case, schedule)
   if mode == "dp_pmap":
     return _pmap(case, mode, devices), _pmap(case, "jax", devices)
   if case.axis is not None or mode == "dp_shard_map":
