@@ -141,3 +141,17 @@ def lstm_case(d=6, t=5, batch=2, time_major=True):
     _, hs = jax.lax.scan(cell, (jnp.zeros((b, d)), jnp.zeros((b, d))), seq)
     return jnp.mean(hs ** 2)
   return loss, p, xs
+
+
+def tanh_mlp(batches: int):
+  """A 4-layer tanh MLP: (params, loss(p, x), `batches` batches of 32 x 16)."""
+  k = jax.random.split(jax.random.PRNGKey(0), 4)
+  params = {f"l{i}": {"w": jax.random.normal(k[i], (16, 16)) * 0.3, "b": jnp.zeros(16)}
+            for i in range(4)}
+
+  def loss(p, x):
+    for i in range(4):
+      x = jnp.tanh(x @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"])
+    return jnp.mean(x ** 2)
+  xs = [jax.random.normal(jax.random.PRNGKey(10 + t), (32, 16)) for t in range(batches)]
+  return params, loss, xs

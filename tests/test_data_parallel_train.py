@@ -6,22 +6,14 @@ import optax
 import pytest
 
 from ooojax import data_parallel as dp
+from tests.models import tanh_mlp
 
 N = 8
 
 
 def make_problem(n_devices=N):
   """Params, loss and 4 global batches (also used by the 2-process worker)."""
-  k = jax.random.split(jax.random.PRNGKey(0), 4)
-  params = {f"l{i}": {"w": jax.random.normal(k[i], (16, 16)) * 0.3, "b": jnp.zeros(16)}
-            for i in range(4)}
-
-  def loss(p, x):
-    for i in range(4):
-      x = jnp.tanh(x @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"])
-    return jnp.mean(x ** 2)
-  xs = [jax.random.normal(jax.random.PRNGKey(10 + t), (32, 16)) for t in range(4)]
-  return params, loss, xs
+  return tanh_mlp(4)
 
 
 def _setup():

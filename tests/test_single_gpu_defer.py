@@ -15,19 +15,11 @@ from ooojax import gpu_hlo, single_gpu
 from passes import defer as defer_pass
 from passes.cost import CostModel
 from tests.conftest import cpu_backend_only
+from tests.models import tanh_mlp
 
 
 def _mlp():
-  k = jax.random.split(jax.random.PRNGKey(0), 4)
-  params = {f"l{i}": {"w": jax.random.normal(k[i], (16, 16)) * 0.3, "b": jnp.zeros(16)}
-            for i in range(4)}
-
-  def loss(p, x):
-    for i in range(4):
-      x = jnp.tanh(x @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"])
-    return jnp.mean(x ** 2)
-  xs = [jax.random.normal(jax.random.PRNGKey(10 + t), (32, 16)) for t in range(5)]
-  return params, loss, xs
+  return tanh_mlp(5)
 
 
 class _Flax(nn.Module):
