@@ -4,7 +4,9 @@ The state keeps the parameters in the cut's layout (`passes.pipeline.cut`)
 between steps, so no step gathers the model:
 
 * `stacked`: the stack's leaves as `(virtual stages, layers per stage, ...)`,
-  sharded on the stage axis (device s holds its stages' layers only);
+  sharded on the stage axis (device s holds its stages' layers only); with
+  chunks (interleaved, zb-v) the virtual stages are in device order
+  (`execute.device_order`), so each device's chunks are its own shard;
 * `shared`: leaves the prologue or the epilogue read (tied embeddings, the
   head, the final norm), replicated; their gradient is reduced over the
   stages inside the executor, so every device applies the same update;
@@ -29,13 +31,16 @@ import optax
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import numpy as np
+
 from passes.pipeline.cut import Cut
+from passes.pipeline.execute import device_order
 from passes.pipeline.schedule import PipelineSchedule
 
 
 class StageParams(struct.PyTreeNode):
   """The parameters in the cut's layout; what the optimizer sees."""
-  stacked: tuple   # (virtual stages, layers per stage, ...) per stack leaf
+  stacked: tuple   # (virtual stages in device order, layers per stage, ...) per stack leaf
   shared: tuple    # leaves read outside the stack, replicated
   rest: tuple      # leaves the loss never reads, replicated
 
@@ -71,7 +76,7 @@ class PipelineTrainStep:
   def _program(self, avals, treedef, batch):
     from ooojax.pipeline import _auto_program  # the automatic form's cut and executor
     return _auto_program(self.loss_fn, self.has_aux, self.sched, self.mesh, self.axis_name,
-                         self.data_axis, avals, treedef, batch)
+                         self.data_axis, avals, treedef, batch, device_major=True)
 
   def _plan(self, params, batch) -> _Layout:
     leaves, treedef = jax.tree.flatten(params)
@@ -99,7 +104,11 @@ class PipelineTrainStep:
   def _to_stages(self, leaves) -> StageParams:
     lay = self._layout
     c = lay.cut
-    return StageParams(tuple(c.stage_params(leaves, self.sched.virtual_stages)),
+    order = device_order(self.sched)
+    stacked = c.stage_params(leaves, self.sched.virtual_stages)
+    if self.sched.chunks > 1:
+      stacked = tuple(x[order] for x in stacked)
+    return StageParams(tuple(stacked),
                        tuple(leaves[i] for i in c.shared), tuple(leaves[i] for i in lay.rest))
 
   # --- public ----------------------------------------------------------------------
@@ -122,7 +131,10 @@ class PipelineTrainStep:
     rep = NamedSharding(self.mesh, P())
     p = jax.tree.map(lambda x: jax.device_put(x, rep), state.params)
     zeros = [jnp.zeros((), a.dtype) for a in lay.avals]   # placeholders of the rest
-    out = lay.cut.grads(zeros, p.stacked, p.shared)   # the inverse of stage_params
+    stacked = p.stacked
+    if self.sched.chunks > 1:   # back to virtual-stage order
+      stacked = tuple(x[np.argsort(device_order(self.sched))] for x in stacked)
+    out = lay.cut.grads(zeros, stacked, p.shared)   # the inverse of stage_params
     for i, x in zip(lay.rest, p.rest):
       out[i] = x
     return lay.treedef.unflatten(out)

@@ -196,7 +196,7 @@ class _AutoProgram:
 
 def _auto_program(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, mesh,
                   axis_name: str, data_axis: str | None, p_avals, p_tree,
-                  batch) -> _AutoProgram:
+                  batch, device_major: bool = False) -> _AutoProgram:
   """Traces `loss_fn` at one data replica's slice of one microbatch (what each device
   runs), cuts it (`passes.pipeline.cut`) and lowers the cut (`execute.lower`)."""
   M, V = sched.microbatches, sched.virtual_stages
@@ -224,7 +224,8 @@ def _auto_program(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, mes
                                 for i, x in zip(ids, xs))
   run = lower(c.stage_fn(c.per_stage(V)),
               lambda y, tg, sh: c.loss_fn(y, whole(c.targets, tg), sh), sched, mesh,
-              axis_name, lambda ins, sh: c.input_fn(whole(c.inputs, ins), sh), data_axis)
+              axis_name, lambda ins, sh: c.input_fn(whole(c.inputs, ins), sh), data_axis,
+              device_major)
   rowed = lambda ids: tuple(  # noqa: E731
       jnp.broadcast_to(b_leaves[i], (B,)) if scalar[i] else b_leaves[i] for i in ids)
   return _AutoProgram(c, run, rowed(c.inputs), rowed(c.targets))

@@ -63,25 +63,33 @@ def _follow(step, state, batches, ref, start=0):
 
 
 @pytest.mark.parametrize("opt,schedule", [
-    (ADAM, "1f1b"),
     (optax.sgd(0.1, momentum=0.9), "zb-h1"),
-    # a reduction over every leaf: the global norm sums over the stages
-    (optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.3)), "ooo")])
+    # a reduction over every leaf (the global norm sums over the stages), on
+    # chunks stored device-major (interleaved: device s holds stages s and s + 2)
+    (optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.3)), "interleaved")])
 def test_trajectory_matches_synchronous_loop(opt, schedule):
   loss, params, (tokens,) = _gpt()
   batches = _batches(tokens)
   step = _make(loss, opt, _mesh(), schedule=schedule)
   state = step.init(params, *batches[0])
   _follow(step, state, batches, _reference(loss, opt, params, batches, 2))
-  assert int(step(state, *batches[0])[0].step) == 1
+  _assert_no_gather(step, state, batches[0])
 
 
-def test_parameters_stay_sharded_by_stage():
+def _assert_no_gather(step, state, batch):
+  hlo = step._step.lower(state, *batch).compile().as_text()
+  assert "all-gather" not in hlo      # no device ever receives another stage's weights
+
+
+def test_adam_sharded_by_stage_checkpoint_restores_training(tmp_path):
+  import orbax.checkpoint as ocp
   loss, params, (tokens,) = _gpt()
+  batches = _batches(tokens)
+  ref = _reference(loss, ADAM, params, batches, 2)
   mesh = _mesh()
   step = _make(loss, ADAM, mesh, schedule="1f1b")
-  state = step.init(params, tokens)
-  state, _ = step(state, tokens)
+  state = _follow(step, step.init(params, *batches[0]), batches[:1], ref)
+
   stage_sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("stage"))
   for x in state.params.stacked + tuple(jax.tree.leaves(state.opt_state[0].mu.stacked)):
     assert x.sharding.is_equivalent_to(stage_sh, x.ndim)
@@ -95,25 +103,8 @@ def test_parameters_stay_sharded_by_stage():
     first, *others = [np.asarray(s.data) for s in x.addressable_shards]
     for o in others:
       np.testing.assert_array_equal(first, o)
+  _assert_no_gather(step, state, batches[1])
 
-
-def test_data_by_stage_mesh():
-  loss, params, (tokens,) = _gpt()
-  batches = _batches(tokens)
-  opt = ADAM
-  step = _make(loss, opt, _mesh(data=2), schedule="1f1b", data_axis="data")
-  state = step.init(params, *batches[0])
-  _follow(step, state, batches, _reference(loss, opt, params, batches, 2))
-
-
-def test_checkpoint_restores_training(tmp_path):
-  import orbax.checkpoint as ocp
-  loss, params, (tokens,) = _gpt()
-  batches = _batches(tokens)
-  opt = ADAM
-  ref = _reference(loss, opt, params, batches, 2)
-  step = _make(loss, opt, _mesh(), schedule="1f1b")
-  state, _ = step(step.init(params, *batches[0]), *batches[0])
   ckpt = ocp.StandardCheckpointer()
   ckpt.save(tmp_path / "s", state)
   ckpt.wait_until_finished()
@@ -121,6 +112,15 @@ def test_checkpoint_restores_training(tmp_path):
   assert restored.params.stacked[0].sharding == state.params.stacked[0].sharding
   assert int(restored.step) == 1
   _follow(step, restored, batches, ref, start=1)
+
+
+def test_data_by_stage_mesh():
+  mean, params, (tokens,) = _gpt()
+  loss = lambda p, tok: (mean(p, tok), {"unused": 0.0})  # noqa: E731 - aux is not computed
+  batches = _batches(tokens)
+  step = _make(loss, ADAM, _mesh(data=2), schedule="1f1b", data_axis="data", has_aux=True)
+  state = step.init(params, *batches[0])
+  _follow(step, state, batches, _reference(mean, ADAM, params, batches, 2))
 
 
 def test_errors():
