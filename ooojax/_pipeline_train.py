@@ -112,8 +112,7 @@ class PipelineTrainStep:
                        tuple(leaves[i] for i in c.shared), tuple(leaves[i] for i in lay.rest))
 
   # --- public ----------------------------------------------------------------------
-  def init(self, params, *batch) -> PipelineTrainState:
-    """The first state, laid out and sharded by stage. `batch` is only traced (shapes)."""
+  def _make(self, params, batch):
     self._layout = self._plan(params, batch)
     self._step = None
 
@@ -121,8 +120,19 @@ class PipelineTrainStep:
       sp = self._to_stages(jax.tree.leaves(p))
       return PipelineTrainState(jnp.zeros((), jnp.int32), sp, self.optimizer.init(sp))
 
-    shardings = self._shardings(jax.eval_shape(make, params))
+    return make, self._shardings(jax.eval_shape(make, params))
+
+  def init(self, params, *batch) -> PipelineTrainState:
+    """The first state, laid out and sharded by stage. `batch` is only traced (shapes)."""
+    make, shardings = self._make(params, batch)
     return jax.jit(make, out_shardings=shardings)(params)
+
+  def abstract_state(self, params, *batch) -> PipelineTrainState:
+    """`init`'s state as sharded `jax.ShapeDtypeStruct`s, from shapes alone: the
+    target of an orbax restore in a fresh process (it also readies `step`)."""
+    make, shardings = self._make(params, batch)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        jax.eval_shape(make, params), shardings)
 
   def params(self, state: PipelineTrainState):
     """The parameters in the user's structure (gathers every stage's layers)."""
@@ -192,7 +202,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
   Returns:
     A `PipelineTrainStep`: `state = step.init(params, *batch)`, `state, loss =
     step(state, *batch)`, `params = step.params(state)` (the user's structure).
-    The state is a pytree that orbax saves and restores.
+    The state is a pytree that orbax saves and restores (`step.abstract_state(
+    params, *batch)` is the restore target, from shapes alone).
 
   >>> import jax, jax.numpy as jnp, optax
   >>> mesh = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
