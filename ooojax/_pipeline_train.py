@@ -164,14 +164,21 @@ class PipelineTrainStep:
     return PipelineTrainState(state.step + 1, optax.apply_updates(sp, updates),
                               opt_state), loss
 
-  def __call__(self, state: PipelineTrainState, *batch) -> tuple[PipelineTrainState, Any]:
+  def _jitted(self, state):
     self._check_init()
     if self._step is None:
       shardings = self._shardings(jax.eval_shape(lambda s: s, state))
       rep = NamedSharding(self.mesh, P())
       kw = {"compiler_options": self.compiler_options} if self.compiler_options else {}
       self._step = jax.jit(self._body, out_shardings=(shardings, rep), **kw)
-    return self._step(state, *batch)
+    return self._step
+
+  def lower(self, state: PipelineTrainState, *batch):
+    """`jax.jit(step).lower(state, *batch)` (state may be `abstract_state`'s)."""
+    return self._jitted(state).lower(state, *batch)
+
+  def __call__(self, state: PipelineTrainState, *batch) -> tuple[PipelineTrainState, Any]:
+    return self._jitted(state)(state, *batch)
 
 
 def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *, mesh,
