@@ -17,9 +17,12 @@ the model (simulated bubble, memory per stage, compiled ppermute windows).
 `value_and_grad(loss_fn, mesh=..., axis_name=...)`, with the plain loss one
 passes to `jax.value_and_grad`, cuts the stages itself
 (`passes.pipeline.cut`): `step(params, *batch) -> (loss, grads)`.
+`make_train_step(loss_fn, optimizer, mesh=..., axis_name=...)` adds the
+optimizer, applied per stage on the stage-sharded parameters.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -28,6 +31,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ooojax._explain_pipeline import PipelineReport, explain
+from ooojax._pipeline_train import (PipelineTrainState, PipelineTrainStep, StageParams,
+                                    make_train_step)
 from passes.pipeline.cut import Cut, CutError, cut
 from passes.pipeline.execute import lower, lower_train
 from passes.pipeline.program import Memory
@@ -37,7 +42,8 @@ from passes.pipeline.schedule import Action, PipelineSchedule, ScheduleError
 from passes.pipeline.steps import SteadyState, steady_state, tile
 
 __all__ = ["SCHEDULES", "Action", "Cut", "CutError", "Memory", "PipelineReport",
-           "PipelineSchedule", "ScheduleError", "SteadyState", "explain", "memory", "schedule",
+           "PipelineSchedule", "PipelineTrainState", "PipelineTrainStep", "ScheduleError",
+           "StageParams", "SteadyState", "explain", "make_train_step", "memory", "schedule",
            "steady_state", "tile", "train", "value_and_grad"]
 
 
@@ -177,47 +183,69 @@ def _table(schedule, stages: int, microbatches: int | None,
                   f"{type(schedule).__name__}")
 
 
-def _auto(loss_fn: Callable, sched: PipelineSchedule, mesh, axis_name: str,
-          has_aux: bool, data_axis: str | None) -> Callable:
-  """`step(params, *batch)` of a plain loss, cut by `passes.pipeline.cut` and run
-  by `passes.pipeline.execute.lower`. The loss is traced on every call of `step`
-  (once per `jax.jit` trace): a cached trace would keep the constants it closes
-  over, tracers of an outer trace included."""
+@dataclasses.dataclass(frozen=True)
+class _AutoProgram:
+  """A plain loss cut for one batch: `run(cut.stage_params(leaves, V), (inputs, targets),
+  shared) -> (loss, (stage_grads, shared_grads))`, `inputs` / `targets` the batch leaves
+  the prologue / epilogue read (scalars as a row per example)."""
+  cut: Cut
+  run: Callable
+  inputs: tuple
+  targets: tuple
+
+
+def _auto_program(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, mesh,
+                  axis_name: str, data_axis: str | None, p_avals, p_tree,
+                  batch, device_major: bool = False) -> _AutoProgram:
+  """Traces `loss_fn` at one data replica's slice of one microbatch (what each device
+  runs), cuts it (`passes.pipeline.cut`) and lowers the cut (`execute.lower`)."""
   M, V = sched.microbatches, sched.virtual_stages
   D = mesh.shape[data_axis] if data_axis in mesh.shape else 1
+  b_leaves, b_tree = jax.tree.flatten(batch)
+  scalar = [jnp.ndim(x) == 0 for x in b_leaves]   # passed whole to every microbatch
+  rows = {jnp.shape(x)[0] for x, sc in zip(b_leaves, scalar) if not sc}
+  if len(rows) != 1 or next(iter(rows)) % (M * D):
+    per = f"microbatches={M}" + (f" x {D} data replicas" if D > 1 else "")
+    raise ValueError(f"the batch's arrays need one leading size divisible by {per} (they "
+                     f"are split on it); got leading sizes {sorted(rows)}")
+  B = next(iter(rows))
+  sd = lambda x, s: jax.ShapeDtypeStruct(s, jnp.result_type(x))  # noqa: E731
+  b_avals = [sd(x, () if sc else (jnp.shape(x)[0] // (M * D), *jnp.shape(x)[1:]))
+             for x, sc in zip(b_leaves, scalar)]
+  n = len(p_avals)
+
+  def flat(*xs):
+    out = loss_fn(p_tree.unflatten(xs[:n]), *b_tree.unflatten(xs[n:]))
+    return out[0] if has_aux else out
+
+  c = cut(jax.make_jaxpr(flat)(*p_avals, *b_avals), n)
+  # A scalar travels as a row per example (the executor splits every leaf), read at [0].
+  whole = lambda ids, xs: tuple(x[0] if scalar[i] else x  # noqa: E731
+                                for i, x in zip(ids, xs))
+  run = lower(c.stage_fn(c.per_stage(V)),
+              lambda y, tg, sh: c.loss_fn(y, whole(c.targets, tg), sh), sched, mesh,
+              axis_name, lambda ins, sh: c.input_fn(whole(c.inputs, ins), sh), data_axis,
+              device_major)
+  rowed = lambda ids: tuple(  # noqa: E731
+      jnp.broadcast_to(b_leaves[i], (B,)) if scalar[i] else b_leaves[i] for i in ids)
+  return _AutoProgram(c, run, rowed(c.inputs), rowed(c.targets))
+
+
+def _auto(loss_fn: Callable, sched: PipelineSchedule, mesh, axis_name: str,
+          has_aux: bool, data_axis: str | None) -> Callable:
+  """`step(params, *batch)` of a plain loss (`_auto_program`). The loss is traced on
+  every call of `step` (once per `jax.jit` trace): a cached trace would keep the
+  constants it closes over, tracers of an outer trace included."""
+  V = sched.virtual_stages
 
   def step(params, *batch):
     leaves, p_tree = jax.tree.flatten(params)
-    b_leaves, b_tree = jax.tree.flatten(batch)
-    scalar = [jnp.ndim(x) == 0 for x in b_leaves]   # passed whole to every microbatch
-    rows = {jnp.shape(x)[0] for x, sc in zip(b_leaves, scalar) if not sc}
-    if len(rows) != 1 or next(iter(rows)) % (M * D):
-      per = f"microbatches={M}" + (f" x {D} data replicas" if D > 1 else "")
-      raise ValueError(f"the batch's arrays need one leading size divisible by {per} (they "
-                       f"are split on it); got leading sizes {sorted(rows)}")
-    B = next(iter(rows))
-    sd = lambda x, s: jax.ShapeDtypeStruct(s, jnp.result_type(x))  # noqa: E731
-    p_avals = [sd(x, jnp.shape(x)) for x in leaves]
-    # traced at one data replica's slice of one microbatch: what each device runs
-    b_avals = [sd(x, () if sc else (jnp.shape(x)[0] // (M * D), *jnp.shape(x)[1:]))
-               for x, sc in zip(b_leaves, scalar)]
-    n = len(leaves)
-
-    def flat(*xs):
-      out = loss_fn(p_tree.unflatten(xs[:n]), *b_tree.unflatten(xs[n:]))
-      return out[0] if has_aux else out
-
-    c = cut(jax.make_jaxpr(flat)(*p_avals, *b_avals), n)
-    # A scalar travels as a row per example (the executor splits every leaf), read at [0].
-    whole = lambda ids, xs: tuple(x[0] if scalar[i] else x  # noqa: E731
-                                  for i, x in zip(ids, xs))
-    run = lower(c.stage_fn(c.per_stage(V)),
-                lambda y, tg, sh: c.loss_fn(y, whole(c.targets, tg), sh), sched, mesh,
-                axis_name, lambda ins, sh: c.input_fn(whole(c.inputs, ins), sh), data_axis)
-    rowed = lambda ids: tuple(  # noqa: E731
-        jnp.broadcast_to(b_leaves[i], (B,)) if scalar[i] else b_leaves[i] for i in ids)
-    loss, (gp, gsh) = run(c.stage_params(leaves, V), (rowed(c.inputs), rowed(c.targets)),
-                          tuple(leaves[i] for i in c.shared))
+    p_avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves]
+    prog = _auto_program(loss_fn, has_aux, sched, mesh, axis_name, data_axis, p_avals,
+                         p_tree, batch)
+    c = prog.cut
+    loss, (gp, gsh) = prog.run(c.stage_params(leaves, V), (prog.inputs, prog.targets),
+                               tuple(leaves[i] for i in c.shared))
     if _explicit(mesh):  # stage axes come back sharded; the user's leaves are whole
       gp = jax.tree.map(lambda g: jax.reshard(g, NamedSharding(mesh, P())), gp)
     grads = p_tree.unflatten(c.grads(leaves, gp, gsh))

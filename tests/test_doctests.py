@@ -8,7 +8,8 @@ MODULES = ["ooojax._api", "ooojax._calibrate", "ooojax._explain", "ooojax.flax",
            "passes.simulate", "passes.hlo.schedule", "passes.hlo.compare", "passes.hlo.windows",
            "ooojax.gpu_hlo", "passes.collectives.plan", "ooojax.data_parallel",
            "ooojax._explain_pipeline", "ooojax.models.mlp_stack", "passes.pipeline.steps",
-           "ooojax.single_gpu", "passes.fingerprint"]
+           "ooojax.single_gpu", "passes.fingerprint",
+           "ooojax._pipeline_train"]
 
 
 @pytest.mark.parametrize("name", MODULES)

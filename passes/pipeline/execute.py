@@ -50,8 +50,8 @@ from passes.pipeline.program import (Memory, Program, memory, program, split_mic
                                      trace)
 from passes.pipeline.schedule import PipelineSchedule
 
-__all__ = ["Flavor", "Memory", "Program", "lower", "lower_train", "make_flavor", "memory",
-           "program"]
+__all__ = ["Flavor", "Memory", "Program", "device_order", "lower", "lower_train",
+           "make_flavor", "memory", "program"]
 
 
 def _read(env, v):
@@ -85,7 +85,7 @@ def _check(sched: PipelineSchedule, mesh, axis_name: str) -> None:
 
 def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
           axis_name: str, input_fn: Callable | None = None,
-          data_axis: str | None = None) -> Callable:
+          data_axis: str | None = None, device_major: bool = False) -> Callable:
   """Returns `step(stage_params, batch, shared=None) -> (loss, grads)`; see the module doc.
 
   `stage_params` leaves are stacked on a leading axis of `sched.virtual_stages`;
@@ -94,6 +94,9 @@ def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
   `(stage_grads, shared_grads)` when `shared` is given. With a `data_axis` (a
   second mesh axis) each microbatch is split over it too: every data replica
   runs the table on its slice, and the loss and gradients are their mean.
+  With `device_major`, `stage_params` (and `grads`) stack the virtual stages in
+  device order (`device_order(sched)`): device s's chunks are contiguous, so a
+  stage-sharded stack reaches its devices without moving (interleaved, zb-v).
   """
   _check(sched, mesh, axis_name)
   D = _data_size(mesh, axis_name, data_axis)
@@ -113,7 +116,7 @@ def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
                  data_axis=data_axis)
     loss, gp, gsh = _shard(body, sched, mesh, axis_name, stage_params, shared,
                            inputs_m, targets_m, [fl.consts for fl in prog.flavors],
-                           data_axis=data_axis)
+                           data_axis=data_axis, device_major=device_major)
     return loss, (gp if shared is None else (gp, gsh))
 
   return step
@@ -162,7 +165,7 @@ def lower_train(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, 
 
 
 def _shard(body, sched, mesh, axis_name, stage_params, shared, inputs_m, targets_m, consts,
-           opt_state=None, data_axis=None):
+           opt_state=None, data_axis=None, device_major=False):
   """Runs `body` under `shard_map`: each device gets its chunks' weights (and
   optimizer states); returns what it returns, per-chunk trees back in
   virtual-stage order."""
@@ -174,6 +177,10 @@ def _shard(body, sched, mesh, axis_name, stage_params, shared, inputs_m, targets
   split = lambda tree: tuple(jax.tree.map(lambda x, c=c: _take(x, idx[c]), tree)  # noqa: E731
                              for c in range(v))
   from_dev = lambda *xs: _untake(xs, idx, inv)  # noqa: E731
+  if device_major and v > 1:  # device s's chunks at rows s * v + c: a local slice
+    split = lambda tree: tuple(jax.tree.map(  # noqa: E731
+        lambda x, c=c: x.reshape(S, v, *x.shape[1:])[:, c], tree) for c in range(v))
+    from_dev = lambda *xs: jnp.stack(xs, 1).reshape(S * v, *xs[0].shape[1:])  # noqa: E731
   p_spec = tuple(jax.tree.map(lambda _: P(axis_name), stage_params) for _ in range(v))
   rep = lambda t: jax.tree.map(lambda _: P(), t)  # noqa: E731
   dat = lambda t: jax.tree.map(lambda _: P(None, data_axis), t)  # noqa: E731
@@ -194,10 +201,17 @@ def _shard(body, sched, mesh, axis_name, stage_params, shared, inputs_m, targets
   trees = (per_chunk,) if opt_state is None else (per_chunk, last)
   out = []
   for t in trees:
-    if _explicit(mesh) and v > 1:  # chunks interleave into V: unsharded operands there
+    if _explicit(mesh) and v > 1 and not device_major:  # chunks interleave into V
       t = jax.tree.map(lambda x: jax.reshard(x, NamedSharding(mesh, P())), t)
     out.append(jax.tree.map(from_dev, *t))
   return (loss, out[0], last) if opt_state is None else (loss, *out)
+
+
+def device_order(sched: PipelineSchedule) -> np.ndarray:
+  """The virtual stage at each row of a device-major stack: device s's chunk c at
+  row s * chunks + c (the identity without chunks)."""
+  return np.array([sched.vstage(s, c) for s in range(sched.stages)
+                   for c in range(sched.chunks)])
 
 
 def _data_size(mesh, axis_name, data_axis) -> int:
