@@ -326,6 +326,17 @@ class _Transformed:
     with _gc_paused():
       return self._plan_traced(closed, dyn, layout, diff)
 
+  def abstract_plan(self, *args) -> _Plan:
+    """The plan for arguments given by shape (arrays or `jax.ShapeDtypeStruct`s):
+    traced under `jax.eval_shape`, nothing runs."""
+    box = {}
+
+    def trace(*a):
+      box["plan"], _ = self.plan(a, {})
+      return 0.0
+    jax.eval_shape(trace, *args)
+    return box["plan"]
+
   def _plan_traced(self, closed, dyn, layout, diff) -> tuple[_Plan, list]:
     aux_tree, aux_parts, g_tree, g_parts = layout
     n_aux = sum(p is None for p in aux_parts)

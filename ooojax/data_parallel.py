@@ -96,13 +96,7 @@ class DataParallelStep:
     vg = value_and_grad(self.loss_fn, mode="in_order", device=opts.get("device"))
     local = jax.tree.map(lambda b: jax.ShapeDtypeStruct((b.shape[0] // self.n, *b.shape[1:]),
                                                         b.dtype), batch)
-    box = {}
-
-    def trace(p, b):
-      box["plan"], _ = vg.plan((p, b), {})
-      return 0.0
-    jax.eval_shape(trace, params, local)
-    plan = box["plan"]
+    plan = vg.abstract_plan(params, local)
     cp = collectives.plan(plan.split, plan.schedule, CostModel(opts.get("device")), self.n,
                           opts.get("link"), opts.get("bucket_bytes"), opts.get("first_k"),
                           cross_step=self.cross_step)

@@ -209,13 +209,7 @@ class SingleGPUStep:
 
   def _plan(self, params, batch) -> Plan:
     vg = self._vg()
-    box = {}
-
-    def trace(p, b):
-      box["plan"], _ = vg.plan((p, b), {})
-      return 0.0
-    jax.eval_shape(trace, params, batch)
-    plan = box["plan"]
+    plan = vg.abstract_plan(params, batch)
     sp, sched = plan.split, plan.schedule
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths = tuple(jax.tree_util.keystr(k) for k, _ in flat)

@@ -31,6 +31,7 @@ from typing import Any
 
 from passes import _compat
 from passes.cost import CostModel
+from passes.emit import free_inputs
 from passes.ir import Action, Kind, Schedule, Split, Unit, UnitKind
 from passes.schedule import _anchorable, _eqn_seconds, is_heavy
 from passes.simulate import simulate
@@ -136,15 +137,7 @@ def defer(split: Split, sched: Schedule, leaves: Collection[int]) -> Deferral:
   cl = {can[i]: i for i in leaves}
   ids = sorted(k for c in split.clusters if c.index in cl for k in c.eqns)
   # the late jaxpr: the deferred clusters' equations, their free inputs carried
-  defined: set = set()
-  ins: list = []
-  seen: set = set()
-  for k in ids:
-    for v in eqns[k].invars:
-      if isinstance(v, _compat.Var) and v not in defined and v not in seen:
-        seen.add(v)
-        ins.append(v)
-    defined.update(eqns[k].outvars)
+  ins, _ = free_inputs(eqns, ids)
   start = split.grad_out_start
   n_grads = len(jaxpr.outvars) - start
   outs = [jaxpr.outvars[start + i] for i in leaves]

@@ -201,17 +201,23 @@ def _run_eqns(eqns, env, skip=None, anchors=None, life=None, stacks=None):
     life.done([k for k, _ in eqns])
 
 
-def _cluster_io(jaxpr, eqn_ids: Sequence[int]):
-  eqns = jaxpr.eqns
-  defined = set()
+def free_inputs(eqns, eqn_ids: Sequence[int]) -> tuple[list, set]:
+  """(vars the equations `eqn_ids` read but do not define, in first-read order;
+  the vars they define)."""
+  defined: set = set()
   ins: list = []
-  seen = set()
+  seen: set = set()
   for k in eqn_ids:
     for v in eqns[k].invars:
       if isinstance(v, _compat.Var) and v not in defined and v not in seen:
         seen.add(v)
         ins.append(v)
     defined.update(eqns[k].outvars)
+  return ins, defined
+
+
+def _cluster_io(jaxpr, eqn_ids: Sequence[int]):
+  ins, defined = free_inputs(jaxpr.eqns, eqn_ids)
   pos = _out_positions(jaxpr)
   outs = sorted({v for v in defined if v in pos}, key=pos.__getitem__)
   return ins, outs
