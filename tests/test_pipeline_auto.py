@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from flax import nnx
 
 import ooojax as ooo
 from ooojax.models import features
@@ -130,6 +131,48 @@ def test_gpt_tied_embeddings(scan, stages, schedule):
   _check(loss, params, batch, stages, schedule)
 
 
+# --- an nnx transformer LM: nnx.scan over nnx.vmap-created blocks, tied embeddings ------
+class _NnxBlock(nnx.Module):
+  def __init__(self, dim, heads, rngs):
+    self.ln1, self.ln2 = nnx.LayerNorm(dim, rngs=rngs), nnx.LayerNorm(dim, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(heads, dim, decode=False, rngs=rngs)
+    self.up, self.down = nnx.Linear(dim, 2 * dim, rngs=rngs), nnx.Linear(2 * dim, dim, rngs=rngs)
+
+  def __call__(self, x):
+    x = x + self.attn(self.ln1(x), mask=nnx.make_causal_mask(jnp.ones(x.shape[:2])))
+    return x + self.down(nnx.gelu(self.up(self.ln2(x))))
+
+
+class _NnxLM(nnx.Module):
+  def __init__(self, vocab, dim, heads, layers, rngs):
+    self.embed = nnx.Embed(vocab, dim, rngs=rngs)
+
+    @nnx.split_rngs(splits=layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def blocks(rngs):
+      return _NnxBlock(dim, heads, rngs)
+    self.blocks = blocks(rngs)
+    self.ln = nnx.LayerNorm(dim, rngs=rngs)
+
+  def __call__(self, tokens):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def run(h, block):
+      return block(h)
+    return self.embed.attend(self.ln(run(self.embed(tokens), self.blocks)))
+
+
+@pytest.mark.parametrize("stages,schedule", [(2, "interleaved"), (4, "zb-h1")])
+def test_nnx_transformer(stages, schedule):
+  graph, params = nnx.split(_NnxLM(13, 8, 2, 4, nnx.Rngs(0)), nnx.Param)
+  tokens = jax.random.randint(jax.random.key(0), (8, 7), 0, 13)
+
+  def loss(params, tokens):
+    logits = nnx.merge(graph, params)(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+  _check(loss, params, (tokens,), stages, schedule)
+
+
 # --- an unrolled Python loop of identical blocks ---------------------------------------
 def _mlp(layers=4, widths=None):
   keys = iter(jax.random.split(jax.random.key(0), 16))
@@ -152,7 +195,8 @@ def _mlp(layers=4, widths=None):
   return loss, params, (x, y)
 
 
-@pytest.mark.parametrize("stages,schedule", [(4, "1f1b"), (2, "zb-h1")])
+@pytest.mark.parametrize("stages,schedule",
+                         [(4, "1f1b")] + [(2, s) for s in ooo.pipeline.SCHEDULES])
 def test_unrolled_mlp(stages, schedule):
   loss, params, batch = _mlp()
   _check(loss, params, batch, stages, schedule)
