@@ -14,8 +14,6 @@ import argparse
 import re
 import time
 
-import jax
-
 import ooojax as ooo
 from benchmarks import _report
 from ooojax._hlo_cli import load_model
@@ -25,14 +23,7 @@ from passes.cost import CostModel
 
 def _plan(name, device, batch):
   loss, args, kw = load_model(name, batch=batch)
-  vg = ooo.value_and_grad(loss, mode="single_gpu", device=device, **kw)
-  box = {}
-
-  def trace(*a):
-    box["plan"], _ = vg.plan(a, {})
-    return 0.0
-  jax.eval_shape(trace, *args)
-  return box["plan"]
+  return ooo.value_and_grad(loss, mode="single_gpu", device=device, **kw).abstract_plan(*args)
 
 
 def paper_leaves(split) -> tuple[int, ...]:
