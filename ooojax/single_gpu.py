@@ -16,7 +16,7 @@ them behind. Here:
   step t is updated at once; a deferred parameter is updated after
   `Deferral.anchor`, the last sizeable forward conv / matmul before its
   first use, to which the deferred call's result is tied
-  (`passes.emit.LateLeaves`). So the deferred dW run beside the forward up
+  (`passes.stream_calls.LateLeaves`). So the deferred dW run beside the forward up
   to that point.
 
 Every forward reads the parameters of the plain synchronous loop
@@ -52,7 +52,8 @@ from ooojax._api import _make_options, value_and_grad
 from ooojax.data_parallel import Pending
 from passes import _compat, defer as defer_pass
 from passes.cost import CostModel
-from passes.emit import LateLeaves, emit, side_call
+from passes.emit import emit
+from passes.stream_calls import LateLeaves, side_call
 
 
 class DeferredTrainState(struct.PyTreeNode):
@@ -141,7 +142,7 @@ def _select(valid, new, old):
 
 def _tie(bufs, anchor):
   # twice: XLA's simplifier drops a barrier element whose only user is the
-  # barrier (see passes.emit._Anchor.after)
+  # barrier (see passes.stream_calls.Anchor.after)
   tied, _ = jax.lax.optimization_barrier((list(bufs), anchor))
   tied, _ = jax.lax.optimization_barrier((tied, anchor))
   return tied

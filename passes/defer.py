@@ -11,7 +11,7 @@ the cluster (`Deferral.late`, a jaxpr `carried -> grads`) beside its forward.
 The optimizer update of a deferred parameter needs that gradient, so the next
 step binds the parameter late: after `Deferral.anchor`, the last sizeable
 forward conv / matmul before the parameter's first forward use
-(`passes.emit.LateLeaves`). Everything else of the step (forward, dX chain,
+(`passes.stream_calls.LateLeaves`). Everything else of the step (forward, dX chain,
 the other dW clusters and their schedule) is unchanged.
 
 `choose` simulates the steady state (`steady_state`): step t+1 runs the
@@ -31,7 +31,7 @@ from typing import Any
 
 from passes import _compat
 from passes.cost import CostModel
-from passes.emit import free_inputs
+from passes.stream_calls import free_inputs
 from passes.ir import Action, Kind, Schedule, Split, Unit, UnitKind
 from passes.schedule import _anchorable, _eqn_seconds, is_heavy
 from passes.simulate import simulate

@@ -32,23 +32,22 @@ with the stream calls and barriers built as equations beside them, go into
 one nested `jit` equation (`passes.stage.CallStager`; XLA inlines the call), so
 emission costs about one object per equation and the caller's trace holds a
 single equation. Elsewhere (eager, under `vmap`) each equation is bound.
+
+The stream calls, the anchors that pin their windows and the late-bound
+leaves of the deferred step live in `passes.stream_calls`.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
-from jax import lax
 
 from passes import _compat, stage
 from passes.scan import skew as scan_skew
-from passes.fingerprint import exact_key
 from passes.ir import Call, Kind, Schedule, Split
+from passes.stream_calls import Anchor, Late, LateLeaves, calls_of, on_stream
 
 ORDERINGS = ("auto", "barriers", "control_deps", "scheduling_group", "none")
 
@@ -63,7 +62,7 @@ class _Lifetimes:
   A value leaves `env` after its last reader is emitted; with `consume`, an
   emitted source equation also leaves the source jaxpr (the caller owns it).
   The stacks dict shares name stacks across `_compat.emit_eqns` calls, and
-  `sites` the stream calls of equal clusters.
+  `sites` the stream calls of equal clusters (`passes.stream_calls.on_stream`).
 
   When the caller's trace stages a jaxpr, the equations of consecutive units
   wait in `pending` (each with its unit's name scope) until something must
@@ -74,7 +73,7 @@ class _Lifetimes:
 
   def __init__(self, jaxpr, env: dict, skip, consume: bool):
     self.eqns, self.env, self.stacks = jaxpr.eqns, env, {}
-    self.sites: dict = {}  # exact_key -> _StreamCall (see `_on_stream`)
+    self.sites: dict = {}  # exact_key -> StreamCall (see `stream_calls.on_stream`)
     self.consume = consume and isinstance(self.eqns, list)
     self.uses: dict = {}
     for k, eqn in enumerate(self.eqns):
@@ -201,294 +200,6 @@ def _run_eqns(eqns, env, skip=None, anchors=None, life=None, stacks=None):
     life.done([k for k, _ in eqns])
 
 
-def free_inputs(eqns, eqn_ids: Sequence[int]) -> tuple[list, set]:
-  """(vars the equations `eqn_ids` read but do not define, in first-read order;
-  the vars they define)."""
-  defined: set = set()
-  ins: list = []
-  seen: set = set()
-  for k in eqn_ids:
-    for v in eqns[k].invars:
-      if isinstance(v, _compat.Var) and v not in defined and v not in seen:
-        seen.add(v)
-        ins.append(v)
-    defined.update(eqns[k].outvars)
-  return ins, defined
-
-
-def _cluster_io(jaxpr, eqn_ids: Sequence[int]):
-  ins, defined = free_inputs(jaxpr.eqns, eqn_ids)
-  pos = _out_positions(jaxpr)
-  outs = sorted({v for v in defined if v in pos}, key=pos.__getitem__)
-  return ins, outs
-
-
-_last_outs: list = [None, {}]  # (weakref to a jaxpr, its outvar -> first position)
-
-
-def _out_positions(jaxpr) -> dict:
-  # Built once per jaxpr: scanning all outputs per cluster was quadratic in depth.
-  ref = _last_outs[0]
-  if ref is None or ref() is not jaxpr:
-    pos: dict = {}
-    for i, v in enumerate(jaxpr.outvars):
-      if isinstance(v, _compat.Var):
-        pos.setdefault(v, i)
-    _last_outs[:] = [weakref.ref(jaxpr), pos]
-  return _last_outs[1]
-
-
-def _on_stream(jaxpr, eqn_ids, env, stream: int, life,
-               pinned: bool = False) -> tuple[list, list, list, Any]:
-  """Binds the equations as one stream-annotated call.
-
-  The call returns one flat buffer per dtype (its outputs flattened and
-  concatenated). Flat: the layout change XLA adds for a conv's filter
-  gradient then happens inside the call, on the side stream, instead of as a
-  transpose right after the done. One buffer: XLA schedules a done right
-  before its first user, and the element reads of a multi-output done are
-  users that the memory scheduler places early; a single output's first user
-  is whatever the emitter ties it to.
-
-  Returns (the call's operands, output vars, the flat buffers, unpack)
-  where `unpack(buffers)` gives the outputs in their shapes; `env` gets
-  them now unless `pinned` (then `_Anchor.after` does).
-  """
-  ins, outs = _cluster_io(jaxpr, eqn_ids)
-  eqns = [jaxpr.eqns[k] for k in eqn_ids]
-  # the context is part of the key: a site's equations are copied with the
-  # context they were traced in (e.g. ordering="scheduling_group"'s group id)
-  key = (exact_key(eqns, ins, outs), _compat.eqn_context())
-  site = life.sites.get(key)
-  if site is None:
-    site = life.sites[key] = _StreamCall(eqns, ins, outs, stream, life.stacks)
-  if life.stager.ok:  # as equations, staged with the rest (see `_Lifetimes`)
-    flat = site.pack.staged([life.subst.get(v, v) for v in ins], life)
-    life.take(eqn_ids)
-    if pinned:
-      # Its anchor reads these later, maybe after a flush (an equation the stager
-      # cannot hold in between, e.g. a psum with effects inside shard_map).
-      for v in flat:
-        life.keep(v)
-
-    def unpack(bufs):
-      vals = site.unpack.staged(bufs, life)
-      life.alias(outs, vals)
-      return vals
-  else:
-    flat = site.pack([env[v] for v in ins], life.stacks)
-    life.done(eqn_ids)
-
-    def unpack(bufs):
-      vals = site.unpack(bufs, life.stacks)
-      env.update(zip(outs, vals))
-      return vals
-  flat_ins, results = flat[:len(ins)], flat[len(ins):]
-  if not pinned:  # a pinned call's outputs are unpacked after its anchor
-    unpack(results)
-  return flat_ins, outs, results, unpack
-
-
-class _StreamCall:
-  """A cluster's stream call, traced once and copied to every equal cluster.
-
-  Clusters with one `exact_key` (a deep model's layers) compute the same
-  function, so they share these equations, the call's body among them: it is
-  traced once, and JAX's lowering cache lowers it once. `pack` takes the
-  cluster's inputs to (*flat inputs, *flat buffers); `unpack` takes the
-  buffers to the outputs in their shapes. A site copies the few equations
-  (`_compat.emit_eqns`) rather than tracing them again.
-  """
-
-  def __init__(self, eqns, ins, outs, stream: int, stacks):
-    in_shapes = [tuple(np.shape(v.aval)) for v in ins]
-    shapes = [tuple(np.shape(v.aval)) for v in outs]
-    sizes = [int(np.prod(s)) for s in shapes]
-    dtypes = list(dict.fromkeys(v.aval.dtype for v in outs))
-    slot = [dtypes.index(v.aval.dtype) for v in outs]
-    call = _compat.on_stream(_body(eqns, ins, outs, in_shapes, dtypes, slot, stacks),
-                             stream, len(dtypes))
-
-    def pack(*vals):
-      # Inputs go in flat as well: a layout change XLA needs for an operand is
-      # then made on the value the emitter pins (see `_Anchor.before`), not on
-      # a copy the memory scheduler may compute late, holding back the start.
-      flat = [lax.reshape(x, (int(np.prod(s)),)) if len(s) >= 2 else x
-              for x, s in zip(vals, in_shapes)]
-      return (*flat, *call(*flat))
-
-    def unpack(*bufs):
-      # one split per buffer, not a slice per output: fewer equations to trace and lower
-      pieces = []
-      for i, b in enumerate(bufs):
-        ns = [n for n, j in zip(sizes, slot) if j == i]
-        pieces.append(iter(lax.split(b, ns) if len(ns) > 1 else [b]))
-      return [lax.reshape(next(pieces[i]), s) for s, i in zip(shapes, slot)]
-
-    self.pack = _Traced(pack, [v.aval for v in ins])
-    self.unpack = _Traced(unpack, self.pack.out_avals[len(ins):])
-
-
-class _Traced:
-  """`fun` traced once for `avals`; a call copies its equations into the current trace."""
-
-  def __init__(self, fun, avals):
-    self.fun = fun
-    self.closed = jax.make_jaxpr(fun)(*[_compat.shape_dtype(a) for a in avals])
-    self.out_avals = self.closed.out_avals
-    self.in_avals = list(avals)
-
-  def __call__(self, vals, stacks) -> list:
-    if [jax.typeof(x) for x in vals] != self.in_avals:  # pragma: no cover - a type the
-      return list(self.fun(*vals))                       # spec did not capture: trace
-    jaxpr = self.closed.jaxpr
-    env = dict(zip(jaxpr.constvars, self.closed.consts))
-    env.update(zip(jaxpr.invars, vals))
-    _compat.emit_eqns(jaxpr.eqns, env, stacks)
-    return [_read(env, v) for v in jaxpr.outvars]
-
-  def staged(self, ins, life) -> list:
-    """Appends the equations, reading the vars `ins`, to `life.pending`; returns the output vars."""
-    if self.closed.consts:  # pragma: no cover - the templates here have none
-      raise NotImplementedError("a staged template with consts")
-    eqns, outs = stage.renamed(self.closed.jaxpr, ins)
-    life.add(eqns)
-    return outs
-
-
-def side_call(jaxpr, vals: Sequence[Any], stream: int = 1) -> tuple[list, Callable]:
-  """Evaluates `jaxpr` (no consts) as one call annotated for GPU stream `stream`.
-
-  Returns `(buffers, unpack)`: the call's flat outputs (one per dtype) and
-  `unpack(buffers) -> outputs` in `jaxpr.outvars`' shapes. Tie the buffers to
-  main-stream work (`lax.optimization_barrier`) before unpacking them to keep
-  the call's window open until that work (see `_Anchor`).
-  """
-  site = _StreamCall(list(jaxpr.eqns), list(jaxpr.invars), list(jaxpr.outvars), stream, {})
-  flat = site.pack(list(vals), {})
-  return list(flat[len(jaxpr.invars):]), lambda bufs: site.unpack(list(bufs), {})
-
-
-def _body(eqns, ins, outs, in_shapes, dtypes, slot, stacks):
-  """The call's body: flat operands in, one flat buffer per dtype out."""
-  eqns = list(enumerate(eqns))
-
-  def body(*vals):
-    local = {v: lax.reshape(x, s) if len(s) >= 2 else x for v, x, s in zip(ins, vals, in_shapes)}
-    # the body's values are its own: share only the name stacks
-    _run_eqns(eqns, local, stacks=stacks)
-    parts: list[list] = [[] for _ in dtypes]
-    for v, i in zip(outs, slot):
-      parts[i].append(lax.reshape(local[v], (int(np.prod(np.shape(v.aval))),)))
-    return tuple(p[0] if len(p) == 1 else lax.concatenate(p, 0) for p in parts)
-  return body
-
-
-def _calls_of(sched: Schedule, units) -> tuple[Call, ...]:
-  if sched.calls or len(sched.streams) < 2:
-    return sched.calls
-  # A schedule built by hand without calls: one call per side unit, no anchor.
-  return tuple(Call((a.unit,), a.stream, units[a.unit].deps[0])
-               for s in sched.streams[1:] for a in s)
-
-
-class _Anchor:
-  """The calls whose window closes at one main-stream equation.
-
-  `before` ties the calls' inputs to the equation's inputs, so the equation
-  cannot run before the calls start; `after` ties the calls' flat outputs to
-  its output, so the calls' dones cannot be scheduled before it.
-  """
-
-  def __init__(self, env):
-    self.env = env
-    self.calls: list = []  # (input values, output vars, flat buffers, unpack)
-
-  def stage(self, eqn, life) -> None:
-    """`before`, the equation and `after` as equations pending in `life` (vars, not values)."""
-    ins = [x for c in self.calls for x in c[0]]
-    ivars = [v if isinstance(v, _compat.Literal) else life.subst.get(v, v) for v in eqn.invars]
-    b1, tied_in = stage.barrier_eqn([*ins, *ivars])  # literals too, as `before` ties them
-    anchor = eqn.replace(invars=tied_in[len(ins):])
-    out = eqn.outvars[0]
-    flats = [x for c in self.calls for x in c[2]]
-    b2, t2 = stage.barrier_eqn([*flats, out])
-    b3, t3 = stage.barrier_eqn([*t2[:-1], out])  # chained: see `after`
-    life.add([b1, anchor, b2, b3])
-    if life.uses.get(out, 0):  # the barriers' two reads are not the program's: its
-      life.keep(out)           # readers may come after a flush (an unstageable equation)
-    it = iter(t3[:-1])
-    for c in self.calls:
-      c[3]([next(it) for _ in c[2]])
-
-  def unpin(self, life) -> None:  # pragma: no cover - see `_run_eqns`
-    for c in self.calls:
-      c[3](c[2])
-
-  def before(self, invals):
-    ins = [x for c in self.calls for x in c[0]]
-    _, invals = jax.lax.optimization_barrier((ins, list(invals)))
-    return invals
-
-  def after(self, outs):
-    # Tie the flat buffers themselves: any op on the done before the
-    # barrier (a slice, a reshape) is a user XLA may schedule early.
-    tied, _ = jax.lax.optimization_barrier(([c[2] for c in self.calls], outs[0]))
-    # Again, chained: XLA's simplifier drops an unused barrier element whose
-    # only user is the barrier (e.g. a layout bitcast of the anchor made for
-    # it); two barriers make two users, so the anchor stays in both.
-    tied, _ = jax.lax.optimization_barrier((tied, outs[0]))
-    for (_, out_vars, _, unpack), flat in zip(self.calls, tied):
-      self.env.update(zip(out_vars, unpack(flat)))
-
-
-@dataclasses.dataclass(frozen=True)
-class LateLeaves:
-  """Input leaves bound mid-emission, after forward equation `anchor` (-1: before the forward).
-
-  `bind(anchor_value)` (the anchor's output, or None) returns the values of
-  the dynamic leaves at positions `leaves`. Until then those leaves are
-  unbound: a reader emitted earlier fails loudly (KeyError) rather than
-  reading a stale value. The single-GPU deferred-dW step binds the deferred
-  parameters this way, once their gradients, computed beside the forward,
-  are tied to the anchor (see `ooojax.single_gpu`).
-  """
-  anchor: int
-  leaves: tuple[int, ...]
-  bind: Callable[[Any], Sequence[Any]] = dataclasses.field(compare=False)
-
-
-class _Late:
-  """The anchor hook of `LateLeaves` (the `_Anchor` interface of `_run_eqns`)."""
-
-  def __init__(self, env, invars, late: LateLeaves):
-    self.env, self.invars, self.late = env, invars, late
-
-  def bind(self, value) -> None:
-    vals = list(self.late.bind(value))
-    if len(vals) != len(self.invars):
-      raise ValueError(f"LateLeaves.bind returned {len(vals)} values for "
-                       f"{len(self.invars)} leaves")
-    self.env.update(zip(self.invars, vals))
-
-  def stage(self, eqn, life) -> None:
-    life.add([eqn])
-    out = eqn.outvars[0]
-    life.keep(out)
-    life.flush()  # the late values are computed in the caller's trace
-    self.bind(self.env[out])
-
-  def unpin(self, life) -> None:  # pragma: no cover - an effectful anchor
-    life.flush()
-    self.bind(None)
-
-  def before(self, invals):
-    return invals
-
-  def after(self, outs):
-    self.bind(outs[0])
-
-
 def emit(split: Split, sched: Schedule, consts: Sequence[Any],
          leaves: Sequence[Any], *, ordering: str = "auto",
          annotate: bool = True, collectives=None, consume: bool = False,
@@ -535,13 +246,13 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
   units = {u.name: u for u in sched.units}
   main = [units[a.unit] for a in sched.streams[0]]
   calls_after: dict[str, list[Call]] = {}
-  for c in _calls_of(sched, units):
+  for c in calls_of(sched, units):
     calls_after.setdefault(c.after, []).append(c)
-  anchors: dict[int, _Anchor] = {}
+  anchors: dict[int, Anchor] = {}
   side_outs: list = []
   life = _Lifetimes(jaxpr, env, dead, consume)
   if late is not None:
-    hook = _Late(env, [jaxpr.invars[1 + len(consts) + i] for i in late.leaves], late)
+    hook = Late(env, [jaxpr.invars[1 + len(consts) + i] for i in late.leaves], late)
     if late.anchor < 0:
       hook.bind(None)
     else:
@@ -568,9 +279,9 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
       # the call runs beside the next segment: it shares that segment's group
       pinned = barriers and c.anchor >= 0
       with jax.named_scope(f"ooo_{label}"), meta(group + 1):
-        ins, outs, flat, unpack = _on_stream(jaxpr, eqn_ids, env, c.stream, life, pinned)
+        ins, outs, flat, unpack = on_stream(jaxpr, eqn_ids, env, c.stream, life, pinned)
       if pinned and outs:
-        hook = anchors.setdefault(c.anchor, _Anchor(env))
+        hook = anchors.setdefault(c.anchor, Anchor(env))
         hook.calls.append((ins, outs, flat, unpack))
       if flat:
         side_outs.append(flat[0])

@@ -137,7 +137,7 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
     n_out = sum(len(w.eqn.outvars) for w in Ws)
     if stream is None or n_out == 0:
       return flat, None, lambda _: split(f(*flat))
-    # As in passes.emit: operands in flat, one flat buffer per dtype out, so
+    # As in passes.stream_calls: operands in flat, one flat buffer per dtype out, so
     # layout changes happen inside the call and the done's only user is the
     # barrier that ties it to B's dX work (see `body`).
     in_shapes = [jnp.shape(x) for x in flat]
