@@ -29,11 +29,17 @@ class LoopRow:
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-  """The split and schedule of one `ooo.grad` call. Times are cost-model estimates."""
+  """The split and schedule of one `ooo.grad` call. Times are cost-model estimates.
+
+  `carried`: with `explain(..., defer=...)`, the `ooojax.single_gpu.Plan` of
+  the deferred train step (which dW clusters run in the next step, the bytes
+  carried in `Pending`, the simulated step with and without deferral).
+  """
   split: Split
   schedule: Schedule
   mode: str
   call: Any = dataclasses.field(default=None, compare=False, repr=False)  # for compiled()
+  carried: Any = None
 
   @property
   def counts(self) -> dict[str, int]:
@@ -108,6 +114,9 @@ class Report:
         f"speedup {s.predicted_speedup:.3f}x",
     ]
     lines += self._loop_lines()
+    if self.carried is not None:
+      lines += ["  carried to the next step (single_gpu.make_train_step):",
+                *(f"    {l}" for l in str(self.carried).splitlines())]
     for i, stream in enumerate(s.streams):
       text = " ".join(str(a) for a in stream)
       lines.append(f"  stream {i}: {text[:200]}{' ...' if len(text) > 200 else ''}")
@@ -178,7 +187,10 @@ def explain(fun, *args, argnums=0, has_aux=False, **options):
   device's shard, `axis_size=N` gives the number of devices outside
   `pmap` / `shard_map`, `cross_step=True` chooses k as
   `ooojax.data_parallel.make_train_step` does. Pipelines:
-  `ooo.pipeline.explain`.
+  `ooo.pipeline.explain`. With `defer="auto" | paths | predicate` (as
+  `ooojax.single_gpu.make_train_step` takes it; `fun(params, batch)`) the
+  report also says what the deferred train step carries to the next step
+  (`Report.carried`).
 
   >>> import jax.numpy as jnp, ooojax as ooo
   >>> r = ooo.explain(lambda w, x: jnp.sum(jnp.tanh(x @ w)), jnp.ones((3, 2)), jnp.ones((4, 3)))
@@ -189,18 +201,36 @@ def explain(fun, *args, argnums=0, has_aux=False, **options):
   ...                 mode="data_parallel", axis_name="batch", axis_size=8, bucket_bytes=1)
   >>> [b.paths for b in d.buckets]
   [("['w']",), ("['s']",)]
+  >>> c = ooo.explain(lambda p, x: jnp.mean((jnp.tanh(x @ p["a"]) @ p["b"]) ** 2),
+  ...                 {"a": jnp.ones((3, 4)), "b": jnp.ones((4, 2))}, jnp.ones((8, 3)),
+  ...                 defer=("b",)).carried
+  >>> c.deferred_paths, c.carried_bytes        # b's input activation and output cotangent
+  (("['b']",), 192)
   """
   from ooojax._api import value_and_grad
   from ooojax._compiled import Call
   from ooojax import _explain_dp
   kwargs = options.pop("kwargs", {})
+  defer = options.pop("defer", None)
   only = {k: options.pop(k) for k in _explain_dp.EXPLAIN_ONLY if k in options}
   if options.get("mode") == "data_parallel":
+    if defer is not None:
+      raise ValueError("defer= explains the single-GPU deferred step; with mode="
+                       "'data_parallel' pass cross_step=True (the first-k layers' "
+                       "all-reduce and update carried to the next step) instead")
     return _explain_dp.explain_dp(fun, args, argnums, has_aux, options, kwargs, **only)
   if only:
     raise ValueError(f"{sorted(only)} apply to mode='data_parallel' only (got mode="
                      f"{options.get('mode', 'auto')!r})")
   vg = value_and_grad(fun, argnums, has_aux, **options)
   plan, _ = vg.plan(args, kwargs)
+  carried = None
+  if defer is not None:
+    from ooojax.single_gpu import plan_deferral
+    if argnums != 0 or not args:
+      raise ValueError(f"defer= explains single_gpu.make_train_step, which differentiates "
+                       f"the first argument (params): use argnums=0, got {argnums!r}")
+    carried = plan_deferral(plan, args[0], defer,
+                            CostModel(vg.options.device, vg.options.measured), has_aux)
   return Report(plan.split, plan.schedule, vg.options.resolved_mode(),
-                Call(fun, args, argnums, has_aux, dict(options), dict(kwargs)))
+                Call(fun, args, argnums, has_aux, dict(options), dict(kwargs)), carried)

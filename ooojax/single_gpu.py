@@ -40,11 +40,13 @@ deferral then hides nothing).
 from __future__ import annotations
 
 import dataclasses
+import html
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 
@@ -75,7 +77,9 @@ class Plan:
   """What `init` chose: deferred leaves, what they carry, the simulated effect.
 
   `simulated`: (steady-state step without deferral, with it), seconds, from
-  the cost model (`passes.defer.steady_state`), never measured.
+  the cost model (`passes.defer.steady_state`), never measured; `dw_seconds`
+  the cost-model time of each deferred leaf's dW cluster. `ooo.explain(loss,
+  params, batch, defer=...)` shows the same plan (`Report.carried`).
   """
   paths: tuple[str, ...]           # every parameter leaf
   deferred: tuple[int, ...]        # leaves whose dW run in the next step
@@ -88,22 +92,39 @@ class Plan:
   device: str
   late: Any = dataclasses.field(repr=False, compare=False)  # jaxpr carried -> deferred grads
   treedef: Any = dataclasses.field(repr=False, compare=False)
+  dw_seconds: tuple[float, ...] = ()  # per deferred leaf, cost model
 
   @property
   def deferred_paths(self) -> tuple[str, ...]:
     return tuple(self.paths[i] for i in self.deferred)
 
+  @property
+  def carried_bytes(self) -> int:
+    """Bytes of `pending.local`: the values step t leaves for step t + 1's deferred dW."""
+    return sum(int(np.prod(c.shape)) * np.dtype(c.dtype).itemsize for c in self.carried)
+
+  @property
+  def hidden_seconds(self) -> float:
+    """Simulated step time the deferral saves (negative: it costs)."""
+    return self.simulated[0] - self.simulated[1]
+
   def __str__(self) -> str:
     t0, t1 = self.simulated
     lines = [f"deferred dW (next step, beside the forward): {len(self.deferred)} of "
-             f"{len(self.paths)} parameter leaves, {len(self.carried)} values carried",
-             *(f"  {p}" for p in self.deferred_paths),
-             f"predicted steady-state step (cost model, {self.device}, not measured): "
-             f"{t0 * 1e3:.3f} ms without deferral, {t1 * 1e3:.3f} ms with"
-             + (f" ({t0 / t1:.3f}x)" if t1 else "")]
+             f"{len(self.paths)} parameter leaves; carried in Pending: "
+             f"{len(self.carried)} values, {self.carried_bytes} bytes"]
+    for j, p in enumerate(self.deferred_paths):
+      dw = f": dW {self.dw_seconds[j] * 1e3:.4f} ms" if j < len(self.dw_seconds) else ""
+      lines.append(f"  {p}{dw}")
+    lines.append(f"simulated steady-state step (cost model, {self.device}, not measured): "
+                 f"{t0 * 1e3:.3f} ms without deferral, {t1 * 1e3:.3f} ms with"
+                 + (f" ({t0 / t1:.3f}x)" if t1 else ""))
     if self.coupled:
       lines.append("coupled optimizer: every update waits for the deferred dW")
     return "\n".join(lines)
+
+  def _repr_html_(self) -> str:
+    return f"<pre>{html.escape(str(self))}</pre>"
 
 
 # optax transforms whose update of one leaf reads other leaves (named in errors)
@@ -148,44 +169,68 @@ def _tie(bufs, anchor):
   return tied
 
 
-class SingleGPUStep:
-  """`state, loss = step(state, batch)`; built by `make_train_step`."""
+def _choose(d, sp, sched, paths, cm) -> tuple[int, ...]:
+  can = defer_pass.deferrable(sp)
+  if d is None or d is False or (isinstance(d, (tuple, list)) and not d):
+    return ()
+  if isinstance(d, str) and d == "auto":
+    return defer_pass.choose(sp, sched, cm)
+  if callable(d):
+    chosen = tuple(i for i, p in enumerate(paths) if d(p))
+  else:
+    pats = (d,) if isinstance(d, str) else tuple(d)
+    chosen = []
+    for pat in pats:
+      hit = [i for i, p in enumerate(paths) if pat in p]
+      if not hit:
+        raise ValueError(f"defer={pat!r} names no parameter; parameter paths: "
+                         f"{list(paths)}")
+      chosen += hit
+    chosen = tuple(sorted(set(chosen)))
+  bad = [paths[i] for i in chosen if i not in can]
+  if bad:
+    raise ValueError(f"cannot defer {bad}: their gradient has no dW cluster of its own "
+                     "(it is part of the dX chain, or computed in a loop); deferrable: "
+                     f"{[paths[i] for i in sorted(can)]}")
+  return chosen
 
-  def __init__(self, loss_fn, tx, defer, coupled, options):
+
+
+def plan_deferral(plan, params, defer, cm: CostModel, has_aux: bool = False) -> Plan:
+  """The `Plan` for `defer` over a traced gradient (`value_and_grad(...).plan`'s
+  `_Plan`, params its first argument), optimizer not consulted (`coupled=False`)."""
+  sp, sched = plan.split, plan.schedule
+  flat, _ = jax.tree_util.tree_flatten_with_path(params)
+  paths = tuple(jax.tree_util.keystr(k) for k, _ in flat)
+  if any(p is not None for p in plan.out_tree[3]) or len(sp.jaxpr.jaxpr.outvars) - \
+      sp.grad_out_start != len(paths):
+    raise TypeError("make_train_step: every parameter leaf must be a float array")
+  if plan.n_aux and not has_aux:  # pragma: no cover - value_and_grad refuses it first
+    raise TypeError("make_train_step: loss_fn returns aux: pass has_aux=True")
+  deferred = _choose(defer, sp, sched, paths, cm)
+  dfr = defer_pass.defer(sp, sched, deferred)
+  st = defer_pass._Steady(sp, sched, cm)
+  sim = (st.run(()).makespan, st.run(dfr.leaves).makespan)
+  can = defer_pass.deferrable(sp)
+  dw = tuple(sched.unit(f"W{can[i]}").cost for i in dfr.leaves)
+  return Plan(paths, dfr.leaves, dfr.kept, dfr.carried, dfr.anchor, dfr.first_use,
+              False, sim, cm.spec.name, dfr.late, jax.tree.structure(params), dw)
+
+
+class SingleGPUStep:
+  """`state, loss = step(state, batch)` (`state, (loss, aux) = ...` with `has_aux`);
+  built by `make_train_step`."""
+
+  def __init__(self, loss_fn, tx, defer, coupled, has_aux, options):
     self.loss_fn, self.tx, self.defer, self.coupled = loss_fn, tx, defer, coupled
+    self.has_aux = has_aux
     self.options = options
     self.plan: Plan | None = None
     self._step = self._flush = None
 
   # --- setup -----------------------------------------------------------------------
   def _vg(self):
-    return value_and_grad(self.loss_fn, **self.options)
-
-  def _choose(self, sp, sched, paths, cm) -> tuple[int, ...]:
-    can = defer_pass.deferrable(sp)
-    d = self.defer
-    if d is None or d is False or (isinstance(d, (tuple, list)) and not d):
-      return ()
-    if isinstance(d, str) and d == "auto":
-      return defer_pass.choose(sp, sched, cm)
-    if callable(d):
-      chosen = tuple(i for i, p in enumerate(paths) if d(p))
-    else:
-      pats = (d,) if isinstance(d, str) else tuple(d)
-      chosen = []
-      for pat in pats:
-        hit = [i for i, p in enumerate(paths) if pat in p]
-        if not hit:
-          raise ValueError(f"defer={pat!r} names no parameter; parameter paths: "
-                           f"{list(paths)}")
-        chosen += hit
-      chosen = tuple(sorted(set(chosen)))
-    bad = [paths[i] for i in chosen if i not in can]
-    if bad:
-      raise ValueError(f"cannot defer {bad}: their gradient has no dW cluster of its own "
-                       "(it is part of the dX chain, or computed in a loop); deferrable: "
-                       f"{[paths[i] for i in sorted(can)]}")
-    return chosen
+    return value_and_grad(self.loss_fn, has_aux=self.has_aux, **self.options)
 
   def _coupling(self, params, deferred, kept, paths) -> str | None:
     """None if no kept parameter's update reads a deferred gradient, else the first such pair."""
@@ -211,18 +256,9 @@ class SingleGPUStep:
   def _plan(self, params, batch) -> Plan:
     vg = self._vg()
     plan = vg.abstract_plan(params, batch)
-    sp, sched = plan.split, plan.schedule
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    paths = tuple(jax.tree_util.keystr(k) for k, _ in flat)
-    if any(p is not None for p in plan.out_tree[3]) or len(sp.jaxpr.jaxpr.outvars) - \
-        sp.grad_out_start != len(paths):
-      raise TypeError("make_train_step: every parameter leaf must be a float array")
-    if plan.n_aux:
-      raise TypeError("make_train_step: loss_fn must return a scalar (no aux)")
     cm = CostModel(vg.options.device, vg.options.measured)
-    deferred = self._choose(sp, sched, paths, cm)
-    dfr = defer_pass.defer(sp, sched, deferred)
-    coupled = self._coupling(params, dfr.leaves, dfr.kept, paths)
+    p = plan_deferral(plan, params, self.defer, cm, self.has_aux)
+    coupled = self._coupling(params, p.deferred, p.kept, p.paths)
     if coupled is not None and self.coupled != "wait":
       names = [n for n in dict.fromkeys(_transform_names(self.tx.update)) if n in _COUPLING]
       what = (f"optax.{names[0]}" if names else "a transform that reads every leaf")
@@ -232,11 +268,7 @@ class SingleGPUStep:
           "nothing would overlap the forward. Use defer=() (no deferral), move the "
           "transform out (e.g. optax.clip per leaf instead of clip_by_global_norm), or "
           "pass coupled='wait' (exact: every update waits for the deferred dW).")
-    st = defer_pass._Steady(sp, sched, cm)
-    sim = (st.run(()).makespan, st.run(dfr.leaves).makespan)
-    return Plan(paths, dfr.leaves, dfr.kept, dfr.carried, dfr.anchor, dfr.first_use,
-                coupled is not None, sim, cm.spec.name, dfr.late,
-                jax.tree.structure(params))
+    return dataclasses.replace(p, coupled=coupled is not None)
 
   def init(self, params, batch) -> DeferredTrainState:
     """The first state: nothing pending. `batch` is only traced (shapes)."""
@@ -326,7 +358,13 @@ class SingleGPUStep:
         params=jax.tree.unflatten(p.treedef, new_params),
         opt_state=_select(valid, box["opt"], state.opt_state),
         pending=Pending(tuple(carried), tuple(kept_g), jnp.ones((), bool)))
-    return state, outs[0]
+    if not self.has_aux:
+      return state, outs[0]
+    aux_tree, aux_parts = plan.out_tree[:2]
+    it = iter(outs[1:gs])  # traced aux leaves; Python values as the trace made them
+    aux = jax.tree_util.tree_unflatten(aux_tree, [next(it) if q is None else q[0]
+                                                  for q in aux_parts])
+    return state, (outs[0], aux)
 
   def _flush_body(self, state):
     p, pend = self.plan, state.pending
@@ -352,7 +390,7 @@ class SingleGPUStep:
       self._step = jax.jit(self._body)
       self._flush = jax.jit(self._flush_body)
 
-  def __call__(self, state: DeferredTrainState, batch) -> tuple[DeferredTrainState, jax.Array]:
+  def __call__(self, state: DeferredTrainState, batch) -> tuple[DeferredTrainState, Any]:
     self._build()
     return self._step(state, batch)
 
@@ -375,11 +413,12 @@ class SingleGPUStep:
 
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *,
                     defer: str | Sequence[str] | Callable[[str], bool] | None = "auto",
-                    coupled: str = "error", **ooo_options) -> SingleGPUStep:
+                    coupled: str = "error", has_aux: bool = False,
+                    **ooo_options) -> SingleGPUStep:
   """A jitted single-GPU train step whose chosen dW clusters run in the next step.
 
   Args:
-    loss_fn: `loss_fn(params, batch) -> scalar`.
+    loss_fn: `loss_fn(params, batch) -> scalar`, or `(scalar, aux)` with `has_aux`.
     tx: any optax optimizer (see the module docstring for transforms that
       read every leaf).
     defer: which parameters' dW run in the next step: "auto" (the cost model
@@ -390,6 +429,12 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *,
     coupled: "error" (default) refuses an optimizer whose kept parameters'
       update reads a deferred gradient; "wait" runs it exactly, every update
       waiting for the deferred dW.
+    has_aux: `loss_fn` returns `(loss, aux)`; the step then returns
+      `(state, (loss, aux))`, as `jax.value_and_grad(has_aux=True)` returns
+      its value. aux comes from step t's forward, which reads the plain
+      loop's parameters, so flax mutable collections (BatchNorm's
+      `batch_stats`) are exact: pass them in `batch` and take the updated
+      ones from aux (see the README).
     **ooo_options: options of `ooo.grad` (`mode`, `device`, `ordering`, ...;
       not data_parallel).
 
@@ -418,4 +463,6 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *,
     raise ValueError(f"coupled must be 'error' or 'wait', got {coupled!r}")
   if not (defer is None or callable(defer) or isinstance(defer, (str, tuple, list))):
     raise TypeError(f"defer must be 'auto', path strings, a predicate or (), got {defer!r}")
-  return SingleGPUStep(loss_fn, tx, defer, coupled, dict(ooo_options))
+  if not isinstance(has_aux, bool):
+    raise TypeError(f"has_aux must be a bool, got {has_aux!r}")
+  return SingleGPUStep(loss_fn, tx, defer, coupled, has_aux, dict(ooo_options))

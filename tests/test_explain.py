@@ -61,3 +61,46 @@ def test_compiled_schedule_beside_the_simulated_one(tmp_path):
   assert len(axes) == 2 and (tmp_path / "both.png").stat().st_size > 1000
   with pytest.raises(ValueError, match="ooo.explain"):
     type(r)(r.split, r.schedule, r.mode).compiled()
+
+
+def _deep(n=6, d=512):
+  params = {f"l{i}": jnp.zeros((d, d)) for i in range(n)}
+
+  def loss(p, x):
+    for i in range(n):
+      x = jnp.tanh(x @ p[f"l{i}"])
+    return jnp.mean(x ** 2)
+  return loss, params, jnp.zeros((64, d))
+
+
+def test_explain_defer_shows_what_is_carried_to_the_next_step():
+  import optax
+  import pytest
+  from ooojax import single_gpu
+  loss, params, x = _deep()
+  r = ooo.explain(loss, params, x, mode="single_gpu", device="H100", defer="auto")
+  c = r.carried
+  # the same plan as the train step it explains
+  step = single_gpu.make_train_step(loss, optax.sgd(0.1), mode="single_gpu", device="H100")
+  step.init(params, x)
+  assert c.deferred_paths == step.plan.deferred_paths and c.deferred
+  assert c.carried == step.plan.carried and c.simulated == step.plan.simulated
+  # the first layer is used first in the forward: nothing hides its dW
+  assert "['l0']" not in c.deferred_paths
+  # what Pending holds: each deferred layer's input activation and output cotangent
+  assert c.carried_bytes == sum(64 * 512 * 4 for _ in c.carried)
+  assert len(c.dw_seconds) == len(c.deferred) and min(c.dw_seconds) > 0
+  assert c.simulated[1] < c.simulated[0] and c.hidden_seconds > 0
+  text = repr(r)
+  assert "carried to the next step" in text and f"{c.carried_bytes} bytes" in text
+  assert "simulated steady-state step" in text and f"{c.deferred_paths[0]}: dW" in text
+  assert "carried in Pending" in r._repr_html_()
+  # paths and predicates as make_train_step takes them
+  assert ooo.explain(loss, params, x, defer=("l4",)).carried.deferred_paths == ("['l4']",)
+  assert ooo.explain(loss, params, x, defer=lambda p: "l3" in p).carried.deferred == (3,)
+  assert ooo.explain(loss, params, x).carried is None
+  with pytest.raises(ValueError, match="use argnums=0"):
+    ooo.explain(lambda x, p: loss(p, x), x, params, argnums=1, defer="auto")
+  with pytest.raises(ValueError, match="cross_step=True"):
+    ooo.explain(loss, params, x, mode="data_parallel", axis_name="b", axis_size=2,
+                defer="auto")

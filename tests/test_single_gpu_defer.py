@@ -107,6 +107,53 @@ def test_flax_model_adam(close):
   close(step.flush(state).params, ref)
 
 
+class _BN(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    for w in (16, 16):
+      x = nn.relu(nn.BatchNorm(use_running_average=False)(nn.Dense(w)(x)))
+    return nn.Dense(4)(x)
+
+
+@pytest.mark.parametrize("mode", ["in_order", "single_gpu"])
+def test_has_aux_with_batch_stats_matches_plain_loop(mode, close):
+  """BatchNorm's batch_stats go in with the batch and come back in aux, as with
+  `jax.value_and_grad(has_aux=True)`; 3 Adam steps, the last Dense deferred."""
+  m = _BN()
+  xs = [(jax.random.normal(jax.random.PRNGKey(t), (8, 6)),
+         jax.random.randint(jax.random.PRNGKey(50 + t), (8,), 0, 4)) for t in range(3)]
+  v = m.init(jax.random.PRNGKey(1), xs[0][0])
+
+  def loss(p, batch):
+    stats, x, y = batch
+    logits, upd = m.apply({"params": p, "batch_stats": stats}, x, mutable=["batch_stats"])
+    l = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return l, {"batch_stats": upd["batch_stats"], "n": 3}
+  tx = optax.adam(1e-2)
+
+  @jax.jit
+  def plain(p, o, stats, x, y):
+    (l, aux), g = jax.value_and_grad(loss, has_aux=True)(p, (stats, x, y))
+    u, o = tx.update(g, o, p)
+    return (l, aux), optax.apply_updates(p, u), o
+  p, o, stats, want = v["params"], tx.init(v["params"]), v["batch_stats"], []
+  for x, y in xs:
+    out, p, o = plain(p, o, stats, x, y)
+    stats = out[1]["batch_stats"]
+    want.append(out)
+  step = single_gpu.make_train_step(loss, tx, defer=("Dense_2",), has_aux=True, mode=mode)
+  state = step.init(v["params"], (v["batch_stats"], *xs[0]))
+  assert step.plan.deferred_paths == ("['Dense_2']['bias']", "['Dense_2']['kernel']")
+  stats = v["batch_stats"]
+  for (x, y), (l_ref, aux_ref) in zip(xs, want):
+    state, (l, aux) = step(state, (stats, x, y))
+    stats = aux["batch_stats"]
+    assert aux["n"] == 3  # a Python aux leaf comes back as the trace made it
+    np.testing.assert_allclose(l, l_ref, rtol=1e-5)
+    close(aux["batch_stats"], aux_ref["batch_stats"])
+  close(step.flush(state).params, p)
+
+
 def test_nothing_deferred_and_a_predicate(close):
   params, loss, xs = _mlp()
   tx = optax.adam(1e-2)
@@ -140,6 +187,8 @@ def test_errors():
   params, loss, xs = _mlp()
   with pytest.raises(ValueError, match="defer='l9' names no parameter"):
     single_gpu.make_train_step(loss, optax.sgd(0.1), defer="l9").init(params, xs[0])
+  with pytest.raises(TypeError, match="has_aux must be a bool"):
+    single_gpu.make_train_step(loss, optax.sgd(0.1), has_aux="yes")
   with pytest.raises(ValueError, match="coupled must be"):
     single_gpu.make_train_step(loss, optax.sgd(0.1), coupled="maybe")
   with pytest.raises(ValueError, match="data_parallel"):
