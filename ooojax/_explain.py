@@ -177,6 +177,14 @@ class Report:
     ax.set_title("F forward (grey) / dX (red) / dW (blue)")
     return ax
 
+  def plot_carried(self, ax=None):
+    """With `explain(..., defer=...)`: the simulated steady-state step without
+    and with the deferral (`single_gpu.Plan.plot`); returns the Axes."""
+    if self.carried is None:
+      raise ValueError("nothing is carried: call ooo.explain(..., defer='auto' | paths | "
+                       "predicate) for the deferred train step's plan")
+    return self.carried.plot(ax)
+
 
 def explain(fun, *args, argnums=0, has_aux=False, **options):
   """Splits and schedules `fun` at `args` without running it.

@@ -55,6 +55,7 @@ from ooojax.data_parallel import Pending
 from passes import _compat, defer as defer_pass
 from passes.cost import CostModel
 from passes.emit import emit
+from passes.simulate import simulate
 from passes.stream_calls import LateLeaves, side_call
 
 
@@ -93,6 +94,9 @@ class Plan:
   late: Any = dataclasses.field(repr=False, compare=False)  # jaxpr carried -> deferred grads
   treedef: Any = dataclasses.field(repr=False, compare=False)
   dw_seconds: tuple[float, ...] = ()  # per deferred leaf, cost model
+  # the simulated steady-state steps (without, with deferral): `plot` draws them
+  timelines: tuple = dataclasses.field(default=(), repr=False, compare=False)
+  deferred_units: tuple[str, ...] = ()  # their dW units in the timelines (`W<cluster>`)
 
   @property
   def deferred_paths(self) -> tuple[str, ...]:
@@ -125,6 +129,29 @@ class Plan:
 
   def _repr_html_(self) -> str:
     return f"<pre>{html.escape(str(self))}</pre>"
+
+  def plot(self, ax=None):
+    """The simulated steady-state step without and with deferral, stacked;
+    returns the matplotlib Axes."""
+    import matplotlib.pyplot as plt
+    if ax is None:
+      fig, ax = plt.subplots(figsize=(10, 2.4))
+      fig.subplots_adjust(left=0.14, bottom=0.2)
+    colors = {"F": "#9e9e9e", "X": "#d62728", "W": "#1f77b4"}
+    rows = []
+    for r, (label, tl) in enumerate(zip(("without", "with"), self.timelines)):
+      for span in tl.spans:
+        late = label == "with" and span.unit in self.deferred_units
+        ax.barh(2 * r + span.stream, (span.end - span.start) * 1e3, left=span.start * 1e3,
+                color="#ff7f0e" if late else colors[span.unit[0]], edgecolor="white",
+                linewidth=0.3)
+      rows += [f"{label}: stream 0", f"{label}: stream 1"]
+    ax.set_yticks(range(len(rows)), rows)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"ms (simulated steady-state step, {self.device} cost model)")
+    ax.set_title("F forward / dX (red) / dW (blue); carried dW from the last step (orange)",
+                 fontsize=9)
+    return ax
 
 
 # optax transforms whose update of one leaf reads other leaves (named in errors)
@@ -210,11 +237,13 @@ def plan_deferral(plan, params, defer, cm: CostModel, has_aux: bool = False) -> 
   deferred = _choose(defer, sp, sched, paths, cm)
   dfr = defer_pass.defer(sp, sched, deferred)
   st = defer_pass._Steady(sp, sched, cm)
-  sim = (st.run(()).makespan, st.run(dfr.leaves).makespan)
+  runs = (st.run(()), st.run(dfr.leaves))
   can = defer_pass.deferrable(sp)
   dw = tuple(sched.unit(f"W{can[i]}").cost for i in dfr.leaves)
+  tls = tuple(simulate(r.streams, r.units, cm.spec.sync) for r in runs)
   return Plan(paths, dfr.leaves, dfr.kept, dfr.carried, dfr.anchor, dfr.first_use,
-              False, sim, cm.spec.name, dfr.late, jax.tree.structure(params), dw)
+              False, (runs[0].makespan, runs[1].makespan), cm.spec.name, dfr.late,
+              jax.tree.structure(params), dw, tls, tuple(f"W{can[i]}" for i in dfr.leaves))
 
 
 class SingleGPUStep:

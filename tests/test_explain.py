@@ -73,7 +73,7 @@ def _deep(n=6, d=512):
   return loss, params, jnp.zeros((64, d))
 
 
-def test_explain_defer_shows_what_is_carried_to_the_next_step():
+def test_explain_defer_shows_what_is_carried_to_the_next_step(tmp_path):
   import optax
   import pytest
   from ooojax import single_gpu
@@ -95,10 +95,16 @@ def test_explain_defer_shows_what_is_carried_to_the_next_step():
   assert "carried to the next step" in text and f"{c.carried_bytes} bytes" in text
   assert "simulated steady-state step" in text and f"{c.deferred_paths[0]}: dW" in text
   assert "carried in Pending" in r._repr_html_()
+  ax = r.plot_carried()
+  assert len(ax.get_yticklabels()) == 4 and "steady-state" in ax.get_xlabel()
+  ax.figure.savefig(tmp_path / "carried.png")
   # paths and predicates as make_train_step takes them
   assert ooo.explain(loss, params, x, defer=("l4",)).carried.deferred_paths == ("['l4']",)
   assert ooo.explain(loss, params, x, defer=lambda p: "l3" in p).carried.deferred == (3,)
-  assert ooo.explain(loss, params, x).carried is None
+  plain = ooo.explain(loss, params, x)
+  assert plain.carried is None
+  with pytest.raises(ValueError, match="nothing is carried"):
+    plain.plot_carried()
   with pytest.raises(ValueError, match="use argnums=0"):
     ooo.explain(lambda x, p: loss(p, x), x, params, argnums=1, defer="auto")
   with pytest.raises(ValueError, match="cross_step=True"):
