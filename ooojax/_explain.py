@@ -32,7 +32,7 @@ class Report:
   """The split and schedule of one `ooo.grad` call. Times are cost-model estimates.
 
   `carried`: with `explain(..., defer=...)`, the `ooojax.single_gpu.Plan` of
-  the deferred train step (which dW clusters run in the next step, the bytes
+  the deferred train step (`ooojax._defer_plan`: which dW clusters run in the next step, the bytes
   carried in `Pending`, the simulated step with and without deferral).
   """
   split: Split
@@ -234,7 +234,7 @@ def explain(fun, *args, argnums=0, has_aux=False, **options):
   plan, _ = vg.plan(args, kwargs)
   carried = None
   if defer is not None:
-    from ooojax.single_gpu import plan_deferral
+    from ooojax._defer_plan import plan_deferral
     if argnums != 0 or not args:
       raise ValueError(f"defer= explains single_gpu.make_train_step, which differentiates "
                        f"the first argument (params): use argnums=0, got {argnums!r}")
