@@ -79,6 +79,30 @@ class DataParallelReport:
                  for b in self.plan.buckets)
 
   @property
+  def carried_paths(self) -> tuple[str, ...]:
+    """Gradient leaves whose all-reduce and update `dp.make_train_step(cross_step=True)`
+    carries into the next step (the first k layers'), in leaf order."""
+    return tuple(self.param_names[i] for i in sorted(self._carried_leaves()))
+
+  def _carried_leaves(self) -> frozenset[int]:
+    return collectives.first_k_leaves(self.compute.split, self.first_k)
+
+  @property
+  def carried_bytes(self) -> int:
+    """Bytes of those gradients: what `Pending.local` holds per device between steps."""
+    sp = self.compute.split
+    outs = sp.jaxpr.jaxpr.outvars[sp.grad_out_start:]
+    return sum(int(outs[i].aval.size) * outs[i].aval.dtype.itemsize
+               for i in self._carried_leaves())
+
+  @property
+  def hidden_seconds(self) -> float:
+    """Simulated step time saved by finishing the carried all-reduces under the
+    next step's forward (`plan.makespan - plan.cross_step`; 0 when k = 0)."""
+    c = self.plan.cross_step
+    return max(self.plan.makespan - c, 0.0) if self.first_k and c == c else 0.0
+
+  @property
   def compute_seconds(self) -> float:
     """When the last compute unit ends (the backward alone)."""
     return max((s.end for s in self.timeline().spans if s.stream == 0), default=0.0)
@@ -134,7 +158,21 @@ class DataParallelReport:
         f"step {p.makespan * 1e3:.3f} ms ({self.exposed_seconds * 1e3:.3f} ms exposed, "
         f"{self.overlap:.0%} of the communication hidden); one all-reduce after the "
         f"backward {self.baseline * 1e3:.3f} ms ({self.baseline / p.makespan:.2f}x){cross}")
+    lines.append(self._carried_line())
     return "\n".join(lines)
+
+  def _carried_line(self) -> str:
+    p = self.plan
+    if not self.first_k:
+      return ("  carried to the next step (dp.make_train_step, cross_step=True): nothing "
+              "(k=0: every all-reduce and update finishes in its own step)")
+    paths = self.carried_paths
+    names = ", ".join(paths[:4]) + (f" +{len(paths) - 4}" if len(paths) > 4 else "")
+    return (f"  carried to the next step (dp.make_train_step, cross_step=True): the all-reduce "
+            f"and optimizer update of layers {', '.join(self.first_k_layers)} ({len(paths)} "
+            f"leaves, {self.carried_bytes} B per device in Pending: {names}), run under "
+            f"step t+1's forward; simulated step {p.makespan * 1e3:.3f} -> "
+            f"{p.cross_step * 1e3:.3f} ms ({self.hidden_seconds * 1e3:.3f} ms hidden)")
 
   def __repr__(self) -> str:
     return self.summary()

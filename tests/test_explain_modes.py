@@ -75,6 +75,22 @@ def test_data_parallel_report_chooses_k_and_buckets():
   assert one.comm_seconds == 0.0 and one.overlap == 1.0   # nothing to reduce on one device
 
 
+def test_data_parallel_report_says_what_is_carried_to_the_next_step():
+  r = ooo.explain(mlp_loss, PARAMS, SHARD, axis_size=8, bucket_bytes=1, first_k=2, **DP)
+  assert r.carried_paths == ("['l0']['b']", "['l0']['w']", "['l1']['b']", "['l1']['w']")
+  assert r.carried_bytes == 2 * (D * D + D) * 4
+  assert r.hidden_seconds == pytest.approx(r.plan.makespan - r.plan.cross_step)
+  assert r.hidden_seconds > 0      # 10GbE: the first layers' all-reduce is exposed in-step
+  text = repr(r)
+  assert (f"carried to the next step (dp.make_train_step, cross_step=True): the all-reduce "
+          f"and optimizer update of layers ['l0'], ['l1'] (4 leaves, {r.carried_bytes} B "
+          "per device in Pending") in text
+  assert f"({r.hidden_seconds * 1e3:.3f} ms hidden)" in text
+  none = ooo.explain(mlp_loss, PARAMS, SHARD, axis_size=8, first_k=0, **DP)
+  assert none.carried_paths == () and none.hidden_seconds == 0.0
+  assert "carried to the next step (dp.make_train_step, cross_step=True): nothing" in repr(none)
+
+
 def test_data_parallel_report_reads_the_axis_size_inside_shard_map():
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("batch",))
   box = {}
