@@ -40,7 +40,9 @@ class PipelineReport:
   slowest stage kind; an interleaved chunk costs `1 / chunks` of them),
   priced by the cost model for `device`; `comm` the seconds one activation
   takes over `link` (0 without one). `windows` is None until compiled
-  (`explain(..., gpu="H100")` or `compiled()`).
+  (`explain(..., gpu="H100")` or `compiled()`). With `steps >= 2` the report
+  also simulates the table tiled over `steps` training steps
+  (`steady_state`, `carried_actions`).
   """
   schedule: PipelineSchedule
   costs: Mapping[str, float]
@@ -52,6 +54,7 @@ class PipelineReport:
   gpu: str | None = None
   windows: tuple[Window, ...] | None = None
   call: Any = dataclasses.field(default=None, compare=False, repr=False)  # for compiled()
+  steps: int = 1
 
   # --- simulated from the table and the costs ------------------------------
   def timeline(self):
@@ -71,6 +74,32 @@ class PipelineReport:
   @property
   def step_seconds(self) -> float:
     return self.timeline().makespan
+
+  def steady_state(self):
+    """`passes.pipeline.steps.SteadyState` of the table tiled over `steps` steps with
+    the model's costs (simulated; per-step bubble beside the one-step bubble), or
+    None with `steps=1`."""
+    if self.steps < 2:
+      return None
+    from passes.pipeline.steps import steady_state
+    return steady_state(self.schedule, self.steps, self.costs, self.comm)
+
+  @property
+  def carried_actions(self) -> tuple[tuple[str, ...], ...]:
+    """Per stage, the actions of step t (t = steps - 2) still running when step
+    t + 1 starts (its first forward on stage 0): the drain that overlaps the
+    next step's warm-up, simulated with the model's costs. Empty with `steps=1`."""
+    if self.steps < 2:
+      return ()
+    from passes.pipeline.steps import tile
+    tl = tile(self.schedule, self.steps).simulate(self.costs, self.comm)
+    t = self.steps - 2
+    start = min(b for a, b, _ in tl.spans if a.step == t + 1)
+    out: list[list[str]] = [[] for _ in range(self.schedule.stages)]
+    for a, b, e in sorted(tl.spans, key=lambda x: x[1]):
+      if a.step == t and e > start + 1e-12:
+        out[a.stage].append(str(dataclasses.replace(a, step=0)))
+    return tuple(tuple(r) for r in out)
 
   @property
   def peak_activations(self) -> tuple[int, ...]:
@@ -109,9 +138,29 @@ class PipelineReport:
                  f"{mb(m.activation)}; executor buffers {mb(m.allocated)} (slots {m.slots})")
     for st in self.stages:
       lines.append(f"    stage {st.stage}: peak activations {st.peak}, bound {mb(st.bound)}")
+    lines += self._steps_lines()
     if self.windows is not None:
       lines.append(_windows_text(self.windows, self.gpu))
     return "\n".join(lines)
+
+  def _steps_lines(self) -> list[str]:
+    st = self.steady_state()
+    if st is None:
+      return []
+    ms = lambda t: f"{t * 1e3:.3f}"  # noqa: E731
+    lines = [f"  over {st.steps} steps (tiled, per-stage updates, simulated): bubble "
+             f"{st.one_step_bubble:.1%} for one synchronous step, {st.steady_bubble:.1%} in "
+             f"the steady state (step {st.steps}); per step "
+             + ", ".join(f"{b:.1%}" for b in st.step_bubbles)
+             + f"; step time {ms(st.step_times[0])} ms first, {ms(st.step_times[-1])} ms "
+             "steady",
+             "  carried into the next step's warm-up (step t's actions still running when "
+             "step t+1 starts, simulated):"]
+    rows = self.carried_actions
+    for s, row in enumerate(rows):
+      text = " ".join(row) if row else "-"
+      lines.append(f"    stage {s}: {text[:160]}{' ...' if len(text) > 160 else ''}")
+    return lines
 
   def __repr__(self) -> str:
     return self.summary()
@@ -201,7 +250,7 @@ def explain(stage_fn: Callable, loss_fn: Callable, schedule: str | PipelineSched
             stage_params, batch, shared=None, input_fn: Callable | None = None, *,
             microbatches: int | None = None, chunks: int | None = None,
             device: str = "H100", link: str | None = None, gpu: str | None = None,
-            compiler_options=None) -> PipelineReport:
+            compiler_options=None, steps: int = 1) -> PipelineReport:
   """The schedule, its simulated bubble and the memory per stage for this model.
 
   Args:
@@ -215,6 +264,9 @@ def explain(stage_fn: Callable, loss_fn: Callable, schedule: str | PipelineSched
       activation delays each cross-device dependency in the simulation.
     gpu: "H100" / "H200" / "A100": also compile the step for compile-only
       GPUs (`ooojax.gpu_hlo`) and read the collective-permute windows.
+    steps: >= 2 also simulates the table tiled over that many training steps
+      (`passes.pipeline.steps`): the per-step bubble beside the one-step
+      bubble, and which actions of step t run during step t + 1's warm-up.
 
   Returns:
     A `PipelineReport`.
@@ -225,11 +277,24 @@ def explain(stage_fn: Callable, loss_fn: Callable, schedule: str | PipelineSched
   >>> r = ooo.pipeline.explain(stage_fn, loss_fn, "1f1b", params, batch, microbatches=8)
   >>> r.peak_activations, round(r.unit_bubble_fraction, 3)
   ((4, 3, 2, 1), 0.273)
+  >>> z = ooo.pipeline.explain(stage_fn, loss_fn, "zb-h2", params, batch, microbatches=8,
+  ...                          steps=3)
+  >>> z.carried_actions        # this model's costs (B > F > W): stage 0 ends each step last
+  ((), (), (), ())
+  >>> import dataclasses       # F = B = W: the last stages drain under the next warm-up
+  >>> unit = dataclasses.replace(z, costs={"F": 1.0, "B": 1.0, "W": 1.0})
+  >>> unit.carried_actions[3], round(unit.steady_state().steady_bubble, 3)
+  (('3W5', '3W6', '3W7', '3U'), 0.0)
   """
   from passes.collectives.plan import get_link
   from passes.cost import get_spec
   from passes.pipeline.program import memory_of, program
+  if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
+    raise ValueError(f"steps must be an int >= 1, got {steps!r}")
   sched = _schedule(schedule, stage_params, microbatches, chunks)
+  if sched.steps != 1:
+    raise ValueError(f"explain a one-step table and pass steps={sched.steps} (the table "
+                     f"{sched.name!r} is already tiled over {sched.steps} steps)")
   prog = program(stage_fn, loss_fn, sched, stage_params, batch, shared, input_fn)
   phases = _phase_costs(prog, device)
   # lock-step ticks: the slowest stage kind sets each phase's pace; per whole stage
@@ -240,7 +305,8 @@ def explain(stage_fn: Callable, loss_fn: Callable, schedule: str | PipelineSched
   name = get_spec(device).name  # a ValueError naming the specs for an unknown one
   report = PipelineReport(sched, costs, comm, memory_of(prog, sched, stage_params), name,
                           get_link(link).name if link is not None else "", phases,
-                          call=_Call(stage_fn, loss_fn, stage_params, batch, shared, input_fn))
+                          call=_Call(stage_fn, loss_fn, stage_params, batch, shared, input_fn),
+                          steps=steps)
   return report.compiled(gpu, compiler_options=compiler_options) if gpu else report
 
 

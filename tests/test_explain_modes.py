@@ -167,6 +167,35 @@ def test_pipeline_report_contents(tmp_path):
   assert by_name.schedule == sched and by_name.comm == 0.0
 
 
+def test_pipeline_report_over_several_steps():
+  import dataclasses
+  stage_fn, loss_fn, params, batch = _stack(4)
+  r = ooo.pipeline.explain(stage_fn, loss_fn, "zb-h2", params, batch, microbatches=8, steps=3)
+  st = r.steady_state()
+  assert st.steps == 3 and len(st.step_bubbles) == 3
+  assert st.one_step_bubble == pytest.approx(r.bubble_fraction)
+  assert st == ooo.pipeline.steady_state(r.schedule, 3, r.costs, r.comm)
+  assert len(r.carried_actions) == 4
+  text = repr(r)
+  assert "over 3 steps (tiled, per-stage updates, simulated)" in text
+  assert f"{st.one_step_bubble:.1%} for one synchronous step" in text
+  assert "carried into the next step's warm-up" in text
+  # F = B = W: step t's drain runs beside step t + 1's warm-up, no bubble left
+  unit = dataclasses.replace(r, costs={"F": 1.0, "B": 1.0, "W": 1.0})
+  assert unit.carried_actions == ((), ("1W7", "1U"), ("2W6", "2W7", "2U"),
+                                  ("3W5", "3W6", "3W7", "3U"))
+  assert unit.steady_state().steady_bubble == pytest.approx(0.0)
+  assert "stage 3: 3W5 3W6 3W7 3U" in repr(unit)
+  one = ooo.pipeline.explain(stage_fn, loss_fn, "zb-h2", params, batch, microbatches=8)
+  assert one.steady_state() is None and one.carried_actions == ()
+  assert "over " not in repr(one)
+  with pytest.raises(ValueError, match="steps must be an int >= 1"):
+    ooo.pipeline.explain(stage_fn, loss_fn, "zb-h2", params, batch, steps=0)
+  tiled = ooo.pipeline.schedule("zb-h2", stages=4, microbatches=8, steps=2)
+  with pytest.raises(ValueError, match="explain a one-step table and pass steps=2"):
+    ooo.pipeline.explain(stage_fn, loss_fn, tiled, params, batch)
+
+
 def test_pipeline_report_interleaved_by_name():
   stage_fn, loss_fn, params, batch = _stack(4)   # 4 virtual stages = 2 devices x 2 chunks
   r = ooo.pipeline.explain(stage_fn, loss_fn, "interleaved", params, batch, microbatches=4)
