@@ -216,7 +216,9 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
       examples); with `has_aux`, `(loss, aux)` (aux is not computed).
     optimizer: the optax optimizer.
     mesh, axis_name, schedule, microbatches, chunks, data_axis, layers: as in
-      `value_and_grad` (the split is fixed at `init`: `step.balance`).
+      `value_and_grad`. The split is fixed at `init` (`step.balance`); the cost
+      model prices the local device, so pin `layers=step.balance.counts` to
+      restore a checkpoint on another kind of device.
     compiler_options: passed to `jax.jit` (e.g. XLA's optimization level).
 
   Returns:

@@ -98,11 +98,11 @@ def value_and_grad(fn: Callable, loss_fn: Callable | None = None, *, mesh, axis_
     the (virtual) stages by the cost model (`layers`), runs what comes before
     the stack (embedding) on the first stage and what comes after it (final
     norm, head, loss) on the last; parameters both of those read (tied
-    embeddings) are replicated and their gradient is reduced once. Returns `step(params, *batch) -> (loss,
-    grads)` with `grads` in the structure of `params` (ready for optax). Every
-    leaf of `batch` is split on its leading axis into microbatches (scalars,
-    such as a loss scale, go whole to each), and the loss is the mean over
-    microbatches of `loss_fn` on each: equal to
+    embeddings) are replicated and their gradient is reduced once. Returns
+    `step(params, *batch) -> (loss, grads)` with `grads` in the structure of
+    `params` (ready for optax). Every leaf of `batch` is split on its leading
+    axis into microbatches (scalars, such as a loss scale, go whole to each),
+    and the loss is the mean over microbatches of `loss_fn` on each: equal to
     `loss_fn(params, *batch)` for a loss that is a mean over equal-sized
     examples. With `has_aux=True` `loss_fn` returns `(loss, aux)`; `aux` is
     not computed (the stages never gather it) and `step` returns `((loss,

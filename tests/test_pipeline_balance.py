@@ -99,7 +99,7 @@ def _split(loss, params, batch, stages, schedule, **kw):
 
 @pytest.mark.parametrize("layers,stages,schedule,scan", [
     (4, 2, "1f1b", True), (7, 2, "interleaved", False), (8, 4, "1f1b", False),
-    (10, 4, "interleaved", True)])
+    (10, 4, "interleaved", True), (8, 2, "zb-v", True)])
 def test_heavy_head_lm(layers, stages, schedule, scan):
   loss, params, batch = _lm(layers, scan=scan)
   b = _split(loss, params, batch, stages, schedule)
