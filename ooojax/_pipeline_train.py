@@ -4,7 +4,9 @@ The state keeps the parameters in the cut's layout (`passes.pipeline.cut`)
 between steps, so no step gathers the model:
 
 * `stacked`: the stack's leaves as `(virtual stages, layers per stage, ...)`,
-  sharded on the stage axis (device s holds its stages' layers only); with
+  sharded on the stage axis (device s holds its stages' layers only; with an
+  uneven split, `step.balance`, padded to the largest count with zero rows
+  whose gradient is zero, so they stay zero under any optimizer); with
   chunks (interleaved, zb-v) the virtual stages are in device order
   (`execute.device_order`), so each device's chunks are its own shard;
 * `shared`: leaves the prologue or the epilogue read (tied embeddings, the
@@ -33,6 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import numpy as np
 
+from passes.pipeline.balance import Balance
 from passes.pipeline.cut import Cut
 from passes.pipeline.execute import device_order
 from passes.pipeline.schedule import PipelineSchedule
@@ -57,6 +60,7 @@ class _Layout:
   treedef: Any
   avals: tuple           # the user's leaves as ShapeDtypeStructs (what the loss is traced at)
   cut: Cut               # from `init`'s trace: leaf positions and layout conversions
+  balance: Balance       # layers per virtual stage, fixed at `init` (the state's shapes)
   rest: tuple[int, ...]  # leaf positions the loss never reads
 
 
@@ -64,19 +68,20 @@ class PipelineTrainStep:
   """`state, loss = step(state, *batch)`; built by `make_train_step`."""
 
   def __init__(self, loss_fn, optimizer, sched, mesh, axis_name, data_axis, has_aux,
-               compiler_options):
+               compiler_options, layers=None):
     self.loss_fn, self.optimizer, self.sched = loss_fn, optimizer, sched
     self.mesh, self.axis_name, self.data_axis, self.has_aux = (mesh, axis_name, data_axis,
                                                                has_aux)
-    self.compiler_options = compiler_options
+    self.compiler_options, self.layers = compiler_options, layers
     self._layout: _Layout | None = None
     self._step = None
 
   # --- layout ----------------------------------------------------------------------
-  def _program(self, avals, treedef, batch):
+  def _program(self, avals, treedef, batch, layers=None):
     from ooojax.pipeline import _auto_program  # the automatic form's cut and executor
     return _auto_program(self.loss_fn, self.has_aux, self.sched, self.mesh, self.axis_name,
-                         self.data_axis, avals, treedef, batch, device_major=True)
+                         self.data_axis, avals, treedef, batch, device_major=True,
+                         layers=self.layers if layers is None else layers)
 
   def _plan(self, params, batch) -> _Layout:
     leaves, treedef = jax.tree.flatten(params)
@@ -84,12 +89,13 @@ class PipelineTrainStep:
     box = {}
 
     def trace(*b):   # shapes only: the cut's leaf positions do not depend on values
-      box["cut"] = self._program(avals, treedef, b).cut
+      box["prog"] = self._program(avals, treedef, b)
       return 0
     jax.eval_shape(trace, *batch)
-    c = box["cut"]
+    c = box["prog"].cut
     used = {i for row in c.stacked for i in row} | set(c.shared)
-    return _Layout(treedef, avals, c, tuple(i for i in range(len(leaves)) if i not in used))
+    return _Layout(treedef, avals, c, box["prog"].balance,
+                   tuple(i for i in range(len(leaves)) if i not in used))
 
   def _shardings(self, state_shape: PipelineTrainState) -> PipelineTrainState:
     stage = NamedSharding(self.mesh, P(self.axis_name))
@@ -105,7 +111,7 @@ class PipelineTrainStep:
     lay = self._layout
     c = lay.cut
     order = device_order(self.sched)
-    stacked = c.stage_params(leaves, self.sched.virtual_stages)
+    stacked = c.stage_params(leaves, lay.balance.counts)
     if self.sched.chunks > 1:
       stacked = tuple(x[order] for x in stacked)
     return StageParams(tuple(stacked),
@@ -144,10 +150,16 @@ class PipelineTrainStep:
     stacked = p.stacked
     if self.sched.chunks > 1:   # back to virtual-stage order
       stacked = tuple(x[np.argsort(device_order(self.sched))] for x in stacked)
-    out = lay.cut.grads(zeros, stacked, p.shared)   # the inverse of stage_params
+    out = lay.cut.grads(zeros, stacked, p.shared, lay.balance.counts)  # stage_params^-1
     for i, x in zip(lay.rest, p.rest):
       out[i] = x
     return lay.treedef.unflatten(out)
+
+  @property
+  def balance(self) -> Balance:
+    """The layers per virtual stage (and their cost-model times) `init` chose."""
+    self._check_init()
+    return self._layout.balance
 
   def _check_init(self):
     if self._layout is None:
@@ -156,7 +168,7 @@ class PipelineTrainStep:
 
   def _body(self, state: PipelineTrainState, *batch):
     lay = self._layout
-    prog = self._program(list(lay.avals), lay.treedef, batch)
+    prog = self._program(list(lay.avals), lay.treedef, batch, lay.balance.counts)
     sp = state.params
     loss, (gp, gsh) = prog.run(sp.stacked, (prog.inputs, prog.targets), sp.shared)
     grads = StageParams(tuple(gp), tuple(gsh), tuple(jnp.zeros_like(x) for x in sp.rest))
@@ -185,7 +197,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
                     axis_name: str, schedule: str | PipelineSchedule = "ooo",
                     microbatches: int | None = None, chunks: int | None = None,
                     data_axis: str | None = None, has_aux: bool = False,
-                    compiler_options: dict | None = None) -> PipelineTrainStep:
+                    compiler_options: dict | None = None,
+                    layers: str | tuple[int, ...] | None = None) -> PipelineTrainStep:
   """A jitted pipelined train step of a plain loss, the optimizer applied per stage.
 
   The stages are cut from `loss_fn` as in `value_and_grad(loss_fn, mesh=...,
@@ -202,8 +215,10 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
     loss_fn: `loss_fn(params, *batch) -> scalar`, the plain loss (a mean over
       examples); with `has_aux`, `(loss, aux)` (aux is not computed).
     optimizer: the optax optimizer.
-    mesh, axis_name, schedule, microbatches, chunks, data_axis: as in
-      `value_and_grad`.
+    mesh, axis_name, schedule, microbatches, chunks, data_axis, layers: as in
+      `value_and_grad`. The split is fixed at `init` (`step.balance`); the cost
+      model prices the local device, so pin `layers=step.balance.counts` to
+      restore a checkpoint on another kind of device.
     compiler_options: passed to `jax.jit` (e.g. XLA's optimization level).
 
   Returns:
@@ -223,6 +238,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
   >>> state = step.init(jnp.ones((2, 3, 3)) * 0.1, x, t)
   >>> state.params.stacked[0].shape      # (stages, layers per stage, 3, 3)
   (2, 1, 3, 3)
+  >>> step.balance.counts                # layers per virtual stage (`Balance`)
+  (1, 1)
   >>> state, l0 = step(state, x, t)
   >>> state, l1 = step(state, x, t)
   >>> bool(l1 < l0), step.params(state).shape
@@ -237,4 +254,4 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
                      f"axis {axis_name!r}; the mesh has {dict(mesh.shape)}")
   sched = _table(schedule, mesh.shape[axis_name], microbatches, chunks)
   return PipelineTrainStep(loss_fn, optimizer, sched, mesh, axis_name, data_axis, has_aux,
-                           compiler_options)
+                           compiler_options, layers)

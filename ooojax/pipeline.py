@@ -33,6 +33,10 @@ from jax.sharding import PartitionSpec as P
 from ooojax._explain_pipeline import PipelineReport, explain
 from ooojax._pipeline_train import (PipelineTrainState, PipelineTrainStep, StageParams,
                                     make_train_step)
+from passes.pipeline.balance import Balance
+from passes.pipeline.balance import balance as _balance
+from passes.pipeline.balance import price as _price
+from passes.pipeline.cut import EXPLICIT as _EXPLICIT
 from passes.pipeline.cut import Cut, CutError, cut
 from passes.pipeline.execute import lower, lower_train
 from passes.pipeline.program import Memory
@@ -41,7 +45,7 @@ from passes.pipeline.generate import SCHEDULES, generate
 from passes.pipeline.schedule import Action, PipelineSchedule, ScheduleError
 from passes.pipeline.steps import SteadyState, steady_state, tile
 
-__all__ = ["SCHEDULES", "Action", "Cut", "CutError", "Memory", "PipelineReport",
+__all__ = ["SCHEDULES", "Action", "Balance", "Cut", "CutError", "Memory", "PipelineReport",
            "PipelineSchedule", "PipelineTrainState", "PipelineTrainStep", "ScheduleError",
            "StageParams", "SteadyState", "explain", "make_train_step", "memory", "schedule",
            "steady_state", "tile", "train", "value_and_grad"]
@@ -80,7 +84,8 @@ def value_and_grad(fn: Callable, loss_fn: Callable | None = None, *, mesh, axis_
                    schedule: str | PipelineSchedule = "ooo",
                    microbatches: int | None = None, chunks: int | None = None,
                    input_fn: Callable | None = None, has_aux: bool = False,
-                   data_axis: str | None = None) -> Callable:
+                   data_axis: str | None = None,
+                   layers: str | tuple[int, ...] | None = None) -> Callable:
   """Pipelined loss and gradients: of a plain loss (stages cut automatically), or
   of a stack of stages written by hand.
 
@@ -89,19 +94,21 @@ def value_and_grad(fn: Callable, loss_fn: Callable | None = None, *, mesh, axis_
   * `value_and_grad(loss_fn, mesh=..., axis_name=...)`: the `loss_fn(params,
     *batch)` one would pass to `jax.value_and_grad`. ooojax traces it, finds the
     stack of layers (a scan over stacked parameters: flax `nn.scan`, `nnx.scan`,
-    `lax.scan`; or a Python loop of identical blocks), splits its layers evenly
-    over the (virtual) stages, runs what comes before the stack (embedding) on
-    the first stage and what comes after it (final norm, head, loss) on the
-    last; parameters both of those read (tied embeddings) are replicated and
-    their gradient is reduced once. Returns `step(params, *batch) -> (loss,
-    grads)` with `grads` in the structure of `params` (ready for optax). Every
-    leaf of `batch` is split on its leading axis into microbatches (scalars,
-    such as a loss scale, go whole to each), and the loss is the mean over
-    microbatches of `loss_fn` on each: equal to
+    `lax.scan`; or a Python loop of identical blocks), splits its layers over
+    the (virtual) stages by the cost model (`layers`), runs what comes before
+    the stack (embedding) on the first stage and what comes after it (final
+    norm, head, loss) on the last; parameters both of those read (tied
+    embeddings) are replicated and their gradient is reduced once. Returns
+    `step(params, *batch) -> (loss, grads)` with `grads` in the structure of
+    `params` (ready for optax). Every leaf of `batch` is split on its leading
+    axis into microbatches (scalars, such as a loss scale, go whole to each),
+    and the loss is the mean over microbatches of `loss_fn` on each: equal to
     `loss_fn(params, *batch)` for a loss that is a mean over equal-sized
     examples. With `has_aux=True` `loss_fn` returns `(loss, aux)`; `aux` is
     not computed (the stages never gather it) and `step` returns `((loss,
     None), grads)`. A model it cannot cut raises a `ValueError` that says why.
+    `step.balance(params, *batch)` (shapes only) is the chosen split, a
+    `Balance`: layers per virtual stage and their cost-model times.
   * `value_and_grad(stage_fn, loss_fn, ...)`: the explicit stack, below.
 
   The model of the explicit form is `loss_fn(stage_fn(p[V-1], ... stage_fn(p[0],
@@ -123,6 +130,12 @@ def value_and_grad(fn: Callable, loss_fn: Callable | None = None, *, mesh, axis_
     data_axis: a second mesh axis (e.g. `("data", "stage")`) over which each
       microbatch's rows are split: every data replica runs the pipeline on its
       slice, and the loss and gradients are the mean over the replicas.
+    layers: (automatic form) the stack's layers per virtual stage: "balanced"
+      (the default: the split with the least simulated step time on the cost
+      model, the prologue priced on the first virtual stage and the epilogue on
+      the last, per the schedule's placement; the even split where that is
+      best), "even" (`L / V` each; a remainder to the middle stages), or a
+      tuple of V counts. Uneven counts pad the stage stacks to the largest.
 
   Returns:
     Automatic form: `step(params, *batch)`, see above. Explicit form:
@@ -163,10 +176,11 @@ def value_and_grad(fn: Callable, loss_fn: Callable | None = None, *, mesh, axis_
       raise TypeError("input_fn belongs to the explicit form value_and_grad(stage_fn, "
                       "loss_fn, input_fn=...); the automatic form value_and_grad(loss_fn) "
                       "finds the embedding itself")
-    return _auto(fn, sched, mesh, axis_name, has_aux, data_axis)
-  if has_aux:
-    raise TypeError("has_aux belongs to the automatic form value_and_grad(loss_fn, ...); "
-                    "the explicit form's loss_fn returns a scalar")
+    return _auto(fn, sched, mesh, axis_name, has_aux, data_axis, layers)
+  if has_aux or layers is not None:
+    raise TypeError(f"{'has_aux' if has_aux else 'layers'} belongs to the automatic form "
+                    "value_and_grad(loss_fn, ...); the explicit form's loss_fn returns a "
+                    "scalar and its stage_params set the layers per stage")
   return lower(fn, loss_fn, sched, mesh, axis_name, input_fn, data_axis)
 
 
@@ -185,18 +199,20 @@ def _table(schedule, stages: int, microbatches: int | None,
 
 @dataclasses.dataclass(frozen=True)
 class _AutoProgram:
-  """A plain loss cut for one batch: `run(cut.stage_params(leaves, V), (inputs, targets),
-  shared) -> (loss, (stage_grads, shared_grads))`, `inputs` / `targets` the batch leaves
-  the prologue / epilogue read (scalars as a row per example)."""
+  """A plain loss cut for one batch: `run(cut.stage_params(leaves, balance.counts),
+  (inputs, targets), shared) -> (loss, (stage_grads, shared_grads))`, `inputs` /
+  `targets` the batch leaves the prologue / epilogue read (scalars as a row per
+  example)."""
   cut: Cut
   run: Callable
   inputs: tuple
   targets: tuple
+  balance: Balance     # layers per virtual stage (`cut.stage_params(leaves, counts)`)
 
 
 def _auto_program(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, mesh,
                   axis_name: str, data_axis: str | None, p_avals, p_tree,
-                  batch, device_major: bool = False) -> _AutoProgram:
+                  batch, device_major: bool = False, layers=None) -> _AutoProgram:
   """Traces `loss_fn` at one data replica's slice of one microbatch (what each device
   runs), cuts it (`passes.pipeline.cut`) and lowers the cut (`execute.lower`)."""
   M, V = sched.microbatches, sched.virtual_stages
@@ -219,38 +235,58 @@ def _auto_program(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, mes
     return out[0] if has_aux else out
 
   c = cut(jax.make_jaxpr(flat)(*p_avals, *b_avals), n)
+  if c.layers < V:
+    raise CutError(f"the stack has {c.layers} layers, fewer than the {V} virtual stages "
+                   "(stages x chunks); use fewer stages or chunks, or cut by hand" + _EXPLICIT)
+  bal = _balance(c.layers, _price(c, p_avals, b_avals), sched,
+                 "balanced" if layers is None else layers)
+  fns = {k: c.stage_fn(k) for k in sorted(set(bal.counts))}
+  stage = fns[bal.counts[0]] if len(fns) == 1 else tuple(fns[k] for k in bal.counts)
   # A scalar travels as a row per example (the executor splits every leaf), read at [0].
   whole = lambda ids, xs: tuple(x[0] if scalar[i] else x  # noqa: E731
                                 for i, x in zip(ids, xs))
-  run = lower(c.stage_fn(c.per_stage(V)),
+  run = lower(stage,
               lambda y, tg, sh: c.loss_fn(y, whole(c.targets, tg), sh), sched, mesh,
               axis_name, lambda ins, sh: c.input_fn(whole(c.inputs, ins), sh), data_axis,
               device_major)
   rowed = lambda ids: tuple(  # noqa: E731
       jnp.broadcast_to(b_leaves[i], (B,)) if scalar[i] else b_leaves[i] for i in ids)
-  return _AutoProgram(c, run, rowed(c.inputs), rowed(c.targets))
+  return _AutoProgram(c, run, rowed(c.inputs), rowed(c.targets), bal)
 
 
 def _auto(loss_fn: Callable, sched: PipelineSchedule, mesh, axis_name: str,
-          has_aux: bool, data_axis: str | None) -> Callable:
+          has_aux: bool, data_axis: str | None, layers=None) -> Callable:
   """`step(params, *batch)` of a plain loss (`_auto_program`). The loss is traced on
   every call of `step` (once per `jax.jit` trace): a cached trace would keep the
   constants it closes over, tracers of an outer trace included."""
-  V = sched.virtual_stages
+  def program(params, batch) -> _AutoProgram:
+    leaves, p_tree = jax.tree.flatten(params)
+    p_avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves]
+    return _auto_program(loss_fn, has_aux, sched, mesh, axis_name, data_axis, p_avals,
+                         p_tree, batch, layers=layers)
 
   def step(params, *batch):
     leaves, p_tree = jax.tree.flatten(params)
-    p_avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves]
-    prog = _auto_program(loss_fn, has_aux, sched, mesh, axis_name, data_axis, p_avals,
-                         p_tree, batch)
-    c = prog.cut
-    loss, (gp, gsh) = prog.run(c.stage_params(leaves, V), (prog.inputs, prog.targets),
+    prog = program(params, batch)
+    c, counts = prog.cut, prog.balance.counts
+    loss, (gp, gsh) = prog.run(c.stage_params(leaves, counts), (prog.inputs, prog.targets),
                                tuple(leaves[i] for i in c.shared))
     if _explicit(mesh):  # stage axes come back sharded; the user's leaves are whole
       gp = jax.tree.map(lambda g: jax.reshard(g, NamedSharding(mesh, P())), gp)
-    grads = p_tree.unflatten(c.grads(leaves, gp, gsh))
+    grads = p_tree.unflatten(c.grads(leaves, gp, gsh, counts))
     return ((loss, None), grads) if has_aux else (loss, grads)
 
+  def balance(params, *batch) -> Balance:
+    """The layers per virtual stage `step` runs for these shapes (a `Balance`)."""
+    box = {}
+
+    def trace(p, *b):   # shapes only
+      box["b"] = program(p, b).balance
+      return 0
+    jax.eval_shape(trace, params, *batch)
+    return box["b"]
+
+  step.balance = balance
   return step
 
 

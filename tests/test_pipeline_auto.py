@@ -230,8 +230,8 @@ def _raises(loss, params, batch, match, stages=2):
 def test_uncuttable_models():
   loss, params, batch = _mlp(widths=[16, 24, 12, 20])   # layers of different shapes
   _raises(loss, params, batch, "found no repeated stack")
-  loss, params, batch = _mlp(layers=3)                   # 3 layers, 2 stages
-  _raises(loss, params, batch, "3 layers, which do not split evenly over 2")
+  loss, params, batch = _mlp(layers=3)                   # 3 layers, 4 stages
+  _raises(loss, params, batch, "3 layers, fewer than the 4 virtual stages", stages=4)
 
   def sown(params, x, y):     # the loss reads every layer's output, not just the last
     h, hs = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), h), x, params)

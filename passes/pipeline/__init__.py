@@ -12,4 +12,6 @@ executor all read.
   and its steady-state bubble per step.
 * `flavor`: a stage's forward + vjp cut into F, B and W phases.
 * `execute`: a table lowered to one SPMD `shard_map` program.
+* `cut`, `balance`: a plain loss cut into prologue, layers and epilogue, and its
+  layers split over the virtual stages by the cost model.
 """

@@ -3,8 +3,8 @@
 Contract: `cut(jaxpr, n_params) -> Cut` for `jaxpr = make_jaxpr(flat_loss)(*param_leaves,
 *batch_leaves)` with one scalar output; raises `CutError` (a `ValueError`) when
 the program holds no stack it can pipeline. Read by `ooojax.pipeline`, which
-hands `Cut.input_fn`, `Cut.stage_fn(per)` and `Cut.loss_fn` to
-`passes.pipeline.execute.lower`.
+hands `Cut.input_fn`, `Cut.stage_fn(n)` per layer count (`passes.pipeline.balance`)
+and `Cut.loss_fn` to `passes.pipeline.execute.lower`.
 
 The stack is found in the top-level equations (top-level `jit` calls inlined):
 
@@ -70,27 +70,21 @@ class Cut:
   consts_fn: Callable = dataclasses.field(repr=False)  # () -> the layers' constants
 
   def stage_fn(self, per: int) -> Callable:
-    """`(stage_leaves, x) -> x` running `per` consecutive layers (leaves `(per, ...)`)."""
+    """`(stage_leaves, x) -> x` running the first `per` layers of its leaves (`(rows,
+    ...)`, rows >= per: the stage stack is padded to the largest count)."""
     def stage(p, x):
       consts = self.consts_fn()
       if self.scanned:  # keep the user's loop: the split pass cuts scans into B/W scans
+        p = tuple(a if a.shape[0] == per else a[:per] for a in p)
         return lax.scan(lambda h, ps: (self.layer_fn(consts, ps, h), None), x, p)[0]
       for j in range(per):
         x = self.layer_fn(consts, tuple(a[j] for a in p), x)
       return x
     return stage
 
-  def per_stage(self, vstages: int) -> int:
-    """Layers per virtual stage (an even split; raises `CutError` if there is none)."""
-    if self.layers % vstages:
-      raise CutError(f"the stack has {self.layers} layers, which do not split evenly over "
-                     f"{vstages} virtual stages (stages x chunks); use a layer count "
-                     f"divisible by {vstages}, or fewer stages, or cut by hand" + EXPLICIT)
-    return self.layers // vstages
-
-  def stage_params(self, leaves: Sequence[Any], vstages: int) -> tuple:
-    """The stack's leaves as the executor wants them: `(vstages, layers / vstages, ...)`."""
-    per = self.per_stage(vstages)
+  def stage_params(self, leaves: Sequence[Any], counts: Sequence[int]) -> tuple:
+    """The stack's leaves as the executor wants them: `(V, max(counts), ...)`, virtual
+    stage v holding the next `counts[v]` layers, then zero rows (`balance.balance`)."""
     if self.scanned:
       cols = [leaves[i] for i in self.stacked[0]]
       if self.reverse:
@@ -98,13 +92,21 @@ class Cut:
     else:
       cols = [jnp.stack([leaves[row[i]] for row in self.stacked])
               for i in range(len(self.stacked[0]))]
-    return tuple(a.reshape(vstages, per, *a.shape[1:]) for a in cols)
+    V, rows = len(counts), max(counts)
+    if min(counts) == rows:
+      return tuple(a.reshape(V, rows, *a.shape[1:]) for a in cols)
+    at = np.cumsum([0, *counts])
+    pad = lambda a, v: jnp.pad(a[at[v]:at[v + 1]],  # noqa: E731
+                               [(0, rows - counts[v])] + [(0, 0)] * (a.ndim - 1))
+    return tuple(jnp.stack([pad(a, v) for v in range(V)]) for a in cols)
 
-  def grads(self, leaves: Sequence[Any], stage_grads, shared_grads) -> list:
-    """The gradient of every parameter leaf, in the leaves' order (zeros for unread ones)."""
+  def grads(self, leaves: Sequence[Any], stage_grads, shared_grads,
+            counts: Sequence[int]) -> list:
+    """The gradient of every parameter leaf, in the leaves' order (zeros for unread
+    ones): the inverse of `stage_params` (padding rows dropped)."""
     out: list = [None] * len(leaves)
     for k, g in enumerate(stage_grads):
-      g = g.reshape(self.layers, *g.shape[2:])
+      g = jnp.concatenate([g[v, :n] for v, n in enumerate(counts)])
       if self.scanned:
         out[self.stacked[0][k]] = jnp.flip(g, 0) if self.reverse else g
       else:

@@ -88,6 +88,8 @@ def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
           data_axis: str | None = None, device_major: bool = False) -> Callable:
   """Returns `step(stage_params, batch, shared=None) -> (loss, grads)`; see the module doc.
 
+  `stage_fn` is one function, or a tuple of one per virtual stage (equal ones
+  share a stage kind: automatic cutting's per-stage layer counts).
   `stage_params` leaves are stacked on a leading axis of `sched.virtual_stages`;
   `batch = (inputs, targets)` with a leading batch axis split into
   `sched.microbatches`. `grads` mirrors `stage_params`, or is

@@ -66,17 +66,26 @@ def trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m,
   if not isinstance(x_aval, jax.ShapeDtypeStruct):
     raise TypeError("the activation passed between stages must be one array; got "
                     f"{x_aval}")
-  y_aval = jax.eval_shape(stage_fn, p_aval, x_aval)
-  if (getattr(y_aval, "shape", None), getattr(y_aval, "dtype", None)) != (
-      x_aval.shape, x_aval.dtype):
-    raise ValueError(f"stage_fn must map the activation to one of the same shape and "
-                     f"dtype ({x_aval.shape} {x_aval.dtype}); got {y_aval}")
+  # One stage function for every virtual stage, or one each (equal ones share a
+  # flavor): automatic cutting runs a different layer count per virtual stage.
+  fns = tuple(stage_fn) if isinstance(stage_fn, (tuple, list)) else (stage_fn,) * V
+  if len(fns) != V:
+    raise ValueError(f"stage_fn gives {len(fns)} functions for {V} virtual stages; pass "
+                     "one function, or one per virtual stage")
+  uniq = list(dict.fromkeys(fns))
+  for fn in uniq:
+    y_aval = jax.eval_shape(fn, p_aval, x_aval)
+    if (getattr(y_aval, "shape", None), getattr(y_aval, "dtype", None)) != (
+        x_aval.shape, x_aval.dtype):
+      raise ValueError(f"stage_fn must map the activation to one of the same shape and "
+                       f"dtype ({x_aval.shape} {x_aval.dtype}); got {y_aval}")
   x_aval = jax.ShapeDtypeStruct(x_aval.shape, x_aval.dtype)
-  kinds = sorted({(vs == 0, vs == V - 1) for vs in range(V)}, reverse=True)
-  flavors = tuple(make_flavor(fi, la, stage_fn, loss_fn, input_fn, p_aval, sh_aval, x_aval,
-                              in_aval, tg_aval) for fi, la in kinds)
-  flavor_of = lambda s, c: kinds.index(  # noqa: E731
-      (sched.vstage(s, c) == 0, sched.vstage(s, c) == V - 1))
+  kind_of = lambda vs: (vs == 0, vs == V - 1, uniq.index(fns[vs]))  # noqa: E731
+  kinds = sorted({kind_of(vs) for vs in range(V)},
+                 key=lambda k: (not k[0], not k[1], k[2]))   # first, last, middles
+  flavors = tuple(make_flavor(fi, la, uniq[i], loss_fn, input_fn, p_aval, sh_aval, x_aval,
+                              in_aval, tg_aval) for fi, la, i in kinds)
+  flavor_of = lambda s, c: kinds.index(kind_of(sched.vstage(s, c)))  # noqa: E731
   # The executor is lock-step (a tick lasts as long as its slowest cell): it
   # runs a fused BW as B then W in consecutive ticks (`generate.unfuse`).
   return Program(flavors, plan_pass.plan(unfuse(sched), flavor_of), x_aval,
