@@ -185,13 +185,12 @@ def _table(schedule, stages: int, microbatches: int | None,
 
 @dataclasses.dataclass(frozen=True)
 class _AutoProgram:
-  """A plain loss cut for one batch: `run(cut.stage_params(leaves, V), (inputs, targets),
-  shared) -> (loss, (stage_grads, shared_grads))`, `inputs` / `targets` the batch leaves
-  the prologue / epilogue read (scalars as a row per example)."""
+  """A plain loss cut for one batch: `run(cut.stage_params(leaves, V), batch, shared) ->
+  (loss, (stage_grads, shared_grads))`, `batch = (inputs, targets[, side])` the batch
+  leaves the prologue / epilogue / every stage read (scalars as a row per example)."""
   cut: Cut
   run: Callable
-  inputs: tuple
-  targets: tuple
+  batch: tuple
 
 
 def _auto_program(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, mesh,
@@ -222,13 +221,17 @@ def _auto_program(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, mes
   # A scalar travels as a row per example (the executor splits every leaf), read at [0].
   whole = lambda ids, xs: tuple(x[0] if scalar[i] else x  # noqa: E731
                                 for i, x in zip(ids, xs))
-  run = lower(c.stage_fn(c.per_stage(V)),
+  stage = c.stage_fn(c.per_stage(V))
+  run = lower((lambda p, x, sd: stage(p, x, whole(c.side, sd))) if c.side else stage,
               lambda y, tg, sh: c.loss_fn(y, whole(c.targets, tg), sh), sched, mesh,
               axis_name, lambda ins, sh: c.input_fn(whole(c.inputs, ins), sh), data_axis,
               device_major)
   rowed = lambda ids: tuple(  # noqa: E731
       jnp.broadcast_to(b_leaves[i], (B,)) if scalar[i] else b_leaves[i] for i in ids)
-  return _AutoProgram(c, run, rowed(c.inputs), rowed(c.targets))
+  # side: what every stage reads besides the activation (a mask's tokens), each
+  # stage slicing its microbatch's rows from the batch it already holds
+  side = (rowed(c.side),) if c.side else ()
+  return _AutoProgram(c, run, (rowed(c.inputs), rowed(c.targets), *side))
 
 
 def _auto(loss_fn: Callable, sched: PipelineSchedule, mesh, axis_name: str,
@@ -244,7 +247,7 @@ def _auto(loss_fn: Callable, sched: PipelineSchedule, mesh, axis_name: str,
     prog = _auto_program(loss_fn, has_aux, sched, mesh, axis_name, data_axis, p_avals,
                          p_tree, batch)
     c = prog.cut
-    loss, (gp, gsh) = prog.run(c.stage_params(leaves, V), (prog.inputs, prog.targets),
+    loss, (gp, gsh) = prog.run(c.stage_params(leaves, V), prog.batch,
                                tuple(leaves[i] for i in c.shared))
     if _explicit(mesh):  # stage axes come back sharded; the user's leaves are whole
       gp = jax.tree.map(lambda g: jax.reshard(g, NamedSharding(mesh, P())), gp)
