@@ -99,13 +99,20 @@ def value_and_grad(fn: Callable, loss_fn: Callable | None = None, *, mesh, axis_
     such as a loss scale, go whole to each), and the loss is the mean over
     microbatches of `loss_fn` on each: equal to
     `loss_fn(params, *batch)` for a loss that is a mean over equal-sized
-    examples. With `has_aux=True` `loss_fn` returns `(loss, aux)`; `aux` is
-    not computed (the stages never gather it) and `step` returns `((loss,
-    None), grads)`. A model it cannot cut raises a `ValueError` that says why.
+    examples. The layers may read values of the batch alone besides the
+    activation (a padding mask built from the tokens, segment ids): every
+    stage rebuilds them from its microbatch's batch leaves. Values of
+    parameters and the batch read by the layers, and random bits drawn from a
+    key in the batch (dropout), are refused. With `has_aux=True` `loss_fn`
+    returns `(loss, aux)`; `aux` is not computed (the stages never gather it)
+    and `step` returns `((loss, None), grads)`. A model it cannot cut raises a
+    `ValueError` that says why.
   * `value_and_grad(stage_fn, loss_fn, ...)`: the explicit stack, below.
 
   The model of the explicit form is `loss_fn(stage_fn(p[V-1], ... stage_fn(p[0],
-  x)), targets)` averaged over microbatches, with `x = inputs` or `input_fn(inputs)`.
+  x)), targets)` averaged over microbatches, with `x = inputs` or `input_fn(inputs)`;
+  with `batch = (inputs, targets, side)` every stage is `stage_fn(p[v], x, side)`,
+  `side` the microbatch's rows (a mask; not differentiated).
 
   Args:
     fn: the plain loss (automatic form), or `stage_fn`: `(params_of_one_stage,
@@ -128,7 +135,7 @@ def value_and_grad(fn: Callable, loss_fn: Callable | None = None, *, mesh, axis_
     Automatic form: `step(params, *batch)`, see above. Explicit form:
     `step(stage_params, batch, shared=None) -> (loss, grads)`; `stage_params`
     leaves are stacked on a leading axis of (virtual) stages; `batch` is
-    `(inputs, targets)`; `grads` mirrors `stage_params`, or is
+    `(inputs, targets)` or `(inputs, targets, side)`; `grads` mirrors `stage_params`, or is
     `(stage_grads, shared_grads)` when `shared` is given. `shared` weights (tied
     embeddings) are replicated; their gradient is reduced once over the stages.
     `step` may be wrapped in `jax.jit`.

@@ -10,11 +10,12 @@ The stack is found in the top-level equations (top-level `jit` calls inlined):
 
 * a `scan` whose xs are parameter leaves with a leading layer axis (flax
   `nn.scan`, `nnx.scan`, `lax.scan` over stacked weights): one carry (the
-  activation), consts computed from constants alone;
+  activation), consts computed from constants or from the batch alone;
 * a run of structurally identical blocks (a Python loop of layers): the
   batch-dependent equations (those of the batch alone moved to just before
-  their first use) are cut where a single value is live, the activation. Each
-  piece, with the parameter-only values it reads recomputed inside it, gets a
+  their first use, or left out and recomputed where read) are cut where a
+  single value is live, the activation. Each piece, with the values of
+  parameters alone and of the batch alone it reads recomputed inside it, gets a
   key (primitives, params, literals, wiring, shapes; parameter leaves by
   position; `fingerprint.structure_key`), and the run of a repeated group of
   pieces covering the most equations is the stack: one group per layer, each
@@ -25,7 +26,9 @@ the batch alone (a weight cast, labels sliced from the tokens) are computed
 where they are read: the prologue is the backward slice of the stack's input,
 the epilogue the slice of the loss from the stack's output; both may
 recompute the same value. Parameter leaves either reads (tied embeddings, the
-head) become the executor's `shared` weights.
+head) become the executor's `shared` weights. Values of the batch alone that
+the layers read (a padding mask) are side inputs (`passes.pipeline.side`):
+every stage rebuilds them from its microbatch's `Cut.side` batch leaves.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from jax import lax
 
 from passes import _compat, fingerprint
 from passes.pipeline import side as side_pass
+from passes.pipeline.eqns import evaluate as _evaluate, flatten as _flatten
 
 __all__ = ["Cut", "CutError", "cut"]
 
@@ -125,49 +129,6 @@ _PINNED = 4              # effectful: never recomputed elsewhere
 
 def _is_var(v) -> bool:
   return isinstance(v, _compat.Var) and not isinstance(v, _compat.DropVar)
-
-
-def _flatten(closed):
-  """The top-level equations with `jit` calls inlined (fresh variables), and the
-  constants' values by variable."""
-  consts = dict(zip(closed.jaxpr.constvars, closed.consts))
-  eqns: list = []
-
-  def walk(jaxpr, sub, fresh):
-    for e in jaxpr.eqns:
-      ins = [sub.get(v, v) if isinstance(v, _compat.Var) else v for v in e.invars]
-      call = _compat.call_body(e) if e.primitive.name in ("jit", "pjit") else None
-      if call is None:
-        outs = e.outvars
-        if fresh:
-          outs = [v if isinstance(v, _compat.DropVar) else _compat.new_var(v.aval)
-                  for v in e.outvars]
-          sub.update(zip(e.outvars, outs))
-        eqns.append(e.replace(invars=ins, outvars=outs) if fresh or ins != e.invars else e)
-        continue
-      inner, inner_consts, _ = call
-      m: dict = {}
-      for v, c in zip(inner.constvars, inner_consts):
-        m[v] = _compat.new_var(v.aval)
-        consts[m[v]] = c
-      m.update(zip(inner.invars, ins))
-      walk(inner, m, True)
-      for ov, iv in zip(e.outvars, inner.outvars):
-        sub[ov] = m.get(iv, iv) if isinstance(iv, _compat.Var) else iv
-
-  top: dict = {}
-  walk(closed.jaxpr, top, False)
-  outs = [top.get(v, v) if isinstance(v, _compat.Var) else v for v in closed.jaxpr.outvars]
-  return eqns, outs, consts
-
-
-def _evaluate(eqns, env: dict, outs) -> list:
-  read = lambda v: v.val if isinstance(v, _compat.Literal) else env[v]  # noqa: E731
-  for e in eqns:
-    for v, x in zip(e.outvars, _compat.bind_eqn(e, [read(v) for v in e.invars])):
-      if not isinstance(v, _compat.DropVar):
-        env[v] = x
-  return [read(v) for v in outs]
 
 
 @dataclasses.dataclass(frozen=True)

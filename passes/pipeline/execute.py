@@ -91,10 +91,11 @@ def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
   `stage_params` leaves are stacked on a leading axis of `sched.virtual_stages`;
   `batch = (inputs, targets)` with a leading batch axis split into
   `sched.microbatches`; `batch = (inputs, targets, side)` hands every stage its
-  microbatch's `side` too: `stage_fn(params, x, side)` (not differentiated). `grads` mirrors `stage_params`, or is
-  `(stage_grads, shared_grads)` when `shared` is given. With a `data_axis` (a
-  second mesh axis) each microbatch is split over it too: every data replica
-  runs the table on its slice, and the loss and gradients are their mean.
+  microbatch's `side` too: `stage_fn(params, x, side)` (not differentiated).
+  `grads` mirrors `stage_params`, or is `(stage_grads, shared_grads)` when
+  `shared` is given. With a `data_axis` (a second mesh axis) each microbatch
+  is split over it too: every data replica runs the table on its slice, and
+  the loss and gradients are their mean.
   With `device_major`, `stage_params` (and `grads`) stack the virtual stages in
   device order (`device_order(sched)`): device s's chunks are contiguous, so a
   stage-sharded stack reaches its devices without moving (interleaved, zb-v).
