@@ -42,9 +42,9 @@ class _LM(nn.Module):
   def __call__(self, tokens, segments=None):
     emb = nn.Embed(self.vocab, self.dim)
     x = emb(tokens)
-    mask = nn.make_causal_mask(tokens) & nn.make_attention_mask(tokens != 0, tokens != 0)
-    if segments is not None:       # packed sequences: attend within one's segment only
-      mask = mask & nn.make_attention_mask(segments, segments, jnp.equal)
+    mask = nn.combine_masks(   # packed sequences: attend within one's segment only
+        nn.make_causal_mask(tokens), nn.make_attention_mask(tokens != 0, tokens != 0),
+        None if segments is None else nn.make_attention_mask(segments, segments, jnp.equal))
     if self.scan:   # the mask is a scan constant
       x, _ = nn.scan(_ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True},
                      in_axes=nn.broadcast, length=self.layers)(self.dim, self.heads)(x, mask)
@@ -114,7 +114,7 @@ def test_dropout_key_refused():
   # a dropout mask drawn from a key in the batch: a microbatch's bits differ
   loss, params, batch = _scan_loss(
       lambda p, x, key: jax.random.bernoulli(key, 0.9, x.shape).astype(x.dtype))
-  _raises(loss, params, batch, "random bits drawn for a microbatch differ")
+  _raises(loss, params, batch, "bits drawn for a microbatch differ")
 
 
 # --- the explicit form: batch = (inputs, targets, side) --------------------------------
