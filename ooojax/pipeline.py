@@ -287,7 +287,7 @@ def train(stage_fn: Callable, loss_fn: Callable, optimizer, *, mesh, axis_name: 
   Returns:
     `train(stage_params, opt_state, batches) -> (stage_params, opt_state, losses)`
     with `opt_state = jax.vmap(optimizer.init)(stage_params)` (one state per
-    virtual stage) and `batches = (inputs, targets)` stacked on a leading axis of
+    virtual stage) and `batches = (inputs, targets[, side])` stacked on a leading axis of
     `steps`; `losses[t]` is step t's loss. The parameters each forward reads, and
     so the trajectory, are the synchronous loop's. Wrap it in `jax.jit`.
 

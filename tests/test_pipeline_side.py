@@ -94,6 +94,25 @@ def test_cut_records_the_side_leaves():
   assert c.side == (0, 1) and c.inputs == (0,) and c.targets == (0,)
 
 
+def test_scalar_side_input():
+  # a scalar batch leaf every block reads (a temperature): whole to every microbatch
+  def loss(params, x, y, temp):
+    h = x @ params["in"]
+    for w in params["w"]:
+      h = h + jnp.tanh(h @ w) * temp
+    return jnp.mean((h @ params["out"] - y) ** 2)
+
+  ks = jax.random.split(jax.random.key(0), 5)
+  params = {"in": jax.random.normal(ks[0], (5, 4)), "out": jax.random.normal(ks[1], (4, 3)),
+            "w": [jax.random.normal(k, (4, 4)) * 0.5 for k in jax.random.split(ks[2], 4)]}
+  x, y, temp = jax.random.normal(ks[3], (8, 5)), jax.random.normal(ks[4], (8, 3)), 0.7
+  step = ooo.pipeline.value_and_grad(loss, mesh=_mesh(2), axis_name="stage",
+                                     schedule="1f1b", microbatches=2)
+  mean = lambda p: (loss(p, x[:4], y[:4], temp) + loss(p, x[4:], y[4:], temp)) / 2  # noqa: E731
+  assert_trees_close(_jit(step)(params, x, y, jnp.float32(temp)),
+                     _jit(jax.value_and_grad(mean))(params))
+
+
 # --- what stays refused ----------------------------------------------------------------
 def _scan_loss(side):
   def loss(params, x, key):
@@ -134,6 +153,25 @@ def test_explicit_side():
 
   assert_trees_close(_jit(step)(w, (x, t, m)),
                      _jit(jax.value_and_grad(mean_over_microbatches))(w))
+
+
+def test_explicit_side_data_by_stage():
+  # each data replica gets its rows of side, as of inputs and targets
+  stage_fn = lambda w, h, m: jnp.tanh(h @ w) * m[:, None]  # noqa: E731
+  loss_fn = lambda y, t: jnp.sum((y - t) ** 2)  # noqa: E731 - a sum: rows seen matter
+  w = jax.random.normal(jax.random.key(0), (2, 4, 4)) * 0.5
+  x, t = jax.random.normal(jax.random.key(1), (8, 4)), jnp.zeros((8, 4))
+  m = jnp.arange(8, dtype=jnp.float32) / 8
+  mesh = jax.make_mesh((2, 2), ("data", "stage"), devices=jax.devices()[:4])
+  step = ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=mesh, axis_name="stage",
+                                     data_axis="data", schedule="1f1b", microbatches=2)
+
+  def mean_of_pieces(w):
+    xs, ts, ms = x.reshape(4, 2, 4), t.reshape(4, 2, 4), m.reshape(4, 2)
+    return sum(loss_fn(stage_fn(w[1], stage_fn(w[0], a, c), c), b)
+               for a, b, c in zip(xs, ts, ms)) / 4
+
+  assert_trees_close(_jit(step)(w, (x, t, m)), _jit(jax.value_and_grad(mean_of_pieces))(w))
 
 
 # --- make_train_step ---------------------------------------------------------------------
