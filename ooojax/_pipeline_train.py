@@ -170,7 +170,7 @@ class PipelineTrainStep:
     lay = self._layout
     prog = self._program(list(lay.avals), lay.treedef, batch, lay.balance.counts)
     sp = state.params
-    loss, (gp, gsh) = prog.run(sp.stacked, (prog.inputs, prog.targets), sp.shared)
+    loss, (gp, gsh) = prog.run(sp.stacked, prog.batch, sp.shared)
     grads = StageParams(tuple(gp), tuple(gsh), tuple(jnp.zeros_like(x) for x in sp.rest))
     updates, opt_state = self.optimizer.update(grads, state.opt_state, sp)
     return PipelineTrainState(state.step + 1, optax.apply_updates(sp, updates),

@@ -104,15 +104,22 @@ def value_and_grad(fn: Callable, loss_fn: Callable | None = None, *, mesh, axis_
     axis into microbatches (scalars, such as a loss scale, go whole to each),
     and the loss is the mean over microbatches of `loss_fn` on each: equal to
     `loss_fn(params, *batch)` for a loss that is a mean over equal-sized
-    examples. With `has_aux=True` `loss_fn` returns `(loss, aux)`; `aux` is
-    not computed (the stages never gather it) and `step` returns `((loss,
-    None), grads)`. A model it cannot cut raises a `ValueError` that says why.
-    `step.balance(params, *batch)` (shapes only) is the chosen split, a
-    `Balance`: layers per virtual stage and their cost-model times.
+    examples. The layers may read values of the batch alone besides the
+    activation (a padding mask built from the tokens, segment ids): every
+    stage rebuilds them from its microbatch's batch leaves. Values of
+    parameters and the batch read by the layers, and random bits drawn from a
+    key in the batch (dropout), are refused. With `has_aux=True` `loss_fn`
+    returns `(loss, aux)`; `aux` is not computed (the stages never gather it)
+    and `step` returns `((loss, None), grads)`. A model it cannot cut raises a
+    `ValueError` that says why. `step.balance(params, *batch)` (shapes only)
+    is the chosen split, a `Balance`: layers per virtual stage and their
+    cost-model times.
   * `value_and_grad(stage_fn, loss_fn, ...)`: the explicit stack, below.
 
   The model of the explicit form is `loss_fn(stage_fn(p[V-1], ... stage_fn(p[0],
-  x)), targets)` averaged over microbatches, with `x = inputs` or `input_fn(inputs)`.
+  x)), targets)` averaged over microbatches, with `x = inputs` or `input_fn(inputs)`;
+  with `batch = (inputs, targets, side)` every stage is `stage_fn(p[v], x, side)`,
+  `side` the microbatch's rows (a mask; not differentiated).
 
   Args:
     fn: the plain loss (automatic form), or `stage_fn`: `(params_of_one_stage,
@@ -141,7 +148,7 @@ def value_and_grad(fn: Callable, loss_fn: Callable | None = None, *, mesh, axis_
     Automatic form: `step(params, *batch)`, see above. Explicit form:
     `step(stage_params, batch, shared=None) -> (loss, grads)`; `stage_params`
     leaves are stacked on a leading axis of (virtual) stages; `batch` is
-    `(inputs, targets)`; `grads` mirrors `stage_params`, or is
+    `(inputs, targets)` or `(inputs, targets, side)`; `grads` mirrors `stage_params`, or is
     `(stage_grads, shared_grads)` when `shared` is given. `shared` weights (tied
     embeddings) are replicated; their gradient is reduced once over the stages.
     `step` may be wrapped in `jax.jit`.
@@ -200,13 +207,12 @@ def _table(schedule, stages: int, microbatches: int | None,
 @dataclasses.dataclass(frozen=True)
 class _AutoProgram:
   """A plain loss cut for one batch: `run(cut.stage_params(leaves, balance.counts),
-  (inputs, targets), shared) -> (loss, (stage_grads, shared_grads))`, `inputs` /
-  `targets` the batch leaves the prologue / epilogue read (scalars as a row per
-  example)."""
+  batch, shared) -> (loss, (stage_grads, shared_grads))`, `batch = (inputs,
+  targets[, side])` the batch leaves the prologue / epilogue / every stage read
+  (scalars as a row per example)."""
   cut: Cut
   run: Callable
-  inputs: tuple
-  targets: tuple
+  batch: tuple
   balance: Balance     # layers per virtual stage (`cut.stage_params(leaves, counts)`)
 
 
@@ -240,18 +246,25 @@ def _auto_program(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, mes
                    "(stages x chunks); use fewer stages or chunks, or cut by hand" + _EXPLICIT)
   bal = _balance(c.layers, _price(c, p_avals, b_avals), sched,
                  "balanced" if layers is None else layers)
-  fns = {k: c.stage_fn(k) for k in sorted(set(bal.counts))}
-  stage = fns[bal.counts[0]] if len(fns) == 1 else tuple(fns[k] for k in bal.counts)
   # A scalar travels as a row per example (the executor splits every leaf), read at [0].
   whole = lambda ids, xs: tuple(x[0] if scalar[i] else x  # noqa: E731
                                 for i, x in zip(ids, xs))
+
+  def stage_fn(k):   # one function per layer count: equal counts share a flavor
+    f = c.stage_fn(k)
+    return (lambda p, x, sd: f(p, x, whole(c.side, sd))) if c.side else f
+  fns = {k: stage_fn(k) for k in sorted(set(bal.counts))}
+  stage = fns[bal.counts[0]] if len(fns) == 1 else tuple(fns[k] for k in bal.counts)
   run = lower(stage,
               lambda y, tg, sh: c.loss_fn(y, whole(c.targets, tg), sh), sched, mesh,
               axis_name, lambda ins, sh: c.input_fn(whole(c.inputs, ins), sh), data_axis,
               device_major)
   rowed = lambda ids: tuple(  # noqa: E731
       jnp.broadcast_to(b_leaves[i], (B,)) if scalar[i] else b_leaves[i] for i in ids)
-  return _AutoProgram(c, run, rowed(c.inputs), rowed(c.targets), bal)
+  # side: what every stage reads besides the activation (a mask's tokens), each
+  # stage slicing its microbatch's rows from the batch it already holds
+  side = (rowed(c.side),) if c.side else ()
+  return _AutoProgram(c, run, (rowed(c.inputs), rowed(c.targets), *side), bal)
 
 
 def _auto(loss_fn: Callable, sched: PipelineSchedule, mesh, axis_name: str,
@@ -269,7 +282,7 @@ def _auto(loss_fn: Callable, sched: PipelineSchedule, mesh, axis_name: str,
     leaves, p_tree = jax.tree.flatten(params)
     prog = program(params, batch)
     c, counts = prog.cut, prog.balance.counts
-    loss, (gp, gsh) = prog.run(c.stage_params(leaves, counts), (prog.inputs, prog.targets),
+    loss, (gp, gsh) = prog.run(c.stage_params(leaves, counts), prog.batch,
                                tuple(leaves[i] for i in c.shared))
     if _explicit(mesh):  # stage axes come back sharded; the user's leaves are whole
       gp = jax.tree.map(lambda g: jax.reshard(g, NamedSharding(mesh, P())), gp)
@@ -313,7 +326,7 @@ def train(stage_fn: Callable, loss_fn: Callable, optimizer, *, mesh, axis_name: 
   Returns:
     `train(stage_params, opt_state, batches) -> (stage_params, opt_state, losses)`
     with `opt_state = jax.vmap(optimizer.init)(stage_params)` (one state per
-    virtual stage) and `batches = (inputs, targets)` stacked on a leading axis of
+    virtual stage) and `batches = (inputs, targets[, side])` stacked on a leading axis of
     `steps`; `losses[t]` is step t's loss. The parameters each forward reads, and
     so the trajectory, are the synchronous loop's. Wrap it in `jax.jit`.
 

@@ -137,7 +137,9 @@ def _structure_param(p, memo: dict) -> Any:
     hash(p)
   except TypeError:
     return ("id", id(p))
-  return ("fn", type(p).__name__) if callable(p) and not isinstance(p, type) else p
+  # a custom_vjp's `bwd` is a WrappedFun (not callable, compared by identity): a rule
+  rule = (callable(p) and not isinstance(p, type)) or hasattr(p, "call_wrapped")
+  return ("fn", type(p).__name__) if rule else p
 
 
 def structure_key(eqns, ins, outs, memo: dict | None = None) -> tuple:

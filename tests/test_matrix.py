@@ -66,8 +66,6 @@ def test_pipeline_cell_other_schedules(name, schedule):
 AUTO_REFUSED = {
     "resnet18_sync_bn": ValueError,        # batch_stats would be split as batch rows
     "dropout_rng": NameError,              # axis_index with no data axis bound (JAX's error)
-    "attention_masked": CutError,          # blocks read the padding mask besides the activation
-    "attention_custom_vjp": CutError,
     "while_differentiated": CutError,      # no stack
 }
 

@@ -10,11 +10,12 @@ The stack is found in the top-level equations (top-level `jit` calls inlined):
 
 * a `scan` whose xs are parameter leaves with a leading layer axis (flax
   `nn.scan`, `nnx.scan`, `lax.scan` over stacked weights): one carry (the
-  activation), consts computed from constants alone;
+  activation), consts computed from constants or from the batch alone;
 * a run of structurally identical blocks (a Python loop of layers): the
   batch-dependent equations (those of the batch alone moved to just before
-  their first use) are cut where a single value is live, the activation. Each
-  piece, with the parameter-only values it reads recomputed inside it, gets a
+  their first use, or left out and recomputed where read) are cut where a
+  single value is live, the activation. Each piece, with the values of
+  parameters alone and of the batch alone it reads recomputed inside it, gets a
   key (primitives, params, literals, wiring, shapes; parameter leaves by
   position; `fingerprint.structure_key`), and the run of a repeated group of
   pieces covering the most equations is the stack: one group per layer, each
@@ -25,7 +26,9 @@ the batch alone (a weight cast, labels sliced from the tokens) are computed
 where they are read: the prologue is the backward slice of the stack's input,
 the epilogue the slice of the loss from the stack's output; both may
 recompute the same value. Parameter leaves either reads (tied embeddings, the
-head) become the executor's `shared` weights.
+head) become the executor's `shared` weights. Values of the batch alone that
+the layers read (a padding mask) are side inputs (`passes.pipeline.side`):
+every stage rebuilds them from its microbatch's `Cut.side` batch leaves.
 """
 from __future__ import annotations
 
@@ -38,6 +41,8 @@ import numpy as np
 from jax import lax
 
 from passes import _compat, fingerprint
+from passes.pipeline import side as side_pass
+from passes.pipeline.eqns import evaluate as _evaluate, flatten as _flatten
 
 __all__ = ["Cut", "CutError", "cut"]
 
@@ -67,13 +72,15 @@ class Cut:
   input_fn: Callable                    # (inputs, shared) -> activation
   loss_fn: Callable                     # (activation, targets, shared) -> scalar
   layer_fn: Callable = dataclasses.field(repr=False)  # (consts, layer_leaves, x) -> x
-  consts_fn: Callable = dataclasses.field(repr=False)  # () -> the layers' constants
+  consts_fn: Callable = dataclasses.field(repr=False)  # (side) -> the layers' constants
+  side: tuple[int, ...] = ()            # batch leaves every layer reads (a mask's tokens)
 
   def stage_fn(self, per: int) -> Callable:
-    """`(stage_leaves, x) -> x` running the first `per` layers of its leaves (`(rows,
-    ...)`, rows >= per: the stage stack is padded to the largest count)."""
-    def stage(p, x):
-      consts = self.consts_fn()
+    """`(stage_leaves, x, side=()) -> x` running the first `per` layers of its leaves
+    (`(rows, ...)`, rows >= per: the stage stack is padded to the largest count);
+    `side` holds the microbatch's `side` batch leaves."""
+    def stage(p, x, side=()):
+      consts = self.consts_fn(side)   # a mask: rebuilt from this microbatch's leaves
       if self.scanned:  # keep the user's loop: the split pass cuts scans into B/W scans
         p = tuple(a if a.shape[0] == per else a[:per] for a in p)
         return lax.scan(lambda h, ps: (self.layer_fn(consts, ps, h), None), x, p)[0]
@@ -124,49 +131,6 @@ _PINNED = 4              # effectful: never recomputed elsewhere
 
 def _is_var(v) -> bool:
   return isinstance(v, _compat.Var) and not isinstance(v, _compat.DropVar)
-
-
-def _flatten(closed):
-  """The top-level equations with `jit` calls inlined (fresh variables), and the
-  constants' values by variable."""
-  consts = dict(zip(closed.jaxpr.constvars, closed.consts))
-  eqns: list = []
-
-  def walk(jaxpr, sub, fresh):
-    for e in jaxpr.eqns:
-      ins = [sub.get(v, v) if isinstance(v, _compat.Var) else v for v in e.invars]
-      call = _compat.call_body(e) if e.primitive.name in ("jit", "pjit") else None
-      if call is None:
-        outs = e.outvars
-        if fresh:
-          outs = [v if isinstance(v, _compat.DropVar) else _compat.new_var(v.aval)
-                  for v in e.outvars]
-          sub.update(zip(e.outvars, outs))
-        eqns.append(e.replace(invars=ins, outvars=outs) if fresh or ins != e.invars else e)
-        continue
-      inner, inner_consts, _ = call
-      m: dict = {}
-      for v, c in zip(inner.constvars, inner_consts):
-        m[v] = _compat.new_var(v.aval)
-        consts[m[v]] = c
-      m.update(zip(inner.invars, ins))
-      walk(inner, m, True)
-      for ov, iv in zip(e.outvars, inner.outvars):
-        sub[ov] = m.get(iv, iv) if isinstance(iv, _compat.Var) else iv
-
-  top: dict = {}
-  walk(closed.jaxpr, top, False)
-  outs = [top.get(v, v) if isinstance(v, _compat.Var) else v for v in closed.jaxpr.outvars]
-  return eqns, outs, consts
-
-
-def _evaluate(eqns, env: dict, outs) -> list:
-  read = lambda v: v.val if isinstance(v, _compat.Literal) else env[v]  # noqa: E731
-  for e in eqns:
-    for v, x in zip(e.outvars, _compat.bind_eqn(e, [read(v) for v in e.invars])):
-      if not isinstance(v, _compat.DropVar):
-        env[v] = x
-  return [read(v) for v in outs]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +217,10 @@ def _scan_stack(prog: _Program) -> _Stack | None:
   consts, carry, xs = info.split_in(e.invars)
   where = f"the scan over {info.length} layers"
   other = [v for v in xs if not (_is_var(v) and v in params)]
+  rand = side_pass.check([prog.eqns[k] for k in prog.slice(other) if prog.bits(k) == _B],
+                         other, where)
+  if rand:   # per-layer keys split from a key in the batch (nn.scan's split_rngs)
+    raise CutError(rand + EXPLICIT)
   if other:
     raise CutError(f"{where} also scans over {len(other)} per-layer input(s) that are not "
                    f"parameters ({', '.join(str(v.aval) for v in other)}); automatic "
@@ -261,15 +229,16 @@ def _scan_stack(prog: _Program) -> _Stack | None:
     raise CutError(f"{where} carries {len(carry)} value(s) "
                    f"({', '.join(str(v.aval) for v in carry)}); automatic cutting needs "
                    "exactly one carry, the activation, computed from the batch" + EXPLICIT)
-  for v in consts:
+  for v in consts:   # values of the batch alone (a mask) are side inputs (`side_pass`)
     bits = prog.dep.get(v, 0) if _is_var(v) else 0
+    if bits & _P and bits & _B:
+      raise CutError(side_pass.PARAMS.format(where=where, aval=v.aval) + EXPLICIT)
     if bits & _P:
       raise CutError(f"{where} reads a parameter in every layer ({v.aval}): weights shared "
                      "by the layers cannot be split over stages automatically" + EXPLICIT)
-    if bits:
-      raise CutError(f"{where} reads a per-example value besides its carry ({v.aval}, "
-                     "e.g. a mask computed from the batch); automatic cutting passes one "
-                     "activation between stages" + EXPLICIT)
+    if bits & ~_B:
+      raise CutError(f"{where} reads a value of an effectful equation ({v.aval}); "
+                     "automatic cutting rebuilds side inputs on every stage" + EXPLICIT)
   return _Stack(carry[0], e.outvars[0], frozenset([best]), (tuple(xs),), True,
                 info.reverse, info.length, body=info.body, body_consts=tuple(consts))
 
@@ -277,15 +246,16 @@ def _scan_stack(prog: _Program) -> _Stack | None:
 def _segments(prog: _Program, inputs_live: bool):
   """The batch-dependent equations cut where one value is live: [(ids, x_in, x_out)].
 
-  Values of parameters alone are not among them (recomputed where read); a
-  value of the batch alone is computed just before its first use (labels
-  sliced from the tokens at the top are not live across the stack). A batch
-  input is live from its first use to its last when `inputs_live` (a raw input
-  that is the first layer's input must be, for that layer to cut as the others
-  do), else never (tokens read at the top and again by the loss).
+  Values of parameters alone are not among them (recomputed where read). When
+  `inputs_live` (a raw input that is the first layer's input must be, for that
+  layer to cut as the others do) a batch input is live from its first use to
+  its last and a value of the batch alone is computed just before its first
+  use; else neither is ever live (tokens read at the top and again by the
+  loss; a mask every layer reads): such values are recomputed where read, as
+  side inputs.
   """
-  batch = set(prog.batch_vars)
-  data = [k for k in range(len(prog.eqns)) if prog.bits(k) & (_B | _PINNED)]
+  data = [k for k in range(len(prog.eqns))
+          if prog.bits(k) & (_B | _PINNED) and (inputs_live or prog.bits(k) != _B)]
   users: dict = {}
   for k in data:
     for v in prog.eqns[k].invars:
@@ -301,7 +271,7 @@ def _segments(prog: _Program, inputs_live: bool):
   last: dict = {}
   for i, k in enumerate(data):
     for v in prog.eqns[k].invars:
-      if _is_var(v) and prog.dep.get(v, 0) & _B and (inputs_live or v not in batch):
+      if _is_var(v) and prog.dep.get(v, 0) & _B and (inputs_live or prog.dep[v] != _B):
         d = pos.get(prog.producer.get(v))
         first.setdefault(v, i if d is None else d)   # batch inputs: from their first use
         last[v] = i
@@ -327,24 +297,22 @@ def _segments(prog: _Program, inputs_live: bool):
 
 
 def _piece(prog: _Program, ids, x_in, x_out, memo):
-  """One piece of a stack: (its equations, with the parameter-only values it reads
-  recomputed; its inputs (x, *parameter and constant vars); its key), or None when
-  it reads a per-example value besides its input x."""
+  """One piece of a stack: (its equations, with the values of parameters alone and
+  of the batch alone (side inputs: a mask) it reads recomputed; its inputs (x,
+  *parameter, constant and batch vars); its key), or None when it reads a value
+  of parameters and the batch besides its input x."""
   own = set(ids)
   pulled: set = set()
-  for v in prog.reads(ids):
-    k = prog.producer.get(v)
-    if k in own:
-      continue
-    if prog.dep.get(v, 0) & _B:        # from the batch: only as the piece's input
-      if x_in is None:
-        x_in = v
-      elif v is not x_in:
-        return None
-    elif k is not None:                # from parameters and constants alone
-      pulled.update(prog.slice([v]))
-  if x_in is None or x_out is None:
+  outer = [v for v in prog.reads(ids) if prog.producer.get(v) not in own]
+  acts = [v for v in outer if prog.dep.get(v, 0) & _B and prog.dep[v] != _B]
+  sides = [v for v in outer if prog.dep.get(v, 0) == _B]
+  if x_in is None:                     # a raw input read by the first layer
+    x_in = acts[0] if len(acts) == 1 else sides[0] if len(sides) == 1 and not acts else None
+  if x_in is None or x_out is None or any(v is not x_in for v in acts):
     return None
+  for v in outer:   # values of parameters and constants, or of the batch, alone
+    if v is not x_in and prog.producer.get(v) is not None:
+      pulled.update(prog.slice([v]))
   eqns = sorted(own | pulled)
   ins, seen = [x_in], {x_in}
   for k in eqns:
@@ -393,7 +361,7 @@ def _loop_stack(prog: _Program) -> _Stack | None:
   memo: dict = {}
   segs, pieces, score, best = max((_runs(prog, live, memo) for live in (True, False)),
                                   key=lambda r: r[2])
-  params = set(prog.param_vars)
+  params, batch = set(prog.param_vars), set(prog.batch_vars)
   if best is None:
     return None
   s, per, n = best
@@ -410,6 +378,10 @@ def _loop_stack(prog: _Program) -> _Stack | None:
                      "they use their parameters" + EXPLICIT)
     if j == 0:
       key0, layer_eqns, layer_ins = key, eqns, ins
+    if [v for v in ins[1:] if v in batch] != [v for v in layer_ins[1:] if v in batch]:
+      raise CutError(f"layers 0 and {j} of the repeated stack ({n} layers) read different "
+                     "batch leaves besides the activation; automatic cutting rebuilds one "
+                     "side input (a mask) for every layer" + EXPLICIT)
     layers.append(tuple(v for v in ins[1:] if v in params))
   used = [v for row in layers for v in row]
   if len(set(used)) != len(used):
@@ -441,11 +413,13 @@ def cut(jaxpr, n_params: int) -> Cut:
   prog = _program(jaxpr, n_params)
   stack = _pick(prog)
   if stack is None:
+    rand = side_pass.check([e for k, e in enumerate(prog.eqns) if prog.bits(k) == _B], (),
+                           "the loss")
     raise CutError("found no repeated stack of layers in the loss: neither a scan over "
                    "stacked parameters (nn.scan, nnx.scan, lax.scan) nor a run of "
                    "identical blocks whose parameters have equal shapes (blocks that also "
-                   "read a per-example value besides the activation, such as a padding "
-                   "mask or a dropout key, are not cut either)" + EXPLICIT)
+                   "read a per-example value computed from parameters and the batch are "
+                   "not cut either)" + (f"; {rand}" if rand else "") + EXPLICIT)
   pro = prog.slice([stack.x_in])
   epi = prog.slice([prog.loss], stop=[stack.x_out])
   inside = stack.eqns.intersection(pro + epi)
@@ -484,12 +458,28 @@ def cut(jaxpr, n_params: int) -> Cut:
     env[stack.x_out] = y
     return _evaluate(epi_eqns, env, [prog.loss])[0]
 
+  # side inputs: values of the batch alone every layer reads (a mask), rebuilt per
+  # microbatch from the batch leaves `side` on every stage (`passes.pipeline.side`)
   if stack.scanned:
     c_vars = [v for v in stack.body_consts if _is_var(v)]
-    c_eqns = [prog.eqns[k] for k in prog.slice(c_vars)]
+    c_ids = prog.slice(c_vars)
+    c_eqns = [prog.eqns[k] for k in c_ids]
+    side_vars = [v for v in prog.reads(c_ids) | set(c_vars) if v in b_index]
+    side_eqns = [prog.eqns[k] for k in c_ids if prog.bits(k) == _B]
+    why = side_pass.check(side_eqns, [v for v in c_vars if prog.dep.get(v) == _B], "the stack")
+  else:
+    side_vars = [v for v in stack.layer_ins[1:] if v in b_index]
+    side_eqns = [prog.eqns[k] for k in stack.layer_eqns if prog.bits(k) == _B]
+    why = side_pass.check(side_eqns, side_vars, "the stack")
+  if why:
+    raise CutError(why + EXPLICIT)
+  side = tuple(sorted(b_index[v] for v in side_vars))
+  s_vars = [prog.batch_vars[i] for i in side]
 
-    def consts_fn():
+  if stack.scanned:
+    def consts_fn(sd):
       env = dict(consts)
+      env.update(zip(s_vars, sd))
       _evaluate(c_eqns, env, [])
       return [v.val if isinstance(v, _compat.Literal) else env[v] for v in stack.body_consts]
 
@@ -500,15 +490,16 @@ def cut(jaxpr, n_params: int) -> Cut:
     l_eqns = [prog.eqns[k] for k in stack.layer_eqns]
     l_params = [v for v in stack.layer_ins[1:] if v in stack_params]
 
-    def consts_fn():
-      return ()
+    def consts_fn(sd):
+      return sd
 
     def layer_fn(cs, p, x):
       env = dict(consts)
+      env.update(zip(s_vars, cs))
       env[stack.layer_ins[0]] = x
       env.update(zip(l_params, p))
       return _evaluate(l_eqns, env, [stack.layer_out])[0]
 
   return Cut(stack.length, stack.scanned, stack.reverse,
              tuple(tuple(index[v] for v in row) for row in stack.layers), shared, inputs,
-             targets, input_fn, loss_fn, layer_fn, consts_fn)
+             targets, input_fn, loss_fn, layer_fn, consts_fn, side)

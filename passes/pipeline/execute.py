@@ -92,10 +92,12 @@ def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
   share a stage kind: automatic cutting's per-stage layer counts).
   `stage_params` leaves are stacked on a leading axis of `sched.virtual_stages`;
   `batch = (inputs, targets)` with a leading batch axis split into
-  `sched.microbatches`. `grads` mirrors `stage_params`, or is
-  `(stage_grads, shared_grads)` when `shared` is given. With a `data_axis` (a
-  second mesh axis) each microbatch is split over it too: every data replica
-  runs the table on its slice, and the loss and gradients are their mean.
+  `sched.microbatches`; `batch = (inputs, targets, side)` hands every stage its
+  microbatch's `side` too: `stage_fn(params, x, side)` (not differentiated).
+  `grads` mirrors `stage_params`, or is `(stage_grads, shared_grads)` when
+  `shared` is given. With a `data_axis` (a second mesh axis) each microbatch
+  is split over it too: every data replica runs the table on its slice, and
+  the loss and gradients are their mean.
   With `device_major`, `stage_params` (and `grads`) stack the virtual stages in
   device order (`device_order(sched)`): device s's chunks are contiguous, so a
   stage-sharded stack reaches its devices without moving (interleaved, zb-v).
@@ -109,15 +111,15 @@ def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
   M = sched.microbatches
 
   def step(stage_params, batch, shared=None):
-    inputs_m, targets_m = split_microbatches(batch, M, D)
+    inputs_m, targets_m, side_m = split_microbatches(batch, M, D)
     local = lambda t: jax.tree.map(  # noqa: E731 - one data replica's slice
         lambda x: jax.ShapeDtypeStruct((M, x.shape[1] // D, *x.shape[2:]), x.dtype), t)
     prog = trace(stage_fn, loss_fn, input_fn, sched, stage_params, local(inputs_m),
-                 local(targets_m), shared)
+                 local(targets_m), shared, local(side_m))
     body = _body(prog, sched.stages, sched.chunks, M, axis_name, sched.lag,
                  data_axis=data_axis)
     loss, gp, gsh = _shard(body, sched, mesh, axis_name, stage_params, shared,
-                           inputs_m, targets_m, [fl.consts for fl in prog.flavors],
+                           (inputs_m, targets_m, side_m), [fl.consts for fl in prog.flavors],
                            data_axis=data_axis, device_major=device_major)
     return loss, (gp if shared is None else (gp, gsh))
 
@@ -131,7 +133,7 @@ def lower_train(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, 
   optimizer update inside the tick loop at its `U` action.
 
   `opt_state = jax.vmap(optimizer.init)(stage_params)`: one state per virtual
-  stage, updated by that stage alone. `batches = (inputs, targets)` with leading
+  stage, updated by that stage alone. `batches = (inputs, targets[, side])` with leading
   axes (steps, batch). `losses[t]` is step t's loss. The weights step t + 1's
   forwards read are those of the synchronous loop (its stage's update of step t
   precedes them), so the trajectory is the synchronous one for any optax
@@ -153,20 +155,22 @@ def lower_train(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, 
       raise ValueError(f"batches need a leading axis of {N} steps (the table's steps); "
                        f"got leading sizes {sorted(lead)}")
     flat = jax.tree.map(lambda x: jnp.reshape(x, (-1, *jnp.shape(x)[2:])), batches)
-    inputs_m, targets_m = split_microbatches(flat, N * M)   # index step * M + microbatch
+    # index step * M + microbatch
+    inputs_m, targets_m, side_m = split_microbatches(flat, N * M)
     prog = trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m,
-                  None)
+                  None, side_m)
     body = _body(prog, sched.stages, sched.chunks, M, axis_name, sched.lag,
                  optimizer=optimizer, steps=N)
     losses, params, opt_state = _shard(body, sched, mesh, axis_name, stage_params, None,
-                                       inputs_m, targets_m, [fl.consts for fl in prog.flavors],
+                                       (inputs_m, targets_m, side_m),
+                                       [fl.consts for fl in prog.flavors],
                                        opt_state)
     return params, opt_state, losses
 
   return train
 
 
-def _shard(body, sched, mesh, axis_name, stage_params, shared, inputs_m, targets_m, consts,
+def _shard(body, sched, mesh, axis_name, stage_params, shared, batch_m, consts,
            opt_state=None, data_axis=None, device_major=False):
   """Runs `body` under `shard_map`: each device gets its chunks' weights (and
   optimizer states); returns what it returns, per-chunk trees back in
@@ -187,8 +191,9 @@ def _shard(body, sched, mesh, axis_name, stage_params, shared, inputs_m, targets
   rep = lambda t: jax.tree.map(lambda _: P(), t)  # noqa: E731
   dat = lambda t: jax.tree.map(lambda _: P(None, data_axis), t)  # noqa: E731
   per_mb = dat if data_axis else rep     # (microbatch, rows, ...): rows over the data axis
-  specs = (p_spec, rep(shared), per_mb(inputs_m), per_mb(targets_m), rep(consts))
-  args = (split(stage_params), shared, inputs_m, targets_m, consts)
+  # every device gets the whole batch (inputs, targets, side): a stage slices its microbatch
+  specs = (p_spec, rep(shared), per_mb(batch_m), rep(consts))
+  args = (split(stage_params), shared, batch_m, consts)
   if opt_state is None:
     out_specs = (P(), p_spec, rep(shared))
   else:
@@ -260,12 +265,14 @@ def _body(prog: Program, S, v, M, axis_name, lag, optimizer=None, steps=1, data_
                                      prog.bres)
   train = optimizer is not None
 
-  def body(chunks, shared, inputs_m, targets_m, consts, opt=None):
+  def body(chunks, shared, batch_m, consts, opt=None):
+    inputs_m, targets_m, side_m = batch_m
     p_tree = jax.tree.structure(chunks[0])
     # Chunk c's weights (the actions of chunk c are their own branches).
     chunk_w = [[x[0] for x in jax.tree.leaves(ch)] for ch in chunks]
     sh_leaves = jax.tree.leaves(shared)
     in_leaves, tg_leaves = jax.tree.leaves(inputs_m), jax.tree.leaves(targets_m)
+    sd_leaves = jax.tree.leaves(side_m)
     table = jnp.asarray(pl.rows)[:, lax.axis_index(axis_name)]   # (ticks, fields)
 
     def stack(n, shape, dtype):
@@ -300,6 +307,7 @@ def _body(prog: Program, S, v, M, axis_name, lag, optimizer=None, steps=1, data_
         vals += [get(x, r[F["mb"]]) for x in in_leaves]
       if fl.last:
         vals += [get(x, r[F["mb"]]) for x in tg_leaves]
+      vals += [get(x, r[F["mb"]]) for x in sd_leaves]   # every stage: its microbatch's side
       assert len(vals) == len(fl.static), (len(vals), len(fl.static))
       return dict(zip(fl.static, vals))
 

@@ -1,7 +1,10 @@
 """pipeline.flavor: cut one stage kind's forward + vjp into F, B and W phases.
 
 Contract: `make_flavor(first, last, stage_fn, loss_fn, input_fn, p_aval, sh_aval,
-x_aval, in_aval, tg_aval) -> Flavor`, read by `passes.pipeline.execute`.
+x_aval, in_aval, tg_aval, sd_aval=None) -> Flavor`, read by `passes.pipeline.execute`.
+With `sd_aval` (a per-microbatch side input every stage reads: a padding mask,
+segment ids) the stage is `stage_fn(p, x, side)`; like the inputs and targets,
+side is not differentiated.
 
 Per stage kind ("flavor": first, middle, last virtual stage) the stage's
 forward + vjp is traced once and cut by `passes.split` into three phases:
@@ -16,7 +19,8 @@ Forward equations that only the backward reads (a `jax.checkpoint`'s
 recomputation) run in the phase that first needs them, so rematerialisation
 keeps its memory saving. Values of parameters and constants alone (a weight
 slice, a cast, a transpose) are recomputed in each phase that reads them,
-never stored per microbatch.
+never stored per microbatch; so are values of the side input alone (a mask
+built from it), which every phase is handed.
 
 Scanned layers (`lax.scan`, flax `nn.scan`): the split pass rewrites the
 transposed scan into a B-scan (the dX carry; it emits each layer's residuals
@@ -95,14 +99,17 @@ def _definers(jaxpr, phase, pc_def) -> set:
 
 
 def make_flavor(first: bool, last: bool, stage_fn, loss_fn, input_fn, p_aval, sh_aval,
-                x_aval, in_aval, tg_aval) -> Flavor:
+                x_aval, in_aval, tg_aval, sd_aval=None) -> Flavor:
   """Traces one stage kind's forward + vjp and cuts it with the split pass."""
   has_sh = sh_aval is not None and (last or (first and input_fn is not None))
   p_leaves, p_tree = jax.tree.flatten(p_aval)
   sh_leaves, sh_tree = jax.tree.flatten(sh_aval if has_sh else ())
   in_leaves, in_tree = jax.tree.flatten(in_aval if first else ())
   tg_leaves, tg_tree = jax.tree.flatten(tg_aval if last else ())
-  n = [len(p_leaves), len(sh_leaves), 0 if first else 1, len(in_leaves), len(tg_leaves)]
+  sd_leaves, sd_tree = jax.tree.flatten(sd_aval)
+  n = [len(p_leaves), len(sh_leaves), 0 if first else 1, len(in_leaves), len(tg_leaves),
+       len(sd_leaves)]
+  side_arg = lambda sd: () if sd_aval is None else (sd,)  # noqa: E731
   extra = lambda sh: (sh,) if sh_aval is not None else ()  # noqa: E731
 
   def flat_fun(ct, *leaves):
@@ -113,13 +120,14 @@ def make_flavor(first: bool, last: bool, stage_fn, loss_fn, input_fn, p_aval, sh
     x = take(n[2])
     inputs = in_tree.unflatten(take(n[3])) if first else None
     targets = tg_tree.unflatten(take(n[4])) if last else None
+    side = sd_tree.unflatten(take(n[5]))
 
     def fwd(p, sh, x):
       if first:
         h = input_fn(inputs, *extra(sh)) if input_fn is not None else inputs
       else:
         h = x[0]
-      y = stage_fn(p, h)
+      y = stage_fn(p, h, *side_arg(side))
       return loss_fn(y, targets, *extra(sh)) if last else y
 
     y, vjp = jax.vjp(fwd, p, sh, x)
@@ -127,7 +135,8 @@ def make_flavor(first: bool, last: bool, stage_fn, loss_fn, input_fn, p_aval, sh
     return (y, *dx, *jax.tree.leaves(dp), *jax.tree.leaves(dsh))
 
   ct_aval = jax.ShapeDtypeStruct((), jnp.float32) if last else x_aval
-  avals = [ct_aval, *p_leaves, *sh_leaves, *([x_aval] * n[2]), *in_leaves, *tg_leaves]
+  avals = [ct_aval, *p_leaves, *sh_leaves, *([x_aval] * n[2]), *in_leaves, *tg_leaves,
+           *sd_leaves]
   n_grads = n[2] + n[0] + n[1]
   names = [*(["dx"] * n[2]), *(f"param{i}" for i in range(n[0])),
            *(f"shared{i}" for i in range(n[1]))]
@@ -175,7 +184,9 @@ def make_flavor(first: bool, last: bool, stage_fn, loss_fn, input_fn, p_aval, sh
   # Values of parameters and constants alone (a weight slice `p[i]`, a cast,
   # a transpose) are recomputed in each phase that reads them, never stored
   # per microbatch: a stored copy would cost a stage's weights per slot.
-  pc_def = _param_only(jaxpr, set(invars[1:1 + n_consts + n[0] + n[1]]))
+  # Values of the side input alone (a mask) are cheap to rebuild: the same.
+  side_vars = set(leaves[len(leaves) - n[5]:]) if n[5] else set()
+  pc_def = _param_only(jaxpr, set(invars[1:1 + n_consts + n[0] + n[1]]) | side_vars)
   for phase in (b_set, w_set):
     phase.update(_definers(jaxpr, phase, pc_def))
   f_def = {v for k in f_set for v in jaxpr.eqns[k].outvars} | ({x_var} if x_var else set())

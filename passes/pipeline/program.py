@@ -38,19 +38,24 @@ class Program:
 
 
 def split_microbatches(batch, M, D=1):
-  """(inputs, targets) -> each leaf (M, rows, ...); rows split further over D data replicas."""
-  inputs, targets = batch
-  bsz = {jnp.shape(x)[0] for x in jax.tree.leaves((inputs, targets))}
+  """(inputs, targets[, side]) -> each leaf (M, rows, ...), rows split further over D
+  data replicas; `side` (what every stage reads besides the activation) is None if absent."""
+  if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
+    raise TypeError("batch must be (inputs, targets) or (inputs, targets, side); got "
+                    f"{type(batch).__name__}" + (f" of {len(batch)}" if isinstance(
+                        batch, (tuple, list)) else ""))
+  inputs, targets, side = (*batch, None)[:3]
+  bsz = {jnp.shape(x)[0] for x in jax.tree.leaves((inputs, targets, side))}
   if len(bsz) != 1 or next(iter(bsz)) % (M * D):
     per = f"microbatches={M}" + (f" x {D} data replicas" if D > 1 else "")
-    raise ValueError(f"inputs and targets need one leading batch size divisible by "
+    raise ValueError(f"inputs, targets and side need one leading batch size divisible by "
                      f"{per}; got leading sizes {sorted(bsz)}")
   return jax.tree.map(lambda x: jnp.reshape(x, (M, x.shape[0] // M, *x.shape[1:])),
-                      (inputs, targets))
+                      (inputs, targets, side))
 
 
 def trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m,
-           shared) -> Program:
+           shared, side_m=None) -> Program:
   V = sched.virtual_stages
   for leaf in jax.tree.leaves(stage_params):
     if jnp.ndim(leaf) < 1 or jnp.shape(leaf)[0] != V:
@@ -60,6 +65,8 @@ def trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m,
   one = lambda t: jax.tree.map(  # noqa: E731
       lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x)), t)
   p_aval, in_aval, tg_aval = one(stage_params), one(inputs_m), one(targets_m)
+  sd_aval = None if side_m is None else one(side_m)   # stage_fn(p, x, side)
+  sd = () if sd_aval is None else (sd_aval,)
   sh_aval = None if shared is None else jax.tree.map(aval, shared)
   extra = () if shared is None else (sh_aval,)
   x_aval = (jax.eval_shape(input_fn, in_aval, *extra) if input_fn is not None else in_aval)
@@ -74,7 +81,7 @@ def trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m,
                      "one function, or one per virtual stage")
   uniq = list(dict.fromkeys(fns))
   for fn in uniq:
-    y_aval = jax.eval_shape(fn, p_aval, x_aval)
+    y_aval = jax.eval_shape(fn, p_aval, x_aval, *sd)
     if (getattr(y_aval, "shape", None), getattr(y_aval, "dtype", None)) != (
         x_aval.shape, x_aval.dtype):
       raise ValueError(f"stage_fn must map the activation to one of the same shape and "
@@ -84,7 +91,7 @@ def trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m,
   kinds = sorted({kind_of(vs) for vs in range(V)},
                  key=lambda k: (not k[0], not k[1], k[2]))   # first, last, middles
   flavors = tuple(make_flavor(fi, la, uniq[i], loss_fn, input_fn, p_aval, sh_aval, x_aval,
-                              in_aval, tg_aval) for fi, la, i in kinds)
+                              in_aval, tg_aval, sd_aval) for fi, la, i in kinds)
   flavor_of = lambda s, c: kinds.index(kind_of(sched.vstage(s, c)))  # noqa: E731
   # The executor is lock-step (a tick lasts as long as its slowest cell): it
   # runs a fused BW as B then W in consecutive ticks (`generate.unfuse`).
@@ -121,9 +128,10 @@ def program(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, stag
             batch, shared=None, input_fn: Callable | None = None) -> Program:
   """The `Program` a step runs for these shapes (cut stages, rows, records), untraced
   by any mesh: what `memory` and `ooo.pipeline.explain` read."""
-  inputs_m, targets_m = jax.eval_shape(lambda b: split_microbatches(b, sched.microbatches),
-                                       batch)
-  return trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m, shared)
+  inputs_m, targets_m, side_m = jax.eval_shape(
+      lambda b: split_microbatches(b, sched.microbatches), batch)
+  return trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m, shared,
+               side_m)
 
 
 def memory(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, stage_params,
