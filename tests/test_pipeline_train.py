@@ -46,3 +46,40 @@ def test_train_refuses_one_step_tables():
   with pytest.raises(ValueError, match="pass tile\\(sched, steps\\) with steps >= 2"):
     ooo.pipeline.train(stage_fn, loss_fn, optax.sgd(0.1), mesh=_mesh(2), axis_name="stage",
                        schedule=ooo.pipeline.schedule("zb-h2", 2, 4))
+
+
+@pytest.mark.parametrize("name,opt", [("zb-h2", "adam"), ("1f1b", "momentum")])
+def test_checkpoint_restore_between_tiled_calls(tmp_path, name, opt):
+  # 2 calls of 2 tiled steps, an orbax save / restore into fresh arrays between them:
+  # the trajectory of 4 steps of the plain optax loop.
+  import orbax.checkpoint as ocp
+  opt = optax.sgd(0.1, momentum=0.9) if opt == "momentum" else optax.adam(1e-2)
+  mesh = _mesh(2)
+  stage_fn, loss_fn, params, _, _ = _mlp(2)
+  xs, ts = _batches(4)
+  run = _jit(ooo.pipeline.train(stage_fn, loss_fn, opt, mesh=mesh, axis_name="stage",
+                                schedule=name, microbatches=4, steps=2))
+  stage = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("stage"))
+  state = jax.device_put((params, jax.vmap(opt.init)(params)), stage)
+  p, o, l01 = run(*state, (xs[:2], ts[:2]))
+
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(tmp_path / "c", (p, o))
+  ckpt.wait_until_finished()
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=stage),
+                        (p, o))
+  p2, o2 = ckpt.restore(tmp_path / "c", target)
+  assert p2["Dense_0"]["kernel"].sharding == stage
+  del p, o
+  p2, o2, l23 = run(p2, o2, (xs[2:], ts[2:]))
+
+  q, qs, ref = params, opt.init(params), []
+  for t in range(4):
+    loss, g = _reference(stage_fn, loss_fn, q, xs[t], ts[t])
+    updates, qs = opt.update(g, qs, q)
+    q = optax.apply_updates(q, updates)
+    ref.append(loss)
+  assert_trees_close(jnp.concatenate([l01, l23]), jnp.stack(ref))
+  assert_trees_close(p2, q)
+  # the optimizer state too (one per virtual stage): Adam's count and moments, the trace
+  assert_trees_close(o2, jax.tree.map(lambda a, b: jnp.broadcast_to(b, a.shape), o2, qs))
