@@ -272,7 +272,8 @@ def train(stage_fn: Callable, loss_fn: Callable, optimizer, *, mesh, axis_name: 
     optimizer: an optax `GradientTransformation` that acts leaf by leaf (sgd,
       momentum, adam, adamw); it runs per virtual stage.
     schedule: a name, or a table tiled over steps (`tile(sched, steps)`).
-    microbatches, steps, chunks: with a schedule name.
+    microbatches, steps, chunks: with a schedule name (`steps=1`: one step per
+      call, its updates still inside the tick loop).
 
   Returns:
     `train(stage_params, opt_state, batches) -> (stage_params, opt_state, losses)`

@@ -41,11 +41,22 @@ def test_tiled_train_matches_synchronous_loop(stages, name, lag, opt):
   assert l2.shape == (steps,) and bool(jnp.all(jnp.isfinite(l2)))
 
 
-def test_train_refuses_one_step_tables():
-  stage_fn, loss_fn, *_ = _mlp(2)
-  with pytest.raises(ValueError, match="pass tile\\(sched, steps\\) with steps >= 2"):
-    ooo.pipeline.train(stage_fn, loss_fn, optax.sgd(0.1), mesh=_mesh(2), axis_name="stage",
-                       schedule=ooo.pipeline.schedule("zb-h2", 2, 4))
+def test_one_step_train_program():
+  # steps=1: the one-step table with its updates (what the tiled program is timed against)
+  opt = optax.adam(1e-2)
+  stage_fn, loss_fn, params, _, _ = _mlp(2)
+  xs, ts = _batches(2)
+  run = _jit(ooo.pipeline.train(stage_fn, loss_fn, opt, mesh=_mesh(2), axis_name="stage",
+                                schedule="zb-h2", microbatches=4, steps=1))
+  p, o = params, jax.vmap(opt.init)(params)
+  q, qs = params, opt.init(params)
+  for t in range(2):
+    p, o, losses = run(p, o, (xs[t:t + 1], ts[t:t + 1]))
+    loss, g = _reference(stage_fn, loss_fn, q, xs[t], ts[t])
+    updates, qs = opt.update(g, qs, q)
+    q = optax.apply_updates(q, updates)
+    assert_trees_close(losses, loss[None])
+  assert_trees_close(p, q)
 
 
 @pytest.mark.parametrize("name,opt", [("zb-h2", "adam"), ("1f1b", "momentum")])

@@ -6,7 +6,11 @@ data_axis=None) -> step(stage_params, batch, shared=None) -> (loss, grads)`
 `lower_train(stage_fn, loss_fn, sched, mesh, axis_name, optimizer)` runs a
 table tiled over steps (`passes.pipeline.steps.tile`): `train(stage_params,
 opt_state, batches) -> (stage_params, opt_state, losses)`, the weights and
-optimizer states loop state, each (stage, chunk) updated at its `U` tick.
+optimizer states loop state, each (stage, chunk) updated at its `U` tick;
+`lower_updates(..., updater)` is the same program with the update given as an
+`Updater` and shared weights as loop state too, reduced over the stages and
+updated once per step at the plan's `sync` tick (the automatic form's train
+step, `ooojax._pipeline_tiled`).
 
 Each stage kind ("flavor": first, middle, last virtual stage) is cut into
 F / B / W phases by `passes.pipeline.flavor` (the split pass; scanned layers
@@ -34,7 +38,9 @@ uses them and a single `psum` at the end.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -50,8 +56,8 @@ from passes.pipeline.program import (Memory, Program, memory, program, split_mic
                                      trace)
 from passes.pipeline.schedule import PipelineSchedule
 
-__all__ = ["Flavor", "Memory", "Program", "device_order", "lower", "lower_train",
-           "make_flavor", "memory", "program"]
+__all__ = ["Flavor", "Memory", "Program", "Updater", "device_order", "lower", "lower_train",
+           "lower_updates", "make_flavor", "memory", "program"]
 
 
 def _read(env, v):
@@ -122,11 +128,32 @@ def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
   return step
 
 
+@dataclasses.dataclass(frozen=True)
+class Updater:
+  """How a training program's updates change its loop state (per device, inside
+  `shard_map`). `opt_stage` is stage-sharded (each chunk gets its `(1, ...)`
+  rows), `opt_rep` replicated; both are the updater's own trees.
+
+  * `chunk(c, w, g, o_c, o_rep) -> (w, o_c, o_rep)`: chunk c's update at its U
+    tick: `w` / `g` its weight / summed gradient leaves (leading stage axis
+    dropped), `o_c` its rows of `opt_stage` (leading axis dropped).
+  * `shared(sh, g, o_rep) -> (sh, o_rep)`: at each `sync` tick, the shared
+    weights' update with their gradient summed over the stages (the same on
+    every device); None: the program takes no shared weights.
+  * `start(o_rep)` / `finish(o_rep)`: `opt_rep` into the loop state and back.
+  """
+  chunk: Callable
+  shared: Callable | None = None
+  start: Callable = lambda o: o  # noqa: E731
+  finish: Callable = lambda o: o  # noqa: E731
+
+
 def lower_train(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
                 axis_name: str, optimizer, input_fn: Callable | None = None) -> Callable:
   """Returns `train(stage_params, opt_state, batches) -> (stage_params, opt_state, losses)`
   running a table tiled over `sched.steps` steps (`tile`), with each stage's
-  optimizer update inside the tick loop at its `U` action.
+  optimizer update inside the tick loop at its `U` action (a one-step table
+  gets its U from `steps.with_updates`).
 
   `opt_state = jax.vmap(optimizer.init)(stage_params)`: one state per virtual
   stage, updated by that stage alone. `batches = (inputs, targets)` with leading
@@ -136,32 +163,77 @@ def lower_train(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, 
   transformation that acts leaf by leaf (sgd, momentum, adam, adamw, weight
   decay); one that reduces over every leaf (`clip_by_global_norm`) would see
   one stage's leaves only, and tied (`shared`) weights would need a reduction
-  across the stages before their update: neither is supported.
+  across the stages before their update: neither is supported here (the
+  automatic form's `make_train_step(steps=n)` updates shared weights exactly).
   """
+  def train(stage_params, opt_state, batches):
+    tree = jax.tree.structure(stage_params)
+
+    def chunk(c, w, g, o, o_rep):
+      u, o = optimizer.update(tree.unflatten(g), o, tree.unflatten(w))
+      return [(a + b).astype(a.dtype) for a, b in zip(w, jax.tree.leaves(u))], o, o_rep
+
+    run = lower_updates(stage_fn, loss_fn, sched, mesh, axis_name, Updater(chunk), input_fn)
+    p, _, o, _, losses = run(stage_params, None, opt_state, (), batches)
+    return p, o, losses
+
   _check(sched, mesh, axis_name)
-  if sched.steps < 2:
-    raise ValueError(f"lower_train runs a table tiled over steps; {sched.name!r} holds one "
-                     "step: pass tile(sched, steps) with steps >= 2 (or use value_and_grad "
-                     "and apply the optimizer after the step)")
+  return train
+
+
+def lower_updates(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
+                  axis_name: str, updater: Updater, input_fn: Callable | None = None,
+                  device_major: bool = False) -> Callable:
+  """`run(stage_params, shared, opt_stage, opt_rep, batches) -> (stage_params, shared,
+  opt_stage, opt_rep, losses)`: `lower_train`'s program with the updates of
+  `updater`; `shared` (weights the first and last virtual stages read, or None)
+  is reduced over the stages and updated at the plan's `sync` ticks, which needs
+  a table tiled with `tile(sched, steps, shared=True)` (checked)."""
+  _check(sched, mesh, axis_name)
+  if sched.steps == 1 and not any(a.kind == "U" for row in sched.grid for c in row
+                                  for a in c):
+    from passes.pipeline.steps import with_updates
+    sched = with_updates(sched)
   M, N = sched.microbatches, sched.steps
 
-  def train(stage_params, opt_state, batches):
+  def run(stage_params, shared, opt_stage, opt_rep, batches):
     lead = {jnp.shape(x)[0] for x in jax.tree.leaves(batches)}
     if lead != {N}:
       raise ValueError(f"batches need a leading axis of {N} steps (the table's steps); "
                        f"got leading sizes {sorted(lead)}")
+    if jax.tree.leaves(shared) and updater.shared is None:
+      raise ValueError("shared weights need an updater with a shared update")
     flat = jax.tree.map(lambda x: jnp.reshape(x, (-1, *jnp.shape(x)[2:])), batches)
     inputs_m, targets_m = split_microbatches(flat, N * M)   # index step * M + microbatch
     prog = trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m,
-                  None)
+                 shared)
+    if jax.tree.leaves(shared):
+      _check_sync(prog, sched)
     body = _body(prog, sched.stages, sched.chunks, M, axis_name, sched.lag,
-                 optimizer=optimizer, steps=N)
-    losses, params, opt_state = _shard(body, sched, mesh, axis_name, stage_params, None,
-                                       inputs_m, targets_m, [fl.consts for fl in prog.flavors],
-                                       opt_state)
-    return params, opt_state, losses
+                 updater=updater, steps=N)
+    return _shard(body, sched, mesh, axis_name, stage_params, shared, inputs_m, targets_m,
+                  [fl.consts for fl in prog.flavors], (opt_stage, opt_rep),
+                  device_major=device_major)
 
-  return train
+  return run
+
+
+def _check_sync(prog: Program, sched: PipelineSchedule) -> None:
+  """Shared weights are exact when every action of a flavor that reads them runs
+  after the sync of the step before and (W) no later than its own step's sync."""
+  F, rows = plan_pass.F, prog.plan.rows
+  syncs = list(np.flatnonzero(rows[:, 0, F["sync"]]))
+  for t in range(rows.shape[0]):
+    for d in range(rows.shape[1]):
+      b = rows[t, d, F["branch"]]
+      if b == 0 or not prog.flavors[prog.plan.branches[b - 1][0]].n_shared:
+        continue
+      n = rows[t, d, F["step"]]
+      if (n and t <= syncs[n - 1]) or t > syncs[n]:
+        raise ValueError(
+            f"{sched.name!r} tiled over {sched.steps} steps runs a stage that reads the "
+            f"shared weights (tied embeddings, head) at tick {t} of step {n}, across the "
+            "update of those weights; tile it with tile(sched, steps, shared=True)")
 
 
 def _shard(body, sched, mesh, axis_name, stage_params, shared, inputs_m, targets_m, consts,
@@ -190,21 +262,24 @@ def _shard(body, sched, mesh, axis_name, stage_params, shared, inputs_m, targets
   if opt_state is None:
     out_specs = (P(), p_spec, rep(shared))
   else:
-    o_spec = tuple(jax.tree.map(lambda _: P(axis_name), opt_state) for _ in range(v))
-    specs, args = specs + (o_spec,), args + (split(opt_state),)
-    out_specs = (P(), p_spec, o_spec)
+    o_stage, o_rep = opt_state
+    o_spec = tuple(jax.tree.map(lambda _: P(axis_name), o_stage) for _ in range(v))
+    specs, args = specs + (o_spec, rep(o_rep)), args + (split(o_stage), o_rep)
+    out_specs = (P(), p_spec, rep(shared), o_spec, rep(o_rep))
   fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)
   if _explicit(mesh):  # explicit-sharding meshes want arguments already placed
     args = tuple(jax.tree.map(lambda x, sp: jax.reshard(x, NamedSharding(mesh, sp)), args,
                               specs))
-  loss, per_chunk, last = fn(*args)
-  trees = (per_chunk,) if opt_state is None else (per_chunk, last)
+  loss, per_chunk, last, *opt = fn(*args)
+  trees = (per_chunk,) if opt_state is None else (per_chunk, opt[0])
   out = []
   for t in trees:
     if _explicit(mesh) and v > 1 and not device_major:  # chunks interleave into V
       t = jax.tree.map(lambda x: jax.reshard(x, NamedSharding(mesh, P())), t)
     out.append(jax.tree.map(from_dev, *t))
-  return (loss, out[0], last) if opt_state is None else (loss, *out)
+  if opt_state is None:
+    return loss, out[0], last
+  return out[0], last, out[1], opt[1], loss
 
 
 def device_order(sched: PipelineSchedule) -> np.ndarray:
@@ -249,16 +324,17 @@ def _explicit(mesh) -> bool:
   return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ()))
 
 
-def _body(prog: Program, S, v, M, axis_name, lag, optimizer=None, steps=1, data_axis=None):
-  """The per-device program. With an `optimizer` (a table tiled over `steps`),
-  the weights and optimizer states are loop state, updated at the ticks whose
-  `upd` bits name a chunk; otherwise the weights are loop constants."""
+def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_axis=None):
+  """The per-device program. With an `updater` (a table tiled over `steps`),
+  the weights (shared ones too) and optimizer states are loop state, updated at
+  the ticks whose `upd` bits name a chunk (shared: `sync` ticks); otherwise the
+  weights are loop constants."""
   F = plan_pass.F
   flavors, pl, x_aval, fres, bres = (prog.flavors, prog.plan, prog.x_aval, prog.fres,
                                      prog.bres)
-  train = optimizer is not None
+  train = updater is not None
 
-  def body(chunks, shared, inputs_m, targets_m, consts, opt=None):
+  def body(chunks, shared, inputs_m, targets_m, consts, opt=None, opt_rep=None):
     p_tree = jax.tree.structure(chunks[0])
     # Chunk c's weights (the actions of chunk c are their own branches).
     chunk_w = [[x[0] for x in jax.tree.leaves(ch)] for ch in chunks]
@@ -291,9 +367,9 @@ def _body(prog: Program, S, v, M, axis_name, lag, optimizer=None, steps=1, data_
 
     def env_of(i, fl, c, r, ws):
       """The phase's static inputs: constants, chunk weights, shared, this microbatch."""
-      vals = [*consts[i], *ws[c]]
+      vals = [*consts[i], *ws[0][c]]
       if fl.n_shared:
-        vals += sh_leaves
+        vals += ws[1]
       if fl.first:
         vals += [get(x, r[F["mb"]]) for x in in_leaves]
       if fl.last:
@@ -309,7 +385,7 @@ def _body(prog: Program, S, v, M, axis_name, lag, optimizer=None, steps=1, data_
 
       def run(r, bufs, acc, f_rec, b_rec, w):
         out, loss = no_out, zero
-        ws = chunk_w if w is None else w   # loop constants, or loop state when training
+        ws = (chunk_w, sh_leaves) if w is None else w   # constants, or training's state
         env = env_of(i, fl, c, r, ws)
         if kind == "F":
           if fl.x is not None:
@@ -380,19 +456,27 @@ def _body(prog: Program, S, v, M, axis_name, lag, optimizer=None, steps=1, data_
                       lambda st: st, bufs[name])
 
     def update(r, w, o, acc):
-      """Each chunk whose bit is set in `upd`: the optimizer step on its summed
-      gradients (all of its step's W ran by this tick), then a zero accumulator."""
-      w, o, gp = list(w), list(o), list(acc["gp"])
+      """Each chunk whose bit is set in `upd`: its update on its summed gradients
+      (all of its step's W ran by this tick), then a zero accumulator. At a
+      `sync` tick (the same on every device, so the psum inside the cond is
+      collective), the shared weights' update on their gradient summed over
+      the stages."""
+      (ws, sh), (oc, orep), gp = (list(w[0]), w[1]), (list(o[0]), o[1]), list(acc["gp"])
       for c in range(v):
-        def apply(args):
-          wc, oc, gc = args
-          params = p_tree.unflatten(wc)
-          updates, oc = optimizer.update(p_tree.unflatten(gc), oc, params)
-          new = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
-          return jax.tree.leaves(new), oc, [jnp.zeros_like(g) for g in gc]
-        w[c], o[c], gp[c] = lax.cond(((r[F["upd"]] >> c) & 1) == 1, apply, lambda a: a,
-                                     (w[c], o[c], gp[c]))
-      return w, o, {"gp": gp, "gsh": acc["gsh"]}
+        def apply(args, c=c):
+          wc, occ, orp, gc = args
+          wc, occ, orp = updater.chunk(c, wc, gc, occ, orp)
+          return list(wc), occ, orp, [jnp.zeros_like(g) for g in gc]
+        ws[c], oc[c], orep, gp[c] = lax.cond(((r[F["upd"]] >> c) & 1) == 1, apply,
+                                             lambda a: a, (ws[c], oc[c], orep, gp[c]))
+      gsh = acc["gsh"]
+      if sh:
+        def sync(args):
+          shl, orp, g = args
+          shl, orp = updater.shared(shl, [lax.psum(x, axis_name) for x in g], orp)
+          return list(shl), orp, [jnp.zeros_like(x) for x in g]
+        sh, orep, gsh = lax.cond(r[F["sync"]] == 1, sync, lambda a: a, (sh, orep, gsh))
+      return (ws, sh), (oc, orep), {"gp": gp, "gsh": gsh}
 
     def tick(carry, r):
       bufs, acc, loss, out, f_rec, b_rec, w, o = carry
@@ -419,15 +503,17 @@ def _body(prog: Program, S, v, M, axis_name, lag, optimizer=None, steps=1, data_
 
     w0 = o0 = None
     if train:
-      w0 = chunk_w
-      o0 = [jax.tree.map(lambda x: x[0], oc) for oc in opt]
+      w0 = (chunk_w, list(sh_leaves))
+      o0 = ([jax.tree.map(lambda x: x[0], oc) for oc in opt], updater.start(opt_rep))
     loss0 = jnp.zeros((steps,), jnp.float32) if train else zero
     init = (bufs, acc, loss0, no_out, fres.empty(), bres.empty(), w0, o0)
     (_, acc, loss, _, _, _, w, o), _ = lax.scan(tick, init, table)
     loss = lax.psum(loss, axis_name)
     if train:
-      return (loss, tuple(p_tree.unflatten([x[None] for x in ws]) for ws in w),
-              tuple(jax.tree.map(lambda x: x[None], oc) for oc in o))
+      return (loss, tuple(p_tree.unflatten([x[None] for x in ws]) for ws in w[0]),
+              jax.tree.unflatten(jax.tree.structure(shared), w[1]),
+              tuple(jax.tree.map(lambda x: x[None], oc) for oc in o[0]),
+              updater.finish(o[1]))
     gsh = [lax.psum(g, axis_name) for g in acc["gsh"]]
     if data_axis is not None:   # the mean over the data replicas' slices
       loss, gsh = lax.pmean(loss, data_axis), [lax.pmean(g, data_axis) for g in gsh]
