@@ -196,9 +196,10 @@ class _AutoProgram:
 
 def _auto_program(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, mesh,
                   axis_name: str, data_axis: str | None, p_avals, p_tree,
-                  batch, device_major: bool = False) -> _AutoProgram:
+                  batch, device_major: bool = False, lowering=None) -> _AutoProgram:
   """Traces `loss_fn` at one data replica's slice of one microbatch (what each device
-  runs), cuts it (`passes.pipeline.cut`) and lowers the cut (`execute.lower`)."""
+  runs), cuts it (`passes.pipeline.cut`) and lowers the cut (`execute.lower`, or
+  `lowering(cut, stage_fn, loss_fn, input_fn)`: the tiled train step's)."""
   M, V = sched.microbatches, sched.virtual_stages
   D = mesh.shape[data_axis] if data_axis in mesh.shape else 1
   b_leaves, b_tree = jax.tree.flatten(batch)
@@ -222,10 +223,12 @@ def _auto_program(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, mes
   # A scalar travels as a row per example (the executor splits every leaf), read at [0].
   whole = lambda ids, xs: tuple(x[0] if scalar[i] else x  # noqa: E731
                                 for i, x in zip(ids, xs))
-  run = lower(c.stage_fn(c.per_stage(V)),
-              lambda y, tg, sh: c.loss_fn(y, whole(c.targets, tg), sh), sched, mesh,
-              axis_name, lambda ins, sh: c.input_fn(whole(c.inputs, ins), sh), data_axis,
-              device_major)
+  fns = (c.stage_fn(c.per_stage(V)), lambda y, tg, sh: c.loss_fn(y, whole(c.targets, tg), sh),
+         lambda ins, sh: c.input_fn(whole(c.inputs, ins), sh))
+  if lowering is not None:
+    run = lowering(c, *fns)
+  else:
+    run = lower(fns[0], fns[1], sched, mesh, axis_name, fns[2], data_axis, device_major)
   rowed = lambda ids: tuple(  # noqa: E731
       jnp.broadcast_to(b_leaves[i], (B,)) if scalar[i] else b_leaves[i] for i in ids)
   return _AutoProgram(c, run, rowed(c.inputs), rowed(c.targets))

@@ -1,0 +1,224 @@
+"""Several pipelined train steps per call of a plain loss: `make_train_step(steps=n)`.
+
+One call runs a table tiled over `n` steps (`passes.pipeline.steps.tile`): step
+t + 1's warm-up overlaps step t's drain, and each stage's optimizer update runs
+inside the tick loop at its `U` tick, on its own shard. The state is
+`make_train_step`'s (`PipelineTrainState`: `StageParams`, and the optimizer
+state of `optimizer.init(StageParams)`), so the two checkpoint alike.
+
+Per tick the optimizer sees one group of leaves, the others replaced by scalar
+placeholders (a leaf-wise update ignores them):
+
+* chunk c's layers (`stacked`, its rows), at its `U` tick;
+* the `shared` leaves (tied embeddings, head, final norm), at the plan's `sync`
+  tick: their gradient summed over the stages, the same update on every device.
+  The table is tiled with `shared=True`, so the first stage's next forward
+  waits for the last stage's update (ZB-H2: a few ticks per step);
+* the `rest` (leaves the loss never reads: zero gradients), after the loop,
+  one update per step.
+
+State that is not a parameter's (Adam's step count) advances once per step in
+each group's own copy. This is exact for optimizers that act leaf by leaf
+(sgd, momentum, adam, adamw, schedules); `init` refuses one whose update of a
+leaf reads another leaf's gradient (`clip_by_global_norm`), found on the
+optimizer's jaxpr: a stage cannot update before every stage's gradient is in,
+which is what tiling removes. Use `steps=1` for those (exact there).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from ooojax._pipeline_train import PipelineTrainState, PipelineTrainStep, StageParams
+from passes import _compat
+from passes.pipeline.execute import Updater, lower_updates
+from passes.pipeline.steps import tile
+
+
+@dataclasses.dataclass(frozen=True)
+class _Label:
+  """Which parameter leaf an optimizer-state leaf mirrors (`kind` in stacked /
+  shared / rest), or `kind == "n"`: not a parameter's (a step count)."""
+  kind: str
+  index: int
+
+
+class _Groups:
+  """The optimizer state's leaves sorted by what they mirror, and the updates of
+  one group with the other groups' leaves as scalar placeholders."""
+
+  def __init__(self, optimizer, params: StageParams, opt_state):
+    self.opt = optimizer
+    labels = StageParams(tuple(_Label("s", k) for k in range(len(params.stacked))),
+                         tuple(_Label("h", j) for j in range(len(params.shared))),
+                         tuple(_Label("r", j) for j in range(len(params.rest))))
+    mapped = optax.tree_map_params(
+        optimizer, lambda _, lab: lab, opt_state, labels,
+        transform_non_params=lambda x: jax.tree.map(lambda _: _Label("n", 0), x))
+    leaves, self.treedef = jax.tree.flatten(opt_state)
+    self.labels = jax.tree.leaves(mapped, is_leaf=lambda x: isinstance(x, _Label))
+    if len(self.labels) != len(leaves):
+      raise TypeError("make_train_step(steps>1) could not match the optimizer state's "
+                      "leaves to the parameters (optax.tree_map_params); use steps=1")
+    self.dtypes = [x.dtype for x in leaves]
+    self.p_dtypes = jax.tree.map(lambda x: x.dtype, params)
+    self.sizes = (len(params.stacked), len(params.shared), len(params.rest))
+
+  def split(self, opt_state):
+    """`(o_stage, o_rep)`: stage-sharded leaves, and the others by kind."""
+    leaves = jax.tree.leaves(opt_state)
+    pick = lambda kind: tuple(x for x, lab in zip(leaves, self.labels)  # noqa: E731
+                              if lab.kind == kind)
+    return pick("s"), {"h": pick("h"), "r": pick("r"), "n": pick("n")}
+
+  def join(self, o_stage, o_rep):
+    its = {"s": iter(o_stage), "h": iter(o_rep["h"]), "r": iter(o_rep["r"]),
+           "n": iter(o_rep["n"])}
+    return self.treedef.unflatten([next(its[lab.kind]) for lab in self.labels])
+
+  def update(self, kind: str, params, grads, state):
+    """One group's update: `params` / `grads` its leaves, `state` its state leaves
+    by kind ("s"/"h"/"r" and "n"); returns (new params, new state)."""
+    slot = {"s": 0, "h": 1, "r": 2}[kind]
+
+    def tree(vals):
+      parts = [tuple(jnp.zeros((), dt) for dt in dts)
+               for dts in (self.p_dtypes.stacked, self.p_dtypes.shared, self.p_dtypes.rest)]
+      parts[slot] = tuple(vals)
+      return StageParams(*parts)
+    its = {k: iter(v) for k, v in state.items()}
+    st = self.treedef.unflatten([
+        next(its[lab.kind]) if lab.kind in (kind, "n") else jnp.zeros((), dt)
+        for lab, dt in zip(self.labels, self.dtypes)])
+    p = tree(params)
+    u, st = self.opt.update(tree(grads), st, p)
+    new = [(a + b).astype(a.dtype) for a, b in zip(params, (u.stacked, u.shared, u.rest)[slot])]
+    flat = jax.tree.leaves(st)
+    return new, {k: tuple(x for x, lab in zip(flat, self.labels) if lab.kind == k)
+                 for k in (kind, "n")}
+
+  def updater(self, chunks: int) -> Updater:
+    """The executor's updater: `o_rep["n"]` as one copy per chunk and one for the
+    shared leaves, each advanced by its own group's updates."""
+    def chunk(c, w, g, o_c, o_rep):
+      new, st = self.update("s", w, g, {"s": o_c, "n": o_rep["n"][c]})
+      n = list(o_rep["n"])
+      n[c] = st["n"]
+      return new, st["s"], {**o_rep, "n": tuple(n)}
+
+    def shared(sh, g, o_rep):
+      new, st = self.update("h", sh, g, {"h": o_rep["h"], "n": o_rep["n"][chunks]})
+      n = list(o_rep["n"])
+      n[chunks] = st["n"]
+      return new, {**o_rep, "h": st["h"], "n": tuple(n)}
+
+    return Updater(chunk, shared,
+                   start=lambda o: {"h": o["h"], "n": (o["n"],) * (chunks + 1)},
+                   finish=lambda o: {"h": o["h"], "n": o["n"][0]})
+
+  def coupled(self, params, opt_state) -> tuple[int, int] | None:
+    """(i, j) where the update of parameter leaf i reads leaf j's gradient, or None."""
+    sds = lambda t: jax.tree.map(  # noqa: E731
+        lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), t)
+    closed = jax.make_jaxpr(lambda g, s, p: jax.tree.leaves(self.opt.update(g, s, p)[0]))(
+        sds(params), sds(opt_state), sds(params))
+    n = len(jax.tree.leaves(params))
+    if len(closed.jaxpr.outvars) != n:
+      return None   # updates not in the parameters' structure: nothing to compare
+    for i in range(n):
+      used = _compat.used_inputs(closed, [k == i for k in range(n)])
+      for j in range(n):
+        if j != i and used[j]:
+          return i, j
+    return None
+
+
+class TiledTrainStep(PipelineTrainStep):
+  """`state, losses = step(state, *batches)`: `steps` steps per call, the batch
+  leaves stacked on a leading axis of `steps`; built by `make_train_step(steps=n)`."""
+
+  def __init__(self, *args, steps: int):
+    super().__init__(*args)
+    if self.data_axis is not None:
+      raise ValueError("make_train_step(steps>1) runs one data replica: drop data_axis, or "
+                       "use steps=1 (one pipelined step per call, data x stage)")
+    self.steps = steps
+    self._groups: _Groups | None = None
+
+  def _one(self, batches):
+    """One step's batch (shapes only) from the stacked batches."""
+    lead = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in jax.tree.leaves(batches)}
+    if lead != {self.steps}:
+      raise ValueError(f"every batch leaf needs a leading axis of steps={self.steps} (one "
+                       f"batch per step); got leading sizes {sorted(lead, key=str)}")
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x)),
+                        batches)
+
+  def _make(self, params, batch):
+    make, shardings = super()._make(params, self._one(batch))
+    shape = jax.eval_shape(make, params)
+    g = _Groups(self.optimizer, shape.params, shape.opt_state)
+    pair = g.coupled(shape.params, shape.opt_state)
+    if pair is not None:
+      msg = self._coupling_message(pair)
+      self._layout = None   # no step from this optimizer
+      raise ValueError(msg)
+    self._groups = g
+    return make, shardings
+
+  def _coupling_message(self, pair) -> str:
+    from ooojax.single_gpu import _COUPLING, _transform_names
+    lay = self._layout
+    paths = [jax.tree_util.keystr(k) for k, _ in
+             jax.tree_util.tree_flatten_with_path(lay.treedef.unflatten(lay.avals))[0]]
+    c = lay.cut
+    where = [paths[i] for i in (*c.stacked[0], *c.shared, *lay.rest)]
+    names = [n for n in dict.fromkeys(_transform_names(self.optimizer.update))
+             if n in _COUPLING]
+    what = f"optax.{names[0]}" if names else "a transform that reads every leaf"
+    i, j = pair
+    return (f"the optimizer couples parameter leaves ({what}): the update of {where[i]} "
+            f"reads the gradient of {where[j]}, so no stage could update before every "
+            f"stage's gradient is in, and steps={self.steps} tiles steps by updating each "
+            "stage on its own. Use steps=1 (exact there: the update follows the whole "
+            "gradient), or a per-leaf transform (e.g. optax.clip instead of "
+            "clip_by_global_norm).")
+
+  def _body(self, state: PipelineTrainState, *batches):
+    lay, g = self._layout, self._groups
+    sp = state.params
+    o_stage, o_rep = g.split(state.opt_state)
+    table = {}
+
+    def lowering(c, stage_fn, loss_fn, input_fn):
+      table["s"] = tile(self.sched, self.steps, shared=bool(c.shared))
+      return lower_updates(stage_fn, loss_fn, table["s"], self.mesh, self.axis_name,
+                           g.updater(self.sched.chunks), input_fn, device_major=True)
+
+    first = jax.tree.map(lambda x: x[0], batches)
+    prog = self._program_with(list(lay.avals), lay.treedef, first, lowering)
+    c = prog.cut
+    b_leaves = jax.tree.leaves(batches)
+    rows = {jnp.shape(x)[1] for x in b_leaves if jnp.ndim(x) > 1}
+    stacked = lambda ids: tuple(  # noqa: E731 - scalars per step as a row per example
+        jnp.broadcast_to(b_leaves[i][:, None], (self.steps, *rows)) if jnp.ndim(
+            b_leaves[i]) == 1 else b_leaves[i] for i in ids)
+    p, sh, o_stage, o_run, losses = prog.run(sp.stacked, sp.shared, o_stage,
+                                             {"h": o_rep["h"], "n": o_rep["n"]},
+                                             (stacked(c.inputs), stacked(c.targets)))
+    # The rest (never read, zero gradients): one update per step, after the loop.
+    rest, rst = list(sp.rest), {"r": o_rep["r"], "n": o_rep["n"]}
+    for _ in range(self.steps):
+      rest, rst = g.update("r", rest, [jnp.zeros_like(x) for x in rest], rst)
+    opt_state = g.join(o_stage, {"h": o_run["h"], "r": rst["r"], "n": rst["n"]})
+    return PipelineTrainState(state.step + self.steps,
+                              StageParams(tuple(p), tuple(sh), tuple(rest)), opt_state), losses
+
+  def _program_with(self, avals, treedef, batch, lowering):
+    from ooojax.pipeline import _auto_program
+    return _auto_program(self.loss_fn, self.has_aux, self.sched, self.mesh, self.axis_name,
+                         self.data_axis, avals, treedef, batch, device_major=True,
+                         lowering=lowering)
