@@ -138,7 +138,22 @@ class _Groups:
 
 class TiledTrainStep(PipelineTrainStep):
   """`state, losses = step(state, *batches)`: `steps` steps per call, the batch
-  leaves stacked on a leading axis of `steps`; built by `make_train_step(steps=n)`."""
+  leaves stacked on a leading axis of `steps`; built by `make_train_step(steps=n)`.
+
+  >>> import jax, jax.numpy as jnp, optax
+  >>> from ooojax.pipeline import make_train_step
+  >>> mesh = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+  >>> def loss(w, x, t):
+  ...   h = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, w)[0]
+  ...   return jnp.mean((h - t) ** 2)
+  >>> step = make_train_step(loss, optax.adam(0.01), mesh=mesh, axis_name="stage",
+  ...                        schedule="zb-h2", microbatches=2, steps=3)
+  >>> xs, ts = jnp.ones((3, 4, 3)), jnp.zeros((3, 4, 3))   # one batch per step
+  >>> state = step.init(jnp.ones((2, 3, 3)) * 0.1, xs, ts)
+  >>> state, losses = step(state, xs, ts)                   # 3 steps, one program
+  >>> losses.shape, int(state.step), bool(losses[2] < losses[0])
+  ((3,), 3, True)
+  """
 
   def __init__(self, *args, steps: int):
     super().__init__(*args)

@@ -18,7 +18,8 @@ the model (simulated bubble, memory per stage, compiled ppermute windows).
 passes to `jax.value_and_grad`, cuts the stages itself
 (`passes.pipeline.cut`): `step(params, *batch) -> (loss, grads)`.
 `make_train_step(loss_fn, optimizer, mesh=..., axis_name=...)` adds the
-optimizer, applied per stage on the stage-sharded parameters.
+optimizer, applied per stage on the stage-sharded parameters; with `steps=n`
+one call runs n steps as a table tiled over steps (`ooojax._pipeline_tiled`).
 """
 from __future__ import annotations
 

@@ -76,3 +76,16 @@ def test_global_norm_clipping_is_refused():
     step.init(params, *_stacked([(tokens,), (tokens,)]))
   with pytest.raises(ValueError, match="leading axis of steps=2"):
     _make(loss, ADAM, "zb-h2").init(params, tokens)
+
+
+def test_gpt_zb_v_chunks_device_major():
+  # two chunks per device in a V (device 0 holds the first and the last block, so
+  # both halves of the tied embedding's gradient): one call of 2 steps
+  loss, params, (tokens,) = _gpt()
+  batches = [(jnp.roll(tokens, t, axis=0),) for t in range(2)]
+  ref = _reference(loss, ADAM, params, batches, 4)
+  step = _make(loss, ADAM, "zb-v")
+  state = step.init(params, *_stacked(batches))
+  state, losses = step(state, *_stacked(batches))
+  assert_trees_close(losses, jnp.stack([ref[0][0], ref[1][0]]))
+  assert_trees_close(step.params(state), ref[1][1])
