@@ -94,3 +94,25 @@ def test_checkpoint_restore_between_tiled_calls(tmp_path, name, opt):
   assert_trees_close(p2, q)
   # the optimizer state too (one per virtual stage): Adam's count and moments, the trace
   assert_trees_close(o2, jax.tree.map(lambda a, b: jnp.broadcast_to(b, a.shape), o2, qs))
+
+
+def test_shared_weights_need_a_synced_table():
+  # zb-h2 (2 stages, 4 microbatches) starts stage 0's next step before the last
+  # stage's update: weights both read would be stale, unless tiled with shared=True
+  from passes.pipeline.execute import Updater, lower_updates
+  from passes.pipeline.generate import synced
+  one = ooo.pipeline.schedule("zb-h2", stages=2, microbatches=4)
+  loose, tight = ooo.pipeline.tile(one, 2), ooo.pipeline.tile(one, 2, shared=True)
+  assert not synced(loose) and synced(tight) and tight.ticks > loose.ticks
+  stage_fn, _, params, _, _ = _mlp(2)
+  upd = Updater(lambda c, w, g, o, r: (w, o, r), lambda sh, g, r: (sh, r))
+  xs, ts = _batches(2)
+  for sched, ok in ((loose, False), (tight, True)):
+    run = lower_updates(stage_fn, lambda y, t, s: jnp.mean((y * s - t) ** 2), sched,
+                        _mesh(2), "stage", upd, lambda x, s: x * s)
+    call = lambda: jax.eval_shape(run, params, jnp.ones(()), (), (), (xs, ts))  # noqa: E731
+    if ok:
+      call()
+    else:
+      with pytest.raises(ValueError, match=r"tile\(sched, steps, shared=True\)"):
+        call()

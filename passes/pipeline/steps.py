@@ -1,7 +1,8 @@
 """pipeline.steps: several training steps in one table, and their steady state.
 
 Contract: `tile(sched, steps, shared=False) -> PipelineSchedule` (validated;
-`tile(s, 1)` is `s`), `with_updates(sched)` (a one-step table with its `U`) and `steady_state(sched, steps=4, costs=None, comm=0.0) -> SteadyState`
+`tile(s, 1)` is `s`), `with_updates(sched)` (a one-step table with its `U`)
+and `steady_state(sched, steps=4, costs=None, comm=0.0) -> SteadyState`
 (simulated, never measured).
 
 Why: with F = B = W and a synchronous step (every stage waits for the whole
