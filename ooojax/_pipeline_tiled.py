@@ -206,11 +206,10 @@ class TiledTrainStep(PipelineTrainStep):
     lay, g = self._layout, self._groups
     sp = state.params
     o_stage, o_rep = g.split(state.opt_state)
-    table = {}
 
     def lowering(c, stage_fn, loss_fn, input_fn):
-      table["s"] = tile(self.sched, self.steps, shared=bool(c.shared))
-      return lower_updates(stage_fn, loss_fn, table["s"], self.mesh, self.axis_name,
+      sched = tile(self.sched, self.steps, shared=bool(c.shared))
+      return lower_updates(stage_fn, loss_fn, sched, self.mesh, self.axis_name,
                            g.updater(self.sched.chunks), input_fn, device_major=True)
 
     first = jax.tree.map(lambda x: x[0], batches)

@@ -50,22 +50,27 @@ def test_gpt_four_steps_in_two_calls(tmp_path, schedule):
   assert int(state.step) == 4
 
 
-def test_unrolled_mlp_momentum_and_one_step_state_compatible():
-  # a Python loop of blocks, an embedding and a head read by one stage each;
+def test_unrolled_mlp_unused_leaf_and_one_step_state_compatible():
+  # a Python loop of blocks, an embedding and a head read by one stage each, and a
+  # leaf the loss never reads (AdamW's weight decay still moves it, once per step);
   # the tiled step's state continues with make_train_step's one-step step
-  loss, params, batch = _mlp()
-  opt = optax.sgd(0.1, momentum=0.9)
+  mlp, params, batch = _mlp()
+  params = {**params, "unused": jnp.ones((3,))}
+  loss = lambda p, x, y: mlp({k: v for k, v in p.items() if k != "unused"}, x, y)  # noqa: E731
+  opt = optax.adamw(1e-2, eps=1e-4, weight_decay=0.5)
   batches = [tuple(jnp.roll(x, t, axis=0) for x in batch) for t in range(3)]
   ref = _reference(loss, opt, params, batches, 4)
   tiled = _make(loss, opt, "zb-h2")
   state = tiled.init(params, *_stacked(batches[:2]))
   state, losses = tiled(state, *_stacked(batches[:2]))
   assert_trees_close(losses, jnp.stack([ref[0][0], ref[1][0]]))
+  assert_trees_close(tiled.params(state), ref[1][1])
   one = _make(loss, opt, "zb-h2", steps=1)
   one.init(params, *batches[0])
   state, l2 = one(state, *batches[2])
   assert_trees_close(l2, ref[2][0])
   assert_trees_close(one.params(state), ref[2][1])
+  assert float(one.params(state)["unused"][0]) < 1.0
 
 
 def test_global_norm_clipping_is_refused():
