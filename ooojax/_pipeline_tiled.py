@@ -13,7 +13,9 @@ placeholders (a leaf-wise update ignores them):
 * the `shared` leaves (tied embeddings, head, final norm), at the plan's `sync`
   tick: their gradient summed over the stages, the same update on every device.
   The table is tiled with `shared=True`, so the first stage's next forward
-  waits for the last stage's update (ZB-H2: a few ticks per step);
+  waits for the last stage's update: a barrier (1F1B: free; ZB-H2: its first
+  stage waits for the last stage's deferred W, so its steady bubble is its
+  one-step bubble again, `steady_state(shared=True)`);
 * the `rest` (leaves the loss never reads: zero gradients), after the loop,
   one update per step.
 

@@ -27,9 +27,10 @@ gradient contributions from both, so their update needs a reduction across
 the stages: `shared=True` adds the one cross-stage dependency that makes it
 exact, the first stage's forwards of step t + 1 wait for the last stage's
 update of step t too (the executor reduces and updates the shared weights at
-the later of the two updates). ZB-H2 defers the last stage's W into the
-drain, so that costs it a few ticks per step; 1F1B's last stage finishes
-before the first, so nothing.
+the later of the two updates). 1F1B's last stage finishes before the first,
+so that costs it nothing; ZB-H2 defers the last stage's W into the drain, so
+stage 0 waits for the whole step: with F = B = W its steady bubble is its
+one-step bubble again (`steady_state(..., shared=True)`), the tiling gain gone.
 """
 from __future__ import annotations
 
@@ -137,10 +138,12 @@ class SteadyState:
 
 
 def steady_state(sched: PipelineSchedule, steps: int = 4,
-                 costs: Mapping[str, float] | None = None, comm: float = 0.0) -> SteadyState:
-  """Simulates `tile(sched, steps)` and splits the timeline by step.
+                 costs: Mapping[str, float] | None = None, comm: float = 0.0,
+                 shared: bool = False) -> SteadyState:
+  """Simulates `tile(sched, steps, shared)` and splits the timeline by step.
 
   `costs` as in `simulate` (`"U"`: a stage's optimizer update, default 0).
+  `shared=True`: weights the first and the last stage share (tied embeddings).
 
   >>> from passes.pipeline.generate import generate
   >>> st = steady_state(generate("zb-h2", 4, 8), steps=4)
@@ -148,11 +151,15 @@ def steady_state(sched: PipelineSchedule, steps: int = 4,
   (0.111, [0.111, 0.0, 0.0, 0.0])
   >>> round(steady_state(generate("1f1b", 4, 8)).steady_bubble, 3)   # no gain
   0.273
+  >>> round(steady_state(generate("zb-h2", 4, 8), shared=True).steady_bubble, 3)
+  0.111
   """
   one = tile(sched, 1)  # the one-step table (and the argument checks)
   if steps < 2:
     raise ValueError(f"steady_state needs steps >= 2 to see a steady step, got {steps!r}")
-  tl = tile(one, steps).simulate(costs, comm)
+  from passes.pipeline.simulate import simulate
+  tl = simulate(tile(one, steps, shared), costs, comm,
+                shared_dep(one.virtual_stages - 1) if shared else None)
   end = [0.0] * steps
   work = [0.0] * steps
   for a, b, e in tl.spans:
