@@ -36,7 +36,7 @@ import optax
 
 from ooojax._pipeline_train import PipelineTrainState, PipelineTrainStep, StageParams
 from passes import _compat
-from passes.pipeline.execute import Updater, lower_updates
+from passes.pipeline.train import Updater, lower_updates
 from passes.pipeline.steps import tile
 
 

@@ -35,7 +35,8 @@ from ooojax._explain_pipeline import PipelineReport, explain
 from ooojax._pipeline_train import (PipelineTrainState, PipelineTrainStep, StageParams,
                                     make_train_step)
 from passes.pipeline.cut import Cut, CutError, cut
-from passes.pipeline.execute import lower, lower_train
+from passes.pipeline.execute import lower
+from passes.pipeline.train import lower_train
 from passes.pipeline.program import Memory
 from passes.pipeline.program import memory as _memory
 from passes.pipeline.generate import SCHEDULES, generate
