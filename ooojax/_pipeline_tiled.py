@@ -81,45 +81,60 @@ class _Groups:
            "n": iter(o_rep["n"])}
     return self.treedef.unflatten([next(its[lab.kind]) for lab in self.labels])
 
-  def update(self, kind: str, params, grads, state):
-    """One group's update: `params` / `grads` its leaves, `state` its state leaves
-    by kind ("s"/"h"/"r" and "n"); returns (new params, new state)."""
+  def update(self, kind: str, params, grads, state, js=None):
+    """One group's update: `params` / `grads` its leaves (those at positions `js`
+    of its part of `StageParams`, default all), `state` its state leaves by kind
+    ("s"/"h"/"r", then "n"); returns (new params, new state)."""
     slot = {"s": 0, "h": 1, "r": 2}[kind]
+    dts = (self.p_dtypes.stacked, self.p_dtypes.shared, self.p_dtypes.rest)
+    js = list(range(len(dts[slot]))) if js is None else list(js)
+    mine = lambda lab: lab.kind == "n" or (lab.kind == kind and lab.index in js)  # noqa: E731
 
     def tree(vals):
-      parts = [tuple(jnp.zeros((), dt) for dt in dts)
-               for dts in (self.p_dtypes.stacked, self.p_dtypes.shared, self.p_dtypes.rest)]
-      parts[slot] = tuple(vals)
-      return StageParams(*parts)
+      parts = [[jnp.zeros((), dt) for dt in d] for d in dts]
+      for j, x in zip(js, vals):
+        parts[slot][j] = x
+      return StageParams(*map(tuple, parts))
     its = {k: iter(v) for k, v in state.items()}
-    st = self.treedef.unflatten([
-        next(its[lab.kind]) if lab.kind in (kind, "n") else jnp.zeros((), dt)
-        for lab, dt in zip(self.labels, self.dtypes)])
-    p = tree(params)
-    u, st = self.opt.update(tree(grads), st, p)
-    new = [(a + b).astype(a.dtype) for a, b in zip(params, (u.stacked, u.shared, u.rest)[slot])]
+    st = self.treedef.unflatten([next(its[lab.kind]) if mine(lab) else jnp.zeros((), dt)
+                                 for lab, dt in zip(self.labels, self.dtypes)])
+    u, st = self.opt.update(tree(grads), st, tree(params))
+    ups = (u.stacked, u.shared, u.rest)[slot]
+    new = [(a + ups[j]).astype(a.dtype) for a, j in zip(params, js)]
     flat = jax.tree.leaves(st)
-    return new, {k: tuple(x for x, lab in zip(flat, self.labels) if lab.kind == k)
+    return new, {k: tuple(x for x, lab in zip(flat, self.labels) if mine(lab) and lab.kind == k)
                  for k in (kind, "n")}
 
-  def updater(self, chunks: int) -> Updater:
-    """The executor's updater: `o_rep["n"]` as one copy per chunk and one for the
-    shared leaves, each advanced by its own group's updates."""
+  def updater(self, chunks: int, owners) -> Updater:
+    """The executor's updater. `o_rep["n"]` becomes one copy per chunk and one per
+    group of shared leaves (`owners`: tied, or read by one virtual stage), each
+    advanced by its own group's updates."""
+    keys = [None, *sorted({o for o in owners if o is not None})]
+    h = [lab.index for lab in self.labels if lab.kind == "h"]   # shared leaf per "h" leaf
+
     def chunk(c, w, g, o_c, o_rep):
       new, st = self.update("s", w, g, {"s": o_c, "n": o_rep["n"][c]})
       n = list(o_rep["n"])
       n[c] = st["n"]
       return new, st["s"], {**o_rep, "n": tuple(n)}
 
-    def shared(sh, g, o_rep):
-      new, st = self.update("h", sh, g, {"h": o_rep["h"], "n": o_rep["n"][chunks]})
-      n = list(o_rep["n"])
-      n[chunks] = st["n"]
-      return new, {**o_rep, "h": st["h"], "n": tuple(n)}
+    def shared(key, js, sh, g, o_rep):
+      k = chunks + keys.index(key)
+      pos = [i for i, j in enumerate(h) if j in js]
+      new, st = self.update("h", sh, g, {"h": [o_rep["h"][i] for i in pos],
+                                         "n": o_rep["n"][k]}, js)
+      hs, n = list(o_rep["h"]), list(o_rep["n"])
+      for i, x in zip(pos, st["h"]):
+        hs[i] = x
+      n[k] = st["n"]
+      return new, {"h": tuple(hs), "n": tuple(n)}
+
+    def finish(o, bcast):   # owned leaves' state as their owner holds it
+      return {"h": tuple(bcast(owners[j], x) for j, x in zip(h, o["h"])), "n": o["n"][0]}
 
     return Updater(chunk, shared,
-                   start=lambda o: {"h": o["h"], "n": (o["n"],) * (chunks + 1)},
-                   finish=lambda o: {"h": o["h"], "n": o["n"][0]})
+                   start=lambda o: {"h": o["h"], "n": (o["n"],) * (chunks + len(keys))},
+                   finish=finish)
 
   def coupled(self, params, opt_state) -> tuple[int, int] | None:
     """(i, j) where the update of parameter leaf i reads leaf j's gradient, or None."""
@@ -136,6 +151,19 @@ class _Groups:
         if j != i and used[j]:
           return i, j
     return None
+
+
+def _owners(input_fn, loss_fn, ins, tgs, shared, vstages: int) -> list:
+  """Per shared leaf: the virtual stage that alone reads it (0: the prologue's
+  embedding; the last: a final norm, an untied head), or None when both ends do
+  (tied embeddings), from JAX's DCE on the two ends' jaxprs."""
+  def used(fn, *args):
+    closed = jax.make_jaxpr(fn)(*args)
+    u = _compat.used_inputs(closed, [True] * len(closed.jaxpr.outvars))
+    return u[len(u) - len(shared):]
+  x = jax.eval_shape(input_fn, ins, shared)
+  first, last = used(input_fn, ins, shared), used(loss_fn, x, tgs, shared)
+  return [None if a and b else (0 if a else vstages - 1) for a, b in zip(first, last)]
 
 
 class TiledTrainStep(PipelineTrainStep):
@@ -164,6 +192,7 @@ class TiledTrainStep(PipelineTrainStep):
                        "use steps=1 (one pipelined step per call, data x stage)")
     self.steps = steps
     self._groups: _Groups | None = None
+    self.table = None   # the table tiled over steps that the last trace ran
 
   def _one(self, batches):
     """One step's batch (shapes only) from the stacked batches."""
@@ -209,16 +238,24 @@ class TiledTrainStep(PipelineTrainStep):
     sp = state.params
     o_stage, o_rep = g.split(state.opt_state)
 
+    b_leaves = jax.tree.leaves(batches)
+    rows = {jnp.shape(x)[1] for x in b_leaves if jnp.ndim(x) > 1}
+    mb = next(iter(rows)) // self.sched.microbatches
+
     def lowering(c, stage_fn, loss_fn, input_fn):
-      sched = tile(self.sched, self.steps, shared=bool(c.shared))
+      per_mb = lambda ids: tuple(jax.ShapeDtypeStruct(  # noqa: E731
+          (mb, *jnp.shape(b_leaves[i])[2:]), jnp.result_type(b_leaves[i])) for i in ids)
+      owners = _owners(input_fn, loss_fn, per_mb(c.inputs), per_mb(c.targets),
+                       tuple(lay.avals[i] for i in c.shared), self.sched.virtual_stages)
+      # only weights both ends read need the cross-stage barrier
+      sched = self.table = tile(self.sched, self.steps, shared=None in owners)
       return lower_updates(stage_fn, loss_fn, sched, self.mesh, self.axis_name,
-                           g.updater(self.sched.chunks), input_fn, device_major=True)
+                           g.updater(self.sched.chunks, owners), input_fn,
+                           device_major=True, owners=owners)
 
     first = jax.tree.map(lambda x: x[0], batches)
     prog = self._program_with(list(lay.avals), lay.treedef, first, lowering)
     c = prog.cut
-    b_leaves = jax.tree.leaves(batches)
-    rows = {jnp.shape(x)[1] for x in b_leaves if jnp.ndim(x) > 1}
     stacked = lambda ids: tuple(  # noqa: E731 - scalars per step as a row per example
         jnp.broadcast_to(b_leaves[i][:, None], (self.steps, *rows)) if jnp.ndim(
             b_leaves[i]) == 1 else b_leaves[i] for i in ids)

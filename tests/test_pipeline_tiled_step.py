@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import ooojax as ooo
+from passes.pipeline.generate import synced
 from tests.conftest import assert_trees_close
 from tests.test_pipeline_auto import _gpt, _mlp
 from tests.test_pipeline_train_step import ADAM, O0, _mesh, _reference
@@ -37,6 +38,8 @@ def test_gpt_four_steps_in_two_calls(tmp_path, schedule):
   assert l01.shape == (2,) and int(state.step) == 2
   assert_trees_close(l01, jnp.stack([ref[0][0], ref[1][0]]))
   assert_trees_close(step.params(state), ref[1][1])
+  # the tied embedding is read by both ends: step t + 1 waits for the last stage's update
+  assert synced(step.table)
 
   ckpt = ocp.StandardCheckpointer()
   ckpt.save(tmp_path / "s", state)
@@ -65,6 +68,8 @@ def test_unrolled_mlp_unused_leaf_and_one_step_state_compatible():
   state, losses = tiled(state, *_stacked(batches[:2]))
   assert_trees_close(losses, jnp.stack([ref[0][0], ref[1][0]]))
   assert_trees_close(tiled.params(state), ref[1][1])
+  # untied: the embedding and the head are each updated by their one stage, no barrier
+  assert tiled.table.ticks == ooo.pipeline.schedule("zb-h2", 2, 4, steps=2).ticks
   one = _make(loss, opt, "zb-h2", steps=1)
   one.init(params, *batches[0])
   state, l2 = one(state, *batches[2])

@@ -105,7 +105,7 @@ def test_shared_weights_need_a_synced_table():
   loose, tight = ooo.pipeline.tile(one, 2), ooo.pipeline.tile(one, 2, shared=True)
   assert not synced(loose) and synced(tight) and tight.ticks > loose.ticks
   stage_fn, _, params, _, _ = _mlp(2)
-  upd = Updater(lambda c, w, g, o, r: (w, o, r), lambda sh, g, r: (sh, r))
+  upd = Updater(lambda c, w, g, o, r: (w, o, r), lambda key, js, sh, g, r: (sh, r))
   xs, ts = _batches(2)
   for sched, ok in ((loose, False), (tight, True)):
     run = lower_updates(stage_fn, lambda y, t, s: jnp.mean((y * s - t) ** 2), sched,

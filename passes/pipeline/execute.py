@@ -208,11 +208,14 @@ def _explicit(mesh) -> bool:
   return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ()))
 
 
-def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_axis=None):
+def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_axis=None,
+          owners=None):
   """The per-device program. With an `updater` (a table tiled over `steps`),
   the weights (shared ones too) and optimizer states are loop state, updated at
-  the ticks whose `upd` bits name a chunk (shared: `sync` ticks); otherwise the
-  weights are loop constants."""
+  the ticks whose `upd` bits name a chunk; otherwise the weights are loop
+  constants. `owners[j]`: the (device, chunk, virtual stage) that alone reads
+  shared leaf j, updated at that chunk's U there and broadcast at the end, or
+  None (read by the first and the last stage: updated at `sync` ticks)."""
   F = plan_pass.F
   flavors, pl, x_aval, fres, bres = (prog.flavors, prog.plan, prog.x_aval, prog.fres,
                                      prog.bres)
@@ -354,12 +357,17 @@ def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_ax
         ws[c], oc[c], orep, gp[c] = lax.cond(((r[F["upd"]] >> c) & 1) == 1, apply,
                                              lambda a: a, (ws[c], oc[c], orep, gp[c]))
       gsh = acc["gsh"]
-      if sh:
-        def sync(args):
-          shl, orp, g = args
-          shl, orp = updater.shared(shl, [lax.psum(x, axis_name) for x in g], orp)
-          return list(shl), orp, [jnp.zeros_like(x) for x in g]
-        sh, orep, gsh = lax.cond(r[F["sync"]] == 1, sync, lambda a: a, (sh, orep, gsh))
+      for key, (d, c, js) in groups.items():   # the owner's update, or all at a sync
+        def shared_update(args, key=key, js=js):
+          shl, orp, g = list(args[0]), args[1], list(args[2])
+          gj = [g[j] if key is not None else lax.psum(g[j], axis_name) for j in js]
+          new, orp = updater.shared(key, js, [shl[j] for j in js], gj, orp)
+          for j, x in zip(js, new):
+            shl[j], g[j] = x, jnp.zeros_like(g[j])
+          return shl, orp, g
+        pred = (r[F["sync"]] == 1 if key is None else
+                (((r[F["upd"]] >> c) & 1) == 1) & (lax.axis_index(axis_name) == d))
+        sh, orep, gsh = lax.cond(pred, shared_update, lambda a: a, (sh, orep, gsh))
       return (ws, sh), (oc, orep), {"gp": gp, "gsh": gsh}
 
     def tick(carry, r):
@@ -385,6 +393,18 @@ def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_ax
         loss = loss + dl
       return (bufs, acc, loss, out, f_rec, b_rec, w, o), None
 
+    groups = {}   # None (tied: sync) or owner vstage -> (device, chunk, leaf indices)
+    for j, own in enumerate(owners or [None] * len(sh_leaves)):
+      key, d, c = (None, 0, 0) if own is None else (own[2], own[0], own[1])
+      groups.setdefault(key, (d, c, []))[2].append(j)
+
+    def bcast(key, x):
+      """`x` as the owner of group `key` holds it, on every device."""
+      if key is None:
+        return x
+      mine = lax.axis_index(axis_name) == groups[key][0]
+      return lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), axis_name)
+
     w0 = o0 = None
     if train:
       w0 = (chunk_w, list(sh_leaves))
@@ -394,10 +414,14 @@ def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_ax
     (_, acc, loss, _, _, _, w, o), _ = lax.scan(tick, init, table)
     loss = lax.psum(loss, axis_name)
     if train:
+      sh = list(w[1])
+      for key, (_, _, js) in groups.items():
+        for j in js:
+          sh[j] = bcast(key, sh[j])
       return (loss, tuple(p_tree.unflatten([x[None] for x in ws]) for ws in w[0]),
-              jax.tree.unflatten(jax.tree.structure(shared), w[1]),
+              jax.tree.unflatten(jax.tree.structure(shared), sh),
               tuple(jax.tree.map(lambda x: x[None], oc) for oc in o[0]),
-              updater.finish(o[1]))
+              updater.finish(o[1], bcast))
     gsh = [lax.psum(g, axis_name) for g in acc["gsh"]]
     if data_axis is not None:   # the mean over the data replicas' slices
       loss, gsh = lax.pmean(loss, data_axis), [lax.pmean(g, data_axis) for g in gsh]

@@ -35,15 +35,19 @@ class Updater:
   * `chunk(c, w, g, o_c, o_rep) -> (w, o_c, o_rep)`: chunk c's update at its U
     tick: `w` / `g` its weight / summed gradient leaves (leading stage axis
     dropped), `o_c` its rows of `opt_stage` (leading axis dropped).
-  * `shared(sh, g, o_rep) -> (sh, o_rep)`: at each `sync` tick, the shared
-    weights' update with their gradient summed over the stages (the same on
-    every device); None: the program takes no shared weights.
-  * `start(o_rep)` / `finish(o_rep)`: `opt_rep` into the loop state and back.
+  * `shared(key, js, sh, g, o_rep) -> (sh, o_rep)`: the update of shared
+    leaves `js` (`sh`, `g` theirs). `key` None: leaves the first and the last
+    stage read, at each `sync` tick, the gradient summed over the stages (the
+    same on every device); `key` a virtual stage: the leaves only it reads, at
+    its U tick on its device (the others' copies go stale until the end).
+    None: the program takes no shared weights.
+  * `start(o_rep)` / `finish(o_rep, bcast)`: `opt_rep` into the loop state and
+    back; `bcast(key, x)` gives every device the owner's `x`.
   """
   chunk: Callable
   shared: Callable | None = None
   start: Callable = lambda o: o  # noqa: E731
-  finish: Callable = lambda o: o  # noqa: E731
+  finish: Callable = lambda o, bcast: o  # noqa: E731
 
 
 def lower_train(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
@@ -81,12 +85,14 @@ def lower_train(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, 
 
 def lower_updates(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
                   axis_name: str, updater: Updater, input_fn: Callable | None = None,
-                  device_major: bool = False) -> Callable:
+                  device_major: bool = False, owners=None) -> Callable:
   """`run(stage_params, shared, opt_stage, opt_rep, batches) -> (stage_params, shared,
   opt_stage, opt_rep, losses)`: `lower_train`'s program with the updates of
-  `updater`; `shared` (weights the first and last virtual stages read, or None)
-  is reduced over the stages and updated at the plan's `sync` ticks, which needs
-  a table tiled with `tile(sched, steps, shared=True)` (checked)."""
+  `updater`. `shared` (weights read outside the stack, or None): `owners[j]`
+  is the virtual stage (0 or the last) that alone reads leaf j, updated there
+  at its U tick; None (default: all) for a leaf both read, reduced over the
+  stages and updated at the plan's `sync` ticks, which needs a table tiled
+  with `tile(sched, steps, shared=True)` (checked)."""
   _check(sched, mesh, axis_name)
   if sched.steps == 1 and not any(a.kind == "U" for row in sched.grid for c in row
                                   for a in c):
@@ -105,10 +111,12 @@ def lower_updates(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule
     inputs_m, targets_m = split_microbatches(flat, N * M)   # index step * M + microbatch
     prog = trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m,
                  shared)
-    if jax.tree.leaves(shared):
+    own = list(owners or [None] * len(jax.tree.leaves(shared)))
+    if None in own:
       _check_sync(prog, sched)
     body = _body(prog, sched.stages, sched.chunks, M, axis_name, sched.lag,
-                 updater=updater, steps=N)
+                 updater=updater, steps=N,
+                 owners=[None if o is None else (*sched.place(o), o) for o in own])
     return _shard(body, sched, mesh, axis_name, stage_params, shared, inputs_m, targets_m,
                   [fl.consts for fl in prog.flavors], (opt_stage, opt_rep),
                   device_major=device_major)
