@@ -10,9 +10,13 @@ Per tick the optimizer sees one group of leaves, the others replaced by scalar
 placeholders (a leaf-wise update ignores them):
 
 * chunk c's layers (`stacked`, its rows), at its `U` tick;
-* the `shared` leaves (tied embeddings, head, final norm), at the plan's `sync`
-  tick: their gradient summed over the stages, the same update on every device.
-  The table is tiled with `shared=True`, so the first stage's next forward
+* `shared` leaves one end alone reads (the embedding on the first stage; a
+  final norm, an untied head on the last; found with JAX's DCE on the two
+  ends' jaxprs): at that stage's `U` tick on its device, broadcast to the
+  others' replicas at the end of the call;
+* `shared` leaves both ends read (tied embeddings), at the plan's `sync` tick:
+  their gradient summed over the stages, the same update on every device. The
+  table is then tiled with `shared=True`, so the first stage's next forward
   waits for the last stage's update: a barrier (1F1B: free; ZB-H2: its first
   stage waits for the last stage's deferred W, so its steady bubble is its
   one-step bubble again, `steady_state(shared=True)`);
