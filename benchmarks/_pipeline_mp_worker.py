@@ -10,6 +10,9 @@ CONFIG_JSON keys: mode ("pipeline" or "baseline"), process_id, num_processes,
 port, layers, dim, hidden, batch, schedules, microbatches, rounds, warmup,
 out, and check (true: save loss and gradients to `out` (.npz) instead of
 timing). Process 0 writes `out`; the baseline is one process, no jax.distributed.
+With tiled (an int n >= 2), the pipeline processes time training instead
+(`_tiled`): n calls of `ooo.pipeline.train(..., steps=1)` against one call of
+the n-step tiled program, per schedule and microbatch count.
 """
 import json
 import os
@@ -119,7 +122,79 @@ def _pipeline():
   return out
 
 
-result = _baseline() if cfg["mode"] == "baseline" else _pipeline()
+def _tiled():
+  """n steps of training two ways, per (schedule, microbatches): `one` runs n calls
+  of the one-step train program (each step's updates inside its own tick loop),
+  `tiled` one call of the table tiled over n steps (step t + 1's warm-up under
+  step t's drain). Both time n steps from the same state; rounds alternate."""
+  import optax
+  n = int(cfg["tiled"])
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("stage",))
+  rep, stage = NamedSharding(mesh, P()), NamedSharding(mesh, P("stage"))
+  x, t = model.make_batch(cfg["batch"], cfg["dim"])
+  # n different batches (rolled rows), stacked on a leading steps axis
+  xs, ts = (np.stack([np.roll(a, k, axis=0) for k in range(n)]) for a in (x, t))
+  batches = tuple(jax.make_array_from_process_local_data(rep, a, a.shape) for a in (xs, ts))
+  opt = optax.adam(1e-4)
+  runs, out = {}, {}
+  for name in cfg["schedules"]:
+    for m in cfg["microbatches"]:
+      key = f"{name}/{m}"
+      try:
+        v = ooo.pipeline.schedule(name, stages=nproc, microbatches=m).virtual_stages
+        full = model.make_params(v, cfg["layers"], cfg["dim"], cfg["hidden"])
+        per = v // nproc
+        local = lambda a: jax.make_array_from_process_local_data(  # noqa: E731
+            stage, a[pid * per:(pid + 1) * per], a.shape)
+        params = {k: local(a) for k, a in full.items()}
+        state = jax.jit(jax.vmap(opt.init), out_shardings=stage)(params)
+        kw = dict(mesh=mesh, axis_name="stage", schedule=name, microbatches=m)
+        one = jax.jit(ooo.pipeline.train(model.stage_fn, model.loss_fn, opt, steps=1, **kw))
+        many = jax.jit(ooo.pipeline.train(model.stage_fn, model.loss_fn, opt, steps=n, **kw))
+        slices = [jax.tree.map(lambda b, k=k: b[k:k + 1], batches) for k in range(n)]
+
+        def ones(p, o, one=one, slices=slices):
+          losses = []
+          for b in slices:
+            p, o, l = one(p, o, b)
+            losses.append(l)
+          return p, o, jax.numpy.concatenate(losses)
+
+        t0 = time.perf_counter()
+        res = {}
+        for _ in range(max(1, cfg["warmup"])):
+          res = {"one": jax.block_until_ready(ones(params, state)),
+                 "tiled": jax.block_until_ready(many(params, state, batches))}
+        for k, (fn, args) in {"one": (ones, (params, state)),
+                              "tiled": (many, (params, state, batches))}.items():
+          out[f"{key}/{k}"] = {"schedule": name, "microbatches": m, "how": k, "ms": [],
+                               "steps": n, "compile_s": time.perf_counter() - t0}
+          runs[f"{key}/{k}"] = (fn, args, res[k])
+        sched = ooo.pipeline.schedule(name, stages=nproc, microbatches=m)
+        st = sched.steady_state(steps=n) if n >= 2 else None
+        out[f"{key}/one"]["bubble"] = sched.bubble_fraction()
+        out[f"{key}/tiled"]["bubble"] = st.bubble if st else sched.bubble_fraction()
+      except Exception as e:  # noqa: BLE001 - a schedule that cannot run is a result
+        out[f"{key}/one"] = {"schedule": name, "microbatches": m, "how": "one",
+                             "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+      print(f"[{pid}] {key}: {out[f'{key}/one'].get('error') or 'compiled'}", flush=True)
+  if cfg.get("check"):
+    flat = {}
+    for key, (_, _, (p, _, losses)) in runs.items():
+      flat[f"{key}/loss"] = np.asarray(multihost_utils.process_allgather(losses, tiled=True))
+      for k, w in p.items():
+        flat[f"{key}/{k}"] = np.asarray(multihost_utils.process_allgather(w, tiled=True))
+    return flat
+  for _ in range(cfg["rounds"]):
+    for key, (fn, args, _) in runs.items():
+      out[key]["ms"].append(_time_once(fn, *args) * 1e3 / n)   # per step
+  return out
+
+
+if cfg["mode"] == "baseline":
+  result = _baseline()
+else:
+  result = _tiled() if cfg.get("tiled") else _pipeline()
 if pid == 0:
   if cfg.get("check"):
     np.savez(cfg["out"], **result)

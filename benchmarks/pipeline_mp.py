@@ -3,6 +3,7 @@
   python -m benchmarks.pipeline_mp                   # unshaped localhost, print the table
   python -m benchmarks.pipeline_mp --link-gbit 1     # and again over a 1 Gbit/s loopback
   python -m benchmarks.pipeline_mp --write           # append the tables to RESULTS.md
+  python -m benchmarks.pipeline_mp --tiled 4         # training: 4 steps per call, tiled
 
 Starts `--stages` worker processes (benchmarks/_pipeline_mp_worker.py), each
 pinned to its own core (`taskset`) with one CPU device, joined by
@@ -15,6 +16,12 @@ then rounds alternating over the schedules, a barrier before each timed step,
 median per schedule. `--link-gbit X` runs the stage processes in a network
 namespace whose loopback is shaped to X Gbit/s by a tbf qdisc (needs root,
 `unshare` and `tc`).
+
+`--tiled N` times training instead (`ooo.pipeline.train`, Adam, per stage
+inside the tick loop), per schedule (default zb-h2 and 1f1b): N steps as N
+calls of the one-step program (`steps=1`) against one call of the table tiled
+over N steps (`steps=N`: step t + 1's warm-up under step t's drain), per step,
+rounds alternating, medians; no unpipelined baseline.
 """
 from __future__ import annotations
 
@@ -167,6 +174,25 @@ def verdict(results: dict, link: str) -> list[str]:
   return out
 
 
+def tiled_table(res: dict, n: int, link: str) -> list[str]:
+  lines = [f"Link: {link}. Per training step (ms), {n} steps: {n} calls of the one-step "
+           f"train program vs one call of the program tiled over {n} steps.", "",
+           "| schedule | microbatches | steps=1, x" + str(n) + " calls | steps=" + str(n) +
+           ", one call | tiled speedup | simulated bubble, one step / tiled |",
+           "|---|---|---|---|---|---|"]
+  for key in sorted({k.rsplit("/", 1)[0] for k in res}):
+    one, til = res.get(f"{key}/one", {}), res.get(f"{key}/tiled", {})
+    name, m = key.split("/")
+    if "error" in one or not til:
+      lines.append(f"| {name} | {m} | failed: {one.get('error')} | | | |")
+      continue
+    a, b = float(np.median(one["ms"])), float(np.median(til["ms"]))
+    span = lambda r: f"[{min(r['ms']):.1f}-{max(r['ms']):.1f}]"  # noqa: E731
+    lines.append(f"| {name} | {m} | {a:.1f} {span(one)} | {b:.1f} {span(til)} | "
+                 f"{a / b:.2f}x | {one['bubble']:.3f} / {til['bubble']:.3f} |")
+  return lines
+
+
 def _cpu_name() -> str:
   try:
     with open("/proc/cpuinfo") as f:
@@ -189,6 +215,8 @@ def main(argv=None):
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--link-gbit", type=float, nargs="*", default=[],
                   help="also run over a loopback shaped to this many Gbit/s")
+  ap.add_argument("--tiled", type=int, default=0, metavar="N",
+                  help="time training: N calls of steps=1 vs one call of steps=N")
   ap.add_argument("--json", help="save all raw timings here")
   ap.add_argument("--write", action="store_true")
   ap.add_argument("--_spawn", help=argparse.SUPPRESS)  # inside the shaped namespace
@@ -205,6 +233,8 @@ def main(argv=None):
     print(f"warning: {n} stages on {os.cpu_count()} cores: stages share cores", flush=True)
   cfg = {k: getattr(args, k) for k in ("layers", "dim", "hidden", "batch", "rounds", "warmup",
                                        "schedules", "microbatches")}
+  if args.tiled:
+    return _main_tiled(args, cfg, n, cores)
   base = run_baseline(cfg, cores[0])
   runs = {"unshaped localhost": measure(cfg, n, cores, None)}
   for g in args.link_gbit:
@@ -224,6 +254,32 @@ def main(argv=None):
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"baseline": base, "runs": runs}, f, indent=1)
+  _report.emit(lines, args.write)
+
+
+
+def _main_tiled(args, cfg, n, cores):
+  if args.tiled < 2:
+    raise SystemExit("--tiled N needs N >= 2 steps per call")
+  if args.schedules == list(SCHEDULES):   # not given: the two the issue compares
+    cfg["schedules"] = ["zb-h2", "1f1b"]
+  cfg["tiled"] = args.tiled
+  runs = {"unshaped localhost": measure(cfg, n, cores, None)}
+  for g in args.link_gbit:
+    runs[f"loopback shaped to {g:g} Gbit/s (tbf)"] = measure(cfg, n, cores, g)
+  lines = _report.header("Pipeline training tiled over steps, one stage per process "
+                         "(benchmarks/pipeline_mp.py --tiled)")
+  lines += [f"**Measured** on {_cpu_name()}: {n} processes, each pinned to its own core, "
+            f"jax.distributed + gloo over localhost TCP; model: {args.layers} residual "
+            f"blocks, D={args.dim}, H={args.hidden}, batch {args.batch}, MSE, float32, Adam "
+            f"inside the tick loop; {args.rounds} timed rounds alternating after "
+            f"{args.warmup} warm-up rounds (jax {jax.__version__}). Simulated bubble: "
+            "F = B = W, free update; tiled: over the whole tiled run.", ""]
+  for link, res in runs.items():
+    lines += tiled_table(res, args.tiled, link) + [""]
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"runs": runs}, f, indent=1)
   _report.emit(lines, args.write)
 
 

@@ -198,7 +198,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
                     microbatches: int | None = None, chunks: int | None = None,
                     data_axis: str | None = None, has_aux: bool = False,
                     compiler_options: dict | None = None,
-                    layers: str | tuple[int, ...] | None = None) -> PipelineTrainStep:
+                    layers: str | tuple[int, ...] | None = None,
+                    steps: int = 1) -> PipelineTrainStep:
   """A jitted pipelined train step of a plain loss, the optimizer applied per stage.
 
   The stages are cut from `loss_fn` as in `value_and_grad(loss_fn, mesh=...,
@@ -220,6 +221,12 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
       model prices the local device, so pin `layers=step.balance.counts` to
       restore a checkpoint on another kind of device.
     compiler_options: passed to `jax.jit` (e.g. XLA's optimization level).
+    steps: training steps per call. `steps > 1` runs them as one table tiled
+      over steps (`ooojax._pipeline_tiled.TiledTrainStep`): step t + 1's
+      warm-up under step t's drain, each stage's update at its own tick; the
+      batch leaves (of `init` and of each call) are stacked on a leading axis
+      of `steps`, the call returns the `(steps,)` losses. Needs an optimizer
+      that acts leaf by leaf (`clip_by_global_norm` is refused: use steps=1).
 
   Returns:
     A `PipelineTrainStep`: `state = step.init(params, *batch)`, `state, loss =
@@ -253,5 +260,11 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
     raise ValueError(f"data_axis={data_axis!r} must be a mesh axis other than the stage "
                      f"axis {axis_name!r}; the mesh has {dict(mesh.shape)}")
   sched = _table(schedule, mesh.shape[axis_name], microbatches, chunks)
-  return PipelineTrainStep(loss_fn, optimizer, sched, mesh, axis_name, data_axis, has_aux,
-                           compiler_options, layers)
+  args = (loss_fn, optimizer, sched, mesh, axis_name, data_axis, has_aux, compiler_options,
+          layers)
+  if not (isinstance(steps, int) and steps >= 1):
+    raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+  if steps > 1:
+    from ooojax._pipeline_tiled import TiledTrainStep
+    return TiledTrainStep(*args, steps=steps)
+  return PipelineTrainStep(*args)

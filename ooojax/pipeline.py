@@ -18,7 +18,8 @@ the model (simulated bubble, memory per stage, compiled ppermute windows).
 passes to `jax.value_and_grad`, cuts the stages itself
 (`passes.pipeline.cut`): `step(params, *batch) -> (loss, grads)`.
 `make_train_step(loss_fn, optimizer, mesh=..., axis_name=...)` adds the
-optimizer, applied per stage on the stage-sharded parameters.
+optimizer, applied per stage on the stage-sharded parameters; with `steps=n`
+one call runs n steps as a table tiled over steps (`ooojax._pipeline_tiled`).
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ from passes.pipeline.balance import balance as _balance
 from passes.pipeline.balance import price as _price
 from passes.pipeline.cut import EXPLICIT as _EXPLICIT
 from passes.pipeline.cut import Cut, CutError, cut
-from passes.pipeline.execute import lower, lower_train
+from passes.pipeline.execute import lower
+from passes.pipeline.train import lower_train
 from passes.pipeline.program import Memory
 from passes.pipeline.program import memory as _memory
 from passes.pipeline.generate import SCHEDULES, generate
@@ -218,9 +220,11 @@ class _AutoProgram:
 
 def _auto_program(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, mesh,
                   axis_name: str, data_axis: str | None, p_avals, p_tree,
-                  batch, device_major: bool = False, layers=None) -> _AutoProgram:
+                  batch, device_major: bool = False, layers=None,
+                  lowering=None) -> _AutoProgram:
   """Traces `loss_fn` at one data replica's slice of one microbatch (what each device
-  runs), cuts it (`passes.pipeline.cut`) and lowers the cut (`execute.lower`)."""
+  runs), cuts it (`passes.pipeline.cut`) and lowers the cut (`execute.lower`, or
+  `lowering(cut, stage_fn, loss_fn, input_fn)`: the tiled train step's)."""
   M, V = sched.microbatches, sched.virtual_stages
   D = mesh.shape[data_axis] if data_axis in mesh.shape else 1
   b_leaves, b_tree = jax.tree.flatten(batch)
@@ -255,10 +259,12 @@ def _auto_program(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, mes
     return (lambda p, x, sd: f(p, x, whole(c.side, sd))) if c.side else f
   fns = {k: stage_fn(k) for k in sorted(set(bal.counts))}
   stage = fns[bal.counts[0]] if len(fns) == 1 else tuple(fns[k] for k in bal.counts)
-  run = lower(stage,
-              lambda y, tg, sh: c.loss_fn(y, whole(c.targets, tg), sh), sched, mesh,
-              axis_name, lambda ins, sh: c.input_fn(whole(c.inputs, ins), sh), data_axis,
-              device_major)
+  fns = (stage, lambda y, tg, sh: c.loss_fn(y, whole(c.targets, tg), sh),
+         lambda ins, sh: c.input_fn(whole(c.inputs, ins), sh))
+  if lowering is not None:
+    run = lowering(c, *fns)
+  else:
+    run = lower(fns[0], fns[1], sched, mesh, axis_name, fns[2], data_axis, device_major)
   rowed = lambda ids: tuple(  # noqa: E731
       jnp.broadcast_to(b_leaves[i], (B,)) if scalar[i] else b_leaves[i] for i in ids)
   # side: what every stage reads besides the activation (a mask's tokens), each
@@ -321,7 +327,8 @@ def train(stage_fn: Callable, loss_fn: Callable, optimizer, *, mesh, axis_name: 
     optimizer: an optax `GradientTransformation` that acts leaf by leaf (sgd,
       momentum, adam, adamw); it runs per virtual stage.
     schedule: a name, or a table tiled over steps (`tile(sched, steps)`).
-    microbatches, steps, chunks: with a schedule name.
+    microbatches, steps, chunks: with a schedule name (`steps=1`: one step per
+      call, its updates still inside the tick loop).
 
   Returns:
     `train(stage_params, opt_state, batches) -> (stage_params, opt_state, losses)`

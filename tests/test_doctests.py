@@ -9,7 +9,8 @@ MODULES = ["ooojax._api", "ooojax._calibrate", "ooojax._explain", "ooojax.flax",
            "ooojax.gpu_hlo", "passes.collectives.plan", "ooojax.data_parallel",
            "ooojax._explain_pipeline", "ooojax.models.mlp_stack", "passes.pipeline.steps",
            "ooojax.single_gpu", "passes.fingerprint",
-           "ooojax._pipeline_train", "passes.pipeline.balance", "passes.pipeline.eqns"]
+           "ooojax._pipeline_train", "passes.pipeline.balance", "passes.pipeline.eqns",
+           "ooojax._pipeline_tiled"]
 
 
 @pytest.mark.parametrize("name", MODULES)

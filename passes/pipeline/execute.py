@@ -3,10 +3,8 @@
 Contract: `lower(stage_fn, loss_fn, sched, mesh, axis_name, input_fn=None,
 data_axis=None) -> step(stage_params, batch, shared=None) -> (loss, grads)`
 (with a `data_axis`, each microbatch's rows split over that mesh axis).
-`lower_train(stage_fn, loss_fn, sched, mesh, axis_name, optimizer)` runs a
-table tiled over steps (`passes.pipeline.steps.tile`): `train(stage_params,
-opt_state, batches) -> (stage_params, opt_state, losses)`, the weights and
-optimizer states loop state, each (stage, chunk) updated at its `U` tick.
+`passes.pipeline.train` runs tables tiled over steps with the same loop body
+(`_body` with an updater: weights and optimizer states as loop state).
 
 Each stage kind ("flavor": first, middle, last virtual stage) is cut into
 F / B / W phases by `passes.pipeline.flavor` (the split pass; scanned layers
@@ -50,8 +48,8 @@ from passes.pipeline.program import (Memory, Program, memory, program, split_mic
                                      trace)
 from passes.pipeline.schedule import PipelineSchedule
 
-__all__ = ["Flavor", "Memory", "Program", "device_order", "lower", "lower_train",
-           "make_flavor", "memory", "program"]
+__all__ = ["Flavor", "Memory", "Program", "device_order", "lower", "make_flavor", "memory",
+           "program"]
 
 
 def _read(env, v):
@@ -126,50 +124,6 @@ def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
   return step
 
 
-def lower_train(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
-                axis_name: str, optimizer, input_fn: Callable | None = None) -> Callable:
-  """Returns `train(stage_params, opt_state, batches) -> (stage_params, opt_state, losses)`
-  running a table tiled over `sched.steps` steps (`tile`), with each stage's
-  optimizer update inside the tick loop at its `U` action.
-
-  `opt_state = jax.vmap(optimizer.init)(stage_params)`: one state per virtual
-  stage, updated by that stage alone. `batches = (inputs, targets[, side])` with leading
-  axes (steps, batch). `losses[t]` is step t's loss. The weights step t + 1's
-  forwards read are those of the synchronous loop (its stage's update of step t
-  precedes them), so the trajectory is the synchronous one for any optax
-  transformation that acts leaf by leaf (sgd, momentum, adam, adamw, weight
-  decay); one that reduces over every leaf (`clip_by_global_norm`) would see
-  one stage's leaves only, and tied (`shared`) weights would need a reduction
-  across the stages before their update: neither is supported.
-  """
-  _check(sched, mesh, axis_name)
-  if sched.steps < 2:
-    raise ValueError(f"lower_train runs a table tiled over steps; {sched.name!r} holds one "
-                     "step: pass tile(sched, steps) with steps >= 2 (or use value_and_grad "
-                     "and apply the optimizer after the step)")
-  M, N = sched.microbatches, sched.steps
-
-  def train(stage_params, opt_state, batches):
-    lead = {jnp.shape(x)[0] for x in jax.tree.leaves(batches)}
-    if lead != {N}:
-      raise ValueError(f"batches need a leading axis of {N} steps (the table's steps); "
-                       f"got leading sizes {sorted(lead)}")
-    flat = jax.tree.map(lambda x: jnp.reshape(x, (-1, *jnp.shape(x)[2:])), batches)
-    # index step * M + microbatch
-    inputs_m, targets_m, side_m = split_microbatches(flat, N * M)
-    prog = trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m,
-                  None, side_m)
-    body = _body(prog, sched.stages, sched.chunks, M, axis_name, sched.lag,
-                 optimizer=optimizer, steps=N)
-    losses, params, opt_state = _shard(body, sched, mesh, axis_name, stage_params, None,
-                                       (inputs_m, targets_m, side_m),
-                                       [fl.consts for fl in prog.flavors],
-                                       opt_state)
-    return params, opt_state, losses
-
-  return train
-
-
 def _shard(body, sched, mesh, axis_name, stage_params, shared, batch_m, consts,
            opt_state=None, data_axis=None, device_major=False):
   """Runs `body` under `shard_map`: each device gets its chunks' weights (and
@@ -197,21 +151,24 @@ def _shard(body, sched, mesh, axis_name, stage_params, shared, batch_m, consts,
   if opt_state is None:
     out_specs = (P(), p_spec, rep(shared))
   else:
-    o_spec = tuple(jax.tree.map(lambda _: P(axis_name), opt_state) for _ in range(v))
-    specs, args = specs + (o_spec,), args + (split(opt_state),)
-    out_specs = (P(), p_spec, o_spec)
+    o_stage, o_rep = opt_state
+    o_spec = tuple(jax.tree.map(lambda _: P(axis_name), o_stage) for _ in range(v))
+    specs, args = specs + (o_spec, rep(o_rep)), args + (split(o_stage), o_rep)
+    out_specs = (P(), p_spec, rep(shared), o_spec, rep(o_rep))
   fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)
   if _explicit(mesh):  # explicit-sharding meshes want arguments already placed
     args = tuple(jax.tree.map(lambda x, sp: jax.reshard(x, NamedSharding(mesh, sp)), args,
                               specs))
-  loss, per_chunk, last = fn(*args)
-  trees = (per_chunk,) if opt_state is None else (per_chunk, last)
+  loss, per_chunk, last, *opt = fn(*args)
+  trees = (per_chunk,) if opt_state is None else (per_chunk, opt[0])
   out = []
   for t in trees:
     if _explicit(mesh) and v > 1 and not device_major:  # chunks interleave into V
       t = jax.tree.map(lambda x: jax.reshard(x, NamedSharding(mesh, P())), t)
     out.append(jax.tree.map(from_dev, *t))
-  return (loss, out[0], last) if opt_state is None else (loss, *out)
+  if opt_state is None:
+    return loss, out[0], last
+  return out[0], last, out[1], opt[1], loss
 
 
 def device_order(sched: PipelineSchedule) -> np.ndarray:
@@ -256,16 +213,20 @@ def _explicit(mesh) -> bool:
   return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ()))
 
 
-def _body(prog: Program, S, v, M, axis_name, lag, optimizer=None, steps=1, data_axis=None):
-  """The per-device program. With an `optimizer` (a table tiled over `steps`),
-  the weights and optimizer states are loop state, updated at the ticks whose
-  `upd` bits name a chunk; otherwise the weights are loop constants."""
+def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_axis=None,
+          owners=None):
+  """The per-device program. With an `updater` (a table tiled over `steps`),
+  the weights (shared ones too) and optimizer states are loop state, updated at
+  the ticks whose `upd` bits name a chunk; otherwise the weights are loop
+  constants. `owners[j]`: the (device, chunk, virtual stage) that alone reads
+  shared leaf j, updated at that chunk's U there and broadcast at the end, or
+  None (read by the first and the last stage: updated at `sync` ticks)."""
   F = plan_pass.F
   flavors, pl, x_aval, fres, bres = (prog.flavors, prog.plan, prog.x_aval, prog.fres,
                                      prog.bres)
-  train = optimizer is not None
+  train = updater is not None
 
-  def body(chunks, shared, batch_m, consts, opt=None):
+  def body(chunks, shared, batch_m, consts, opt=None, opt_rep=None):
     inputs_m, targets_m, side_m = batch_m
     p_tree = jax.tree.structure(chunks[0])
     # Chunk c's weights (the actions of chunk c are their own branches).
@@ -300,9 +261,9 @@ def _body(prog: Program, S, v, M, axis_name, lag, optimizer=None, steps=1, data_
 
     def env_of(i, fl, c, r, ws):
       """The phase's static inputs: constants, chunk weights, shared, this microbatch."""
-      vals = [*consts[i], *ws[c]]
+      vals = [*consts[i], *ws[0][c]]
       if fl.n_shared:
-        vals += sh_leaves
+        vals += ws[1]
       if fl.first:
         vals += [get(x, r[F["mb"]]) for x in in_leaves]
       if fl.last:
@@ -319,7 +280,7 @@ def _body(prog: Program, S, v, M, axis_name, lag, optimizer=None, steps=1, data_
 
       def run(r, bufs, acc, f_rec, b_rec, w):
         out, loss = no_out, zero
-        ws = chunk_w if w is None else w   # loop constants, or loop state when training
+        ws = (chunk_w, sh_leaves) if w is None else w   # constants, or training's state
         env = env_of(i, fl, c, r, ws)
         if kind == "F":
           if fl.x is not None:
@@ -390,19 +351,32 @@ def _body(prog: Program, S, v, M, axis_name, lag, optimizer=None, steps=1, data_
                       lambda st: st, bufs[name])
 
     def update(r, w, o, acc):
-      """Each chunk whose bit is set in `upd`: the optimizer step on its summed
-      gradients (all of its step's W ran by this tick), then a zero accumulator."""
-      w, o, gp = list(w), list(o), list(acc["gp"])
+      """Each chunk whose bit is set in `upd`: its update on its summed gradients
+      (all of its step's W ran by this tick), then a zero accumulator. At a
+      `sync` tick (the same on every device, so the psum inside the cond is
+      collective), the shared weights' update on their gradient summed over
+      the stages."""
+      (ws, sh), (oc, orep), gp = (list(w[0]), w[1]), (list(o[0]), o[1]), list(acc["gp"])
       for c in range(v):
-        def apply(args):
-          wc, oc, gc = args
-          params = p_tree.unflatten(wc)
-          updates, oc = optimizer.update(p_tree.unflatten(gc), oc, params)
-          new = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
-          return jax.tree.leaves(new), oc, [jnp.zeros_like(g) for g in gc]
-        w[c], o[c], gp[c] = lax.cond(((r[F["upd"]] >> c) & 1) == 1, apply, lambda a: a,
-                                     (w[c], o[c], gp[c]))
-      return w, o, {"gp": gp, "gsh": acc["gsh"]}
+        def apply(args, c=c):
+          wc, occ, orp, gc = args
+          wc, occ, orp = updater.chunk(c, wc, gc, occ, orp)
+          return list(wc), occ, orp, [jnp.zeros_like(g) for g in gc]
+        ws[c], oc[c], orep, gp[c] = lax.cond(((r[F["upd"]] >> c) & 1) == 1, apply,
+                                             lambda a: a, (ws[c], oc[c], orep, gp[c]))
+      gsh = acc["gsh"]
+      for key, (d, c, js) in groups.items():   # the owner's update, or all at a sync
+        def shared_update(args, key=key, js=js):
+          shl, orp, g = list(args[0]), args[1], list(args[2])
+          gj = [g[j] if key is not None else lax.psum(g[j], axis_name) for j in js]
+          new, orp = updater.shared(key, js, [shl[j] for j in js], gj, orp)
+          for j, x in zip(js, new):
+            shl[j], g[j] = x, jnp.zeros_like(g[j])
+          return shl, orp, g
+        pred = (r[F["sync"]] == 1 if key is None else
+                (((r[F["upd"]] >> c) & 1) == 1) & (lax.axis_index(axis_name) == d))
+        sh, orep, gsh = lax.cond(pred, shared_update, lambda a: a, (sh, orep, gsh))
+      return (ws, sh), (oc, orep), {"gp": gp, "gsh": gsh}
 
     def tick(carry, r):
       bufs, acc, loss, out, f_rec, b_rec, w, o = carry
@@ -427,17 +401,35 @@ def _body(prog: Program, S, v, M, axis_name, lag, optimizer=None, steps=1, data_
         loss = loss + dl
       return (bufs, acc, loss, out, f_rec, b_rec, w, o), None
 
+    groups = {}   # None (tied: sync) or owner vstage -> (device, chunk, leaf indices)
+    for j, own in enumerate(owners or [None] * len(sh_leaves)):
+      key, d, c = (None, 0, 0) if own is None else (own[2], own[0], own[1])
+      groups.setdefault(key, (d, c, []))[2].append(j)
+
+    def bcast(key, x):
+      """`x` as the owner of group `key` holds it, on every device."""
+      if key is None:
+        return x
+      mine = lax.axis_index(axis_name) == groups[key][0]
+      return lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), axis_name)
+
     w0 = o0 = None
     if train:
-      w0 = chunk_w
-      o0 = [jax.tree.map(lambda x: x[0], oc) for oc in opt]
+      w0 = (chunk_w, list(sh_leaves))
+      o0 = ([jax.tree.map(lambda x: x[0], oc) for oc in opt], updater.start(opt_rep))
     loss0 = jnp.zeros((steps,), jnp.float32) if train else zero
     init = (bufs, acc, loss0, no_out, fres.empty(), bres.empty(), w0, o0)
     (_, acc, loss, _, _, _, w, o), _ = lax.scan(tick, init, table)
     loss = lax.psum(loss, axis_name)
     if train:
-      return (loss, tuple(p_tree.unflatten([x[None] for x in ws]) for ws in w),
-              tuple(jax.tree.map(lambda x: x[None], oc) for oc in o))
+      sh = list(w[1])
+      for key, (_, _, js) in groups.items():
+        for j in js:
+          sh[j] = bcast(key, sh[j])
+      return (loss, tuple(p_tree.unflatten([x[None] for x in ws]) for ws in w[0]),
+              jax.tree.unflatten(jax.tree.structure(shared), sh),
+              tuple(jax.tree.map(lambda x: x[None], oc) for oc in o[0]),
+              updater.finish(o[1], bcast))
     gsh = [lax.psum(g, axis_name) for g in acc["gsh"]]
     if data_axis is not None:   # the mean over the data replicas' slices
       loss, gsh = lax.pmean(loss, data_axis), [lax.pmean(g, data_axis) for g in gsh]

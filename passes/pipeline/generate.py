@@ -135,9 +135,33 @@ def unfuse(sched: PipelineSchedule) -> PipelineSchedule:
           out.append(a)
     orders.append(out)
   S, v = sched.stages, sched.chunks
-  grid = _place(S, sched.microbatches, v, orders, sched.lag, sched.placement)
+  extra = shared_dep(S * v - 1) if synced(sched) else None   # keep tile(shared=True)'s
+  grid = _place(S, sched.microbatches, v, orders, sched.lag, sched.placement, extra)
   return dataclasses.replace(
       sched, grid=_lower_comms(S, v, grid, sched.lag, sched.placement)).validate()
+
+
+def shared_dep(last: int):
+  """`_place`'s extra dependency of `tile(shared=True)`: the first virtual stage's
+  forwards of step t wait for the last virtual stage's update of step t - 1."""
+  def extra(a, vs):
+    return [(UPDATE, last, 0, a.step - 1)] if a.kind == "F" and vs == 0 and a.step else []
+  return extra
+
+
+def synced(sched: PipelineSchedule) -> bool:
+  """Whether every step's first forward of virtual stage 0 follows the last virtual
+  stage's update of the step before (tiled with `shared=True`, or by chance)."""
+  last, f0, ul = sched.virtual_stages - 1, {}, {}
+  for s, row in enumerate(sched.grid):
+    for t, cell in enumerate(row):
+      for a in cell:
+        vs = sched.vstage(s, a.chunk)
+        if a.kind == "F" and vs == 0:
+          f0[a.step] = min(f0.get(a.step, t), t)
+        elif a.kind == UPDATE and vs == last:
+          ul[a.step] = t
+  return all(f0[n] > ul[n - 1] for n in range(1, sched.steps)) if ul else False
 
 
 def _greedy(S: int, M: int, v: int, pol: Policy, placement: str = "modulo",
@@ -234,16 +258,18 @@ def _greedy(S: int, M: int, v: int, pol: Policy, placement: str = "modulo",
 
 
 def _place(S: int, M: int, v: int, orders: Sequence[Sequence[Action]], lag: int = 0,
-           placement: str = "modulo") -> list[list[list[Action]]]:
+           placement: str = "modulo", extra=None) -> list[list[list[Action]]]:
   """As-soon-as-possible unit-tick placement of per-stage orders (with `U`
-  updates, placed in the cell of the W they follow)."""
+  updates, placed in the cell of the W they follow). `extra(action, vstage)`:
+  further (kind, vstage, microbatch, step) an action waits for."""
   V = S * v
   done: dict[tuple[str, int, int, int], int] = {}
   pos = [0] * S
   grid: list[list[list[Action]]] = [[] for _ in range(S)]
 
   def ready(a, t, same_tick):
-    for key in deps(a, vstage_of(S, a.stage, a.chunk, placement), V - 1, M):
+    vs = vstage_of(S, a.stage, a.chunk, placement)
+    for key in deps(a, vs, V - 1, M) + (extra(a, vs) if extra else []):
       tp = done.get(key)
       if tp is None:
         return False

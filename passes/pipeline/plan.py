@@ -26,7 +26,9 @@ BUFFERS = ("act", "grad", "fres", "bres")
 # Per (tick, device) integers. `branch` indexes `Plan.branches` (0: idle); `mb`
 # is the microbatch's index over all steps of the table (step * M + m), `step`
 # its step, and `upd` a bit per chunk whose optimizer update (U) runs at the end
-# of this tick (tables tiled over steps);
+# of this tick (tables tiled over steps); `sync` (the same on every device) is 1
+# at the tick of step t's later update of the first and the last virtual stage,
+# where the weights they share are reduced and updated;
 # `in_slot` is the act (F) or grad (B, BW) slot the action reads; `fres` /
 # `bres` the record slots it reads (B, W) or writes (`fres` for F, `bres` for
 # B); `*_act` / `*_grad` the slots that what arrives on the up ring (from
@@ -34,7 +36,7 @@ BUFFERS = ("act", "grad", "fres", "bres")
 # tip of ZB-V's V) is written to.
 # `up_pat` / `dn_pat` (the same on every device) index `Plan.patterns[ring]`:
 # which (sender, receiver) pairs of that ring carry a value at this tick.
-FIELDS = ("branch", "mb", "step", "upd", "in_slot", "fres", "bres", "f_write", "b_write",
+FIELDS = ("branch", "mb", "step", "upd", "sync", "in_slot", "fres", "bres", "f_write", "b_write",
           "up_act", "up_grad", "dn_act", "dn_grad", "loc_act", "loc_grad", "up_pat", "dn_pat")
 F = {name: i for i, name in enumerate(FIELDS)}
 
@@ -118,6 +120,7 @@ def plan(sched: PipelineSchedule, flavor_of: Callable[[int, int], int]) -> Plan:
   rows[:, :, F["b_write"]] = counts["bres"]
   branches: dict[tuple[int, str, int], int] = {}
   ring_of = lambda s, other: "up" if s == (other + 1) % S else "dn"  # noqa: E731
+  sync: dict[int, int] = {}   # step -> the tick of its later end-of-stack update
   for s, row in enumerate(sched.grid):
     for t, cell in enumerate(row):
       for a in cell:
@@ -146,10 +149,14 @@ def plan(sched: PipelineSchedule, flavor_of: Callable[[int, int], int]) -> Plan:
             r[F["loc_" + buf]] = slots[(buf, s, a.microbatch, sched.place(tvs)[1], a.step)]
         elif a.kind == "U":
           r[F["upd"]] |= 1 << a.chunk
+          if vs in (0, V - 1):
+            sync[a.step] = max(sync.get(a.step, t), t)
         elif a.kind in ("RF", "RB"):
           ps = sched.place(vs - 1 if a.kind == "RF" else vs + 1)[0]
           buf = "act" if a.kind == "RF" else "grad"
           r[F[f"{ring_of(s, ps)}_{buf}"]] = slots[(buf, *key)]
+  for t in sync.values():
+    rows[t, :, F["sync"]] = 1
   order = tuple(sorted(branches, key=branches.get))
   return Plan(rows, order, counts, _patterns(rows, counts, S))
 

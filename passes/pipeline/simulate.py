@@ -61,8 +61,9 @@ def _cost(costs: Mapping[str, float], kind: str, chunks: int) -> float:
 
 
 def simulate(sched: PipelineSchedule, costs: Mapping[str, float] | None = None,
-             comm: float = 0.0) -> PipelineTimeline:
-  """Event replay of the table's per-stage orders.
+             comm: float = 0.0, extra=None) -> PipelineTimeline:
+  """Event replay of the table's per-stage orders (`extra(action, vstage)`: further
+  dependencies, as in `generate._place`; `steps.steady_state(shared=True)`'s).
 
   >>> from passes.pipeline.generate import generate
   >>> simulate(generate("gpipe", 2, 2)).makespan   # 3 ticks of F, then BW = 2 x 3
@@ -83,7 +84,7 @@ def simulate(sched: PipelineSchedule, costs: Mapping[str, float] | None = None,
         vs = sched.vstage(s, a.chunk)
         start = free[s]
         ok = True
-        for key in deps(a, vs, sched.virtual_stages - 1, M):
+        for key in deps(a, vs, sched.virtual_stages - 1, M) + (extra(a, vs) if extra else []):
           if key not in fin:
             ok = False
             break

@@ -1,7 +1,8 @@
 """pipeline.steps: several training steps in one table, and their steady state.
 
-Contract: `tile(sched, steps) -> PipelineSchedule` (validated; `tile(s, 1)` is
-`s`) and `steady_state(sched, steps=4, costs=None, comm=0.0) -> SteadyState`
+Contract: `tile(sched, steps, shared=False) -> PipelineSchedule` (validated;
+`tile(s, 1)` is `s`), `with_updates(sched)` (a one-step table with its `U`)
+and `steady_state(sched, steps=4, costs=None, comm=0.0) -> SteadyState`
 (simulated, never measured).
 
 Why: with F = B = W and a synchronous step (every stage waits for the whole
@@ -20,6 +21,16 @@ placed as soon as possible on unit ticks and the transfers lowered, as
 `generate` does for one step. A stage starts step t + 1 only after all its W
 of step t, so one step's activation bound per stage holds across steps (the
 validator checks it on the tiled table).
+
+Weights the first and the last virtual stage share (tied embeddings) take
+gradient contributions from both, so their update needs a reduction across
+the stages: `shared=True` adds the one cross-stage dependency that makes it
+exact, the first stage's forwards of step t + 1 wait for the last stage's
+update of step t too (the executor reduces and updates the shared weights at
+the later of the two updates). 1F1B's last stage finishes before the first,
+so that costs it nothing; ZB-H2 defers the last stage's W into the drain, so
+stage 0 waits for the whole step: with F = B = W its steady bubble is its
+one-step bubble again (`steady_state(..., shared=True)`), the tiling gain gone.
 """
 from __future__ import annotations
 
@@ -27,18 +38,20 @@ import dataclasses
 from collections.abc import Mapping
 
 from passes.pipeline.actions import COMPUTE, UPDATE, Action
-from passes.pipeline.generate import _lower_comms, _place
+from passes.pipeline.generate import _lower_comms, _place, shared_dep
 from passes.pipeline.schedule import PipelineSchedule
 
-__all__ = ["SteadyState", "steady_state", "tile"]
+__all__ = ["SteadyState", "steady_state", "tile", "with_updates"]
 
 
-def tile(sched: PipelineSchedule, steps: int) -> PipelineSchedule:
+def tile(sched: PipelineSchedule, steps: int, shared: bool = False) -> PipelineSchedule:
   """`steps` consecutive training steps of a one-step table, in one validated table.
 
   Args:
     sched: a one-step table (from `generate`).
     steps: how many steps to lay out (1 returns `sched` unchanged).
+    shared: the first virtual stage's forwards of step t + 1 also wait for the
+      last virtual stage's update of step t (weights both read: see above).
 
   Returns:
     A `PipelineSchedule` with `steps=steps`: actions of step t carry `step=t`
@@ -62,6 +75,25 @@ def tile(sched: PipelineSchedule, steps: int) -> PipelineSchedule:
                      "steps (tile the table it was tiled from)")
   if steps == 1:
     return sched
+  return _tiled(sched, steps, shared)
+
+
+def with_updates(sched: PipelineSchedule) -> PipelineSchedule:
+  """A one-step table with each (stage, chunk)'s update `U` after its last W: what
+  a training program of one step runs (`tile(sched, 1)` is `sched` itself).
+
+  >>> from passes.pipeline.generate import generate
+  >>> one = with_updates(generate("1f1b", stages=2, microbatches=2))
+  >>> one.steps, [str(a) for a in one.grid[0][one.ticks - 1]]
+  (1, ['0BW1', '0U'])
+  """
+  if sched.steps != 1:
+    raise ValueError(f"with_updates takes a one-step table; {sched.name!r} holds "
+                     f"{sched.steps} steps")
+  return _tiled(sched, 1, False)
+
+
+def _tiled(sched: PipelineSchedule, steps: int, shared: bool) -> PipelineSchedule:
   one = [[a for a in row if a.kind in COMPUTE] for row in sched.orders()]
   orders = []
   for s, row in enumerate(one):
@@ -76,7 +108,8 @@ def tile(sched: PipelineSchedule, steps: int) -> PipelineSchedule:
         out += [Action(s, UPDATE, 0, c, t) for c in sorted(last) if last[c] == i]
     orders.append(out)
   S, v = sched.stages, sched.chunks
-  grid = _place(S, sched.microbatches, v, orders, sched.lag, sched.placement)
+  grid = _place(S, sched.microbatches, v, orders, sched.lag, sched.placement,
+                shared_dep(S * v - 1) if shared else None)
   return dataclasses.replace(sched, grid=_lower_comms(S, v, grid, sched.lag, sched.placement),
                              steps=steps).validate()
 
@@ -105,10 +138,12 @@ class SteadyState:
 
 
 def steady_state(sched: PipelineSchedule, steps: int = 4,
-                 costs: Mapping[str, float] | None = None, comm: float = 0.0) -> SteadyState:
-  """Simulates `tile(sched, steps)` and splits the timeline by step.
+                 costs: Mapping[str, float] | None = None, comm: float = 0.0,
+                 shared: bool = False) -> SteadyState:
+  """Simulates `tile(sched, steps, shared)` and splits the timeline by step.
 
   `costs` as in `simulate` (`"U"`: a stage's optimizer update, default 0).
+  `shared=True`: weights the first and the last stage share (tied embeddings).
 
   >>> from passes.pipeline.generate import generate
   >>> st = steady_state(generate("zb-h2", 4, 8), steps=4)
@@ -116,11 +151,15 @@ def steady_state(sched: PipelineSchedule, steps: int = 4,
   (0.111, [0.111, 0.0, 0.0, 0.0])
   >>> round(steady_state(generate("1f1b", 4, 8)).steady_bubble, 3)   # no gain
   0.273
+  >>> round(steady_state(generate("zb-h2", 4, 8), shared=True).steady_bubble, 3)
+  0.111
   """
   one = tile(sched, 1)  # the one-step table (and the argument checks)
   if steps < 2:
     raise ValueError(f"steady_state needs steps >= 2 to see a steady step, got {steps!r}")
-  tl = tile(one, steps).simulate(costs, comm)
+  from passes.pipeline.simulate import simulate
+  tl = simulate(tile(one, steps, shared), costs, comm,
+                shared_dep(one.virtual_stages - 1) if shared else None)
   end = [0.0] * steps
   work = [0.0] * steps
   for a, b, e in tl.spans:
