@@ -110,8 +110,8 @@ class _GPT(nn.Module):
     return emb.attend(nn.LayerNorm()(x))     # tied output projection
 
 
-def _gpt(scan=True):
-  model = _GPT(scan=scan)
+def _gpt(scan=True, layers=4):
+  model = _GPT(scan=scan, layers=layers)
   tokens = jax.random.randint(jax.random.key(0), (8, 7), 0, model.vocab)
   params = model.init(jax.random.key(1), tokens[:1, :-1])["params"]
 
@@ -161,16 +161,33 @@ class _NnxLM(nnx.Module):
     return self.embed.attend(self.ln(run(self.embed(tokens), self.blocks)))
 
 
-@pytest.mark.parametrize("stages,schedule", [(2, "interleaved"), (4, "zb-h1")])
-def test_nnx_transformer(stages, schedule):
-  graph, params = nnx.split(_NnxLM(13, 8, 2, 4, nnx.Rngs(0)), nnx.Param)
+def _nnx_lm(layers=4):
+  graph, params = nnx.split(_NnxLM(13, 8, 2, layers, nnx.Rngs(0)), nnx.Param)
   tokens = jax.random.randint(jax.random.key(0), (8, 7), 0, 13)
 
   def loss(params, tokens):
     logits = nnx.merge(graph, params)(tokens[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
-  _check(loss, params, (tokens,), stages, schedule)
+  return loss, params, (tokens,)
+
+
+@pytest.mark.parametrize("stages,schedule", [(2, "interleaved"), (4, "zb-h1")])
+def test_nnx_transformer(stages, schedule):
+  _check(*_nnx_lm(), stages, schedule)
+
+
+# Every schedule on 2 and 4 devices for both LMs (8 layers: 4 stages x 2 chunks);
+# the pairs above are left out.
+_EVERY = [(m, n, s) for m in ("linen", "nnx") for n in (2, 4) for s in ooo.pipeline.SCHEDULES
+          if (m, n, s) not in {("linen", 2, "interleaved"), ("linen", 4, "zb-h1"),
+                               ("nnx", 2, "interleaved"), ("nnx", 4, "zb-h1")}]
+
+
+@pytest.mark.parametrize("model,stages,schedule", _EVERY)
+def test_lm_every_schedule(model, stages, schedule):
+  make = _gpt if model == "linen" else (lambda layers: _nnx_lm(layers))
+  _check(*make(layers=8), stages, schedule)
 
 
 # --- an unrolled Python loop of identical blocks ---------------------------------------
