@@ -14,10 +14,8 @@ SCHEDULES = pipeline_mp.SCHEDULES   # every one; interleaved / zb-v: 4 virtual s
 M = 4
 
 
-def test_two_stage_processes_match_jax_grad(tmp_path):
-  out = str(tmp_path / "grads.npz")
-  cfg = {**SIZES, "schedules": list(SCHEDULES), "microbatches": [M], "rounds": 0,
-         "warmup": 1, "check": True, "out": out}
+def _run(cfg):
+  """Two stage processes, one core each where there are two."""
   try:
     pipeline_mp.run_workers(cfg, 2, cores=None if (os.cpu_count() or 1) >= 2 else [0],
                             timeout=120)
@@ -26,6 +24,13 @@ def test_two_stage_processes_match_jax_grad(tmp_path):
     if "gloo" in str(e).lower() and "collectives" in str(e).lower():
       pytest.skip(f"gloo CPU collectives unavailable: {str(e)[-300:]}")
     raise
+
+
+def test_two_stage_processes_match_jax_grad(tmp_path):
+  out = str(tmp_path / "grads.npz")
+  cfg = {**SIZES, "schedules": list(SCHEDULES), "microbatches": [M], "rounds": 0,
+         "warmup": 1, "check": True, "out": out}
+  _run(cfg)
   got = dict(np.load(out))
   params = model.make_params(2, SIZES["layers"], SIZES["dim"], SIZES["hidden"])
   batch = model.make_batch(SIZES["batch"], SIZES["dim"])
@@ -49,13 +54,7 @@ def test_tiled_training_mode_matches_optax_loop(tmp_path):
   out = str(tmp_path / "tiled.npz")
   cfg = {**SIZES, "schedules": ["zb-h2"], "microbatches": [M], "rounds": 0, "warmup": 1,
          "check": True, "out": out, "tiled": 2}
-  try:
-    pipeline_mp.run_workers(cfg, 2, cores=None if (os.cpu_count() or 1) >= 2 else [0],
-                            timeout=120)
-  except RuntimeError as e:
-    if "gloo" in str(e).lower() and "collectives" in str(e).lower():
-      pytest.skip(f"gloo CPU collectives unavailable: {str(e)[-300:]}")
-    raise
+  _run(cfg)
   got = dict(np.load(out))
   params = jax.tree.map(jax.numpy.asarray,
                         model.make_params(2, SIZES["layers"], SIZES["dim"], SIZES["hidden"]))
