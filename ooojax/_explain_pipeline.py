@@ -45,7 +45,9 @@ class AutoCut:
   side: tuple[str, ...]         # batch leaves every stage reads (a padding mask's tokens)
 
   def summary(self) -> str:
-    names = lambda xs: ", ".join(xs) if xs else "-"  # noqa: E731
+    def names(xs):
+      text = ", ".join(xs) if xs else "-"
+      return text if len(text) <= 160 else f"{len(xs)} leaves: {text[:140]} ..."
     how = "one scan over stacked leaves" if self.scanned else "a loop of identical blocks"
     return "\n".join([
         f"  cut (automatic): {self.layers} layers, {how}" + (" (reversed)" if self.reverse
