@@ -13,7 +13,9 @@ returns `step(stage_params, batch, shared=None) -> (loss, grads)` that runs the
 table with `jax.shard_map` over the stage axis; B and W of each stage come from
 the split pass (no recomputation of the dX chain, no hand-written backward).
 `explain(stage_fn, loss_fn, schedule, stage_params, batch)` prices the table on
-the model (simulated bubble, memory per stage, compiled ppermute windows).
+the model (simulated bubble, memory per stage, compiled ppermute windows);
+`explain(loss_fn, params, *batch, stages=N)` does so for the automatic form
+below, and reports its cut and balance.
 `value_and_grad(loss_fn, mesh=..., axis_name=...)`, with the plain loss one
 passes to `jax.value_and_grad`, cuts the stages itself
 (`passes.pipeline.cut`): `step(params, *batch) -> (loss, grads)`.

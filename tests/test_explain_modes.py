@@ -322,3 +322,11 @@ def test_auto_explain_errors():
   stage_fn, loss_fn, sp, b = mlp_stack.make(2, layers=2, dim=8, hidden=8)
   with pytest.raises(TypeError, match="stages belong to the automatic form"):
     ooo.pipeline.explain(stage_fn, loss_fn, "1f1b", sp, b, stages=2)
+
+
+def test_auto_explain_side_inputs():
+  from tests.test_pipeline_side import _lm
+  loss, params, batch = _lm(scan=True, segments=True)   # a padding mask and segment ids
+  r = ooo.pipeline.explain(loss, params, *batch, stages=2, schedule="1f1b", microbatches=4)
+  assert r.cut.side == ("batch[0]", "batch[1]")
+  assert "side inputs (every stage reads): batch[0], batch[1]" in r.summary()
