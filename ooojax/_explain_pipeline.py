@@ -33,6 +33,32 @@ class StageMemory:
 
 
 @dataclasses.dataclass(frozen=True)
+class AutoCut:
+  """Where the automatic form cut a plain loss (`passes.pipeline.cut.Cut`), by name."""
+  layers: int
+  scanned: bool                 # one scan over stacked leaves, else a loop of blocks
+  reverse: bool
+  stacked: tuple[str, ...]      # the stack's leaves (layer 0's for a loop)
+  first: tuple[str, ...]        # shared leaves only the prologue reads (embedding)
+  last: tuple[str, ...]         # ... only the epilogue reads (final norm, untied head)
+  tied: tuple[str, ...]         # ... both read (tied embeddings): gradient reduced once
+  side: tuple[str, ...]         # batch leaves every stage reads (a padding mask's tokens)
+
+  def summary(self) -> str:
+    def names(xs):
+      text = ", ".join(xs) if xs else "-"
+      return text if len(text) <= 160 else f"{len(xs)} leaves: {text[:140]} ..."
+    how = "one scan over stacked leaves" if self.scanned else "a loop of identical blocks"
+    return "\n".join([
+        f"  cut (automatic): {self.layers} layers, {how}" + (" (reversed)" if self.reverse
+                                                              else ""),
+        f"    stack leaves: {names(self.stacked)}",
+        f"    shared: first stage {names(self.first)}; last stage {names(self.last)}; "
+        f"tied (both ends, replicated) {names(self.tied)}",
+        f"    side inputs (every stage reads): {names(self.side)}"])
+
+
+@dataclasses.dataclass(frozen=True)
 class PipelineReport:
   """A pipeline schedule for one model: table, simulated bubble, memory, compiled windows.
 
@@ -55,6 +81,8 @@ class PipelineReport:
   windows: tuple[Window, ...] | None = None
   call: Any = dataclasses.field(default=None, compare=False, repr=False)  # for compiled()
   steps: int = 1
+  cut: AutoCut | None = None       # the automatic form's cut (`explain(loss_fn, params, ...)`)
+  balance: Any = None              # ... and its `passes.pipeline.balance.Balance`
 
   # --- simulated from the table and the costs ------------------------------
   def timeline(self):
@@ -138,6 +166,10 @@ class PipelineReport:
                  f"{mb(m.activation)}; executor buffers {mb(m.allocated)} (slots {m.slots})")
     for st in self.stages:
       lines.append(f"    stage {st.stage}: peak activations {st.peak}, bound {mb(st.bound)}")
+    if self.cut is not None:
+      lines.append(self.cut.summary())
+    if self.balance is not None:
+      lines.append(f"  balance: {self.balance.summary()}")
     lines += self._steps_lines()
     if self.windows is not None:
       lines.append(_windows_text(self.windows, self.gpu))
@@ -246,12 +278,20 @@ def _schedule(schedule, stage_params, microbatches, chunks) -> PipelineSchedule:
   return generate(schedule, v // c, microbatches or 2 * (v // c), chunks)
 
 
-def explain(stage_fn: Callable, loss_fn: Callable, schedule: str | PipelineSchedule,
-            stage_params, batch, shared=None, input_fn: Callable | None = None, *,
+def explain(fn: Callable, *args, schedule: str | PipelineSchedule | None = None,
+            shared=None, input_fn: Callable | None = None, stages: int | None = None,
+            mesh=None, axis_name: str | None = None, layers=None, has_aux: bool = False,
             microbatches: int | None = None, chunks: int | None = None,
             device: str = "H100", link: str | None = None, gpu: str | None = None,
             compiler_options=None, steps: int = 1) -> PipelineReport:
   """The schedule, its simulated bubble and the memory per stage for this model.
+
+  Two forms, as `ooo.pipeline.value_and_grad`: `explain(stage_fn, loss_fn,
+  schedule, stage_params, batch, shared=None, input_fn=None)` (a stack written
+  by hand), or `explain(loss_fn, params, *batch, stages=N or mesh=...,
+  axis_name=..., schedule="ooo", layers=None, has_aux=False)` (the plain loss,
+  cut and balanced as the automatic `value_and_grad` does; the report adds
+  `cut`, an `AutoCut`, and `balance`, a `Balance`).
 
   Args:
     stage_fn, loss_fn, stage_params, batch, shared, input_fn: as for
@@ -264,6 +304,8 @@ def explain(stage_fn: Callable, loss_fn: Callable, schedule: str | PipelineSched
       activation delays each cross-device dependency in the simulation.
     gpu: "H100" / "H200" / "A100": also compile the step for compile-only
       GPUs (`ooojax.gpu_hlo`) and read the collective-permute windows.
+    stages, mesh, axis_name, layers, has_aux: (automatic form) the stage count
+      (or the mesh axis that sets it) and `value_and_grad`'s `layers`, `has_aux`.
     steps: >= 2 also simulates the table tiled over that many training steps
       (`passes.pipeline.steps`): the per-step bubble beside the one-step
       bubble, and which actions of step t run during step t + 1's warm-up.
@@ -285,7 +327,85 @@ def explain(stage_fn: Callable, loss_fn: Callable, schedule: str | PipelineSched
   >>> unit = dataclasses.replace(z, costs={"F": 1.0, "B": 1.0, "W": 1.0})
   >>> unit.carried_actions[3], round(unit.steady_state().steady_bubble, 3)
   (('3W5', '3W6', '3W7', '3U'), 0.0)
+
+  The automatic form, on a plain loss (shapes only):
+
+  >>> def plain(w, x, t):
+  ...   h = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, w)[0]
+  ...   return jnp.mean((h - t) ** 2)
+  >>> sd = jax.ShapeDtypeStruct((16, 64), jnp.float32)
+  >>> a = ooo.pipeline.explain(plain, jax.ShapeDtypeStruct((8, 64, 64), jnp.float32), sd, sd,
+  ...                          stages=4, schedule="1f1b", microbatches=8)
+  >>> a.balance.counts, a.cut.layers, a.cut.scanned, a.peak_activations
+  ((2, 2, 2, 2), 8, True, (4, 3, 2, 1))
   """
+  kw = dict(microbatches=microbatches, chunks=chunks, device=device, link=link, gpu=gpu,
+            compiler_options=compiler_options, steps=steps)
+  if args and callable(args[0]):   # explicit: (stage_fn, loss_fn, schedule, ...)
+    auto = {k: v for k, v in dict(stages=stages, mesh=mesh, axis_name=axis_name,
+                                  layers=layers, has_aux=has_aux).items() if v}
+    if auto:
+      raise TypeError(f"{', '.join(auto)} belong to the automatic form explain(loss_fn, "
+                      "params, *batch, stages=...); the explicit form's schedule and "
+                      "stage_params set the stages")
+    bound = _bind(*args, **({} if schedule is None else {"schedule": schedule}),
+                  **({} if shared is None else {"shared": shared}),
+                  **({} if input_fn is None else {"input_fn": input_fn}))
+    return _explain(fn, *bound, **kw)
+  if shared is not None or input_fn is not None:
+    raise TypeError("shared and input_fn belong to the explicit form explain(stage_fn, "
+                    "loss_fn, schedule, stage_params, batch, ...); the automatic form "
+                    "explain(loss_fn, params, *batch, stages=...) finds them itself")
+  if not args:
+    raise TypeError("explain(loss_fn, params, *batch, stages=...) needs the params and "
+                    "the batch (arrays or jax.ShapeDtypeStructs)")
+  return _explain_auto(fn, args[0], args[1:], "ooo" if schedule is None else schedule,
+                       stages, mesh, axis_name, layers, has_aux, **kw)
+
+
+def _bind(loss_fn, schedule, stage_params, batch, shared=None, input_fn=None):
+  return loss_fn, schedule, stage_params, batch, shared, input_fn
+
+
+def _explain_auto(loss_fn, params, batch, schedule, stages, mesh, axis_name, layers,
+                  has_aux, *, microbatches, chunks, **kw) -> PipelineReport:
+  """The automatic form: `loss_fn` cut and balanced by `ooojax.pipeline._auto_parts`
+  (what the automatic `value_and_grad` runs), then the explicit form's report."""
+  from ooojax._pipeline_tiled import _owners
+  from ooojax.pipeline import _auto_parts, _table
+  if (stages is None) == (mesh is None):
+    raise TypeError("give the automatic form one of stages=N or mesh=... with axis_name=...")
+  if mesh is not None:
+    if axis_name not in mesh.shape:
+      raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
+                       f"{dict(mesh.shape)}")
+    stages = mesh.shape[axis_name]
+  sched = _table(schedule, stages, microbatches, chunks)
+  named, p_tree = jax.tree_util.tree_flatten_with_path(params)
+  leaves = [x for _, x in named]
+  sds = lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x))  # noqa: E731
+  p_avals = [sds(x) for x in leaves]
+  b_avals = jax.tree.map(sds, batch)
+  parts = _auto_parts(loss_fn, has_aux, sched, 1, p_avals, p_tree, b_avals, layers)
+  c, counts, (stage_fn, lfn, ifn) = parts.cut, parts.balance.counts, parts.fns
+  stage_params = jax.eval_shape(lambda ls: c.stage_params(ls, counts), p_avals)
+  rows = jax.eval_shape(lambda bs: parts.rowed(bs), jax.tree.leaves(b_avals))
+  shared = tuple(p_avals[i] for i in c.shared)
+  report = _explain(stage_fn, lfn, sched, stage_params, rows, shared, ifn,
+                    microbatches=None, chunks=None, **kw)
+  own = _owners(ifn, lfn, rows[0], rows[1], shared, sched.virtual_stages) if shared else []
+  name = lambda i: jax.tree_util.keystr(named[i][0]) or "params"  # noqa: E731
+  b_named = jax.tree_util.tree_flatten_with_path(tuple(batch))[0]
+  pick = lambda o: tuple(name(i) for i, w in zip(c.shared, own) if w == o)  # noqa: E731
+  info = AutoCut(c.layers, c.scanned, c.reverse, tuple(name(i) for i in c.stacked[0]),
+                 pick(0), pick(sched.virtual_stages - 1), pick(None),
+                 tuple("batch" + jax.tree_util.keystr(b_named[i][0]) for i in c.side))
+  return dataclasses.replace(report, cut=info, balance=parts.balance)
+
+
+def _explain(stage_fn, loss_fn, schedule, stage_params, batch, shared, input_fn, *,
+             microbatches, chunks, device, link, gpu, compiler_options, steps
+             ) -> PipelineReport:
   from passes.collectives.plan import get_link
   from passes.cost import get_spec
   from passes.pipeline.program import memory_of, program

@@ -13,7 +13,9 @@ returns `step(stage_params, batch, shared=None) -> (loss, grads)` that runs the
 table with `jax.shard_map` over the stage axis; B and W of each stage come from
 the split pass (no recomputation of the dX chain, no hand-written backward).
 `explain(stage_fn, loss_fn, schedule, stage_params, batch)` prices the table on
-the model (simulated bubble, memory per stage, compiled ppermute windows).
+the model (simulated bubble, memory per stage, compiled ppermute windows);
+`explain(loss_fn, params, *batch, stages=N)` does so for the automatic form
+below, and reports its cut and balance.
 `value_and_grad(loss_fn, mesh=..., axis_name=...)`, with the plain loss one
 passes to `jax.value_and_grad`, cuts the stages itself
 (`passes.pipeline.cut`): `step(params, *batch) -> (loss, grads)`.
@@ -31,7 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ooojax._explain_pipeline import PipelineReport, explain
+from ooojax._explain_pipeline import AutoCut, PipelineReport, explain
 from ooojax._pipeline_train import (PipelineTrainState, PipelineTrainStep, StageParams,
                                     make_train_step)
 from passes.pipeline.balance import Balance
@@ -47,7 +49,7 @@ from passes.pipeline.generate import SCHEDULES, generate
 from passes.pipeline.schedule import Action, PipelineSchedule, ScheduleError
 from passes.pipeline.steps import SteadyState, steady_state, tile
 
-__all__ = ["SCHEDULES", "Action", "Balance", "Cut", "CutError", "Memory", "PipelineReport",
+__all__ = ["SCHEDULES", "Action", "AutoCut", "Balance", "Cut", "CutError", "Memory", "PipelineReport",
            "PipelineSchedule", "PipelineTrainState", "PipelineTrainStep", "ScheduleError",
            "StageParams", "SteadyState", "explain", "make_train_step", "memory", "schedule",
            "steady_state", "tile", "train", "value_and_grad"]
@@ -218,15 +220,23 @@ class _AutoProgram:
   balance: Balance     # layers per virtual stage (`cut.stage_params(leaves, counts)`)
 
 
-def _auto_program(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, mesh,
-                  axis_name: str, data_axis: str | None, p_avals, p_tree,
-                  batch, device_major: bool = False, layers=None,
-                  lowering=None) -> _AutoProgram:
+@dataclasses.dataclass(frozen=True)
+class _AutoParts:
+  """A plain loss cut for one batch, before lowering: the explicit form's
+  `(stage_fn, loss_fn, input_fn)` (`stage_fn` one per virtual stage where the
+  counts differ) and `rowed(b_leaves)`, the batch `(inputs, targets[, side])`."""
+  cut: Cut
+  fns: tuple
+  balance: Balance
+  rowed: Callable
+
+
+def _auto_parts(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, D: int,
+                p_avals, p_tree, batch, layers=None) -> _AutoParts:
   """Traces `loss_fn` at one data replica's slice of one microbatch (what each device
-  runs), cuts it (`passes.pipeline.cut`) and lowers the cut (`execute.lower`, or
-  `lowering(cut, stage_fn, loss_fn, input_fn)`: the tiled train step's)."""
+  runs; `D` data replicas), cuts it (`passes.pipeline.cut`) and balances its layers;
+  `batch` may hold `jax.ShapeDtypeStruct`s (shapes only)."""
   M, V = sched.microbatches, sched.virtual_stages
-  D = mesh.shape[data_axis] if data_axis in mesh.shape else 1
   b_leaves, b_tree = jax.tree.flatten(batch)
   scalar = [jnp.ndim(x) == 0 for x in b_leaves]   # passed whole to every microbatch
   rows = {jnp.shape(x)[0] for x, sc in zip(b_leaves, scalar) if not sc}
@@ -261,16 +271,31 @@ def _auto_program(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, mes
   stage = fns[bal.counts[0]] if len(fns) == 1 else tuple(fns[k] for k in bal.counts)
   fns = (stage, lambda y, tg, sh: c.loss_fn(y, whole(c.targets, tg), sh),
          lambda ins, sh: c.input_fn(whole(c.inputs, ins), sh))
+
+  def rowed(b_leaves):
+    row = lambda ids: tuple(  # noqa: E731
+        jnp.broadcast_to(b_leaves[i], (B,)) if scalar[i] else b_leaves[i] for i in ids)
+    # side: what every stage reads besides the activation (a mask's tokens), each
+    # stage slicing its microbatch's rows from the batch it already holds
+    side = (row(c.side),) if c.side else ()
+    return (row(c.inputs), row(c.targets), *side)
+  return _AutoParts(c, fns, bal, rowed)
+
+
+def _auto_program(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, mesh,
+                  axis_name: str, data_axis: str | None, p_avals, p_tree,
+                  batch, device_major: bool = False, layers=None,
+                  lowering=None) -> _AutoProgram:
+  """`_auto_parts` lowered (`execute.lower`, or `lowering(cut, stage_fn, loss_fn,
+  input_fn)`: the tiled train step's)."""
+  D = mesh.shape[data_axis] if data_axis in mesh.shape else 1
+  parts = _auto_parts(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers)
+  c, fns = parts.cut, parts.fns
   if lowering is not None:
     run = lowering(c, *fns)
   else:
     run = lower(fns[0], fns[1], sched, mesh, axis_name, fns[2], data_axis, device_major)
-  rowed = lambda ids: tuple(  # noqa: E731
-      jnp.broadcast_to(b_leaves[i], (B,)) if scalar[i] else b_leaves[i] for i in ids)
-  # side: what every stage reads besides the activation (a mask's tokens), each
-  # stage slicing its microbatch's rows from the batch it already holds
-  side = (rowed(c.side),) if c.side else ()
-  return _AutoProgram(c, run, (rowed(c.inputs), rowed(c.targets), *side), bal)
+  return _AutoProgram(c, run, parts.rowed(jax.tree.leaves(batch)), parts.balance)
 
 
 def _auto(loss_fn: Callable, sched: PipelineSchedule, mesh, axis_name: str,

@@ -259,3 +259,74 @@ def test_cli_pipeline(capsys):
   assert ("collective-permutes" in out) == (gpu_hlo.unavailable_reason() is None)
   with pytest.raises(ValueError, match="needs a stack model"):
     main(["hlo", "--mode", "pipeline", "--model", "resnet50"])
+
+
+# --- the automatic form: explain(loss_fn, params, *batch, stages=...) -----------------
+def test_auto_explain_equals_the_explicit_explain_on_the_cut():
+  from ooojax.pipeline import _auto_parts, _table
+  from tests.test_pipeline_auto import _gpt
+  loss, params, batch = _gpt(scan=True)
+  auto = ooo.pipeline.explain(loss, params, *batch, stages=2, schedule="1f1b",
+                              microbatches=4, link="25GbE")
+  # the explicit form on the same cut (what value_and_grad(loss_fn) runs)
+  leaves, tree = jax.tree.flatten(params)
+  avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+  parts = _auto_parts(loss, False, _table("1f1b", 2, 4, None), 1, avals, tree, batch)
+  c, counts = parts.cut, parts.balance.counts
+  sfn, lfn, ifn = parts.fns
+  ex = ooo.pipeline.explain(sfn, lfn, "1f1b", c.stage_params(leaves, counts),
+                            parts.rowed(jax.tree.leaves(batch)),
+                            tuple(leaves[i] for i in c.shared), ifn, microbatches=4,
+                            link="25GbE")
+  assert auto.to_text() == ex.to_text()
+  assert auto.bubble_fraction == pytest.approx(ex.bubble_fraction)
+  assert auto.memory == ex.memory and auto.costs == pytest.approx(ex.costs)
+  assert auto.cut.layers == 4 and auto.cut.scanned
+  assert auto.cut.tied and "embedding" in " ".join(auto.cut.tied)   # emb.attend: tied
+  assert auto.balance.counts == counts and sum(counts) == 4
+  text = auto.summary()
+  assert "cut (automatic): 4 layers, one scan" in text and "balance: layers per" in text
+  assert "balance: layers per" in auto._repr_html_()
+  # the same through a mesh and with a Python loop of blocks
+  mesh = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+  loop, lp, lb = _gpt(scan=False)
+  r = ooo.pipeline.explain(loop, lp, *lb, mesh=mesh, axis_name="stage", microbatches=4)
+  assert r.schedule.name == "ooo" and not r.cut.scanned and "a loop of" in r.summary()
+
+
+def test_auto_explain_heavy_head_and_shapes_only():
+  from tests.test_pipeline_balance import _lm
+  loss, params, batch = _lm(8)
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
+  r = ooo.pipeline.explain(loss, shapes[0], *shapes[1], stages=4, schedule="1f1b",
+                           microbatches=4)
+  b = r.balance
+  assert b.counts[-1] < max(b.counts) and b.step_seconds < b.even_step_seconds, b
+  assert r.cut.last == ("['head']",) and r.cut.first == ("['embed']",)
+  assert f"vs {b.even_step_seconds * 1e3:.3f} ms even" in r.summary()
+  even = ooo.pipeline.explain(loss, params, *batch, stages=4, schedule="1f1b",
+                              microbatches=4, layers="even")
+  assert even.balance.counts == (2, 2, 2, 2)
+
+
+def test_auto_explain_errors():
+  from tests.test_pipeline_auto import _mlp
+  loss, params, batch = _mlp(widths=[16, 24, 12, 20])   # layers of different shapes
+  with pytest.raises(ValueError, match="found no repeated stack"):
+    ooo.pipeline.explain(loss, params, *batch, stages=2, microbatches=2)
+  loss, params, batch = _mlp()
+  with pytest.raises(TypeError, match="one of stages=N or mesh"):
+    ooo.pipeline.explain(loss, params, *batch, microbatches=2)
+  with pytest.raises(TypeError, match="belong to the explicit form"):
+    ooo.pipeline.explain(loss, params, *batch, stages=2, input_fn=lambda x: x)
+  stage_fn, loss_fn, sp, b = mlp_stack.make(2, layers=2, dim=8, hidden=8)
+  with pytest.raises(TypeError, match="stages belong to the automatic form"):
+    ooo.pipeline.explain(stage_fn, loss_fn, "1f1b", sp, b, stages=2)
+
+
+def test_auto_explain_side_inputs():
+  from tests.test_pipeline_side import _lm
+  loss, params, batch = _lm(scan=True, segments=True)   # a padding mask and segment ids
+  r = ooo.pipeline.explain(loss, params, *batch, stages=2, schedule="1f1b", microbatches=4)
+  assert r.cut.side == ("batch[0]", "batch[1]")
+  assert "side inputs (every stage reads): batch[0], batch[1]" in r.summary()
