@@ -51,6 +51,17 @@ def _time_once(f, *args) -> float:
   return time.perf_counter() - t0
 
 
+def _gathered(results) -> dict:
+  """`{key: (loss, {name: array})}` sharded over the processes, gathered whole so
+  process 0 can save it: `{key/loss, key/name: ndarray}`."""
+  flat = {}
+  for key, (loss, arrays) in results.items():
+    flat[f"{key}/loss"] = np.asarray(multihost_utils.process_allgather(loss, tiled=True))
+    for k, a in arrays.items():
+      flat[f"{key}/{k}"] = np.asarray(multihost_utils.process_allgather(a, tiled=True))
+  return flat
+
+
 def _baseline():
   """One core: the unpipelined step, and the same model accumulated over each
   microbatch count (the pipeline's kernels without a pipeline), alternating."""
@@ -109,12 +120,7 @@ def _pipeline():
             flush=True)
   if cfg.get("check"):
     # Gradients are sharded over the processes: gather them so process 0 saves all.
-    flat = {}
-    for key, (_, _, (loss, grads)) in runs.items():
-      flat[f"{key}/loss"] = np.asarray(multihost_utils.process_allgather(loss, tiled=True))
-      for k, g in grads.items():
-        flat[f"{key}/{k}"] = np.asarray(multihost_utils.process_allgather(g, tiled=True))
-    return flat
+    return _gathered({key: (loss, grads) for key, (_, _, (loss, grads)) in runs.items()})
   # Rounds alternate between schedules, so drift (the other core's load) hits all alike.
   for _ in range(cfg["rounds"]):
     for key, (step, params, _) in runs.items():
@@ -179,12 +185,7 @@ def _tiled():
                              "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
       print(f"[{pid}] {key}: {out[f'{key}/one'].get('error') or 'compiled'}", flush=True)
   if cfg.get("check"):
-    flat = {}
-    for key, (_, _, (p, _, losses)) in runs.items():
-      flat[f"{key}/loss"] = np.asarray(multihost_utils.process_allgather(losses, tiled=True))
-      for k, w in p.items():
-        flat[f"{key}/{k}"] = np.asarray(multihost_utils.process_allgather(w, tiled=True))
-    return flat
+    return _gathered({key: (losses, p) for key, (_, _, (p, _, losses)) in runs.items()})
   for _ in range(cfg["rounds"]):
     for key, (fn, args, _) in runs.items():
       out[key]["ms"].append(_time_once(fn, *args) * 1e3 / n)   # per step
