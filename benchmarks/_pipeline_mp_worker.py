@@ -8,7 +8,8 @@ device per process, the stages talk over gloo (TCP on localhost).
 
 CONFIG_JSON keys: mode ("pipeline" or "baseline"), process_id, num_processes,
 port, layers, dim, hidden, batch, schedules, microbatches, rounds, warmup,
-out, and check (true: save loss and gradients to `out` (.npz) instead of
+layout ("device", the default, or "virtual": the stage stacks' row order), out,
+and check (true: save loss and gradients to `out` (.npz) instead of
 timing). Process 0 writes `out`; the baseline is one process, no jax.distributed.
 With tiled (an int n >= 2), the pipeline processes time training instead
 (`_tiled`): n calls of `ooo.pipeline.train(..., steps=1)` against one call of
@@ -82,6 +83,23 @@ def _baseline():
   return out
 
 
+LAYOUT = cfg.get("layout", "device")
+
+
+def _stage_params(mesh, sched) -> dict:
+  """The model's stage stacks sharded on the stage axis, this process holding its
+  rows: in `LAYOUT` order ("device": its own chunks, so no weight moves; "virtual":
+  virtual-stage order, where interleaved / zb-v weights cross every step)."""
+  v = sched.virtual_stages
+  full = model.make_params(v, cfg["layers"], cfg["dim"], cfg["hidden"])
+  if LAYOUT == "device":
+    full = {k: a[ooo.pipeline.device_order(sched)] for k, a in full.items()}
+  per = v // nproc
+  return {k: jax.make_array_from_process_local_data(
+      NamedSharding(mesh, P("stage")), a[pid * per:(pid + 1) * per], a.shape)
+      for k, a in full.items()}
+
+
 def _pipeline():
   devs = jax.devices()
   if len(devs) != nproc:
@@ -97,15 +115,10 @@ def _pipeline():
       key = f"{name}/{m}"
       try:
         sched = ooo.pipeline.schedule(name, stages=nproc, microbatches=m)
-        v = sched.virtual_stages
-        full = model.make_params(v, cfg["layers"], cfg["dim"], cfg["hidden"])
-        # Stage params sharded on the stage axis: this process holds its rows.
-        per = v // nproc
-        params = {k: jax.make_array_from_process_local_data(
-            NamedSharding(mesh, P("stage")), a[pid * per:(pid + 1) * per], a.shape)
-            for k, a in full.items()}
+        params = _stage_params(mesh, sched)
         step = jax.jit(ooo.pipeline.value_and_grad(model.stage_fn, model.loss_fn, mesh=mesh,
-                                                   axis_name="stage", schedule=sched))
+                                                   axis_name="stage", schedule=sched,
+                                                   layout=LAYOUT))
         t0 = time.perf_counter()
         for _ in range(max(1, cfg["warmup"])):
           res = jax.block_until_ready(step(params, batch))
@@ -147,14 +160,10 @@ def _tiled():
     for m in cfg["microbatches"]:
       key = f"{name}/{m}"
       try:
-        v = ooo.pipeline.schedule(name, stages=nproc, microbatches=m).virtual_stages
-        full = model.make_params(v, cfg["layers"], cfg["dim"], cfg["hidden"])
-        per = v // nproc
-        local = lambda a: jax.make_array_from_process_local_data(  # noqa: E731
-            stage, a[pid * per:(pid + 1) * per], a.shape)
-        params = {k: local(a) for k, a in full.items()}
+        params = _stage_params(mesh, ooo.pipeline.schedule(name, stages=nproc,
+                                                           microbatches=m))
         state = jax.jit(jax.vmap(opt.init), out_shardings=stage)(params)
-        kw = dict(mesh=mesh, axis_name="stage", schedule=name, microbatches=m)
+        kw = dict(mesh=mesh, axis_name="stage", schedule=name, microbatches=m, layout=LAYOUT)
         one = jax.jit(ooo.pipeline.train(model.stage_fn, model.loss_fn, opt, steps=1, **kw))
         many = jax.jit(ooo.pipeline.train(model.stage_fn, model.loss_fn, opt, steps=n, **kw))
         slices = [jax.tree.map(lambda b, k=k: b[k:k + 1], batches) for k in range(n)]

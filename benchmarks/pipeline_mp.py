@@ -217,6 +217,9 @@ def main(argv=None):
                   help="also run over a loopback shaped to this many Gbit/s")
   ap.add_argument("--tiled", type=int, default=0, metavar="N",
                   help="time training: N calls of steps=1 vs one call of steps=N")
+  ap.add_argument("--layout", choices=("device", "virtual"), default="device",
+                  help="row order of the stage stacks (virtual: interleaved / zb-v weights "
+                       "cross the link every step)")
   ap.add_argument("--json", help="save all raw timings here")
   ap.add_argument("--write", action="store_true")
   ap.add_argument("--_spawn", help=argparse.SUPPRESS)  # inside the shaped namespace
@@ -232,7 +235,7 @@ def main(argv=None):
   if n > (os.cpu_count() or 1):
     print(f"warning: {n} stages on {os.cpu_count()} cores: stages share cores", flush=True)
   cfg = {k: getattr(args, k) for k in ("layers", "dim", "hidden", "batch", "rounds", "warmup",
-                                       "schedules", "microbatches")}
+                                       "schedules", "microbatches", "layout")}
   if args.tiled:
     return _main_tiled(args, cfg, n, cores)
   base = run_baseline(cfg, cores[0])
@@ -247,7 +250,8 @@ def main(argv=None):
             f"jax CPU device, jax.distributed + gloo over localhost TCP; model: {args.layers} "
             f"residual blocks x + gelu(LN(x) W1) W2, D={args.dim}, H={args.hidden}, batch "
             f"{args.batch}, MSE, float32; {args.rounds} timed rounds alternating over the "
-            f"schedules after {args.warmup} warm-up steps. Ideal = {n} x (1 - bubble fraction) "
+            f"schedules after {args.warmup} warm-up steps; stage stacks in {args.layout} "
+            f"order. Ideal = {n} x (1 - bubble fraction) "
             "of the table with F = B = W (jax " + jax.__version__ + ").", ""]
   for link, res in runs.items():
     lines += table(res, base, n, link) + [""] + verdict(res, link) + [""]

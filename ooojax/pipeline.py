@@ -41,7 +41,7 @@ from passes.pipeline.balance import balance as _balance
 from passes.pipeline.balance import price as _price
 from passes.pipeline.cut import EXPLICIT as _EXPLICIT
 from passes.pipeline.cut import Cut, CutError, cut
-from passes.pipeline.execute import lower
+from passes.pipeline.execute import device_order, lower
 from passes.pipeline.train import lower_train
 from passes.pipeline.program import Memory
 from passes.pipeline.program import memory as _memory
@@ -51,7 +51,7 @@ from passes.pipeline.steps import SteadyState, steady_state, tile
 
 __all__ = ["SCHEDULES", "Action", "AutoCut", "Balance", "Cut", "CutError", "Memory", "PipelineReport",
            "PipelineSchedule", "PipelineTrainState", "PipelineTrainStep", "ScheduleError",
-           "StageParams", "SteadyState", "explain", "make_train_step", "memory", "schedule",
+           "StageParams", "SteadyState", "device_order", "explain", "make_train_step", "memory", "schedule",
            "steady_state", "tile", "train", "value_and_grad"]
 
 
@@ -89,7 +89,8 @@ def value_and_grad(fn: Callable, loss_fn: Callable | None = None, *, mesh, axis_
                    microbatches: int | None = None, chunks: int | None = None,
                    input_fn: Callable | None = None, has_aux: bool = False,
                    data_axis: str | None = None,
-                   layers: str | tuple[int, ...] | None = None) -> Callable:
+                   layers: str | tuple[int, ...] | None = None,
+                   layout: str | None = None) -> Callable:
   """Pipelined loss and gradients: of a plain loss (stages cut automatically), or
   of a stack of stages written by hand.
 
@@ -147,6 +148,13 @@ def value_and_grad(fn: Callable, loss_fn: Callable | None = None, *, mesh, axis_
       the last, per the schedule's placement; the even split where that is
       best), "even" (`L / V` each; a remainder to the middle stages), or a
       tuple of V counts. Uneven counts pad the stage stacks to the largest.
+    layout: (explicit form) the order of the rows of `stage_params` (and of
+      `grads`): "virtual" (the default: row v is virtual stage v) or "device"
+      (row `s * chunks + c` is device s's chunk c, `device_order(schedule)`).
+      The same for schedules without chunks. With chunks (interleaved, zb-v)
+      a `P(axis_name)`-sharded stack must be in "device" order for each
+      device's rows to be its own chunks: in "virtual" order every step moves
+      the weights (and gathers the gradients) across the stage axis.
 
   Returns:
     Automatic form: `step(params, *batch)`, see above. Explicit form:
@@ -183,6 +191,10 @@ def value_and_grad(fn: Callable, loss_fn: Callable | None = None, *, mesh, axis_
                      f"{dict(mesh.shape)}")
   sched = _table(schedule, mesh.shape[axis_name], microbatches, chunks)
   if loss_fn is None:
+    if layout is not None:
+      raise TypeError("layout belongs to the explicit form value_and_grad(stage_fn, "
+                      "loss_fn, layout=...); the automatic form takes the parameters in "
+                      "their own structure (make_train_step keeps them by device)")
     if input_fn is not None:
       raise TypeError("input_fn belongs to the explicit form value_and_grad(stage_fn, "
                       "loss_fn, input_fn=...); the automatic form value_and_grad(loss_fn) "
@@ -192,7 +204,15 @@ def value_and_grad(fn: Callable, loss_fn: Callable | None = None, *, mesh, axis_
     raise TypeError(f"{'has_aux' if has_aux else 'layers'} belongs to the automatic form "
                     "value_and_grad(loss_fn, ...); the explicit form's loss_fn returns a "
                     "scalar and its stage_params set the layers per stage")
-  return lower(fn, loss_fn, sched, mesh, axis_name, input_fn, data_axis)
+  return lower(fn, loss_fn, sched, mesh, axis_name, input_fn, data_axis,
+               _device_major(layout))
+
+
+def _device_major(layout: str | None) -> bool:
+  if layout not in (None, "virtual", "device"):
+    raise ValueError(f"layout must be 'virtual' (rows in virtual-stage order) or 'device' "
+                     f"(device s's chunks at rows s * chunks + c), got {layout!r}")
+  return layout == "device"
 
 
 def _table(schedule, stages: int, microbatches: int | None,
@@ -342,7 +362,7 @@ def _explicit(mesh) -> bool:
 def train(stage_fn: Callable, loss_fn: Callable, optimizer, *, mesh, axis_name: str,
           schedule: str | PipelineSchedule = "zb-h2", microbatches: int | None = None,
           steps: int = 2, chunks: int | None = None,
-          input_fn: Callable | None = None) -> Callable:
+          input_fn: Callable | None = None, layout: str | None = None) -> Callable:
   """Several pipelined training steps in one program, each stage's optimizer
   update inside the tick loop: step t + 1's warm-up runs under step t's drain.
 
@@ -354,6 +374,9 @@ def train(stage_fn: Callable, loss_fn: Callable, optimizer, *, mesh, axis_name: 
     schedule: a name, or a table tiled over steps (`tile(sched, steps)`).
     microbatches, steps, chunks: with a schedule name (`steps=1`: one step per
       call, its updates still inside the tick loop).
+    layout: the order of the rows of `stage_params` and `opt_state`, as in
+      `value_and_grad`: "virtual" (the default) or "device" (keeps a
+      stage-sharded stack of interleaved / zb-v weights where it lives).
 
   Returns:
     `train(stage_params, opt_state, batches) -> (stage_params, opt_state, losses)`
@@ -384,7 +407,8 @@ def train(stage_fn: Callable, loss_fn: Callable, optimizer, *, mesh, axis_name: 
   else:
     raise TypeError(f"schedule must be a name {SCHEDULES} or a PipelineSchedule, got "
                     f"{type(schedule).__name__}")
-  return lower_train(stage_fn, loss_fn, sched, mesh, axis_name, optimizer, input_fn)
+  return lower_train(stage_fn, loss_fn, sched, mesh, axis_name, optimizer, input_fn,
+                     _device_major(layout))
 
 
 def memory(stage_fn: Callable, loss_fn: Callable, schedule: PipelineSchedule, stage_params,

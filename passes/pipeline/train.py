@@ -51,7 +51,8 @@ class Updater:
 
 
 def lower_train(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
-                axis_name: str, optimizer, input_fn: Callable | None = None) -> Callable:
+                axis_name: str, optimizer, input_fn: Callable | None = None,
+                device_major: bool = False) -> Callable:
   """Returns `train(stage_params, opt_state, batches) -> (stage_params, opt_state, losses)`
   running a table tiled over `sched.steps` steps (`tile`), with each stage's
   optimizer update inside the tick loop at its `U` action (a one-step table
@@ -67,6 +68,8 @@ def lower_train(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, 
   one stage's leaves only, and tied (`shared`) weights would need a reduction
   across the stages before their update: neither is supported here (the
   automatic form's `make_train_step(steps=n)` updates shared weights exactly).
+  With `device_major` the stage rows (of the weights and of `opt_state`) are in
+  `execute.device_order`.
   """
   def train(stage_params, opt_state, batches):
     tree = jax.tree.structure(stage_params)
@@ -75,7 +78,8 @@ def lower_train(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, 
       u, o = optimizer.update(tree.unflatten(g), o, tree.unflatten(w))
       return [(a + b).astype(a.dtype) for a, b in zip(w, jax.tree.leaves(u))], o, o_rep
 
-    run = lower_updates(stage_fn, loss_fn, sched, mesh, axis_name, Updater(chunk), input_fn)
+    run = lower_updates(stage_fn, loss_fn, sched, mesh, axis_name, Updater(chunk), input_fn,
+                        device_major)
     p, _, o, _, losses = run(stage_params, None, opt_state, (), batches)
     return p, o, losses
 
