@@ -1,0 +1,160 @@
+"""Weights stay on their device: in the compiled step of every schedule, the only
+collectives are the tick loop's activation-sized transfers and, outside it, the
+loss's and the tied weights' reductions (2 forced CPU devices, one per stage, as
+the 2-process run places them). Interleaved and ZB-V take their stage stacks in
+device order (`layout="device"`; `make_train_step` keeps its state so)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import ooojax as ooo
+from benchmarks.pipeline_bytes import traffic
+from passes.pipeline.plan import F
+from passes.pipeline.program import program
+from tests.conftest import assert_trees_close
+from tests.test_pipeline import _jit, _mesh, _mlp, _reference, _stack, Layer
+
+SCHEDULES = ("gpipe", "1f1b", "ooo", "zb-h1", "zb-h2", "interleaved", "zb-v")
+M = 4
+
+
+def _tied(vstages):
+  vocab, dim = 11, 8
+  layer = Layer()
+  params = _stack([layer.init(k, jnp.zeros((1, dim)))["params"]
+                   for k in jax.random.split(jax.random.key(0), vstages)])
+  shared = {"emb": jax.random.normal(jax.random.key(3), (vocab, dim)) * 0.3}
+  input_fn = lambda tok, sh: sh["emb"][tok]  # noqa: E731
+
+  def loss_fn(y, labels, sh):  # the output projection reuses the embedding
+    return optax.softmax_cross_entropy_with_integer_labels(y @ sh["emb"].T, labels).mean()
+
+  stage_fn = lambda p, x: layer.apply({"params": p}, x)  # noqa: E731
+  tokens = jax.random.randint(jax.random.key(4), (8,), 0, vocab)
+  labels = jax.random.randint(jax.random.key(5), (8,), 0, vocab)
+  return stage_fn, loss_fn, input_fn, params, shared, tokens, labels
+
+
+def _by_device(sched, tree):
+  return jax.tree.map(lambda x: x[ooo.pipeline.device_order(sched)], tree)
+
+
+def _sharded(mesh, tree, spec):
+  return jax.tree.map(lambda x: jax.device_put(x, jax.NamedSharding(mesh, spec)), tree)
+
+
+def _assert_only_activations(text, plan, act_shape, reduced_shapes):
+  """The tick loop moves activations (the plan's transfers, nothing else); outside
+  it only all-reduces of `reduced_shapes` (the loss, the tied weights' gradient)."""
+  tr = traffic(text, plan)
+  loop = [c for c in tr.collectives if c.in_loop]
+  assert loop and all(c.op == "collective-permute" for c in loop), loop
+  assert {s for c in loop for s in c.shapes} == {act_shape}, loop
+  out = [c for c in tr.collectives if not c.in_loop]
+  assert all(c.op == "all-reduce" for c in out), out       # no weight moves, no gather
+  got = {s for c in out for s in c.shapes}
+  assert got <= set(reduced_shapes), (got, reduced_shapes)
+  if plan is not None:   # each lag-0 transfer runs at its pattern's ticks only
+    sends = int(sum(len(p) * k for ring in ("up", "dn") for p, k in zip(
+        plan.patterns.get(ring, ()), np.bincount(plan.rows[:, 0, F[f"{ring}_pat"]],
+                                                 minlength=len(plan.patterns.get(ring, ())))
+    )))
+    act = int(np.prod([int(d) for d in act_shape.split("[")[1][:-1].split(",")])) * 4
+    assert tr.loop == sends * act, (tr.loop, sends, act)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_compiled_step_moves_only_activations(name):
+  # tied embeddings (a shared leaf read by the first and the last stage) included
+  sched = ooo.pipeline.schedule(name, stages=2, microbatches=M)
+  stage_fn, loss_fn, input_fn, params, shared, tokens, labels = _tied(sched.virtual_stages)
+  mesh = _mesh(2)
+  stage = _sharded(mesh, _by_device(sched, params), jax.P("stage"))
+  rep = _sharded(mesh, (shared, (tokens, labels)), jax.P())
+  step = _jit(ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=mesh, axis_name="stage",
+                                             schedule=sched, input_fn=input_fn,
+                                             layout="device"))
+  text = step.lower(stage, rep[1], rep[0]).compile().as_text()
+  prog = program(stage_fn, loss_fn, sched, params, (tokens, labels), shared, input_fn)
+  _assert_only_activations(text, prog.plan, "f32[2,8]", {"f32[]", "f32[11,8]"})
+
+
+def test_virtual_layout_moves_weights():
+  # what device order avoids: a P(stage)-sharded stack in virtual-stage order puts
+  # interleaved's chunks on the wrong devices, so the step moves (and gathers) them
+  sched = ooo.pipeline.schedule("interleaved", stages=2, microbatches=M)
+  stage_fn, loss_fn, params, x, t = _mlp(sched.virtual_stages)
+  mesh = _mesh(2)
+  step = _jit(ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=mesh, axis_name="stage",
+                                             schedule=sched))
+  text = step.lower(_sharded(mesh, params, jax.P("stage")), (x, t)).compile().as_text()
+  out = [c for c in traffic(text).collectives if not c.in_loop]
+  assert {c.op for c in out} >= {"collective-permute", "all-gather"}
+
+
+@pytest.mark.parametrize("name", ["interleaved", "zb-v"])
+def test_device_layout_grads_equal_jax_grad(name):
+  sched = ooo.pipeline.schedule(name, stages=2, microbatches=M)
+  stage_fn, loss_fn, input_fn, params, shared, tokens, labels = _tied(sched.virtual_stages)
+  mesh = _mesh(2)
+  step = ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=mesh, axis_name="stage",
+                                     schedule=sched, input_fn=input_fn, layout="device")
+  loss, (gp, gsh) = _jit(step)(_sharded(mesh, _by_device(sched, params), jax.P("stage")),
+                               (tokens, labels), shared)
+  ref_loss, (rp, rsh) = _reference(stage_fn, loss_fn, params, tokens, labels, input_fn,
+                                   shared)
+  assert_trees_close(loss, ref_loss)
+  assert_trees_close(gp, _by_device(sched, rp))     # grads in the same (device) order
+  assert_trees_close(gsh, rsh)
+
+
+@pytest.mark.parametrize("name,steps", [("interleaved", 1), ("zb-v", 2)])
+def test_device_layout_train_follows_optax_loop(name, steps):
+  opt = optax.adam(1e-2)
+  sched = ooo.pipeline.schedule(name, stages=2, microbatches=M, steps=steps)
+  stage_fn, loss_fn, params, _, _ = _mlp(sched.virtual_stages)
+  k = jax.random.split(jax.random.key(3), 2)
+  xs, ts = jax.random.normal(k[0], (steps, 8, 8)), jax.random.normal(k[1], (steps, 8, 8))
+  mesh = _mesh(2)
+  run = _jit(ooo.pipeline.train(stage_fn, loss_fn, opt, mesh=mesh, axis_name="stage",
+                                   schedule=sched, layout="device"))
+  p0 = _sharded(mesh, _by_device(sched, params), jax.P("stage"))
+  o0 = jax.vmap(opt.init)(p0)
+  p, _, losses = run(p0, o0, (xs, ts))
+  q, qs, ref = params, opt.init(params), []
+  for s in range(steps):
+    loss, g = _reference(stage_fn, loss_fn, q, xs[s], ts[s])
+    u, qs = opt.update(g, qs, q)
+    q = optax.apply_updates(q, u)
+    ref.append(loss)
+  assert_trees_close(losses, jnp.stack(ref))
+  assert_trees_close(p, _by_device(sched, q))
+  # and its compiled program moves no weight, optimizer state included
+  text = run.lower(p0, o0, (xs, ts)).compile().as_text()
+  _assert_only_activations(text, None, "f32[2,8]", {"f32[]", f"f32[{steps}]"})
+
+
+@pytest.mark.parametrize("name,steps", [("interleaved", 1), ("zb-v", 2)])
+def test_train_state_moves_only_activations(name, steps):
+  # the automatic form's train state (device-ordered stacks, tied embeddings
+  # replicated): each step moves activations and the tied gradient's reduction
+  from tests.test_pipeline_auto import _gpt
+  loss, params, (tokens,) = _gpt()
+  batch = (jnp.stack([tokens] * steps),) if steps > 1 else (tokens,)
+  step = ooo.pipeline.make_train_step(loss, optax.adam(1e-3), mesh=_mesh(2),
+                                      axis_name="stage", schedule=name, microbatches=2,
+                                      steps=steps,
+                                      compiler_options={"xla_backend_optimization_level": 0})
+  state = step.init(params, *batch)
+  text = step.lower(state, *batch).compile().as_text()
+  tr = traffic(text)
+  loop = [c for c in tr.collectives if c.in_loop]
+  acts = {s for c in loop if c.op == "collective-permute" for s in c.shapes}
+  assert len(acts) == 1, acts          # one activation shape, whatever the tick
+  assert "all-gather" not in {c.op for c in tr.collectives}
+  shared = {f"f32[{','.join(map(str, x.shape))}]" for x in state.params.shared}
+  reduced = {s for c in tr.collectives if c.op == "all-reduce" for s in c.shapes}
+  assert reduced <= shared | {"f32[]", f"f32[{steps}]"}, (reduced, shared)
+  assert {c.op for c in tr.collectives} <= {"collective-permute", "all-reduce"}
