@@ -99,3 +99,6 @@ def test_gpt_zb_v_chunks_device_major():
   state, losses = step(state, *_stacked(batches))
   assert_trees_close(losses, jnp.stack([ref[0][0], ref[1][0]]))
   assert_trees_close(step.params(state), ref[1][1])
+  # both chunks' weights stay on their device (the state's device order)
+  from tests.test_pipeline_layout import assert_train_step_moves_only_activations
+  assert_train_step_moves_only_activations(step, state, *_stacked(batches))
