@@ -71,6 +71,14 @@ def _baseline():
   batch = tuple(map(jax.numpy.asarray, model.make_batch(cfg["batch"], cfg["dim"])))
   steps = {"baseline": jax.jit(jax.value_and_grad(model.flat_loss))}
   steps.update({f"accum/{m}": jax.jit(model.accumulated(m)) for m in cfg["microbatches"]})
+  # The executor itself on one core: a one-stage 1F1B table over the same
+  # microbatches. Against accum/m it is the executor's own overhead (record
+  # copies, per-tick dispatch), with no parallelism and no link.
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("stage",))
+  for m in cfg["microbatches"]:
+    sched = ooo.pipeline.schedule("1f1b", stages=1, microbatches=m)
+    steps[f"executor/{m}"] = jax.jit(ooo.pipeline.value_and_grad(
+        model.stage_fn, model.loss_fn, mesh=mesh, axis_name="stage", schedule=sched))
   out = {}
   for k, step in steps.items():
     t0 = time.perf_counter()
@@ -124,7 +132,8 @@ def _pipeline():
           res = jax.block_until_ready(step(params, batch))
         out[key] = {"schedule": name, "microbatches": m, "ms": [],
                     "compile_s": time.perf_counter() - t0,
-                    "bubble": sched.bubble_fraction(), "ticks": sched.ticks}
+                    "bubble": sched.bubble_fraction(), "ticks": sched.ticks,
+                    **_ticks(sched, params, batch)}
         runs[key] = (step, params, res)
       except Exception as e:  # noqa: BLE001 - a schedule that cannot run is a result
         out[key] = {"schedule": name, "microbatches": m,
@@ -135,10 +144,48 @@ def _pipeline():
     # Gradients are sharded over the processes: gather them so process 0 saves all.
     return _gathered({key: (loss, grads) for key, (_, _, (loss, grads)) in runs.items()})
   # Rounds alternate between schedules, so drift (the other core's load) hits all alike.
+  probe = _ppermute_probe(mesh, batch[0].shape[1] * 4, max(cfg["microbatches"]))
   for _ in range(cfg["rounds"]):
     for key, (step, params, _) in runs.items():
       out[key]["ms"].append(_time_once(step, params, batch) * 1e3)
+    probe()
+  out["_link"] = {"ppermute_ms": probe.ms, "bytes": probe.bytes}
   return out
+
+
+def _ticks(sched, params, batch) -> dict:
+  """The executor's ticks (the unfused table) and those that carry a transfer
+  (a lag-0 tick with one waits for it: each costs one ppermute's latency)."""
+  from passes.pipeline.plan import F
+  from passes.pipeline.program import program
+  pl = program(model.stage_fn, model.loss_fn, sched, params, batch).plan
+  busy = np.zeros(pl.rows.shape[0], bool)
+  for ring, pats in pl.patterns.items():
+    busy |= np.array([bool(pats[k]) for k in pl.rows[:, 0, F[f"{ring}_pat"]]])
+  return {"exec_ticks": int(pl.rows.shape[0]), "transfer_ticks": int(busy.sum())}
+
+
+def _ppermute_probe(mesh, row_bytes, micro):
+  """A loop of 50 lag-0-style ppermutes of one activation (both directions), in one
+  program: `probe()` times it, `probe.ms` collects ms per ppermute. What each of a
+  step's transfers costs on this link (latency, the processes' wake-ups)."""
+  import jax.numpy as jnp
+  n, rows = 50, cfg["batch"] // micro
+  ring = [(k, (k + 1) % nproc) for k in range(nproc)]
+
+  def body(x):
+    return jax.lax.scan(lambda c, _: (jax.lax.ppermute(c, "stage", ring), None), x, None,
+                        length=n)[0]
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("stage"), out_specs=P("stage")))
+  x = jax.make_array_from_process_local_data(
+      NamedSharding(mesh, P("stage")), np.ones((rows, row_bytes // 4), np.float32),
+      (nproc * rows, row_bytes // 4))
+  jax.block_until_ready(f(x))
+
+  def probe():
+    probe.ms.append(_time_once(f, x) * 1e3 / n)
+  probe.ms, probe.bytes = [], rows * row_bytes
+  return probe
 
 
 def _tiled():

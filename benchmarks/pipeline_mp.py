@@ -144,18 +144,34 @@ def table(results: dict, base: dict, n: int, link: str) -> list[str]:
                f"{med(k):.1f} ms at {k.split('/')[1]}" for k in base if k.startswith("accum/"))
            + f" (medians of {len(base['baseline']['ms'])}).", "",
            f"| schedule | microbatches | step (ms), median [min-max] | x 1 core, unpipelined | "
-           f"x 1 core, same microbatches | ideal {n}(1 - bubble) | same microbatches / ideal |",
-           "|---|---|---|---|---|---|---|"]
+           f"x 1 core, same microbatches | ideal {n}(1 - bubble) | same microbatches / ideal "
+           "| ticks with a transfer / ticks | their ppermutes' share of the step |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  if any(k.startswith("executor/") for k in base):
+    lines[0] += (" The executor on one core (a one-stage 1F1B table, same microbatches) / "
+                 "accumulated: " + ", ".join(
+                     f"{med(k) / med('accum/' + k.split('/')[1]):.2f}x at {k.split('/')[1]}"
+                     for k in base if k.startswith("executor/")) + " (its own overhead).")
+  link = results.get("_link")
+  if link:
+    lines[0] += (f" One ppermute of an activation ({link['bytes'] / 1024:.1f} KiB, both ways) "
+                 f"in a loop: {float(np.median(link['ppermute_ms'])):.2f} ms (median).")
+  pp = float(np.median(link["ppermute_ms"])) if link else None
   for r in results.values():
+    if "schedule" not in r:
+      continue
     if "error" in r:
-      lines.append(f"| {r['schedule']} | {r['microbatches']} | failed: {r['error']} | | | | |")
+      lines.append(f"| {r['schedule']} | {r['microbatches']} | failed: {r['error']} | | | | | | |")
       continue
     ms = float(np.median(r["ms"]))
     ideal = n * (1 - r["bubble"])
     acc = med(f"accum/{r['microbatches']}")
     lines.append(f"| {r['schedule']} | {r['microbatches']} | {ms:.1f} [{min(r['ms']):.1f}-"
                  f"{max(r['ms']):.1f}] | {b / ms:.2f}x | {acc / ms:.2f}x | {ideal:.2f}x | "
-                 f"{acc / ms / ideal:.2f} |")
+                 f"{acc / ms / ideal:.2f} | {r.get('transfer_ticks', '?')} / "
+                 f"{r.get('exec_ticks', '?')} | " + (
+                     f"{r['transfer_ticks'] * pp / ms:.2f} |" if pp and "transfer_ticks" in r
+                     else "|"))
   return lines
 
 
@@ -163,7 +179,7 @@ def verdict(results: dict, link: str) -> list[str]:
   """Whether ooo beats gpipe and 1f1b at each microbatch count."""
   out = []
   med = {(r["schedule"], r["microbatches"]): float(np.median(r["ms"]))
-         for r in results.values() if "error" not in r}
+         for r in results.values() if "error" not in r and "schedule" in r}
   for m in sorted({k[1] for k in med}):
     if ("ooo", m) not in med:
       continue
