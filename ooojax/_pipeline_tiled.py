@@ -198,6 +198,11 @@ class TiledTrainStep(PipelineTrainStep):
     self._groups: _Groups | None = None
     self.table = None   # the table tiled over steps that the last trace ran
 
+  def value_and_grad(self, state, *batch):
+    raise TypeError(f"value_and_grad is one step's gradient; this step runs steps="
+                    f"{self.steps} per call with their updates: build it with steps=1 (the "
+                    "state's layout is the same)")
+
   def _one(self, batches):
     """One step's batch (shapes only) from the stacked batches."""
     lead = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in jax.tree.leaves(batches)}

@@ -74,7 +74,7 @@ class PipelineTrainStep:
                                                                has_aux)
     self.compiler_options, self.layers = compiler_options, layers
     self._layout: _Layout | None = None
-    self._step = None
+    self._step = self._grad = None
 
   # --- layout ----------------------------------------------------------------------
   def _program(self, avals, treedef, batch, layers=None):
@@ -120,7 +120,7 @@ class PipelineTrainStep:
   # --- public ----------------------------------------------------------------------
   def _make(self, params, batch):
     self._layout = self._plan(params, batch)
-    self._step = None
+    self._step = self._grad = None
 
     def make(p):
       sp = self._to_stages(jax.tree.leaves(p))
@@ -140,12 +140,14 @@ class PipelineTrainStep:
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         jax.eval_shape(make, params), shardings)
 
-  def params(self, state: PipelineTrainState):
-    """The parameters in the user's structure (gathers every stage's layers)."""
+  def params(self, state: PipelineTrainState | StageParams):
+    """The parameters in the user's structure (gathers every stage's layers); of a
+    state, or of any tree in its layout (`StageParams`: `value_and_grad`'s grads)."""
     self._check_init()
     lay = self._layout
     rep = NamedSharding(self.mesh, P())
-    p = jax.tree.map(lambda x: jax.device_put(x, rep), state.params)
+    sp = state.params if isinstance(state, PipelineTrainState) else state
+    p = jax.tree.map(lambda x: jax.device_put(x, rep), sp)
     zeros = [jnp.zeros((), a.dtype) for a in lay.avals]   # placeholders of the rest
     stacked = p.stacked
     if self.sched.chunks > 1:   # back to virtual-stage order
@@ -167,14 +169,32 @@ class PipelineTrainStep:
                        "and lays the parameters out by stage")
 
   def _body(self, state: PipelineTrainState, *batch):
+    sp = state.params
+    loss, grads = self._grads(state, *batch)
+    updates, opt_state = self.optimizer.update(grads, state.opt_state, sp)
+    return PipelineTrainState(state.step + 1, optax.apply_updates(sp, updates),
+                              opt_state), loss
+
+  def value_and_grad(self, state: PipelineTrainState, *batch) -> tuple[Any, StageParams]:
+    """`(loss, grads)` of the state's parameters without the update: the pipelined
+    gradient in the state's layout (`StageParams`: stacks in device order, sharded
+    by stage; `shared` reduced over the stages), so nothing but activations and
+    that reduction crosses between the devices. `step.params(grads)` gives them in
+    the user's structure (one gather)."""
+    self._check_init()
+    if self._grad is None:
+      shardings = self._shardings(jax.eval_shape(lambda s: s, state)).params
+      rep = NamedSharding(self.mesh, P())
+      kw = {"compiler_options": self.compiler_options} if self.compiler_options else {}
+      self._grad = jax.jit(self._grads, out_shardings=(rep, shardings), **kw)
+    return self._grad(state, *batch)
+
+  def _grads(self, state: PipelineTrainState, *batch):
     lay = self._layout
     prog = self._program(list(lay.avals), lay.treedef, batch, lay.balance.counts)
     sp = state.params
     loss, (gp, gsh) = prog.run(sp.stacked, prog.batch, sp.shared)
-    grads = StageParams(tuple(gp), tuple(gsh), tuple(jnp.zeros_like(x) for x in sp.rest))
-    updates, opt_state = self.optimizer.update(grads, state.opt_state, sp)
-    return PipelineTrainState(state.step + 1, optax.apply_updates(sp, updates),
-                              opt_state), loss
+    return loss, StageParams(tuple(gp), tuple(gsh), tuple(jnp.zeros_like(x) for x in sp.rest))
 
   def _jitted(self, state):
     self._check_init()

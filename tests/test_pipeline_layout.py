@@ -154,3 +154,30 @@ def assert_train_step_moves_only_activations(step, state, *batch):
   steps = getattr(step, "steps", 1)     # a tiled step's losses: (steps,)
   reduced = {s for c in tr.collectives if c.op == "all-reduce" for s in c.shapes}
   assert reduced <= shared | {"f32[]", f"f32[{steps}]"}, (reduced, shared)
+
+
+def test_train_step_value_and_grad_keeps_the_state_layout():
+  # the automatic form's gradient without the update: in the state's layout (device
+  # order, sharded by stage), equal to jax.value_and_grad of the microbatch mean
+  from tests.test_pipeline_auto import _gpt
+  loss, params, (tokens,) = _gpt()
+  step = ooo.pipeline.make_train_step(loss, optax.sgd(0.1), mesh=_mesh(2), axis_name="stage",
+                                      schedule="zb-v", microbatches=2,
+                                      compiler_options={"xla_backend_optimization_level": 0})
+  state = step.init(params, tokens)
+  l, g = step.value_and_grad(state, tokens)
+  for a, b in zip(g.stacked, state.params.stacked):
+    assert a.shape == b.shape and a.sharding.is_equivalent_to(b.sharding, a.ndim)
+
+  def mean(p, tok):
+    return sum(loss(p, t) for t in tok.reshape(2, -1, *tok.shape[1:])) / 2
+  ref_l, ref_g = _jit(jax.value_and_grad(mean))(params, tokens)
+  assert_trees_close(l, ref_l)
+  assert_trees_close(step.params(g), ref_g)
+  tr = traffic(step._grad.lower(state, tokens).compile().as_text())
+  assert {c.op for c in tr.collectives} <= {"collective-permute", "all-reduce"}
+  assert all(c.in_loop for c in tr.collectives if c.op == "collective-permute")
+  with pytest.raises(TypeError, match="steps=1"):
+    ooo.pipeline.make_train_step(loss, optax.sgd(0.1), mesh=_mesh(2), axis_name="stage",
+                                 schedule="zb-v", microbatches=2, steps=2).value_and_grad(
+                                     state, tokens)
