@@ -234,13 +234,13 @@ def main(argv=None):
   mb = 1 << 20
   lines = _report.header("Bytes crossing between stages per step, from the compiled HLO "
                          "(benchmarks/pipeline_bytes.py)")
-  lines += [f"{args.stages} stages (forced CPU devices, one per stage as the 2-process run "
-            f"places them), {args.microbatches} microbatches, lag {args.lag}; model: "
-            f"{args.layers} residual blocks, D={args.dim}, H={args.hidden}, batch "
-            f"{args.batch}, float32. Bytes over the links per step, summed over the devices "
+  lines += [f"{args.stages} stages (forced CPU devices, one per stage, as a run with one "
+            f"device per process places them), {args.microbatches} microbatches, lag "
+            f"{args.lag}; model: {args.layers} residual blocks, D={args.dim}, "
+            f"H={args.hidden}, batch {args.batch}, float32. Bytes over the links per step, summed over the devices "
             "(see the module doc for how each collective is priced).", "",
             "| schedule | layout | weights (MiB) | in the tick loop (MiB) | transfers x "
-            "activation (MiB) | outside the loop (MiB) | collectives outside the loop |",
+            "activation (MiB) | outside the loop (bytes) | collectives outside the loop |",
             "|---|---|---|---|---|---|---|"]
   for name in args.schedules:
     for layout in args.layouts:
@@ -250,7 +250,7 @@ def main(argv=None):
       out = [c for c in tr.collectives if not c.in_loop]
       what = ", ".join(f"{c.op} {c.shape.split('{')[0]}" for c in out) or "none"
       lines.append(f"| {name} | {layout} | {r['weights'] / mb:.1f} | {tr.loop / mb:.2f} | "
-                   f"{r['transfers'] * r['activation'] / mb:.2f} | {tr.outside / mb:.3f} | "
+                   f"{r['transfers'] * r['activation'] / mb:.2f} | {tr.outside:,} | "
                    f"{what} |")
       print(lines[-1], flush=True)
   _report.emit(lines, args.write)

@@ -51,8 +51,8 @@ from passes.pipeline.steps import SteadyState, steady_state, tile
 
 __all__ = ["SCHEDULES", "Action", "AutoCut", "Balance", "Cut", "CutError", "Memory", "PipelineReport",
            "PipelineSchedule", "PipelineTrainState", "PipelineTrainStep", "ScheduleError",
-           "StageParams", "SteadyState", "device_order", "explain", "make_train_step", "memory", "schedule",
-           "steady_state", "tile", "train", "value_and_grad"]
+           "StageParams", "SteadyState", "device_order", "explain", "make_train_step", "memory",
+           "schedule", "steady_state", "tile", "train", "value_and_grad"]
 
 
 def schedule(name: str, stages: int, microbatches: int, chunks: int | None = None,
