@@ -237,8 +237,9 @@ def main(argv=None):
   lines += [f"{args.stages} stages (forced CPU devices, one per stage, as a run with one "
             f"device per process places them), {args.microbatches} microbatches, lag "
             f"{args.lag}; model: {args.layers} residual blocks, D={args.dim}, "
-            f"H={args.hidden}, batch {args.batch}, float32. Bytes over the links per step, summed over the devices "
-            "(see the module doc for how each collective is priced).", "",
+            f"H={args.hidden}, batch {args.batch}, float32. Bytes over the links per step, "
+            "summed over the devices (see the module doc for how each collective is priced).",
+            "",
             "| schedule | layout | weights (MiB) | in the tick loop (MiB) | transfers x "
             "activation (MiB) | outside the loop (bytes) | collectives outside the loop |",
             "|---|---|---|---|---|---|---|"]
