@@ -130,7 +130,10 @@ def traffic(text: str, plan=None, lag: int = 0, devices: int = 2) -> Traffic:
 
   `plan` (the step's `passes.pipeline.plan.Plan`) gives how many ticks run each
   lag-0 transfer pattern; without it (or for a collective it does not name) an
-  in-loop collective counts once per tick (an upper bound)."""
+  in-loop collective counts once per tick (an upper bound). `devices`: the
+  group size of a collective that names no replica groups."""
+  import numpy as np
+
   from passes.pipeline.plan import F
   comps = _computations(text)
   loops, trips = set(), {}
@@ -148,8 +151,7 @@ def traffic(text: str, plan=None, lag: int = 0, devices: int = 2) -> Traffic:
   if plan is not None and not lag:
     for ring in ("up", "dn"):
       pats = plan.patterns.get(ring, ())
-      counts = __import__("numpy").bincount(plan.rows[:, 0, F[f"{ring}_pat"]],
-                                            minlength=len(pats))
+      counts = np.bincount(plan.rows[:, 0, F[f"{ring}_pat"]], minlength=len(pats))
       for p, k in zip(pats, counts):
         if p:
           runs_of[frozenset(p)] = runs_of.get(frozenset(p), 0) + int(k)
@@ -157,7 +159,7 @@ def traffic(text: str, plan=None, lag: int = 0, devices: int = 2) -> Traffic:
   for cname, lines in comps.items():
     for line in lines:
       m = _INSTR.match(line)
-      if not m or m.group("op") + "-done" in line.split("=")[1][:60]:
+      if not m:
         continue
       op, shape, rest = m.group("op"), m.group("type"), m.group("rest")
       if op == "collective-permute":
