@@ -181,3 +181,16 @@ def test_train_step_value_and_grad_keeps_the_state_layout():
     ooo.pipeline.make_train_step(loss, optax.sgd(0.1), mesh=_mesh(2), axis_name="stage",
                                  schedule="zb-v", microbatches=2, steps=2).value_and_grad(
                                      state, tokens)
+
+
+def test_layout_errors():
+  stage_fn, loss_fn, _, _, _ = _mlp(2)
+  with pytest.raises(ValueError, match="layout must be 'virtual'.*or 'device'"):
+    ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=_mesh(2), axis_name="stage",
+                                layout="stage")
+  with pytest.raises(TypeError, match="layout belongs to the explicit form"):
+    ooo.pipeline.value_and_grad(lambda p, x: 0.0, mesh=_mesh(2), axis_name="stage",
+                                layout="device")
+  with pytest.raises(ValueError, match="layout must be"):
+    ooo.pipeline.train(stage_fn, loss_fn, optax.sgd(0.1), mesh=_mesh(2), axis_name="stage",
+                       layout="devices")
