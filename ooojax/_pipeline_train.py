@@ -252,7 +252,9 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
     A `PipelineTrainStep`: `state = step.init(params, *batch)`, `state, loss =
     step(state, *batch)`, `params = step.params(state)` (the user's structure).
     The state is a pytree that orbax saves and restores (`step.abstract_state(
-    params, *batch)` is the restore target, from shapes alone).
+    params, *batch)` is the restore target, from shapes alone). `loss, grads =
+    step.value_and_grad(state, *batch)` is the gradient without the update, in
+    the state's layout (with `steps=1`).
 
   >>> import jax, jax.numpy as jnp, optax
   >>> mesh = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
