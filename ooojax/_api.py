@@ -22,7 +22,7 @@ from passes.ir import Schedule, Split
 from passes.schedule import schedule as make_schedule
 from passes.fingerprint import fingerprint
 from passes.split import from_flat, inline_calls, rewrite
-from ooojax import _dp
+from ooojax import _dp, _dp_gspmd
 
 MODES = ("auto", "single_gpu", "in_order", "data_parallel")
 
@@ -220,6 +220,10 @@ class _Transformed:
     self.options = options
     self._cache: collections.OrderedDict = collections.OrderedDict()  # fingerprint -> plan
     self._pending: tuple | None = None  # (key, weakref to the flat jaxpr, plan)
+    # data_parallel inside a sharded jit (`ooojax._dp_gspmd`): the bound copies by axis,
+    # and, while one runs in its shard_map, the gradient leaves it reduce-scatters
+    self._bound: dict = {}
+    self._scatter: dict = {}
     functools.update_wrapper(self, fun)
 
   # --- tracing -----------------------------------------------------------------
@@ -400,9 +404,30 @@ class _Transformed:
     return hit, fp
 
   def __call__(self, *args, **kwargs):
+    if _dp_gspmd.unbound(self.options):
+      return _dp_gspmd.call(self, args, kwargs, self._bound_to)
     traced = [_dp.traced(self._trace, self.options, args, kwargs)]
     with _gc_paused():  # one pause for the passes and emission
       return self._call(traced)
+
+  def _bound_to(self, axis) -> _Transformed:
+    """This function with `axis_name=axis` (bound by `_dp_gspmd`'s shard_map)."""
+    t = self._bound.get(axis)
+    if t is None:
+      opts = dataclasses.replace(self.options, axis_name=axis)
+      t = self._bound[axis] = _Transformed(self.fun, self.argnums, self.has_aux,
+                                           self.holomorphic, self.allow_int, opts)
+    return t
+
+  def call_local(self, fun, args, kwargs, scatter):
+    """`self(*args, **kwargs)` differentiating `fun` (the function with its closed-over
+    batch replaced by the shard's) and reduce-scattering the gradient leaves in
+    `scatter` (position -> dimension)."""
+    saved, self.fun, self._scatter = self.fun, fun, dict(scatter)
+    try:
+      return self(*args, **kwargs)
+    finally:
+      self.fun, self._scatter = saved, {}
 
   def _call(self, traced: list):
     # popped: nothing here keeps the traced program, which emission frees as it goes
@@ -416,7 +441,7 @@ class _Transformed:
     ordering = opts.resolved_ordering()
     with _gc_paused():
       if plan.collectives is not None:
-        outs = _dp.emit(plan, dyn, opts, consume=True)
+        outs = _dp.emit(plan, dyn, opts, consume=True, scatter=self._scatter)
       else:
         # the split was traced for this call alone: emission may consume it
         outs = emit(plan.split, plan.schedule, plan.split.consts, dyn,
