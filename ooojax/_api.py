@@ -224,6 +224,7 @@ class _Transformed:
     # and, while one runs in its shard_map, the gradient leaves it reduce-scatters
     self._bound: dict = {}
     self._scatter: dict = {}
+    self._aux_sums: list | None = None  # per aux leaf: computed last by a sum (to psum)
     functools.update_wrapper(self, fun)
 
   # --- tracing -----------------------------------------------------------------
@@ -420,14 +421,14 @@ class _Transformed:
     return t
 
   def call_local(self, fun, args, kwargs, scatter):
-    """`self(*args, **kwargs)` differentiating `fun` (the function with its closed-over
-    batch replaced by the shard's) and reduce-scattering the gradient leaves in
-    `scatter` (position -> dimension)."""
-    saved, self.fun, self._scatter = self.fun, fun, dict(scatter)
+    """`(self(*args, **kwargs), which aux leaves are sums)` differentiating `fun` (the
+    function with its closed-over batch replaced by the shard's) and reduce-scattering
+    the gradient leaves in `scatter` (position -> dimension)."""
+    saved, self.fun, self._scatter, self._aux_sums = self.fun, fun, dict(scatter), []
     try:
-      return self(*args, **kwargs)
+      return self(*args, **kwargs), tuple(self._aux_sums)
     finally:
-      self.fun, self._scatter = saved, {}
+      self.fun, self._scatter, self._aux_sums = saved, {}, None
 
   def _call(self, traced: list):
     # popped: nothing here keeps the traced program, which emission frees as it goes
@@ -439,6 +440,8 @@ class _Transformed:
     opts = self.options
     annotate = opts.resolved_mode() == "single_gpu"
     ordering = opts.resolved_ordering()
+    if self._aux_sums is not None:
+      self._aux_sums.extend(_dp_gspmd.sum_outputs(plan.split.jaxpr.jaxpr, 1, plan.n_aux))
     with _gc_paused():
       if plan.collectives is not None:
         outs = _dp.emit(plan, dyn, opts, consume=True, scatter=self._scatter)

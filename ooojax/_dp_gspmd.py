@@ -155,13 +155,30 @@ def layout(opts, leaves, diff, positional, consts) -> Layout:
   return Layout(mesh, axis, n, tuple(specs), tuple(gather), split)
 
 
-def combine_aux(x, axis, batch_rows: frozenset):
+_PASS_THROUGH = ("convert_element_type", "copy", "copy_p", "reshape", "squeeze")
+
+
+def sum_outputs(jaxpr, start: int, n: int) -> tuple[bool, ...]:
+  """Whether each of `jaxpr`'s outputs start..start+n is computed last by a sum
+  (`reduce_sum`, looking through casts and reshapes): a count or total."""
+  made = {v: e for e in jaxpr.eqns for v in e.outvars}
+  out = []
+  for v in jaxpr.outvars[start:start + n]:
+    e = made.get(v) if isinstance(v, _compat.Var) else None
+    while e is not None and e.primitive.name in _PASS_THROUGH:
+      v = e.invars[0]
+      e = made.get(v) if isinstance(v, _compat.Var) else None
+    out.append(e is not None and e.primitive.name == "reduce_sum")
+  return tuple(out)
+
+
+def combine_aux(x, axis, batch_rows: frozenset, is_sum: bool = False):
   """One shard's aux leaf combined over the data axis (the same on every device).
 
   A leaf whose leading dimension is the shard's batch size (per-example
-  values) is gathered back to the full batch; other floating leaves are
-  averaged (like the loss) and integer leaves summed (token counts); a bool
-  leaf is true where any shard's is.
+  values) is gathered back to the full batch; a leaf computed last by a sum
+  (a token count, a total) and integer leaves are summed; other floating
+  leaves are averaged (like the loss); a bool leaf is true where any shard's is.
   """
   if not hasattr(x, "dtype") or not _compat.is_tracer(x):
     return x
@@ -177,7 +194,7 @@ def combine_aux(x, axis, batch_rows: frozenset):
     full = jax.lax.dynamic_update_slice_in_dim(
         full, x, jax.lax.axis_index(axis) * x.shape[0], 0)
     return jax.lax.psum(full, axis)
-  if jnp.issubdtype(x.dtype, jnp.inexact):
+  if jnp.issubdtype(x.dtype, jnp.inexact) and not is_sum:
     return jax.lax.pmean(x, axis)
   return jax.lax.psum(x, axis)
 
@@ -231,6 +248,48 @@ def with_closure(fun, swap: dict, hits: set, depth: int = 4):
   return g
 
 
+def _drop_axis(spec, axis):
+  def entry(e):
+    kept = tuple(a for a in _spec_axes(e) if a != axis)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+  return P(*(entry(e) for e in spec))
+
+
+def _in_shard(fun, axis, had_mesh: bool):
+  """`fun` with sharding constraints on `axis` dropped while it is traced.
+
+  Inside the shard_map the data axis is manual, and each device holds its
+  shard: a constraint the model applies for the global view holds there by
+  construction, but naming a manual axis in it is an error. Constraints on
+  the other axes are kept. Without a context mesh outside (`had_mesh`),
+  constraints given as a bare `PartitionSpec` are dropped: the shard_map
+  sets a mesh the user's program did not have, and code that constrains
+  only when a mesh is set (flax's `nn.with_partitioning` boxes) would
+  otherwise apply constraints the user's program never applies.
+  """
+  @functools.wraps(fun)
+  def f(*a, **k):
+    orig = jax.lax.with_sharding_constraint
+
+    def constrain(x, shardings):
+      if not had_mesh and all(isinstance(s, P) for s in jax.tree.leaves(
+          shardings, is_leaf=lambda s: isinstance(s, (P, jax.sharding.Sharding)))):
+        return x
+
+      def one(s):
+        if isinstance(s, jax.sharding.NamedSharding):
+          return jax.sharding.NamedSharding(s.mesh, _drop_axis(s.spec, axis))
+        return _drop_axis(s, axis) if isinstance(s, P) else s
+      return orig(x, jax.tree.map(one, shardings,
+                                  is_leaf=lambda s: isinstance(s, (P, jax.sharding.Sharding))))
+    jax.lax.with_sharding_constraint = constrain
+    try:
+      return fun(*a, **k)
+    finally:
+      jax.lax.with_sharding_constraint = orig
+  return f
+
+
 def call(vg, args, kwargs, inner_for):
   """`vg(*args, **kwargs)` for an unbound data axis: the per-shard gradient in a shard_map.
 
@@ -260,6 +319,7 @@ def call(vg, args, kwargs, inner_for):
   consts = [c for c in jax.make_jaxpr(forward)(*leaves).consts
             if _compat.is_tracer(c) or isinstance(c, jax.Array)]
   lay = layout(vg.options, leaves, diff, positional, consts)
+  had_mesh = _compat.context_mesh() is not None
   inner = inner_for(lay.axis)
   ax = lay.axis
   n_dyn = len(leaves)
@@ -283,10 +343,14 @@ def call(vg, args, kwargs, inner_for):
           f"over {ax!r} that ooojax cannot replace by its shard (it is not held in the "
           "function's closure, a functools.partial or a pytree there); pass it as an "
           "argument of the differentiated function instead")
-    out, g = inner.call_local(fun, a, k, scatter)
+    (out, g), sums = inner.call_local(_in_shard(fun, ax, had_mesh), a, k, scatter)
     if vg.has_aux:
       val, aux = out
-      aux = jax.tree.map(lambda x: combine_aux(x, ax, rows), aux)
+      leaves, aux_tree = jax.tree.flatten(aux)
+      it = iter(sums)  # one per traced aux leaf, in order
+      aux = jax.tree.unflatten(aux_tree, [
+          combine_aux(x, ax, rows, next(it, False) if _compat.is_tracer(x) else False)
+          for x in leaves])
     else:
       val, aux = out, None
     return jax.lax.pmean(val, ax), aux, g
