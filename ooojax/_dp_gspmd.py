@@ -94,7 +94,7 @@ def _is_key(x) -> bool:
   return jax.dtypes.issubdtype(getattr(x, "dtype", None) or jnp.float32, jax.dtypes.prng_key)
 
 
-def layout(opts, leaves, diff, positional, consts) -> Layout:
+def layout(opts, leaves, diff, positional, consts, boxed=None) -> Layout:
   """Chooses the mesh, the data axis and each input's spec.
 
   Args:
@@ -103,6 +103,8 @@ def layout(opts, leaves, diff, positional, consts) -> Layout:
     diff: per leaf, whether it is differentiated (a parameter).
     positional: per leaf, whether it is in a positional argument.
     consts: values the loss closes over (from a forward trace).
+    boxed: id(leaf) -> the `PartitionSpec` of the box holding it (flax's
+      `nn.Partitioned`), used when nothing else shows the leaf's sharding.
   """
   seen = [(x, _compat.declared_sharding(x)) for x in leaves]
   cseen = [(c, _compat.declared_sharding(c)) for c in consts]
@@ -111,6 +113,9 @@ def layout(opts, leaves, diff, positional, consts) -> Layout:
   if mesh is None:
     raise _no_axis_error(None, "no mesh is known (no input shows a sharding, and no mesh is "
                          "set)")
+  boxed = boxed or {}
+  seen = [(x, s if s is not None or id(x) not in boxed else
+           jax.sharding.NamedSharding(mesh, boxed[id(x)])) for x, s in seen]
   names = tuple(mesh.axis_names)
   axis = opts.axis_name
   if axis is not None and axis not in names:
@@ -290,6 +295,23 @@ def _in_shard(fun, axis, had_mesh: bool):
   return f
 
 
+def _boxed_specs(args, idx) -> dict:
+  """id(array) -> its box's `PartitionSpec`, for the differentiated arguments' leaves held
+  in partitioning boxes (flax `nn.Partitioned`: anything with `get_partition_spec()`)."""
+  is_box = lambda x: callable(getattr(x, "get_partition_spec", None)) and hasattr(x, "value")
+  out = {}
+  for i in idx:
+    for box in jax.tree_util.tree_leaves(args[i], is_leaf=is_box):
+      if is_box(box):
+        try:
+          spec = box.get_partition_spec()
+        except Exception:  # noqa: BLE001 - logical names without rules: no evidence
+          continue
+        for leaf in jax.tree_util.tree_leaves(box.value):
+          out[id(leaf)] = spec
+  return out
+
+
 def call(vg, args, kwargs, inner_for):
   """`vg(*args, **kwargs)` for an unbound data axis: the per-shard gradient in a shard_map.
 
@@ -318,7 +340,7 @@ def call(vg, args, kwargs, inner_for):
     return vg.fun(*a, **k)
   consts = [c for c in jax.make_jaxpr(forward)(*leaves).consts
             if _compat.is_tracer(c) or isinstance(c, jax.Array)]
-  lay = layout(vg.options, leaves, diff, positional, consts)
+  lay = layout(vg.options, leaves, diff, positional, consts, _boxed_specs(args, idx))
   had_mesh = _compat.context_mesh() is not None
   inner = inner_for(lay.axis)
   ax = lay.axis
