@@ -147,14 +147,17 @@ def test_errors_name_axis_name_and_the_mesh_axes():
 
 
 # --- nanodo: the authors' train step under its sharded jit, 5 AdamW steps -------------
-_CFG = dict(D=32, H=4, L=16, N=2, V=64, F=64)
+_CFG = dict(D=16, H=2, L=8, N=1, V=32, F=32)
 _REF: dict = {}
+_INIT: dict = {}  # fsdp -> (shardings, state): the step does not donate, so it is reused
 
 
 def _train(fsdp: bool, value_and_grad, steps: int = 5):
   cfg = nd.DoConfig(**_CFG, fsdp_enabled=fsdp)
   mesh = nd.mesh(N)
-  shardings, state = nd.init_train_state(cfg, mesh)
+  if fsdp not in _INIT:
+    _INIT[fsdp] = nd.init_train_state(cfg, mesh)
+  shardings, state = _INIT[fsdp]
   step = nd.make_step(shardings, mesh, value_and_grad=value_and_grad)
   losses, counts = [], []
   for batch in nd.batches(cfg, 2 * N, steps):
