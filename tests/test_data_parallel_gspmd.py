@@ -186,3 +186,59 @@ def test_nanodo_other_modes_under_the_sharded_jit(mode, close):
   opts = {"ordering": "barriers"} if mode == "single_gpu" else {}
   got = _train(False, functools.partial(ooo.value_and_grad, mode=mode, **opts))
   close(got, _reference(False), rtol=2e-5, atol_scale=2e-5)
+
+
+# --- data_parallel.make_train_step: has_aux, a flax TrainState, nnx (graphdef, params) ---
+def test_make_train_step_takes_train_state_and_aux(close):
+  import optax
+  from flax.training.train_state import TrainState
+
+  from ooojax import data_parallel as dp
+  from tests.models import tanh_mlp
+  params, loss, xs = tanh_mlp(3)
+  tx = optax.adam(1e-2)
+
+  def with_aux(p, x):
+    return loss(p, x), {"mean_x": jnp.mean(x), "rows": jnp.sum(x, 1)}
+  ref_p, ref_o = params, tx.init(params)
+  ref_aux = []
+  for x in xs:  # the plain loop
+    (_, aux), g = jax.value_and_grad(with_aux, has_aux=True)(ref_p, x)
+    u, ref_o = tx.update(g, ref_o, ref_p)
+    ref_p = optax.apply_updates(ref_p, u)
+    ref_aux.append(aux)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:N]), ("batch",))
+  held = TrainState.create(apply_fn=None, params=params, tx=tx)
+  step = dp.make_train_step(with_aux, None, mesh, has_aux=True, first_k=1)
+  state = step.init(held, xs[0])
+  for x, want in zip(xs, ref_aux):
+    state, (_, aux) = step(state, x)
+    close(aux, want)
+  out = step.held(state)
+  assert isinstance(out, TrainState) and int(out.step) == len(xs)
+  close(out.params, ref_p)
+
+
+def test_make_train_step_takes_nnx_graphdef_and_params(close):
+  import optax
+  from flax import nnx
+
+  from ooojax import data_parallel as dp
+  model = nnx.Sequential(nnx.Linear(6, 8, rngs=nnx.Rngs(0)), nnx.tanh,
+                         nnx.Linear(8, 3, rngs=nnx.Rngs(1)))
+  graphdef, params = nnx.split(model, nnx.Param)
+  xs = [jax.random.normal(jax.random.PRNGKey(i), (2 * N, 6)) for i in range(3)]
+  loss = lambda m, x: jnp.mean(m(x) ** 2)
+  tx = optax.sgd(0.1)
+  ref = params
+  for x in xs:
+    g = jax.grad(lambda p: loss(nnx.merge(graphdef, p), x))(ref)
+    ref = optax.apply_updates(ref, tx.update(g, tx.init(ref), ref)[0])
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:N]), ("batch",))
+  step = dp.make_train_step(loss, tx, mesh, cross_step=False)
+  state = step.init((graphdef, params), xs[0])
+  for x in xs:
+    state, _ = step(state, x)
+  gd, got = step.held(state)
+  assert gd == graphdef
+  close(got, ref)
