@@ -44,7 +44,9 @@ class Options:
     "forward", "X<i>" (dX segment i) and parameter paths (dW clusters), as
     returned by `ooo.calibrate`.
   axis_name, reduce, bucket_bytes, first_k, link: mode="data_parallel" only
-    (see `ooojax.data_parallel`): the mapped axis the batch is split over;
+    (see `ooojax.data_parallel`): the mapped axis the batch is split over
+    (inside a sharded `jax.jit`: a mesh axis, or None to find it from the
+    batch's sharding; see `ooojax._dp_gspmd`);
     "mean" or "sum" of the per-device gradients; bytes per all-reduce bucket
     and layers to reverse (None: chosen by the cost and network model); the
     network preset ("nvlink", "100GbE", "25GbE", "10GbE") or a
