@@ -408,29 +408,10 @@ class _Transformed:
 
   def __call__(self, *args, **kwargs):
     if _dp_gspmd.unbound(self.options):
-      return _dp_gspmd.call(self, args, kwargs, self._bound_to)
+      return _dp_gspmd.call(self, args, kwargs)
     traced = [_dp.traced(self._trace, self.options, args, kwargs)]
     with _gc_paused():  # one pause for the passes and emission
       return self._call(traced)
-
-  def _bound_to(self, axis) -> _Transformed:
-    """This function with `axis_name=axis` (bound by `_dp_gspmd`'s shard_map)."""
-    t = self._bound.get(axis)
-    if t is None:
-      opts = dataclasses.replace(self.options, axis_name=axis)
-      t = self._bound[axis] = _Transformed(self.fun, self.argnums, self.has_aux,
-                                           self.holomorphic, self.allow_int, opts)
-    return t
-
-  def call_local(self, fun, args, kwargs, scatter):
-    """`(self(*args, **kwargs), which aux leaves are sums)` differentiating `fun` (the
-    function with its closed-over batch replaced by the shard's) and reduce-scattering
-    the gradient leaves in `scatter` (position -> dimension)."""
-    saved, self.fun, self._scatter, self._aux_sums = self.fun, fun, dict(scatter), []
-    try:
-      return self(*args, **kwargs), tuple(self._aux_sums)
-    finally:
-      self.fun, self._scatter, self._aux_sums = saved, {}, None
 
   def _call(self, traced: list):
     # popped: nothing here keeps the traced program, which emission frees as it goes

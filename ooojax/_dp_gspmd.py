@@ -312,12 +312,30 @@ def _boxed_specs(args, idx) -> dict:
   return out
 
 
-def call(vg, args, kwargs, inner_for):
-  """`vg(*args, **kwargs)` for an unbound data axis: the per-shard gradient in a shard_map.
+def _bound_to(vg, axis):
+  """`vg` (an `ooo.value_and_grad`) with `axis_name=axis`, kept on `vg` so that its
+  plan cache is reused across steps."""
+  t = vg._bound.get(axis)
+  if t is None:
+    opts = dataclasses.replace(vg.options, axis_name=axis)
+    t = vg._bound[axis] = type(vg)(vg.fun, vg.argnums, vg.has_aux, vg.holomorphic,
+                                   vg.allow_int, opts)
+  return t
 
-  `inner_for(axis)` returns the `_Transformed` with that axis bound (cached
-  by the caller so that its plan cache is reused across steps).
-  """
+
+def _call_local(vg, fun, args, kwargs, scatter):
+  """`(vg(*args, **kwargs), which aux leaves are sums)`, differentiating `fun` (the
+  function with its closed-over batch replaced by the shard's) and reduce-scattering
+  the gradient leaves in `scatter` (position -> dimension)."""
+  saved, vg.fun, vg._scatter, vg._aux_sums = vg.fun, fun, dict(scatter), []
+  try:
+    return vg(*args, **kwargs), tuple(vg._aux_sums)
+  finally:
+    vg.fun, vg._scatter, vg._aux_sums = saved, {}, None
+
+
+def call(vg, args, kwargs):
+  """`vg(*args, **kwargs)` for an unbound data axis: the per-shard gradient in a shard_map."""
   from ooojax._api import _is_dynamic, _resolve_argnums
   idx = _resolve_argnums(vg.argnums, len(args))
   flat, tree = jax.tree_util.tree_flatten((args, kwargs))
@@ -342,7 +360,7 @@ def call(vg, args, kwargs, inner_for):
             if _compat.is_tracer(c) or isinstance(c, jax.Array)]
   lay = layout(vg.options, leaves, diff, positional, consts, _boxed_specs(args, idx))
   had_mesh = _compat.context_mesh() is not None
-  inner = inner_for(lay.axis)
+  inner = _bound_to(vg, lay.axis)
   ax = lay.axis
   n_dyn = len(leaves)
   rows = frozenset(x.shape[0] // lay.n for x, sp in zip(leaves, lay.specs) if sp == P(ax))
@@ -365,7 +383,7 @@ def call(vg, args, kwargs, inner_for):
           f"over {ax!r} that ooojax cannot replace by its shard (it is not held in the "
           "function's closure, a functools.partial or a pytree there); pass it as an "
           "argument of the differentiated function instead")
-    (out, g), sums = inner.call_local(_in_shard(fun, ax, had_mesh), a, k, scatter)
+    (out, g), sums = _call_local(inner, _in_shard(fun, ax, had_mesh), a, k, scatter)
     if vg.has_aux:
       val, aux = out
       leaves, aux_tree = jax.tree.flatten(aux)
