@@ -113,9 +113,14 @@ def layout(opts, leaves, diff, positional, consts, boxed=None) -> Layout:
   if mesh is None:
     raise _no_axis_error(None, "no mesh is known (no input shows a sharding, and no mesh is "
                          "set)")
+  def from_box(spec):
+    try:
+      return jax.sharding.NamedSharding(mesh, spec)
+    except (ValueError, TypeError):  # names that are not this mesh's axes (logical names)
+      return None
   boxed = boxed or {}
-  seen = [(x, s if s is not None or id(x) not in boxed else
-           jax.sharding.NamedSharding(mesh, boxed[id(x)])) for x, s in seen]
+  seen = [(x, s if s is not None or id(x) not in boxed else from_box(boxed[id(x)]))
+          for x, s in seen]
   names = tuple(mesh.axis_names)
   axis = opts.axis_name
   if axis is not None and axis not in names:
