@@ -61,7 +61,8 @@ def h100_counts(fsdp: bool, variant: str, devices: int = 8, sizes=None,
   """The compiled step's collectives on compile-only H100s (`variant`: "jax" or "ooo")."""
   import jax
   import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   import ooojax as ooo
   from ooojax import gpu_hlo
@@ -100,7 +101,7 @@ def _hlo_rows(args) -> list[str]:
       c = h100_counts(fsdp, variant, args.devices)
       rs = c["reduce-scatter starts"]
       where = f"{min(rs)} / {c['last gemm']}" if rs else "-"
-      show = lambda k: f"{len(c[k])}: {c[k]}" if c[k] else "0"  # noqa: E731
+      show = lambda k, c=c: f"{len(c[k])}: {c[k]}" if c[k] else "0"
       lines.append(f"| {'FSDP' if fsdp else 'data parallel'} | "
                    f"{'jax.value_and_grad' if variant == 'jax' else 'ooo data_parallel'} | "
                    f"{show('all-reduce')} | {show('reduce-scatter')} | {show('all-gather')} | "
@@ -118,7 +119,8 @@ def worker(rank: int, port: int, rounds: int, warmup: int, out: str) -> None:
   import json
 
   import numpy as np
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   import ooojax as ooo
   from tests import nanodo as nd
@@ -140,11 +142,9 @@ def worker(rank: int, port: int, rounds: int, warmup: int, out: str) -> None:
       jax.block_until_ready((states[k], m))
       if r >= warmup:
         times[k].append(time.perf_counter() - t0)
-  losses = {k: float(jax.device_get(m["loss"])) for k in steps}
   if rank == 0:
     with open(out, "w") as f:
       json.dump({"times": times, "devices": jax.device_count()}, f)
-  del losses
   jax.distributed.shutdown()
 
 
@@ -201,8 +201,9 @@ def main(argv=None):
     worker(int(rank), int(port), int(rounds), int(warmup), out)
     return
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  from benchmarks import _report
   import jax
+
+  from benchmarks import _report
   lines = _report.header("Data parallel inside a sharded jit (GSPMD), nanodo step")
   if a.hlo:
     lines += [f"Compile-only H100 x{a.devices} (jax {jax.__version__}, no GPU ran), "

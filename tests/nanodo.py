@@ -21,7 +21,8 @@ import optax
 from flax import linen as nn
 from flax import struct
 from flax.training.train_state import TrainState
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 PAD_ID = 0
 

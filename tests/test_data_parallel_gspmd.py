@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import ooojax as ooo
 from tests import nanodo as nd
@@ -107,7 +108,7 @@ def test_other_mesh_axes_are_left_to_the_partitioner(close):
 
 
 def test_aux_is_combined_over_shards(close):
-  loss, params, x, y = _mlp()
+  _, params, x, y = _mlp()
   mesh = _mesh()
 
   def with_aux(p, x, y):
