@@ -22,7 +22,7 @@ from passes.ir import Schedule, Split
 from passes.schedule import schedule as make_schedule
 from passes.fingerprint import fingerprint
 from passes.split import from_flat, inline_calls, rewrite
-from ooojax import _dp
+from ooojax import _dp, _dp_gspmd
 
 MODES = ("auto", "single_gpu", "in_order", "data_parallel")
 
@@ -44,7 +44,9 @@ class Options:
     "forward", "X<i>" (dX segment i) and parameter paths (dW clusters), as
     returned by `ooo.calibrate`.
   axis_name, reduce, bucket_bytes, first_k, link: mode="data_parallel" only
-    (see `ooojax.data_parallel`): the mapped axis the batch is split over;
+    (see `ooojax.data_parallel`): the mapped axis the batch is split over
+    (inside a sharded `jax.jit`: a mesh axis, or None to find it from the
+    batch's sharding; see `ooojax._dp_gspmd`);
     "mean" or "sum" of the per-device gradients; bytes per all-reduce bucket
     and layers to reverse (None: chosen by the cost and network model); the
     network preset ("nvlink", "100GbE", "25GbE", "10GbE") or a
@@ -220,6 +222,11 @@ class _Transformed:
     self.options = options
     self._cache: collections.OrderedDict = collections.OrderedDict()  # fingerprint -> plan
     self._pending: tuple | None = None  # (key, weakref to the flat jaxpr, plan)
+    # data_parallel inside a sharded jit (`ooojax._dp_gspmd`): the bound copies by axis,
+    # and, while one runs in its shard_map, the gradient leaves it reduce-scatters
+    self._bound: dict = {}
+    self._scatter: dict = {}
+    self._aux_sums: list | None = None  # per aux leaf: computed last by a sum (to psum)
     functools.update_wrapper(self, fun)
 
   # --- tracing -----------------------------------------------------------------
@@ -400,6 +407,8 @@ class _Transformed:
     return hit, fp
 
   def __call__(self, *args, **kwargs):
+    if _dp_gspmd.unbound(self.options):
+      return _dp_gspmd.call(self, args, kwargs)
     traced = [_dp.traced(self._trace, self.options, args, kwargs)]
     with _gc_paused():  # one pause for the passes and emission
       return self._call(traced)
@@ -414,9 +423,11 @@ class _Transformed:
     opts = self.options
     annotate = opts.resolved_mode() == "single_gpu"
     ordering = opts.resolved_ordering()
+    if self._aux_sums is not None:
+      self._aux_sums.extend(_dp_gspmd.sum_outputs(plan.split.jaxpr.jaxpr, 1, plan.n_aux))
     with _gc_paused():
       if plan.collectives is not None:
-        outs = _dp.emit(plan, dyn, opts, consume=True)
+        outs = _dp.emit(plan, dyn, opts, consume=True, scatter=self._scatter)
       else:
         # the split was traced for this call alone: emission may consume it
         outs = emit(plan.split, plan.schedule, plan.split.consts, dyn,

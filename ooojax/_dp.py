@@ -74,11 +74,12 @@ def plan(sp, sched, cm, opts) -> _collectives.CollectivePlan:
                            opts.bucket_bytes, opts.first_k)
 
 
-def emit(plan, dyn, opts, defer=frozenset(), consume: bool = False) -> list:
+def emit(plan, dyn, opts, defer=frozenset(), consume: bool = False, scatter=None) -> list:
   """Re-binds the local gradient jaxpr and issues each bucket's all-reduce early.
 
   Gradient leaves in `defer` come back unreduced (per device): the cross-step
-  train step reduces them at the start of the next step.
+  train step reduces them at the start of the next step. Leaves in `scatter`
+  (position -> dimension) are reduce-scattered over that dimension (FSDP).
   """
   ax = opts.axis_name
   invars = plan.split.jaxpr.jaxpr.invars[1:]  # (*consts, *dyn), after the cotangent
@@ -96,7 +97,7 @@ def emit(plan, dyn, opts, defer=frozenset(), consume: bool = False) -> list:
     # is re-bound with the casts it needs (slower).
     ins = [_compat.to_varying(x, ax) for x in ins]
   n = len(plan.split.consts)
-  emitter = BucketEmitter(plan.collectives, plan.split, ax, opts.reduce, defer)
+  emitter = BucketEmitter(plan.collectives, plan.split, ax, opts.reduce, defer, scatter)
   with contextlib.nullcontext() if typed else _compat.vary_inputs(ax):
     return _emit(plan.split, plan.collectives.schedule, ins[:n], ins[n:],
                  ordering="none", annotate=False, collectives=emitter, consume=consume)

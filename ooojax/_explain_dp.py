@@ -274,6 +274,9 @@ def explain_dp(fun, args, argnums, has_aux, options: dict, kwargs: dict, *,
   from ooojax._explain import Report
   from passes.cost import CostModel
   opts = _make_options(options)  # TypeError / ValueError as ooo.grad raises them
+  if opts.axis_name is None:
+    raise ValueError("explain(mode='data_parallel') needs axis_name, the mapped axis the "
+                     "batch is split over, and axis_size=N")
   n = _axis_size(opts.axis_name, axis_size)
   argnums = _check_argnums(argnums)
   idx = _resolve_argnums(argnums, len(args))

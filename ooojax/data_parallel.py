@@ -81,8 +81,10 @@ class _Layout:
 class DataParallelStep:
   """`state, loss = step(state, batch)`; built by `make_train_step`."""
 
-  def __init__(self, loss_fn, tx, mesh, axis_name, cross_step, options):
+  def __init__(self, loss_fn, tx, mesh, axis_name, cross_step, options, has_aux=False):
     self.loss_fn, self.tx, self.mesh, self.axis_name = loss_fn, tx, mesh, axis_name
+    self.user_loss_fn, self.has_aux = loss_fn, has_aux
+    self._held = None  # what `init` was given when not bare params (see `held`)
     self.cross_step = cross_step
     self.options = options
     self.n = mesh.shape[axis_name]
@@ -93,7 +95,8 @@ class DataParallelStep:
   def _plan_layout(self, params, batch) -> _Layout:
     """Traces one device's gradient to choose k and bucket size, and the deferred leaves."""
     opts = self.options
-    vg = value_and_grad(self.loss_fn, mode="in_order", device=opts.get("device"))
+    vg = value_and_grad(self.loss_fn, mode="in_order", device=opts.get("device"),
+                        has_aux=self.has_aux)
     local = jax.tree.map(lambda b: jax.ShapeDtypeStruct((b.shape[0] // self.n, *b.shape[1:]),
                                                         b.dtype), batch)
     plan = vg.abstract_plan(params, local)
@@ -109,8 +112,51 @@ class DataParallelStep:
     ready = tuple(i for i in range(len(leaves)) if i not in deferred)
     return _Layout(treedef, tuple(order), ready, k, cp.bucket_bytes)
 
+  def _take(self, held):
+    """Params (and optimizer state or None) from what the user holds; see `init`."""
+    if isinstance(held, tuple) and len(held) == 2 and _is_nnx_graphdef(held[0]):
+      from flax import nnx
+      graphdef, params = held
+      bad = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+             if not jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+      if bad:
+        raise TypeError(f"the nnx state holds non-float leaves {bad[:4]}: split the Params "
+                        "out, `graphdef, params, rest = nnx.split(model, nnx.Param, ...)`, and "
+                        "pass (graphdef, params); close over `rest` in loss_fn")
+      user = self.user_loss_fn
+      self.loss_fn = lambda p, *b: user(nnx.merge(graphdef, p), *b)
+      self._held = ("nnx", graphdef)
+      return params, None
+    if all(hasattr(held, a) for a in ("params", "opt_state", "tx", "apply_fn")):  # TrainState
+      if self.tx is None:
+        self.tx = held.tx
+      self._held = ("train_state", held)
+      return held.params, held.opt_state
+    if self.tx is None:
+      raise TypeError("make_train_step(..., tx=None) takes its optimizer from a flax "
+                      "TrainState: pass one to init, or pass tx")
+    return held, None
+
+  def held(self, state: DPTrainState):
+    """`state` flushed and given back as `init` took it: a flax `TrainState` (its
+    `step` counts the updates applied), nnx's `(graphdef, params)`, or the params."""
+    state = self.flush(state)
+    kind = self._held[0] if self._held else None
+    if kind == "train_state":
+      return self._held[1].replace(step=state.step, params=state.params,
+                                   opt_state=state.opt_state)
+    if kind == "nnx":
+      return self._held[1], state.params
+    return state.params
+
   def init(self, params, batch) -> DPTrainState:
-    """The first state: nothing pending. `batch` is only traced (shapes)."""
+    """The first state: nothing pending. `batch` is only traced (shapes).
+
+    `params` may be the parameters, a flax `TrainState` (its params, optimizer
+    state and, with `tx=None`, its `tx`), or an nnx `(graphdef, params)` pair
+    (`loss_fn(model, batch)` then gets `nnx.merge(graphdef, params)`).
+    """
+    params, opt_state = self._take(params)
     lay = self._layout = self._plan_layout(params, batch)
     leaves = jax.tree.leaves(params)
     rep = NamedSharding(self.mesh, P())
@@ -118,12 +164,14 @@ class DataParallelStep:
     local = tuple(jax.device_put(jnp.zeros((self.n, *leaves[i].shape), leaves[i].dtype), dev)
                   for i in lay.deferred)
     ready = tuple(jax.device_put(jnp.zeros_like(leaves[i]), rep) for i in lay.ready)
-    state = DPTrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params),
+    state = DPTrainState(jnp.zeros((), jnp.int32), params,
+                         self.tx.init(params) if opt_state is None else opt_state,
                          Pending(local, ready, jnp.zeros((), bool)))
     return jax.device_put(state, self._specs(state, sharding=True))
 
   def abstract_state(self, params, batch) -> DPTrainState:
     """`init`'s state as `jax.ShapeDtypeStruct`s (for `lower` on compile-only devices)."""
+    params, _ = self._take(params)
     lay = self._layout = self._plan_layout(params, batch)
     leaves = jax.tree.leaves(params)
     rep = NamedSharding(self.mesh, P())
@@ -175,10 +223,14 @@ class DataParallelStep:
     state = self._apply_pending(state)
     opts = {k: v for k, v in self.options.items() if k not in ("first_k", "bucket_bytes")}
     vg = value_and_grad(self.loss_fn, mode="data_parallel", axis_name=self.axis_name,
+                        has_aux=self.has_aux,
                         first_k=lay.first_k, bucket_bytes=lay.bucket_bytes, **opts)
     plan, dyn = vg.plan((state.params, batch), {})
     outs = _dp.emit(plan, dyn, vg.options, defer=frozenset(lay.deferred))
     loss = jax.lax.pmean(outs[0], self.axis_name)
+    if self.has_aux:
+      aux = _aux_of(plan, outs, self.axis_name, batch)
+      loss = (loss, aux)
     g = outs[plan.split.grad_out_start:]
     pending = Pending(tuple(g[i][None] for i in lay.deferred), tuple(g[i] for i in lay.ready),
                       jnp.ones((), bool))
@@ -215,22 +267,50 @@ class DataParallelStep:
     return self._flush(state)
 
 
-def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
+def _is_nnx_graphdef(x) -> bool:
+  try:
+    from flax import nnx
+  except ImportError:  # pragma: no cover - flax is a dependency
+    return False
+  return isinstance(x, nnx.GraphDef)
+
+
+def _aux_of(plan, outs, axis, batch):
+  """The aux outputs, combined over devices as `ooo.value_and_grad` does under a sharded
+  jit (`ooojax._dp_gspmd.combine_aux`): per-row leaves gathered, sums summed, means
+  averaged."""
+  from ooojax import _dp_gspmd
+  aux_tree, aux_parts, _, _ = plan.out_tree
+  sums = iter(_dp_gspmd.sum_outputs(plan.split.jaxpr.jaxpr, 1, plan.n_aux)
+              if plan.split.jaxpr is not None else ())
+  rows = frozenset(b.shape[0] for b in jax.tree.leaves(batch) if getattr(b, "ndim", 0))
+  it = iter(outs[1:1 + plan.n_aux])
+  leaves = [_dp_gspmd.combine_aux(next(it), axis, rows, next(sums, False)) if p is None
+            else p[0] for p in aux_parts]
+  return jax.tree_util.tree_unflatten(aux_tree, leaves)
+
+
+def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation | None,
                     mesh: jax.sharding.Mesh, *, axis_name: str = "batch",
-                    cross_step: bool = True, **ooo_options) -> DataParallelStep:
+                    cross_step: bool = True, has_aux: bool = False,
+                    **ooo_options) -> DataParallelStep:
   """A jitted data-parallel step over `mesh[axis_name]` with cross-step overlap.
 
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar`, the mean loss of one device's
       shard (the step's loss is its mean over devices; its gradient is the
       full-batch gradient for equal shards).
-    tx: the optax optimizer.
+    tx: the optax optimizer (None: the `tx` of the flax `TrainState` given to
+      `init`).
     mesh: a mesh holding `axis_name`; the batch's leading axis is split over it
       (with `jax.distributed.initialize`, a mesh over every process's devices).
     axis_name: the data-parallel mesh axis.
     cross_step: defer the first-k layers' reduction and the update into the
       next step (False: k = 0 and the update is applied at the end of each
       step, still with early bucketed reductions).
+    has_aux: `loss_fn` returns `(loss, aux)`; the step then returns
+      `state, (loss, aux)`, aux combined over devices (per-row leaves gathered,
+      leaves computed by a sum summed, other float leaves averaged).
     **ooo_options: `reduce`, `bucket_bytes`, `first_k`, `link`, `device`
       (None: chosen by the cost and network model; see `ooo.grad`).
 
@@ -251,4 +331,4 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
   _make_options({"mode": "data_parallel", "axis_name": axis_name, **ooo_options})
   if axis_name not in mesh.shape:
     raise NameError(f"unbound axis name: {axis_name} (the mesh has axes {tuple(mesh.shape)})")
-  return DataParallelStep(loss_fn, tx, mesh, axis_name, cross_step, dict(ooo_options))
+  return DataParallelStep(loss_fn, tx, mesh, axis_name, cross_step, dict(ooo_options), has_aux)

@@ -605,3 +605,41 @@ def used_inputs(closed, used_outputs: Sequence[bool]) -> list[bool]:
   """
   _, used = _pe.dce_jaxpr(closed.jaxpr, list(used_outputs))
   return list(used)
+
+
+# --- data parallel inside a sharded jit (GSPMD): where a value's sharding shows ---------
+_SHARDING_PARAM = {"sharding_constraint": "sharding", "reshard": "dst_sharding"}
+
+
+def declared_sharding(x):
+  """The `NamedSharding` `x` is known to have inside a trace, or None.
+
+  Seen, in order: explicit mesh axes in `x`'s type (`jax.typeof(x).sharding`);
+  the sharding of the `with_sharding_constraint` / `reshard` that made the
+  tracer (Auto axes do not show in types); a concrete array's own sharding.
+  A jit argument under Auto axes shows none of these.
+  """
+  named = jax.sharding.NamedSharding
+  if is_tracer(x):
+    try:
+      s = jax.typeof(x).sharding
+    except (TypeError, AttributeError):  # pragma: no cover - other tracers
+      s = None
+    mesh = getattr(s, "mesh", None)
+    if isinstance(s, named) and mesh is not None and not mesh.empty and any(
+        t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+      return s
+    parent = getattr(x, "parent", None)
+    key = _SHARDING_PARAM.get(getattr(getattr(parent, "primitive", None), "name", None))
+    if key is not None:
+      s = parent.params.get(key)
+      return s if isinstance(s, named) else None
+    return None
+  s = getattr(x, "sharding", None)
+  return s if isinstance(s, named) else None
+
+
+def context_mesh():
+  """The mesh set by `jax.set_mesh` / `use_mesh` (abstract), or None."""
+  m = jax.sharding.get_abstract_mesh()
+  return None if m is None or m.empty else m

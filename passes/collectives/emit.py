@@ -49,17 +49,24 @@ def _zero_from(x, dtype):
   return (jnp.where(jnp.isfinite(x0), x0, 0) * 0).astype(dtype)
 
 
-def reduce_buffers(vals, axis_name, reduce: str = "mean"):
+def reduce_buffers(vals, axis_name, reduce: str = "mean", scatter=None):
   """One all-reduce per dtype of `vals` flattened together.
 
-  Returns `(reduced values shaped like vals, the reduced flat buffers)`.
+  `scatter`: per value, None or the dimension it is reduce-scattered over
+  (FSDP: the parameter's sharded dimension); those values go into one
+  `psum_scatter` per dtype instead, each coming back as this device's slice.
+  Returns `(reduced values, the reduced flat buffers)`.
   """
+  scatter = scatter or [None] * len(vals)
   groups: dict = {}
   for j, x in enumerate(vals):
-    groups.setdefault(jnp.result_type(x), []).append(j)
+    groups.setdefault((jnp.result_type(x), scatter[j] is not None), []).append(j)
   out: list = [None] * len(vals)
   bufs = []
-  for idx in groups.values():
+  for (_, scattered), idx in groups.items():
+    if scattered:
+      bufs.append(_reduce_scatter(vals, idx, scatter, out, axis_name, reduce))
+      continue
     # lax ops, one split per buffer: fewer equations to trace and lower than
     # jnp's ravel and a slice per leaf
     shapes = [jnp.shape(vals[j]) for j in idx]
@@ -82,6 +89,31 @@ def reduce_buffers(vals, axis_name, reduce: str = "mean"):
   return out, bufs
 
 
+def _reduce_scatter(vals, idx, scatter, out, axis_name, reduce):
+  """One `psum_scatter` of `vals[idx]`, each split over its own dimension.
+
+  Each value's scattered dimension is moved first and the value laid out as
+  (n, its slice's size): row i is device i's slice. The rows are joined
+  side by side, so one reduce-scatter over rows hands each device the
+  slices of all of them. Returns the (1, total) buffer; fills `out[idx]`.
+  """
+  n = jax.lax.axis_size(axis_name)
+  rows, shapes = [], []
+  for j in idx:
+    x = jnp.moveaxis(_compat.to_varying(vals[j], axis_name), scatter[j], 0)
+    shapes.append((x.shape[0] // n, *x.shape[1:]))
+    rows.append(jax.lax.reshape(x, (n, x.size // n)))
+  sizes = [r.shape[1] for r in rows]
+  buf = rows[0] if len(rows) == 1 else jax.lax.concatenate(rows, 1)
+  buf = jax.lax.psum_scatter(buf, axis_name, scatter_dimension=0, tiled=True)
+  if reduce == "mean":
+    buf = buf / n
+  parts = jax.lax.split(buf, sizes, axis=1) if len(rows) > 1 else [buf]
+  for j, part, s in zip(idx, parts, shapes):
+    out[j] = jnp.moveaxis(jax.lax.reshape(part, s), 0, scatter[j])
+  return buf
+
+
 def chain_after(prev_bufs, vals):
   """`vals`, made to data-depend on `prev_bufs` (so their all-reduce comes after)."""
   if prev_bufs is None:
@@ -98,8 +130,9 @@ class BucketEmitter:
   """Emits the bucketed reductions of a `CollectivePlan` during `emit`."""
 
   def __init__(self, plan: CollectivePlan, split: Split, axis_name, reduce: str = "mean",
-               defer: frozenset = frozenset()):
+               defer: frozenset = frozenset(), scatter=None):
     self.plan = plan
+    self.scatter = dict(scatter or {})  # leaf -> dimension it is reduce-scattered over
     self.defer = frozenset(defer)  # leaves returned unreduced (cross-step overlap)
     self.split = split
     self.axis_name = axis_name
@@ -116,7 +149,8 @@ class BucketEmitter:
     for i, v in enumerate(self._grad_vars):
       if isinstance(v, _compat.Var):
         by_var.setdefault(v, []).append(i)
-    loop = getattr(plan, "in_loop", frozenset()) - self.defer
+    # a reduce-scattered leaf is reduced once its loop is done (`outputs`)
+    loop = getattr(plan, "in_loop", frozenset()) - self.defer - set(self.scatter)
     self._loop_vars = {v: ids for v, ids in by_var.items() if set(ids) <= loop}
     self._loop_done: set[int] = set()
     # what `scan_skew.fuse` looks for first: a backward (dX) scan
@@ -177,6 +211,8 @@ class BucketEmitter:
     # In-loop leaves whose loop was not fused as planned: reduce them here.
     missed = tuple(i for ids in self._loop_vars.values() for i in ids
                    if i not in self._loop_done)
+    missed += tuple(sorted((getattr(self.plan, "in_loop", frozenset()) - self.defer)
+                           & set(self.scatter)))
     if missed:
       self._issue(Bucket(-1, missed, 0, ""), env)
     outs = list(outs)
@@ -204,5 +240,6 @@ class BucketEmitter:
     bucket = dataclasses.replace(bucket, grads=grads)
     vals = [self._value(env, i) for i in bucket.grads]
     vals = chain_after(self._prev, vals)  # this all-reduce after the previous one
-    reduced, self._prev = reduce_buffers(vals, self.axis_name, self.reduce)
+    reduced, self._prev = reduce_buffers(vals, self.axis_name, self.reduce,
+                                         [self.scatter.get(i) for i in bucket.grads])
     self._reduced.update(zip(bucket.grads, reduced))

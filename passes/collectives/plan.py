@@ -59,11 +59,11 @@ def get_link(link: str | Link | None) -> Link:
 
 
 def validate_options(mode: str, axis_name, reduce: str, bucket_bytes, first_k, link) -> None:
-  """Raises `ValueError` for data-parallel options that can never work."""
-  if mode == "data_parallel" and axis_name is None:
-    raise ValueError("mode='data_parallel' needs axis_name, the mapped axis the batch is "
-                     "split over, e.g. ooo.grad(loss, mode='data_parallel', axis_name='batch') "
-                     "inside jax.pmap(..., axis_name='batch') or jax.shard_map")
+  """Raises `ValueError` for data-parallel options that can never work.
+
+  `axis_name=None` with mode="data_parallel" is valid: inside a sharded
+  `jax.jit` the data axis is found from the batch's sharding (`ooojax._dp_gspmd`).
+  """
   if axis_name is not None and mode != "data_parallel":
     raise ValueError(f"axis_name={axis_name!r} applies to mode='data_parallel' only "
                      f"(got mode={mode!r})")

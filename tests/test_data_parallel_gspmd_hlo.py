@@ -1,0 +1,37 @@
+"""GSPMD data parallel and FSDP on a compile-only H100 x8: what XLA:GPU schedules.
+
+nanodo's train step (`tests/nanodo.py`) under its own sharded jit, with
+`jax.value_and_grad` (the authors') or `ooo.value_and_grad(mode="data_parallel")`.
+No GPU runs: the schedule is read from the compiled HLO (`ooojax.gpu_hlo`).
+"""
+import pytest
+
+from ooojax import gpu_hlo
+
+pytestmark = pytest.mark.skipif(gpu_hlo.unavailable_reason() is not None,
+                                reason=f"compile-only H100: {gpu_hlo.unavailable_reason()}")
+
+SIZES = dict(D=256, H=4, L=64, N=2, V=512, F=1024)
+
+
+def _counts(fsdp, variant):
+  from benchmarks.dp_gspmd import h100_counts
+  return h100_counts(fsdp, variant, 8, SIZES)
+
+
+def test_data_parallel_reductions_overlap_backward_gemms():
+  ours, base = _counts(False, "ooo"), _counts(False, "jax")
+  ar = ours["all-reduce"]
+  # early bucketed all-reduces, at least half with GEMMs scheduled inside their windows
+  assert len(ar) >= 2 and 2 * sum(n > 0 for n in ar) >= len(ar), ours
+  # the plain step: XLA's own combined reduction, fewer and larger all-reduces
+  assert len(base["all-reduce"]) < len(ar), base
+
+
+def test_fsdp_reduce_scatters_start_before_the_backward_ends():
+  ours = _counts(True, "ooo")
+  starts = ours["reduce-scatter starts"]
+  assert len(starts) >= 2, ours
+  assert min(starts) < ours["last gemm"], ours
+  assert sum(n > 0 for n in ours["reduce-scatter"]) >= len(starts) // 2, ours
+  assert ours["all-gather"], ours  # the parameters are gathered, not all-reduced
