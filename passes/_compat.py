@@ -418,26 +418,51 @@ def call_debug_info():
   return _DebugInfo("ooo", "ooojax's schedule", None, None)
 
 
-@functools.cache
-def _control_dep_call():
-  # vmap_method broadcasts under vmap, so the order survives per-example grads.
-  return jax.ffi.ffi_call("control_dep", (), has_side_effect=True, vmap_method="expand_dims")
+def _control_dep_lowering(ctx, src, dst):
+  """The `control_dep` custom call, or nothing where SPMD partitioning follows.
+
+  XLA's SPMD partitioner requires a sharding on every side-effecting
+  instruction ("Side-effect HLO must have sharding") and would replicate the
+  operands to give it one: an all-gather of sharded gradients whose
+  producers, not the calls, would then get the edge. Under a jit partitioned
+  over several devices (GSPMD, or `shard_map` with some axes left auto) the
+  edge is therefore left out: the stream calls' windows are still pinned by
+  the barriers (`ordering="barriers"` / `"auto"`), and XLA:CPU has no streams.
+  """
+  from jax._src import sharding_impls as _si
+  axis_ctx = ctx.module_context.axis_context
+  if isinstance(axis_ctx, _si.ShardingContext) and axis_ctx.num_devices > 1:
+    return []
+  if isinstance(axis_ctx, _si.SPMDAxisContext) and (
+      set(axis_ctx.mesh.axis_names) - set(axis_ctx.manual_axes)):
+    return []
+  from jax._src import ffi as _ffi
+  rule = _ffi.ffi_lowering("control_dep", has_side_effect=True)
+  return rule(ctx, src, dst)
 
 
 @functools.cache
-def _control_dep_eqn():
-  x = jax.ShapeDtypeStruct((1,), "float32")
-  return jax.make_jaxpr(lambda a, b: _control_dep_call()(a, b))(x, x).eqns[0]
+def _control_dep_p():
+  """`ooo_control_dep(src, dst)`: a side-effecting, output-less ordering edge."""
+  from jax._src import ffi as _ffi
+  from jax._src.interpreters import batching as _batching, mlir as _mlir
+  from jax._src.interpreters import ad as _ad
+  prim = _core.Primitive("ooo_control_dep")
+  prim.multiple_results = True
+  prim.def_impl(lambda src, dst: [])  # eager: nothing to order
+  prim.def_effectful_abstract_eval(lambda src, dst: ([], {_ffi._FfiEffect}))
+  # under vmap the edge orders the batched producers: same operands, no outputs
+  _batching.primitive_batchers[prim] = lambda args, dims: (prim.bind(*args), [])
+
+  def jvp(primals, tangents):
+    return prim.bind(*primals), []
+  _ad.primitive_jvps[prim] = jvp
+  _mlir.register_lowering(prim, _control_dep_lowering)
+  return prim
 
 
 def _control_dep(src, dst) -> None:
-  if getattr(src, "ndim", None) == 1 and getattr(dst, "ndim", None) == 1:
-    # the flat buffers of stream calls: one traced equation's params fit them
-    # all (they name operand ranks only), bound without the ffi wrapper's work
-    eqn = _control_dep_eqn()
-    eqn.primitive.bind(src, dst, **eqn.params)
-  else:
-    _control_dep_call()(src, dst)
+  _control_dep_p().bind(src, dst)
 
 
 def control_deps(pairs) -> None:
@@ -559,13 +584,17 @@ def like_varying(x, ref):
 
 
 def shape_dtype(aval) -> jax.ShapeDtypeStruct:
-  """`aval` as a `jax.ShapeDtypeStruct`, weak type and varying mesh axes kept.
+  """`aval` as a `jax.ShapeDtypeStruct`, weak type, sharding and varying mesh axes kept.
 
   Traced from such structs under `shard_map(check_vma=True)`, a jaxpr is
   typed as the values it will be bound to: its equations carry their own
   casts, so emission can copy them (`emit_eqns`) instead of re-binding each.
+  The sharding is kept when it names a mesh (a jit over `jax.set_mesh`, explicit
+  or auto axes): a loss that reads `jax.typeof(x).sharding` (to `reshard` to
+  it) then sees the mesh it sees under `jax.grad`, not an empty one.
   """
   weak = bool(getattr(aval, "weak_type", False))
+  sharding = aval_sharding(aval)
   mat = getattr(aval, "mat", None)  # the manual axis type (vma)
   if mat is not None and not getattr(mat, "empty", True):
     try:
@@ -573,7 +602,22 @@ def shape_dtype(aval) -> jax.ShapeDtypeStruct:
                                   sharding=aval.sharding, manual_axis_type=mat)
     except (TypeError, ValueError):  # pragma: no cover - other JAX: untyped, cast when bound
       pass
+  if sharding is not None:
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak, sharding=sharding)
   return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak)
+
+
+def aval_sharding(aval):
+  """`aval`'s `NamedSharding` when its mesh is not empty, else None.
+
+  An aval traced outside any mesh carries an empty abstract mesh; a struct
+  given that sharding would fix nothing, so it is left out.
+  """
+  sharding = getattr(aval, "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or getattr(mesh, "empty", True) or not getattr(mesh, "axis_names", ()):
+    return None
+  return sharding
 
 
 def _pcast_varying(x, axes):
