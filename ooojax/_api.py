@@ -255,7 +255,13 @@ class _Transformed:
       leaves, tree = jax.tree_util.tree_flatten(a)
       if diff:
         for leaf in leaves:
-          _compat.check_input_dtype_grad(holomorphic, self.allow_int, leaf)
+          try:
+            _compat.check_input_dtype_grad(holomorphic, self.allow_int, leaf)
+          except TypeError as e:
+            if not holomorphic:  # an nnx module's RNG key / count, say what to do
+              from ooojax._explain_inputs import int_leaves_note
+              raise int_leaves_note(e)
+            raise
       marked_args.append(jax.tree_util.tree_unflatten(tree, [mark(x, diff) for x in leaves]))
     # kwargs are flattened in sorted-key order, as make_jaxpr flattens them
     marked_kwargs = {k: jax.tree_util.tree_map(lambda x: mark(x, False), kwargs[k])

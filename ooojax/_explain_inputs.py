@@ -55,6 +55,7 @@ def float_only(fun, args: tuple, idx: tuple[int, ...], allow_int: bool = False
   if allow_int:
     return None
   holed, rests, defs, moved = list(args), [], [], []
+  mark = object()   # stands for a moved leaf while the slots are laid out
   for i in idx:
     leaves, tree = jax.tree_util.tree_flatten_with_path(args[i])
     keep = [_is_float(x) for _, x in leaves]
@@ -62,11 +63,13 @@ def float_only(fun, args: tuple, idx: tuple[int, ...], allow_int: bool = False
       rests.append(())
       defs.append(None)
       continue
-    treedef = jax.tree_util.tree_structure(args[i])
-    holed[i] = jax.tree_util.tree_unflatten(
-        treedef, [x if k else None for (_, x), k in zip(leaves, keep)])
+    marked = jax.tree_util.tree_unflatten(
+        tree, [x if k else mark for (_, x), k in zip(leaves, keep)])
+    # slots: leaves, holes and the tree's own None subtrees, in one order
+    slots, slot_def = jax.tree_util.tree_flatten(marked, is_leaf=_is_hole)
+    holed[i] = jax.tree_util.tree_unflatten(slot_def, [None if x is mark else x for x in slots])
     rests.append(tuple(x for (_, x), k in zip(leaves, keep) if not k))
-    defs.append(treedef)
+    defs.append((slot_def, tuple(x is mark for x in slots)))
     moved += [f"{i}{jax.tree_util.keystr(p)}" if len(idx) > 1 else jax.tree_util.keystr(p)
               for (p, _), k in zip(leaves, keep) if not k]
   if not moved:
@@ -75,13 +78,14 @@ def float_only(fun, args: tuple, idx: tuple[int, ...], allow_int: bool = False
   def fun_float(*a, **kw):
     *a, rest = a
     full = list(a)
-    for i, treedef, r in zip(idx, defs, rest):
-      if treedef is None:
+    for i, d, r in zip(idx, defs, rest):
+      if d is None:
         continue
+      slot_def, holes = d
       it = iter(r)
-      slots = jax.tree_util.tree_flatten(a[i], is_leaf=_is_hole)[0]
+      slots = slot_def.flatten_up_to(a[i])
       full[i] = jax.tree_util.tree_unflatten(
-          treedef, [next(it) if x is None else x for x in slots])
+          slot_def, [next(it) if h else x for x, h in zip(slots, holes)])
     return fun(*full, **kw)
 
   fun_float.__name__ = getattr(fun, "__name__", "fun")
