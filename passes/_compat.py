@@ -239,9 +239,83 @@ _DEVICE_SPACE = _core.MemorySpace.Device
 
 
 def on_stream(fun, stream: int, n_out: int):
-  """Wraps `fun` (returning `n_out` arrays) to lower to one call on GPU stream `stream`."""
-  return _compute_on(fun, compute_type=f"gpu_stream:{stream}",
-                     out_memory_spaces=(_DEVICE_SPACE,) * n_out)
+  """Wraps `fun` (returning `n_out` arrays) to lower to one call on GPU stream `stream`.
+
+  The call is `compute_on`'s equation under another primitive
+  (`ooo_stream_call`) that lowers as `compute_on` does, except in a module
+  partitioned over several devices (GSPMD): there it lowers inline, with no
+  stream annotation. The partitioner puts collectives inside a dW call (the
+  reduction of a batch-sharded weight gradient), and XLA:GPU (jax 0.12) then
+  fails: "No ExecutionStreamId found for all-reduce-start". Every transform
+  other than lowering is `compute_on`'s own.
+  """
+  wrapped = _compute_on(fun, compute_type=f"gpu_stream:{stream}",
+                        out_memory_spaces=(_DEVICE_SPACE,) * n_out)
+
+  def call(*args):
+    closed, shape = jax.make_jaxpr(wrapped, return_shape=True)(*args)
+    env = dict(zip(closed.jaxpr.constvars, closed.consts))
+    env.update(zip(closed.jaxpr.invars, jax.tree_util.tree_leaves(args)))
+    read = lambda v: v.val if isinstance(v, Literal) else env[v]  # noqa: E731
+    for eqn in closed.jaxpr.eqns:
+      prim = _stream_call_p() if eqn.primitive.name == "compute_on" else eqn.primitive
+      outs = prim.bind(*map(read, eqn.invars), **eqn.params)
+      env.update(zip(eqn.outvars, outs if prim.multiple_results else [outs]))
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape),
+                                        [read(v) for v in closed.jaxpr.outvars])
+  return call
+
+
+def _partitioned(ctx) -> bool:
+
+  """The module being lowered is partitioned over several devices by GSPMD
+  (a sharded jit, or `shard_map` with some mesh axes left automatic)."""
+  from jax._src import sharding_impls as _si
+  axis_ctx = ctx.module_context.axis_context
+  if isinstance(axis_ctx, _si.ShardingContext):
+    return axis_ctx.num_devices > 1
+  if isinstance(axis_ctx, _si.SPMDAxisContext):
+    return bool(set(axis_ctx.mesh.axis_names) - set(axis_ctx.manual_axes))
+  return False
+
+
+def _stream_call_lowering(ctx, *args, **params):
+  from jax._src import compute_on as _co
+  from jax._src.interpreters import mlir as _mlir
+  if not _partitioned(ctx):
+    return _co._compute_on_lowering(ctx, *args, **params)
+  jaxpr = params["jaxpr"]
+
+  def inline(*vals):
+    # bound without the equations' own context: it carries the stream
+    # compute type, which would annotate each op inside
+    env = dict(zip(jaxpr.invars, vals))
+    read = lambda v: v.val if isinstance(v, Literal) else env[v]  # noqa: E731
+    for eqn in jaxpr.eqns:
+      outs = eqn.primitive.bind(*map(read, eqn.invars), **eqn.params)
+      env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
+    return [read(v) for v in jaxpr.outvars]
+  return _mlir.lower_fun(inline, multiple_results=True)(ctx, *args)
+
+
+@functools.cache
+def _stream_call_p():
+  """`compute_on`'s primitive with a lowering that SPMD partitioning survives."""
+  from jax._src import compute_on as _co
+  from jax._src.interpreters import ad as _ad, batching as _batching, mlir as _mlir
+  base = _co.compute_on_p
+  prim = _core.Primitive("ooo_stream_call")
+  prim.multiple_results = True
+  prim.def_impl(lambda *a, **params: base.bind(*a, **params))
+  prim.def_effectful_abstract_eval(_co._compute_on_abstract_eval)
+  _mlir.register_lowering(prim, _stream_call_lowering)
+  for table in (_batching.fancy_primitive_batchers, _ad.primitive_jvps,
+                _ad.primitive_linearizations, _ad.fancy_transposes,
+                _pe.custom_partial_eval_rules, _pe.partial_eval_jaxpr_custom_rules,
+                _pe.dce_rules):
+    if base in table:
+      table[prim] = table[base]
+  return prim
 
 
 # Set by `vary_inputs`: bind_eqn makes mixed invariant inputs varying over these axes.
@@ -429,12 +503,7 @@ def _control_dep_lowering(ctx, src, dst):
   edge is therefore left out: the stream calls' windows are still pinned by
   the barriers (`ordering="barriers"` / `"auto"`), and XLA:CPU has no streams.
   """
-  from jax._src import sharding_impls as _si
-  axis_ctx = ctx.module_context.axis_context
-  if isinstance(axis_ctx, _si.ShardingContext) and axis_ctx.num_devices > 1:
-    return []
-  if isinstance(axis_ctx, _si.SPMDAxisContext) and (
-      set(axis_ctx.mesh.axis_names) - set(axis_ctx.manual_axes)):
+  if _partitioned(ctx):
     return []
   from jax._src import ffi as _ffi
   rule = _ffi.ffi_lowering("control_dep", has_side_effect=True)

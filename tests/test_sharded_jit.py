@@ -146,7 +146,9 @@ def test_control_edges_only_where_they_partition():
   lowered = f.lower(ws, xs)
   text = lowered.as_text()
   assert "control_dep" not in text
-  assert "optimization_barrier" in text and "_xla_stream_annotation" in text
+  # GSPMD puts collectives inside dW calls; XLA:GPU cannot run those on a side
+  # stream, so partitioned modules get the calls inline, the barriers kept
+  assert "optimization_barrier" in text and "_xla_stream_annotation" not in text
   hlo = lowered.compile().as_text()
   assert "all-reduce" in hlo    # partitioned: the replicated weights' gradients are reduced
   np.testing.assert_allclose(f(ws, xs)[0], jax.value_and_grad(loss)(ws, x)[0], rtol=1e-6)
@@ -160,8 +162,10 @@ GPU = gpu_hlo.unavailable_reason()
                                            ("single_gpu", "control_deps"),
                                            ("single_gpu", "none")])
 def test_h100x8_gspmd_partitions(mode, ordering):
-  """Compile-only H100 x8, (4 data) x (2 model): every ordering partitions; the
-  stream calls keep their annotation and each device holds its weight shard."""
+  """Compile-only H100 x8, (4 data) x (2 model): every ordering partitions and
+  each device holds its weight shard. The dW calls, which hold the
+  partitioner's all-reduces, are inline (jax 0.12's XLA:GPU fails on a
+  collective inside a side-stream call: "No ExecutionStreamId found")."""
   m = gpu_hlo.mesh("H100", (4, 2), ("batch", "model"))
   loss, ws, x = _deep(4, 256)
   ws = [jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(
@@ -170,9 +174,20 @@ def test_h100x8_gspmd_partitions(mode, ordering):
   hlo = gpu_hlo.compile_text(ooo.value_and_grad(loss, mode=mode, ordering=ordering), ws, x,
                              mesh=m)
   assert "f32[256,128]" in hlo and "f32[128,256]" in hlo      # the per-device weight shards
-  assert "all-reduce" in hlo
-  if mode == "single_gpu":
-    assert hlo.count("call-start") >= 2 and "_xla_stream_annotation" in hlo
+  assert "all-reduce" in hlo and "_xla_stream_annotation" not in hlo
+
+
+@pytest.mark.skipif(GPU is not None, reason=f"compile-only GPU: {GPU}")
+def test_h100x8_manual_shard_map_keeps_stream_calls():
+  """Inside a fully manual shard_map the body is per device: the dW calls stay
+  on the side stream (async call-start / call-done pairs)."""
+  m = gpu_hlo.mesh("H100", 8, ("batch",))
+  loss, ws, x = _deep(4, 256)
+  f = jax.shard_map(ooo.value_and_grad(loss, mode="single_gpu"), mesh=m,
+                    in_specs=(P(), P("batch")), out_specs=P(), check_vma=False)
+  x = jax.ShapeDtypeStruct((8 * 64, 256), jnp.float32, sharding=NamedSharding(m, P("batch")))
+  hlo = gpu_hlo.compile_text(f, ws, x, mesh=m)
+  assert hlo.count("call-start") >= 2 and "_xla_stream_annotation" in hlo
 
 
 # --- explain takes what users hold -----------------------------------------------------
@@ -330,11 +345,41 @@ def test_explain_nnx_module_and_graphdef_state():
   assert layer_of("[1]['blocks'][0]['ff1']['kernel'].value") == "[1]['blocks'][0]['ff1']"
 
 
+def _small_resnet():
+  """flax's ImageNet ResNet with two one-block stages (ResNet-18 has 2-2-2-2):
+  conv, synchronised BatchNorm over the pmap axis, basic blocks, dense head."""
+  import flax.linen as nn
+  from ooojax.models import features
+
+  class ResNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Conv(4, (3, 3), use_bias=False)(x)
+      x = nn.relu(nn.BatchNorm(use_running_average=False, momentum=0.9,
+                               axis_name=features.AXIS)(x))
+      x = features._BasicBlock(4)(x)
+      x = features._BasicBlock(8, 2)(x)
+      return nn.Dense(10)(jnp.mean(x, (1, 2)))
+
+  model = ResNet()
+  x = jax.random.normal(jax.random.key(0), (8, 8, 8, 3))
+  y = jax.random.randint(jax.random.key(1), (8,), 0, 10)
+  v = jax.vmap(lambda x: model.init(jax.random.key(2), x[None]), axis_name=features.AXIS)(x[:1])
+  params, stats = jax.tree.map(lambda a: a[0], (v["params"], v["batch_stats"]))
+
+  def loss(params, stats, x, y):
+    logits, upd = model.apply({"params": params, "batch_stats": stats}, x,
+                              mutable=["batch_stats"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return ce, {"batch_stats": upd["batch_stats"]}
+  return features.Case("resnet", "", loss, params, (stats, x, y), (False, True, True))
+
+
 def test_resnet_sync_bn_under_pmap_five_steps(close):
   """flax's ImageNet-style train step: synchronised BatchNorm under pmap,
   gradients pmean-ed, 5 SGD-momentum steps, batch_stats carried."""
   from ooojax.models import features
-  c = features.resnet18_sync_bn(batch=8, hw=8, width=4)
+  c = _small_resnet()
   n = 4
   stats, x, y = c.batch
   xs, ys = x.reshape(n, -1, *x.shape[1:]), y.reshape(n, -1)
