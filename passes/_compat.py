@@ -241,8 +241,8 @@ _DEVICE_SPACE = _core.MemorySpace.Device
 def on_stream(fun, stream: int, n_out: int):
   """Wraps `fun` (returning `n_out` arrays) to lower to one call on GPU stream `stream`.
 
-  The call is `compute_on`'s equation under another primitive
-  (`ooo_stream_call`) that lowers as `compute_on` does, except in a module
+  The call is `compute_on`'s equation under another primitive of the same
+  name (`_stream_call_p`) that lowers as `compute_on` does, except in a module
   partitioned over several devices (GSPMD): there it lowers inline, with no
   stream annotation. The partitioner puts collectives inside a dW call (the
   reduction of a batch-sharded weight gradient), and XLA:GPU (jax 0.12) then
@@ -258,7 +258,7 @@ def on_stream(fun, stream: int, n_out: int):
     env.update(zip(closed.jaxpr.invars, jax.tree_util.tree_leaves(args)))
     read = lambda v: v.val if isinstance(v, Literal) else env[v]  # noqa: E731
     for eqn in closed.jaxpr.eqns:
-      prim = _stream_call_p() if eqn.primitive.name == "compute_on" else eqn.primitive
+      prim = _stream_call_p() if eqn.primitive is _compute_on_p() else eqn.primitive
       outs = prim.bind(*map(read, eqn.invars), **eqn.params)
       env.update(zip(eqn.outvars, outs if prim.multiple_results else [outs]))
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape),
@@ -298,13 +298,20 @@ def _stream_call_lowering(ctx, *args, **params):
   return _mlir.lower_fun(inline, multiple_results=True)(ctx, *args)
 
 
+def _compute_on_p():
+  from jax._src import compute_on as _co
+  return _co.compute_on_p
+
+
 @functools.cache
 def _stream_call_p():
   """`compute_on`'s primitive with a lowering that SPMD partitioning survives."""
   from jax._src import compute_on as _co
   from jax._src.interpreters import ad as _ad, batching as _batching, mlir as _mlir
   base = _co.compute_on_p
-  prim = _core.Primitive("ooo_stream_call")
+  # named as compute_on's: op metadata (`.../ooo_W3/compute_on`) and readers of
+  # the jaxpr see the same call
+  prim = _core.Primitive("compute_on")
   prim.multiple_results = True
   prim.def_impl(lambda *a, **params: base.bind(*a, **params))
   prim.def_effectful_abstract_eval(_co._compute_on_abstract_eval)
