@@ -267,7 +267,6 @@ def on_stream(fun, stream: int, n_out: int):
 
 
 def _partitioned(ctx) -> bool:
-
   """The module being lowered is partitioned over several devices by GSPMD
   (a sharded jit, or `shard_map` with some mesh axes left automatic)."""
   from jax._src import sharding_impls as _si
