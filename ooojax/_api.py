@@ -121,9 +121,14 @@ def _aval(x, typed: bool = True) -> jax.ShapeDtypeStruct:
     # its own type, varying mesh axes included: under shard_map(check_vma=True)
     # AD then sums an invariant input's gradient over the axes, as jax.grad does
     return _compat.shape_dtype(jax.typeof(x))
+  if isinstance(x, jax.Array) and typed:
+    # a committed array's type: under explicit mesh axes its sharding is part of
+    # it (what `jax.typeof(x).sharding` reads in the loss)
+    return _compat.shape_dtype(jax.typeof(x))
   if hasattr(x, "shape") and hasattr(x, "dtype"):
     weak = bool(getattr(getattr(x, "aval", x), "weak_type", False))  # arrays, ShapeDtypeStructs
-    return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, weak_type=weak)
+    sharding = getattr(x, "sharding", None) if isinstance(x, jax.ShapeDtypeStruct) else None
+    return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, weak_type=weak, sharding=sharding)
   return jax.ShapeDtypeStruct((), jax.numpy.result_type(x),
                               weak_type=isinstance(x, (int, float, complex)))
 
@@ -257,7 +262,13 @@ class _Transformed:
       leaves, tree = jax.tree_util.tree_flatten(a)
       if diff:
         for leaf in leaves:
-          _compat.check_input_dtype_grad(holomorphic, self.allow_int, leaf)
+          try:
+            _compat.check_input_dtype_grad(holomorphic, self.allow_int, leaf)
+          except TypeError as e:
+            if not holomorphic:  # an nnx module's RNG key / count, say what to do
+              from ooojax._explain_inputs import int_leaves_note
+              raise int_leaves_note(e)
+            raise
       marked_args.append(jax.tree_util.tree_unflatten(tree, [mark(x, diff) for x in leaves]))
     # kwargs are flattened in sorted-key order, as make_jaxpr flattens them
     marked_kwargs = {k: jax.tree_util.tree_map(lambda x: mark(x, False), kwargs[k])

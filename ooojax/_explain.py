@@ -104,8 +104,11 @@ class Report:
     lines = [
         f"ooojax schedule (mode={self.mode}, device spec={s.device})",
         f"  equations: {c['FORWARD']} forward, {c['DX']} dX, {c['DW']} dW, "
-        f"{c['DEAD']} dead; {self.split.inlined} calls inlined, "
-        f"{len(self.split.opaque)} kept whole {sorted(set(self.split.opaque)) or ''}",
+        f"{c['DEAD']} dead",
+        f"  nested calls: {self.split.inlined} opened (jit / checkpoint / custom_vjp bodies "
+        f"on the backward, scheduled equation by equation); {len(self.split.opaque)} "
+        f"loops or branches kept whole (each scheduled as one unit)"
+        + (f": {', '.join(sorted(set(self.split.opaque)))}" if self.split.opaque else ""),
         f"  dW clusters: {len(self.split.clusters)} "
         f"({len(side)} on stream 1, {len(self.split.clusters) - len(side)} on stream 0)",
         f"  units: {sum(u.kind is UnitKind.DX for u in s.units)} dX segments",
@@ -214,11 +217,60 @@ def explain(fun, *args, argnums=0, has_aux=False, **options):
   ...                 defer=("b",)).carried
   >>> c.deferred_paths, c.carried_bytes        # b's input activation and output cotangent
   (("['b']",), 192)
+
+  What users hold is taken as it is: an nnx module or a `(graphdef, state)`
+  pair as the differentiated argument (its non-float leaves, such as RNG keys,
+  are not differentiated), and a loss that names a mesh axis (synchronised
+  BatchNorm outside `pmap`) with `mesh=` (a `Mesh`, `AbstractMesh` or
+  `{name: size}`) and `axis_name=`: the loss is traced with the axis bound,
+  shapes only. In data-parallel mode `axis_name` and `axis_size` bind it.
   """
+  from ooojax import _explain_inputs as inputs
+  kwargs = options.pop("kwargs", {})
+  mesh = options.pop("mesh", None)
+  mode = options.get("mode", "auto")
+  axes = inputs.mesh_axes(mesh) if mesh is not None else {}
+  bound = None
+  if mode == "data_parallel":
+    name = options.get("axis_name")
+    if name is not None and name in axes and "axis_size" not in options:
+      options["axis_size"] = axes[name]
+    elif name is not None and _explain_dp_size_ok(options.get("axis_size")):
+      axes.setdefault(name, options["axis_size"])   # bound while tracing (sync BatchNorm)
+  elif "axis_name" in options:
+    # outside data_parallel, axis_name= names the axis the loss reads (bound from mesh=)
+    bound = options.pop("axis_name")
+    if bound not in axes:
+      raise ValueError(
+          f"axis_name={bound!r} outside mode='data_parallel' names the mesh axis the loss "
+          f"reads; pass mesh= with that axis too, e.g. ooo.explain(loss, params, batch, "
+          f"mesh=jax.make_mesh((8,), ({bound!r},)), axis_name={bound!r})"
+          if mesh is None else f"axis_name={bound!r} is not an axis of mesh= ({list(axes)})")
+  from ooojax._api import _check_argnums, _resolve_argnums
+  idx = _resolve_argnums(_check_argnums(argnums), len(args))
+  moved = inputs.float_only(fun, tuple(args), idx, options.get("allow_int", False))
+  if moved is not None:
+    fun, args = moved.fun, moved.args
+
+  def run():
+    try:
+      return _explain(fun, args, argnums, has_aux, options, kwargs)
+    except NameError as e:
+      if "axis name" in str(e):
+        raise inputs.unbound_axis_note(e, mode)
+      raise
+  return inputs.run_bound(run, axes) if axes else run()
+
+
+def _explain_dp_size_ok(n) -> bool:
+  # a bad axis_size is left to explain_dp's own error
+  return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+
+
+def _explain(fun, args, argnums, has_aux, options, kwargs):
   from ooojax._api import value_and_grad
   from ooojax._compiled import Call
   from ooojax import _explain_dp
-  kwargs = options.pop("kwargs", {})
   defer = options.pop("defer", None)
   only = {k: options.pop(k) for k in _explain_dp.EXPLAIN_ONLY if k in options}
   if options.get("mode") == "data_parallel":

@@ -65,6 +65,14 @@ class DataParallelReport:
     """The layers whose dW runs after the dX chain, in forward order."""
     return tuple(collectives.layers_forward(self.compute.split)[:self.first_k])
 
+  @property
+  def first_k_main_layers(self) -> tuple[str, ...]:
+    """`first_k_layers` that hold a conv or matmul weight gradient (the leading
+    conv/dense layers first-k is about); the others (BatchNorm scales, biases
+    of their own module) go along with them."""
+    heavy = _heavy_layers(self.compute.split)
+    return tuple(l for l in self.first_k_layers if l in heavy)
+
   def timeline(self) -> Timeline:
     """Compute (stream 0) next to the link (stream 1), simulated."""
     return self.plan.timeline()
@@ -128,14 +136,22 @@ class DataParallelReport:
     p, split = self.plan, self.compute.split
     total = sum(b.nbytes for b in p.buckets) + sum(l.nbytes for l in p.loops)
     how = lambda name: "chosen by the cost model" if name in self.chosen else "given"  # noqa: E731
+    n_heavy = len(_heavy_layers(split))
     lines = [
         f"ooojax data-parallel plan (axis {self.axis_name!r} x {p.n_devices} devices, link "
         f"{p.link.name}, device spec={self.compute.schedule.device})",
-        f"  gradients: {len(self.param_names)} leaves in {p.n_layers} layers, {total} bytes; "
-        f"dW clusters: {len(split.clusters)}",
+        f"  gradients: {len(self.param_names)} leaves in {p.n_layers} layers ({n_heavy} with a "
+        f"conv/matmul weight), {total} bytes; dW clusters (one per leaf): {len(split.clusters)}",
+        "  what the plan does: each device computes the gradient of its shard; a bucket is a "
+        "group of gradient leaves reduced over the devices by one all-reduce, issued as soon "
+        "as the backward has produced all of them, so it runs while the rest of the backward "
+        "computes (bucket_bytes caps its size). Reverse first-k computes the weight "
+        "gradients of the model's first k layers after the whole dX chain, first layer "
+        "first: the next step's forward needs those layers first, and their all-reduces "
+        "then finish in that order.",
         f"  reverse first-k: k={p.first_k} of {p.n_layers} layers ({how('first_k')})"
-        + (f": {', '.join(self.first_k_layers)} run their dW after the dX chain, in forward "
-           "order" if p.first_k else ""),
+        + (f": {self._first_k_text()} run their dW after the dX chain, in forward order"
+           if p.first_k else ": every layer's dW runs as soon as the backward reaches it"),
         f"  buckets: {len(p.buckets)} (one all-reduce each), bucket_bytes={p.bucket_bytes} "
         f"({how('bucket_bytes')}); on the link (simulated):",
     ]
@@ -161,6 +177,15 @@ class DataParallelReport:
     lines.append(self._carried_line())
     return "\n".join(lines)
 
+  def _first_k_text(self) -> str:
+    """The first-k layers named by their conv/dense layers; the rest counted."""
+    layers, main = self.first_k_layers, self.first_k_main_layers
+    if not main or len(main) == len(layers):
+      return _names(layers)
+    return (f"{_names(main)} (with {len(layers) - len(main)} parameter groups of their own "
+            f"without a conv/matmul weight, e.g. {layers[[l in main for l in layers].index(False)]}"
+            ": normalisation scales and biases)")
+
   def _carried_line(self) -> str:
     p = self.plan
     if not self.first_k:
@@ -169,7 +194,7 @@ class DataParallelReport:
     paths = self.carried_paths
     names = ", ".join(paths[:4]) + (f" +{len(paths) - 4}" if len(paths) > 4 else "")
     return (f"  carried to the next step (dp.make_train_step, cross_step=True): the all-reduce "
-            f"and optimizer update of layers {', '.join(self.first_k_layers)} ({len(paths)} "
+            f"and optimizer update of layers {self._first_k_text()} ({len(paths)} "
             f"leaves, {self.carried_bytes} B per device in Pending: {names}), run under "
             f"step t+1's forward; simulated step {p.makespan * 1e3:.3f} -> "
             f"{p.cross_step * 1e3:.3f} ms ({self.hidden_seconds * 1e3:.3f} ms hidden)")
@@ -240,6 +265,19 @@ class CompiledDataParallel:
 
   def _repr_html_(self) -> str:
     return f"<pre>{html.escape(self.summary())}</pre>"
+
+
+def _names(layers, most: int = 12) -> str:
+  text = ", ".join(layers[:most])
+  return text + (f" +{len(layers) - most} more" if len(layers) > most else "")
+
+
+def _heavy_layers(split) -> frozenset[str]:
+  """Layers with a dW cluster holding a conv or matmul (a conv/dense weight)."""
+  eqns = split.jaxpr.jaxpr.eqns
+  heavy = ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general")
+  return frozenset(collectives.layer_of(c.param) for c in split.clusters
+                   if any(eqns[k].primitive.name in heavy for k in c.eqns))
 
 
 def _axis_size(axis_name, axis_size) -> int:

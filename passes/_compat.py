@@ -239,9 +239,89 @@ _DEVICE_SPACE = _core.MemorySpace.Device
 
 
 def on_stream(fun, stream: int, n_out: int):
-  """Wraps `fun` (returning `n_out` arrays) to lower to one call on GPU stream `stream`."""
-  return _compute_on(fun, compute_type=f"gpu_stream:{stream}",
-                     out_memory_spaces=(_DEVICE_SPACE,) * n_out)
+  """Wraps `fun` (returning `n_out` arrays) to lower to one call on GPU stream `stream`.
+
+  The call is `compute_on`'s equation under another primitive of the same
+  name (`_stream_call_p`) that lowers as `compute_on` does, except in a module
+  partitioned over several devices (GSPMD): there it lowers inline, with no
+  stream annotation. The partitioner puts collectives inside a dW call (the
+  reduction of a batch-sharded weight gradient), and XLA:GPU (jax 0.12) then
+  fails: "No ExecutionStreamId found for all-reduce-start". Every transform
+  other than lowering is `compute_on`'s own.
+  """
+  wrapped = _compute_on(fun, compute_type=f"gpu_stream:{stream}",
+                        out_memory_spaces=(_DEVICE_SPACE,) * n_out)
+
+  def call(*args):
+    closed, shape = jax.make_jaxpr(wrapped, return_shape=True)(*args)
+    env = dict(zip(closed.jaxpr.constvars, closed.consts))
+    env.update(zip(closed.jaxpr.invars, jax.tree_util.tree_leaves(args)))
+    read = lambda v: v.val if isinstance(v, Literal) else env[v]  # noqa: E731
+    for eqn in closed.jaxpr.eqns:
+      prim = _stream_call_p() if eqn.primitive is _compute_on_p() else eqn.primitive
+      outs = prim.bind(*map(read, eqn.invars), **eqn.params)
+      env.update(zip(eqn.outvars, outs if prim.multiple_results else [outs]))
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape),
+                                        [read(v) for v in closed.jaxpr.outvars])
+  return call
+
+
+def _partitioned(ctx) -> bool:
+  """The module being lowered is partitioned over several devices by GSPMD
+  (a sharded jit, or `shard_map` with some mesh axes left automatic)."""
+  from jax._src import sharding_impls as _si
+  axis_ctx = ctx.module_context.axis_context
+  if isinstance(axis_ctx, _si.ShardingContext):
+    return axis_ctx.num_devices > 1
+  if isinstance(axis_ctx, _si.SPMDAxisContext):
+    return bool(set(axis_ctx.mesh.axis_names) - set(axis_ctx.manual_axes))
+  return False
+
+
+def _stream_call_lowering(ctx, *args, **params):
+  from jax._src import compute_on as _co
+  from jax._src.interpreters import mlir as _mlir
+  if not _partitioned(ctx):
+    return _co._compute_on_lowering(ctx, *args, **params)
+  jaxpr = params["jaxpr"]
+
+  def inline(*vals):
+    # bound without the equations' own context: it carries the stream
+    # compute type, which would annotate each op inside
+    env = dict(zip(jaxpr.invars, vals))
+    read = lambda v: v.val if isinstance(v, Literal) else env[v]  # noqa: E731
+    for eqn in jaxpr.eqns:
+      outs = eqn.primitive.bind(*map(read, eqn.invars), **eqn.params)
+      env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
+    return [read(v) for v in jaxpr.outvars]
+  return _mlir.lower_fun(inline, multiple_results=True)(ctx, *args)
+
+
+def _compute_on_p():
+  from jax._src import compute_on as _co
+  return _co.compute_on_p
+
+
+@functools.cache
+def _stream_call_p():
+  """`compute_on`'s primitive with a lowering that SPMD partitioning survives."""
+  from jax._src import compute_on as _co
+  from jax._src.interpreters import ad as _ad, batching as _batching, mlir as _mlir
+  base = _co.compute_on_p
+  # named as compute_on's: op metadata (`.../ooo_W3/compute_on`) and readers of
+  # the jaxpr see the same call
+  prim = _core.Primitive("compute_on")
+  prim.multiple_results = True
+  prim.def_impl(lambda *a, **params: base.bind(*a, **params))
+  prim.def_effectful_abstract_eval(_co._compute_on_abstract_eval)
+  _mlir.register_lowering(prim, _stream_call_lowering)
+  for table in (_batching.fancy_primitive_batchers, _ad.primitive_jvps,
+                _ad.primitive_linearizations, _ad.fancy_transposes,
+                _pe.custom_partial_eval_rules, _pe.partial_eval_jaxpr_custom_rules,
+                _pe.dce_rules):
+    if base in table:
+      table[prim] = table[base]
+  return prim
 
 
 # Set by `vary_inputs`: bind_eqn makes mixed invariant inputs varying over these axes.
@@ -418,26 +498,46 @@ def call_debug_info():
   return _DebugInfo("ooo", "ooojax's schedule", None, None)
 
 
-@functools.cache
-def _control_dep_call():
-  # vmap_method broadcasts under vmap, so the order survives per-example grads.
-  return jax.ffi.ffi_call("control_dep", (), has_side_effect=True, vmap_method="expand_dims")
+def _control_dep_lowering(ctx, src, dst):
+  """The `control_dep` custom call, or nothing where SPMD partitioning follows.
+
+  XLA's SPMD partitioner requires a sharding on every side-effecting
+  instruction ("Side-effect HLO must have sharding") and would replicate the
+  operands to give it one: an all-gather of sharded gradients whose
+  producers, not the calls, would then get the edge. Under a jit partitioned
+  over several devices (GSPMD, or `shard_map` with some axes left auto) the
+  edge is therefore left out: the stream calls' windows are still pinned by
+  the barriers (`ordering="barriers"` / `"auto"`), and XLA:CPU has no streams.
+  """
+  if _partitioned(ctx):
+    return []
+  from jax._src import ffi as _ffi
+  rule = _ffi.ffi_lowering("control_dep", has_side_effect=True)
+  return rule(ctx, src, dst)
 
 
 @functools.cache
-def _control_dep_eqn():
-  x = jax.ShapeDtypeStruct((1,), "float32")
-  return jax.make_jaxpr(lambda a, b: _control_dep_call()(a, b))(x, x).eqns[0]
+def _control_dep_p():
+  """`ooo_control_dep(src, dst)`: a side-effecting, output-less ordering edge."""
+  from jax._src import ffi as _ffi
+  from jax._src.interpreters import batching as _batching, mlir as _mlir
+  from jax._src.interpreters import ad as _ad
+  prim = _core.Primitive("ooo_control_dep")
+  prim.multiple_results = True
+  prim.def_impl(lambda src, dst: [])  # eager: nothing to order
+  prim.def_effectful_abstract_eval(lambda src, dst: ([], {_ffi._FfiEffect}))
+  # under vmap the edge orders the batched producers: same operands, no outputs
+  _batching.primitive_batchers[prim] = lambda args, dims: (prim.bind(*args), [])
+
+  def jvp(primals, tangents):
+    return prim.bind(*primals), []
+  _ad.primitive_jvps[prim] = jvp
+  _mlir.register_lowering(prim, _control_dep_lowering)
+  return prim
 
 
 def _control_dep(src, dst) -> None:
-  if getattr(src, "ndim", None) == 1 and getattr(dst, "ndim", None) == 1:
-    # the flat buffers of stream calls: one traced equation's params fit them
-    # all (they name operand ranks only), bound without the ffi wrapper's work
-    eqn = _control_dep_eqn()
-    eqn.primitive.bind(src, dst, **eqn.params)
-  else:
-    _control_dep_call()(src, dst)
+  _control_dep_p().bind(src, dst)
 
 
 def control_deps(pairs) -> None:
@@ -559,13 +659,17 @@ def like_varying(x, ref):
 
 
 def shape_dtype(aval) -> jax.ShapeDtypeStruct:
-  """`aval` as a `jax.ShapeDtypeStruct`, weak type and varying mesh axes kept.
+  """`aval` as a `jax.ShapeDtypeStruct`, weak type, sharding and varying mesh axes kept.
 
   Traced from such structs under `shard_map(check_vma=True)`, a jaxpr is
   typed as the values it will be bound to: its equations carry their own
   casts, so emission can copy them (`emit_eqns`) instead of re-binding each.
+  The sharding is kept when it names a mesh (a jit over `jax.set_mesh`, explicit
+  or auto axes): a loss that reads `jax.typeof(x).sharding` (to `reshard` to
+  it) then sees the mesh it sees under `jax.grad`, not an empty one.
   """
   weak = bool(getattr(aval, "weak_type", False))
+  sharding = aval_sharding(aval)
   mat = getattr(aval, "mat", None)  # the manual axis type (vma)
   if mat is not None and not getattr(mat, "empty", True):
     try:
@@ -573,7 +677,22 @@ def shape_dtype(aval) -> jax.ShapeDtypeStruct:
                                   sharding=aval.sharding, manual_axis_type=mat)
     except (TypeError, ValueError):  # pragma: no cover - other JAX: untyped, cast when bound
       pass
+  if sharding is not None:
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak, sharding=sharding)
   return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak)
+
+
+def aval_sharding(aval):
+  """`aval`'s `NamedSharding` when its mesh is not empty, else None.
+
+  An aval traced outside any mesh carries an empty abstract mesh; a struct
+  given that sharding would fix nothing, so it is left out.
+  """
+  sharding = getattr(aval, "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or getattr(mesh, "empty", True) or not getattr(mesh, "axis_names", ()):
+    return None
+  return sharding
 
 
 def _pcast_varying(x, axes):

@@ -22,6 +22,11 @@ Under `jax.jit` the result is an XLA module that carries the schedule:
 * "scheduling_group" tags each call and the segment that runs beside it with
   one `_scheduling_group_id` (read by XLA's latency-hiding scheduler).
 
+In a module partitioned over several devices (GSPMD: a sharded jit, or a
+`shard_map` leaving mesh axes automatic) the control edges are left out and
+the stream calls lower inline, barriers kept (`passes._compat.on_stream`,
+`control_deps`; docs/guides/sharded-jit.md says why).
+
 `ordering="auto"` is barriers plus control edges on CPU. Each unit's
 equations run under `jax.named_scope("ooo_<unit>")`, so compiled HLO names
 the unit in its op metadata.

@@ -131,8 +131,14 @@ class CollectivePlan:
 
 
 def layer_of(param: str) -> str:
-  """`['params']['Dense_0']['kernel']` -> `['params']['Dense_0']`."""
-  i = param.rfind("[")
+  """`['params']['Dense_0']['kernel']` -> `['params']['Dense_0']`.
+
+  nnx paths too: `.blocks[0].attn.kernel.value` -> `.blocks[0].attn`,
+  `[1]['l']['kernel'].value` (a `(graphdef, state)` pair) -> `[1]['l']`.
+  """
+  if param.endswith(".value"):   # an nnx Variable's value
+    param = param[:-len(".value")]
+  i = param.rfind("[") if param.endswith("]") else param.rfind(".")
   return param[:i] if i > 0 else param
 
 

@@ -1,0 +1,161 @@
+"""`ooo.explain` takes what users hold: nnx modules, `(graphdef, state)` pairs,
+and losses that name a mesh axis.
+
+Two adaptations, both for explaining only (`ooo.grad` keeps `jax.grad`'s
+contract and its errors):
+
+* `float_only`: the differentiated arguments' non-float leaves (an nnx
+  module's RNG key and counter, integer step counts, boolean masks) are moved
+  into one extra argument that is not differentiated. The float leaves keep
+  their key paths, so the report names parameters as the model does
+  (`.blocks[0].attn.kernel.value`, `[1]['blocks'][0]['attn']['kernel'].value`).
+* `run_bound`: a loss that names a mesh axis (synchronised BatchNorm's
+  `pmean`, `lax.axis_index`) is traced inside a `shard_map` over an abstract
+  mesh with those axes, so the axis is bound as it is in the user's
+  `pmap` / `shard_map`; nothing runs and no device is needed.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def _is_float(x) -> bool:
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:
+    return isinstance(x, (float, complex))
+  return bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
+
+
+def _is_hole(x) -> bool:
+  return x is None
+
+
+@dataclasses.dataclass(frozen=True)
+class FloatOnly:
+  """`fun` and `args` rewritten so only float leaves are differentiated."""
+  fun: Callable
+  args: tuple
+  moved: tuple[str, ...]    # key paths of the leaves that are not differentiated
+
+
+def float_only(fun, args: tuple, idx: tuple[int, ...], allow_int: bool = False
+               ) -> FloatOnly | None:
+  """Moves the non-float leaves of `args[i]` (i in `idx`) into an extra last argument.
+
+  Returns None when every differentiated leaf is float (nothing to move).
+  The rewritten `fun(*args, rest, **kwargs)` puts the moved leaves back
+  before calling the user's `fun`, so the loss sees the module or state it
+  was written for.
+  """
+  if allow_int:
+    return None
+  holed, rests, defs, moved = list(args), [], [], []
+  mark = object()   # stands for a moved leaf while the slots are laid out
+  for i in idx:
+    leaves, tree = jax.tree_util.tree_flatten_with_path(args[i])
+    keep = [_is_float(x) for _, x in leaves]
+    if all(keep):
+      rests.append(())
+      defs.append(None)
+      continue
+    marked = jax.tree_util.tree_unflatten(
+        tree, [x if k else mark for (_, x), k in zip(leaves, keep)])
+    # slots: leaves, holes and the tree's own None subtrees, in one order
+    slots, slot_def = jax.tree_util.tree_flatten(marked, is_leaf=_is_hole)
+    holed[i] = jax.tree_util.tree_unflatten(slot_def, [None if x is mark else x for x in slots])
+    rests.append(tuple(x for (_, x), k in zip(leaves, keep) if not k))
+    defs.append((slot_def, tuple(x is mark for x in slots)))
+    moved += [f"{i}{jax.tree_util.keystr(p)}" if len(idx) > 1 else jax.tree_util.keystr(p)
+              for (p, _), k in zip(leaves, keep) if not k]
+  if not moved:
+    return None
+
+  def fun_float(*a, **kw):
+    *a, rest = a
+    full = list(a)
+    for i, d, r in zip(idx, defs, rest):
+      if d is None:
+        continue
+      slot_def, holes = d
+      it = iter(r)
+      slots = slot_def.flatten_up_to(a[i])
+      full[i] = jax.tree_util.tree_unflatten(
+          slot_def, [next(it) if h else x for x, h in zip(slots, holes)])
+    return fun(*full, **kw)
+
+  fun_float.__name__ = getattr(fun, "__name__", "fun")
+  fun_float.__qualname__ = getattr(fun, "__qualname__", fun_float.__name__)
+  return FloatOnly(fun_float, (*holed, tuple(rests)), tuple(moved))
+
+
+def _unbound(names) -> list[str]:
+  out = []
+  for n in names:
+    try:
+      jax.lax.axis_size(n)
+    except NameError:
+      out.append(n)
+  return out
+
+
+def mesh_axes(mesh) -> dict[str, int]:
+  """Axis name -> size of a `Mesh`, `AbstractMesh` or `{name: size}` mapping."""
+  if isinstance(mesh, Mapping):
+    return {str(k): int(v) for k, v in mesh.items()}
+  shape = getattr(mesh, "shape", None)
+  if isinstance(shape, Mapping):
+    return {str(k): int(v) for k, v in shape.items()}
+  raise TypeError(f"mesh= takes a jax.sharding.Mesh, an AbstractMesh or a dict of axis "
+                  f"sizes such as {{'batch': 8}}, got {type(mesh).__name__}")
+
+
+def run_bound(fn: Callable[[], Any], axes: Mapping[str, int]) -> Any:
+  """`fn()` traced with every axis in `axes` bound (those not bound already).
+
+  Runs `fn` inside `jax.shard_map` over an `AbstractMesh` of the unbound
+  axes, under `jax.eval_shape`: shapes only, no device. `fn`'s result must
+  not depend on the trace (it is returned through a closure).
+  """
+  names = _unbound(list(axes))
+  if not names:
+    return fn()
+  from jax.sharding import AbstractMesh, PartitionSpec
+  am = AbstractMesh(tuple(int(axes[n]) for n in names), tuple(names))
+  box = {}
+
+  def body():
+    box["out"] = fn()
+    return np.zeros((), np.float32)
+
+  jax.eval_shape(jax.shard_map(body, mesh=am, in_specs=(), out_specs=PartitionSpec(),
+                               check_vma=False))
+  return box["out"]
+
+
+def unbound_axis_note(err: NameError, mode: str) -> NameError:
+  """Adds to JAX's unbound-axis error which `explain` argument binds it."""
+  name = str(err).split("axis name:")[-1].split(".")[0].strip() or "batch"
+  if mode == "data_parallel":
+    hint = (f"pass axis_name={name!r} and axis_size=N (the devices the batch is split over), "
+            f"or mesh=jax.make_mesh((N,), ({name!r},)), to ooo.explain")
+  else:
+    hint = (f"pass mesh=jax.make_mesh((N,), ({name!r},)) (or mesh={{{name!r}: N}}) and "
+            f"axis_name={name!r} to ooo.explain, which then traces the loss with the axis "
+            "bound; or call explain inside the jax.shard_map / jax.pmap that binds it")
+  err.add_note(f"ooo.explain: the loss names mesh axis {name!r} (e.g. synchronised "
+               f"BatchNorm(axis_name={name!r}) or lax.pmean(..., {name!r})): {hint}.")
+  return err
+
+
+def int_leaves_note(err: TypeError) -> TypeError:
+  err.add_note(
+      "ooo.explain differentiates only the float leaves of what it is given: pass the nnx "
+      "module (or its (graphdef, state) pair) as it is. ooo.grad, like jax.grad, needs "
+      "float inputs: split the module first, e.g. graphdef, params, rest = "
+      "nnx.split(model, nnx.Param, ...), and differentiate params.")
+  return err
