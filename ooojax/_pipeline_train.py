@@ -68,11 +68,12 @@ class PipelineTrainStep:
   """`state, loss = step(state, *batch)`; built by `make_train_step`."""
 
   def __init__(self, loss_fn, optimizer, sched, mesh, axis_name, data_axis, has_aux,
-               compiler_options, layers=None):
+               compiler_options, layers=None, aux_reduce=None):
     self.loss_fn, self.optimizer, self.sched = loss_fn, optimizer, sched
     self.mesh, self.axis_name, self.data_axis, self.has_aux = (mesh, axis_name, data_axis,
                                                                has_aux)
     self.compiler_options, self.layers = compiler_options, layers
+    self.aux_reduce = aux_reduce
     self._layout: _Layout | None = None
     self._step = None
 
@@ -170,9 +171,12 @@ class PipelineTrainStep:
     lay = self._layout
     prog = self._program(list(lay.avals), lay.treedef, batch, lay.balance.counts)
     sp = state.params
-    loss, (gp, gsh) = prog.run(sp.stacked, prog.batch, sp.shared)
+    out, (gp, gsh) = prog.run(sp.stacked, prog.batch, sp.shared)
+    loss, aux = prog.split(out)
     grads = StageParams(tuple(gp), tuple(gsh), tuple(jnp.zeros_like(x) for x in sp.rest))
     updates, opt_state = self.optimizer.update(grads, state.opt_state, sp)
+    if self.has_aux:
+      loss = (loss, prog.aux(aux, self.aux_reduce))
     return PipelineTrainState(state.step + 1, optax.apply_updates(sp, updates),
                               opt_state), loss
 
@@ -199,7 +203,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
                     data_axis: str | None = None, has_aux: bool = False,
                     compiler_options: dict | None = None,
                     layers: str | tuple[int, ...] | None = None,
-                    steps: int = 1) -> PipelineTrainStep:
+                    steps: int = 1, aux_reduce: Callable | None = None) -> PipelineTrainStep:
   """A jitted pipelined train step of a plain loss, the optimizer applied per stage.
 
   The stages are cut from `loss_fn` as in `value_and_grad(loss_fn, mesh=...,
@@ -214,7 +218,9 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
 
   Args:
     loss_fn: `loss_fn(params, *batch) -> scalar`, the plain loss (a mean over
-      examples); with `has_aux`, `(loss, aux)` (aux is not computed).
+      examples); with `has_aux`, `(loss, aux)`: the step returns `state, (loss,
+      aux)` (`steps > 1`: each aux leaf with a leading axis of steps), the aux
+      reduced over microbatches by `aux_reduce` as in `value_and_grad`.
     optimizer: the optax optimizer.
     mesh, axis_name, schedule, microbatches, chunks, data_axis, layers: as in
       `value_and_grad`. The split is fixed at `init` (`step.balance`); the cost
@@ -261,7 +267,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
                      f"axis {axis_name!r}; the mesh has {dict(mesh.shape)}")
   sched = _table(schedule, mesh.shape[axis_name], microbatches, chunks)
   args = (loss_fn, optimizer, sched, mesh, axis_name, data_axis, has_aux, compiler_options,
-          layers)
+          layers, aux_reduce)
   if not (isinstance(steps, int) and steps >= 1):
     raise ValueError(f"steps must be an int >= 1, got {steps!r}")
   if steps > 1:

@@ -1,7 +1,8 @@
 """pipeline.cut: a plain loss's jaxpr cut into prologue, a stack of layers, epilogue.
 
-Contract: `cut(jaxpr, n_params) -> Cut` for `jaxpr = make_jaxpr(flat_loss)(*param_leaves,
-*batch_leaves)` with one scalar output; raises `CutError` (a `ValueError`) when
+Contract: `cut(jaxpr, n_params, n_aux=0) -> Cut` for `jaxpr = make_jaxpr(flat_loss)(
+*param_leaves, *batch_leaves)` with one scalar output, then `n_aux` aux outputs
+(metrics, computed by the epilogue: `Cut.epilogue`); raises `CutError` (a `ValueError`) when
 the program holds no stack it can pipeline. Read by `ooojax.pipeline`, which
 hands `Cut.input_fn`, `Cut.stage_fn(n)` per layer count (`passes.pipeline.balance`)
 and `Cut.loss_fn` to `passes.pipeline.execute.lower`.
@@ -74,6 +75,9 @@ class Cut:
   layer_fn: Callable = dataclasses.field(repr=False)  # (consts, layer_leaves, x) -> x
   consts_fn: Callable = dataclasses.field(repr=False)  # (side) -> the layers' constants
   side: tuple[int, ...] = ()            # batch leaves every layer reads (a mask's tokens)
+  n_aux: int = 0                        # aux outputs (`epilogue`)
+  epilogue: Callable | None = dataclasses.field(default=None, repr=False)
+  # ^ (activation, targets, shared) -> (scalar, aux outputs): the loss and the aux
 
   def stage_fn(self, per: int) -> Callable:
     """`(stage_leaves, x, side=()) -> x` running the first `per` layers of its leaves
@@ -140,6 +144,7 @@ class _Program:
   param_vars: list        # parameter invars
   batch_vars: list        # batch invars
   loss: Any               # the scalar output
+  aux: tuple              # the aux outputs (vars or literals)
   dep: dict               # var -> _P | _B bits
   producer: dict          # var -> defining equation index
 
@@ -163,7 +168,7 @@ class _Program:
     return self.dep[outs[0]] if outs else _PINNED
 
 
-def _program(closed, n_params: int) -> _Program:
+def _program(closed, n_params: int, n_aux: int = 0) -> _Program:
   eqns, outs, consts = _flatten(closed)
   invars = list(closed.jaxpr.invars)
   dep = {v: _P for v in invars[:n_params]}
@@ -177,9 +182,11 @@ def _program(closed, n_params: int) -> _Program:
     for v in e.outvars:
       if _is_var(v):
         dep[v], producer[v] = bits, k
-  if len(outs) != 1:
-    raise CutError(f"the traced loss returns {len(outs)} values; it must return one scalar")
-  return _Program(eqns, consts, invars[:n_params], invars[n_params:], outs[0], dep, producer)
+  if len(outs) != 1 + n_aux:
+    raise CutError(f"the traced loss returns {len(outs)} values; it must return one scalar"
+                   + (f" and {n_aux} aux leaves" if n_aux else ""))
+  return _Program(eqns, consts, invars[:n_params], invars[n_params:], outs[0],
+                  tuple(outs[1:]), dep, producer)
 
 
 # --- the stack -----------------------------------------------------------------------
@@ -408,9 +415,10 @@ def _pick(prog: _Program) -> _Stack | None:
   return scan
 
 
-def cut(jaxpr, n_params: int) -> Cut:
-  """Cuts `jaxpr` (`(*param_leaves, *batch_leaves) -> loss`) into prologue, stack, epilogue."""
-  prog = _program(jaxpr, n_params)
+def cut(jaxpr, n_params: int, n_aux: int = 0) -> Cut:
+  """Cuts `jaxpr` (`(*param_leaves, *batch_leaves) -> (loss, *aux)`) into prologue,
+  stack, epilogue (which computes the aux outputs too)."""
+  prog = _program(jaxpr, n_params, n_aux)
   stack = _pick(prog)
   if stack is None:
     rand = side_pass.check([e for k, e in enumerate(prog.eqns) if prog.bits(k) == _B], (),
@@ -422,16 +430,23 @@ def cut(jaxpr, n_params: int) -> Cut:
                    "not cut either)" + (f"; {rand}" if rand else "") + EXPLICIT)
   pro = prog.slice([stack.x_in])
   epi = prog.slice([prog.loss], stop=[stack.x_out])
-  inside = stack.eqns.intersection(pro + epi)
+  epi_aux = prog.slice([prog.loss, *prog.aux], stop=[stack.x_out])
+  inside = stack.eqns.intersection(pro + epi_aux)
   if inside:
     e = prog.eqns[min(inside)]
-    raise CutError(f"the loss reads a value from inside the stack ({e.primitive.name} -> "
-                   f"{e.outvars[0].aval}, e.g. per-layer outputs or sown intermediates); "
-                   "only the last layer's output may leave the stack" + EXPLICIT)
+    what = "the loss" if stack.eqns.intersection(pro + epi) else "the aux output"
+    raise CutError(f"{what} reads a value from inside the stack ({e.primitive.name} -> "
+                   f"{e.outvars[0].aval}, e.g. per-layer outputs, sown intermediates or "
+                   "mutated batch statistics); only the last layer's output may leave the "
+                   "stack" + EXPLICIT)
+  if stack.x_out in prog.aux:
+    raise CutError("the aux output holds the stack's output activation itself; return "
+                   "values computed from it (metrics) instead" + EXPLICIT)
   index = {v: i for i, v in enumerate(prog.param_vars)}
   b_index = {v: i for i, v in enumerate(prog.batch_vars)}
   stack_params = {v for row in stack.layers for v in row}
-  outside = (prog.reads(pro) | prog.reads(epi)) & set(prog.param_vars)
+  direct = {v for v in prog.aux if _is_var(v)}   # aux leaves that are inputs themselves
+  outside = (prog.reads(pro) | prog.reads(epi_aux) | direct) & set(prog.param_vars)
   if outside & stack_params:
     v = next(iter(outside & stack_params))
     raise CutError(f"a parameter of the stack ({v.aval}) is also read outside it; automatic "
@@ -439,10 +454,11 @@ def cut(jaxpr, n_params: int) -> Cut:
   shared = tuple(sorted(index[v] for v in outside))
   inputs = tuple(sorted(b_index[v] for v in (prog.reads(pro) | {stack.x_in})
                         if v in b_index))
-  targets = tuple(sorted(b_index[v] for v in prog.reads(epi) if v in b_index))
+  targets = tuple(sorted(b_index[v] for v in prog.reads(epi_aux) | direct if v in b_index))
   consts = prog.consts
   pro_eqns = [prog.eqns[k] for k in pro]
   epi_eqns = [prog.eqns[k] for k in epi]
+  aux_eqns = [prog.eqns[k] for k in epi_aux]
   shared_vars = [prog.param_vars[i] for i in shared]
 
   def input_fn(ins, sh):
@@ -457,6 +473,14 @@ def cut(jaxpr, n_params: int) -> Cut:
     env.update(zip(shared_vars, sh))
     env[stack.x_out] = y
     return _evaluate(epi_eqns, env, [prog.loss])[0]
+
+  def epilogue(y, tg, sh):
+    env = dict(consts)
+    env.update(zip([prog.batch_vars[i] for i in targets], tg))
+    env.update(zip(shared_vars, sh))
+    env[stack.x_out] = y
+    loss, *aux = _evaluate(aux_eqns, env, [prog.loss, *prog.aux])
+    return loss, tuple(aux)
 
   # side inputs: values of the batch alone every layer reads (a mask), rebuilt per
   # microbatch from the batch leaves `side` on every stage (`passes.pipeline.side`)
@@ -502,4 +526,4 @@ def cut(jaxpr, n_params: int) -> Cut:
 
   return Cut(stack.length, stack.scanned, stack.reverse,
              tuple(tuple(index[v] for v in row) for row in stack.layers), shared, inputs,
-             targets, input_fn, loss_fn, layer_fn, consts_fn, side)
+             targets, input_fn, loss_fn, layer_fn, consts_fn, side, n_aux, epilogue)

@@ -63,6 +63,7 @@ class Flavor:
   dx: Any                     # outvar of the input cotangent (None on the first stage)
   grads: tuple                # outvars of the parameter (then shared) gradients
   n_shared: int               # how many of `grads` are shared-weight gradients
+  aux: tuple = ()             # outvars of the loss's aux outputs (last stage; F computes them)
 
 
 def _vars_read(jaxpr, ids):
@@ -99,8 +100,10 @@ def _definers(jaxpr, phase, pc_def) -> set:
 
 
 def make_flavor(first: bool, last: bool, stage_fn, loss_fn, input_fn, p_aval, sh_aval,
-                x_aval, in_aval, tg_aval, sd_aval=None) -> Flavor:
-  """Traces one stage kind's forward + vjp and cuts it with the split pass."""
+                x_aval, in_aval, tg_aval, sd_aval=None, has_aux: bool = False) -> Flavor:
+  """Traces one stage kind's forward + vjp and cuts it with the split pass. With
+  `has_aux` the last stage's `loss_fn` returns `(loss, aux)`: its F computes the aux."""
+  has_aux = has_aux and last
   has_sh = sh_aval is not None and (last or (first and input_fn is not None))
   p_leaves, p_tree = jax.tree.flatten(p_aval)
   sh_leaves, sh_tree = jax.tree.flatten(sh_aval if has_sh else ())
@@ -130,9 +133,12 @@ def make_flavor(first: bool, last: bool, stage_fn, loss_fn, input_fn, p_aval, sh
       y = stage_fn(p, h, *side_arg(side))
       return loss_fn(y, targets, *extra(sh)) if last else y
 
-    y, vjp = jax.vjp(fwd, p, sh, x)
+    if has_aux:
+      y, vjp, aux = jax.vjp(fwd, p, sh, x, has_aux=True)
+    else:
+      (y, vjp), aux = jax.vjp(fwd, p, sh, x), ()
     dp, dsh, dx = vjp(ct)
-    return (y, *dx, *jax.tree.leaves(dp), *jax.tree.leaves(dsh))
+    return (y, *jax.tree.leaves(aux), *dx, *jax.tree.leaves(dp), *jax.tree.leaves(dsh))
 
   ct_aval = jax.ShapeDtypeStruct((), jnp.float32) if last else x_aval
   avals = [ct_aval, *p_leaves, *sh_leaves, *([x_aval] * n[2]), *in_leaves, *tg_leaves,
@@ -158,7 +164,8 @@ def make_flavor(first: bool, last: bool, stage_fn, loss_fn, input_fn, p_aval, sh
     (b_set if (not first and c.grad_out == gs) else w_set).update(c.eqns)
   # F: the forward equations y needs; other forward equations (recomputation)
   # run in the first phase that reads them.
-  need_y = {jaxpr.outvars[0]}
+  aux = tuple(jaxpr.outvars[1:gs])
+  need_y = {jaxpr.outvars[0], *(v for v in aux if isinstance(v, _compat.Var))}
   f_set = set()
   for k in range(len(jaxpr.eqns) - 1, -1, -1):
     e = jaxpr.eqns[k]
@@ -198,7 +205,8 @@ def make_flavor(first: bool, last: bool, stage_fn, loss_fn, input_fn, p_aval, sh
   bres = tuple(sorted((b_def & (_vars_read(jaxpr, w_set) | need_w)) - set(pc_def),
                       key=order.get))
   fl = Flavor(first, last, jaxpr, tuple(sp.consts), static, x_var, tuple(sorted(f_set)),
-              tuple(sorted(b_set)), tuple(sorted(w_set)), fres, bres, dx_var, grads, n[1])
+              tuple(sorted(b_set)), tuple(sorted(w_set)), fres, bres, dx_var, grads, n[1],
+              aux)
   return merge_w_scans(fl)
 
 

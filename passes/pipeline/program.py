@@ -55,7 +55,7 @@ def split_microbatches(batch, M, D=1):
 
 
 def trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m,
-           shared, side_m=None) -> Program:
+           shared, side_m=None, has_aux: bool = False) -> Program:
   V = sched.virtual_stages
   for leaf in jax.tree.leaves(stage_params):
     if jnp.ndim(leaf) < 1 or jnp.shape(leaf)[0] != V:
@@ -91,7 +91,7 @@ def trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m,
   kinds = sorted({kind_of(vs) for vs in range(V)},
                  key=lambda k: (not k[0], not k[1], k[2]))   # first, last, middles
   flavors = tuple(make_flavor(fi, la, uniq[i], loss_fn, input_fn, p_aval, sh_aval, x_aval,
-                              in_aval, tg_aval, sd_aval) for fi, la, i in kinds)
+                              in_aval, tg_aval, sd_aval, has_aux) for fi, la, i in kinds)
   flavor_of = lambda s, c: kinds.index(kind_of(sched.vstage(s, c)))  # noqa: E731
   # The executor is lock-step (a tick lasts as long as its slowest cell): it
   # runs a fused BW as B then W in consecutive ticks (`generate.unfuse`).
