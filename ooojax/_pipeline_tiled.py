@@ -260,9 +260,14 @@ class TiledTrainStep(PipelineTrainStep):
     first = jax.tree.map(lambda x: x[0], batches)
     prog = self._program_with(list(lay.avals), lay.treedef, first, lowering)
     c = prog.cut
-    stacked = lambda ids: tuple(  # noqa: E731 - scalars per step as a row per example
-        jnp.broadcast_to(b_leaves[i][:, None], (self.steps, *rows)) if jnp.ndim(
-            b_leaves[i]) == 1 else b_leaves[i] for i in ids)
+    from ooojax.pipeline import is_key, microbatch_keys
+
+    def per_step(x):   # a scalar per step as a row per example (a key: per microbatch)
+      if is_key(x):
+        return jax.vmap(lambda k: microbatch_keys(k, *rows, self.sched.microbatches))(x)
+      return jnp.broadcast_to(x[:, None], (self.steps, *rows))
+    stacked = lambda ids: tuple(  # noqa: E731
+        per_step(b_leaves[i]) if jnp.ndim(b_leaves[i]) == 1 else b_leaves[i] for i in ids)
     p, sh, o_stage, o_run, out = prog.run(sp.stacked, sp.shared, o_stage,
                                              {"h": o_rep["h"], "n": o_rep["n"]},
                                              (stacked(c.inputs), stacked(c.targets),

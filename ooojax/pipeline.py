@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -264,6 +265,25 @@ class _AutoParts:
   aux_tree: object = None
 
 
+def is_key(x) -> bool:
+  """A typed PRNG key (`jax.random.key`), which the pipeline folds per microbatch."""
+  return jax.dtypes.issubdtype(jnp.result_type(x), jax.dtypes.prng_key)
+
+
+def microbatch_keys(key, rows: int, microbatches: int):
+  """`rows` copies of a batch's scalar key, those of microbatch m (the m-th run of
+  `rows / microbatches`) being `fold_in(key, m)`: what each microbatch's loss reads.
+
+  >>> import jax
+  >>> k = jax.random.key(0)
+  >>> ks = microbatch_keys(k, 4, 2)
+  >>> bool((jax.random.key_data(ks[2]) == jax.random.key_data(jax.random.fold_in(k, 1))).all())
+  True
+  """
+  keys = jax.vmap(lambda m: jax.random.fold_in(key, m))(jnp.arange(microbatches))
+  return keys[jnp.arange(rows) // (rows // microbatches)]
+
+
 def _auto_parts(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, D: int,
                 p_avals, p_tree, batch, layers=None) -> _AutoParts:
   """Traces `loss_fn` at one data replica's slice of one microbatch (what each device
@@ -305,9 +325,18 @@ def _auto_parts(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, D: in
   whole = lambda ids, xs: tuple(x[0] if scalar[i] else x  # noqa: E731
                                 for i, x in zip(ids, xs))
 
+  starts = np.cumsum([0, *bal.counts])[:-1]   # each virtual stage's first layer
+
   def stage_fn(k):   # one function per layer count: equal counts share a flavor
     f = c.stage_fn(k)
-    return (lambda p, x, sd: f(p, x, whole(c.side, sd))) if c.side else f
+    if not c.per_layer:
+      return (lambda p, x, sd: f(p, x, whole(c.side, sd))) if c.side else f
+
+    def indexed(p, x, *rest):   # ([side,] vstage): per-layer data from the stage's index
+      sd = whole(c.side, rest[0]) if c.side else ()
+      return f(p, x, sd, jnp.asarray(starts, jnp.int32)[rest[-1]])
+    indexed.stage_index = True   # `passes.pipeline.program.trace` passes the index
+    return indexed
   fns = {k: stage_fn(k) for k in sorted(set(bal.counts))}
   stage = fns[bal.counts[0]] if len(fns) == 1 else tuple(fns[k] for k in bal.counts)
   epi = c.epilogue if c.n_aux else c.loss_fn   # the aux: computed by the last stage's F
@@ -316,7 +345,8 @@ def _auto_parts(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, D: in
 
   def rowed(b_leaves):
     row = lambda ids: tuple(  # noqa: E731
-        jnp.broadcast_to(b_leaves[i], (B,)) if scalar[i] else b_leaves[i] for i in ids)
+        microbatch_keys(b_leaves[i], B, M) if scalar[i] and is_key(b_leaves[i])
+        else jnp.broadcast_to(b_leaves[i], (B,)) if scalar[i] else b_leaves[i] for i in ids)
     # side: what every stage reads besides the activation (a mask's tokens), each
     # stage slicing its microbatch's rows from the batch it already holds
     side = (row(c.side),) if c.side else ()

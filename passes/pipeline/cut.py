@@ -75,21 +75,27 @@ class Cut:
   layer_fn: Callable = dataclasses.field(repr=False)  # (consts, layer_leaves, x) -> x
   consts_fn: Callable = dataclasses.field(repr=False)  # (side) -> the layers' constants
   side: tuple[int, ...] = ()            # batch leaves every layer reads (a mask's tokens)
+  # per-layer data that is no parameter: one (layers, ...) array per value a layer
+  # folds into the batch key (flax's per-module dropout keys); stage_fn's `first`
+  per_layer: tuple = dataclasses.field(default=(), repr=False)
   n_aux: int = 0                        # aux outputs (`epilogue`)
   epilogue: Callable | None = dataclasses.field(default=None, repr=False)
   # ^ (activation, targets, shared) -> (scalar, aux outputs): the loss and the aux
 
   def stage_fn(self, per: int) -> Callable:
-    """`(stage_leaves, x, side=()) -> x` running the first `per` layers of its leaves
-    (`(rows, ...)`, rows >= per: the stage stack is padded to the largest count);
-    `side` holds the microbatch's `side` batch leaves."""
-    def stage(p, x, side=()):
+    """`(stage_leaves, x, side=(), first=0) -> x` running the first `per` layers of
+    its leaves (`(rows, ...)`, rows >= per: the stage stack is padded to the
+    largest count); `side` holds the microbatch's `side` batch leaves, `first` the
+    index of the stage's first layer in the stack (it picks `per_layer` rows; may
+    be traced)."""
+    def stage(p, x, side=(), first=0):
       consts = self.consts_fn(side)   # a mask: rebuilt from this microbatch's leaves
       if self.scanned:  # keep the user's loop: the split pass cuts scans into B/W scans
         p = tuple(a if a.shape[0] == per else a[:per] for a in p)
         return lax.scan(lambda h, ps: (self.layer_fn(consts, ps, h), None), x, p)[0]
       for j in range(per):
-        x = self.layer_fn(consts, tuple(a[j] for a in p), x)
+        own = tuple(jnp.asarray(a)[first + j] for a in self.per_layer)
+        x = self.layer_fn(consts, tuple(a[j] for a in p), x, *((own,) if own else ()))
       return x
     return stage
 
@@ -147,6 +153,7 @@ class _Program:
   aux: tuple              # the aux outputs (vars or literals)
   dep: dict               # var -> _P | _B bits
   producer: dict          # var -> defining equation index
+  lits: frozenset = frozenset()   # constvars that were a fold_in's literal (`_per_layer_data`)
 
   def slice(self, roots, stop=()) -> list[int]:
     """Indices of the equations `roots` need, not looking past the `stop` vars."""
@@ -168,13 +175,30 @@ class _Program:
     return self.dep[outs[0]] if outs else _PINNED
 
 
+def _per_layer_data(e, dep, consts, lits):
+  """`e` with a `fold_in(key, literal)` of a batch key reading the literal from a
+  new constvar instead (recorded in `lits`): flax folds a different constant
+  (a hash of the module path) into the dropout key of each layer, and the
+  layers must still compare equal; the stage hands each layer its own value."""
+  if (e.primitive.name != "random_fold_in" or not isinstance(e.invars[1], _compat.Literal)
+      or not dep.get(e.invars[0], 0) & _B):
+    return e
+  lit = e.invars[1]
+  v = _compat.new_var(lit.aval)
+  consts[v] = np.asarray(lit.val, lit.aval.dtype)
+  lits.add(v)
+  return e.replace(invars=[e.invars[0], v])
+
+
 def _program(closed, n_params: int, n_aux: int = 0) -> _Program:
   eqns, outs, consts = _flatten(closed)
   invars = list(closed.jaxpr.invars)
   dep = {v: _P for v in invars[:n_params]}
   dep.update({v: _B for v in invars[n_params:]})
   producer = {}
+  lits: set = set()
   for k, e in enumerate(eqns):
+    e = eqns[k] = _per_layer_data(e, dep, consts, lits)
     bits = _PINNED if e.effects else 0
     for v in e.invars:
       if _is_var(v):
@@ -186,7 +210,7 @@ def _program(closed, n_params: int, n_aux: int = 0) -> _Program:
     raise CutError(f"the traced loss returns {len(outs)} values; it must return one scalar"
                    + (f" and {n_aux} aux leaves" if n_aux else ""))
   return _Program(eqns, consts, invars[:n_params], invars[n_params:], outs[0],
-                  tuple(outs[1:]), dep, producer)
+                  tuple(outs[1:]), dep, producer, frozenset(lits))
 
 
 # --- the stack -----------------------------------------------------------------------
@@ -204,6 +228,7 @@ class _Stack:
   layer_out: Any = None          # layer 0's output (loop stacks)
   body: Any = None               # the scan body (scanned)
   body_consts: tuple = ()        # the scan's consts (vars computed from constants alone)
+  lits: tuple = ()               # per layer: its values of layer 0's `prog.lits` inputs
 
 
 def _scan_stack(prog: _Program) -> _Stack | None:
@@ -226,8 +251,14 @@ def _scan_stack(prog: _Program) -> _Stack | None:
   other = [v for v in xs if not (_is_var(v) and v in params)]
   rand = side_pass.check([prog.eqns[k] for k in prog.slice(other) if prog.bits(k) == _B],
                          other, where)
-  if rand:   # per-layer keys split from a key in the batch (nn.scan's split_rngs)
+  if rand:
     raise CutError(rand + EXPLICIT)
+  if any(_is_var(v) and side_pass.is_key(v.aval) for v in other):
+    raise CutError(f"{where} scans over per-layer keys split from a key in the batch "
+                   "(nn.scan with split_rngs={'dropout': True}); automatic cutting draws "
+                   "per-layer dropout keys in a Python loop of blocks (each block folds "
+                   "its own constant into the key, as flax does), not over a scan"
+                   + EXPLICIT)
   if other:
     raise CutError(f"{where} also scans over {len(other)} per-layer input(s) that are not "
                    f"parameters ({', '.join(str(v.aval) for v in other)}); automatic "
@@ -328,7 +359,8 @@ def _piece(prog: _Program, ids, x_in, x_out, memo):
         ins.append(v)
         seen.add(v)
   key = (fingerprint.structure_key([prog.eqns[k] for k in eqns], ins, [x_out], memo),
-         tuple(fingerprint.value_key(prog.consts[v]) for v in ins if v in prog.consts))
+         tuple(fingerprint.value_key(prog.consts[v]) for v in ins
+               if v in prog.consts and v not in prog.lits))
   return eqns, tuple(ins), key
 
 
@@ -372,7 +404,7 @@ def _loop_stack(prog: _Program) -> _Stack | None:
   if best is None:
     return None
   s, per, n = best
-  layers, all_eqns = [], set()
+  layers, all_eqns, lits = [], set(), []
   key0 = None
   for j in range(n):
     a, b = s + j * per, s + (j + 1) * per
@@ -390,12 +422,14 @@ def _loop_stack(prog: _Program) -> _Stack | None:
                      "batch leaves besides the activation; automatic cutting rebuilds one "
                      "side input (a mask) for every layer" + EXPLICIT)
     layers.append(tuple(v for v in ins[1:] if v in params))
+    lits.append(tuple(prog.consts[v] for v in ins[1:] if v in prog.lits))
   used = [v for row in layers for v in row]
   if len(set(used)) != len(used):
     raise CutError(f"the {n} repeated layers share parameter leaves: weights shared by the "
                    "layers cannot be split over stages automatically" + EXPLICIT)
   return _Stack(pieces[s][1][0], segs[s + n * per - 1][2], frozenset(all_eqns), tuple(layers),
-                False, False, n, tuple(layer_eqns), layer_ins, segs[s + per - 1][2])
+                False, False, n, tuple(layer_eqns), layer_ins, segs[s + per - 1][2],
+                lits=tuple(lits) if lits and lits[0] else ())
 
 
 def _pick(prog: _Program) -> _Stack | None:
@@ -513,17 +547,21 @@ def cut(jaxpr, n_params: int, n_aux: int = 0) -> Cut:
   else:
     l_eqns = [prog.eqns[k] for k in stack.layer_eqns]
     l_params = [v for v in stack.layer_ins[1:] if v in stack_params]
+    l_lits = [v for v in stack.layer_ins[1:] if v in prog.lits]
 
     def consts_fn(sd):
       return sd
 
-    def layer_fn(cs, p, x):
+    def layer_fn(cs, p, x, own=()):   # own: this layer's `per_layer` values (else layer 0's)
       env = dict(consts)
       env.update(zip(s_vars, cs))
       env[stack.layer_ins[0]] = x
       env.update(zip(l_params, p))
+      env.update(zip(l_lits, own))
       return _evaluate(l_eqns, env, [stack.layer_out])[0]
 
   return Cut(stack.length, stack.scanned, stack.reverse,
              tuple(tuple(index[v] for v in row) for row in stack.layers), shared, inputs,
-             targets, input_fn, loss_fn, layer_fn, consts_fn, side, n_aux, epilogue)
+             targets, input_fn, loss_fn, layer_fn, consts_fn, side,
+             tuple(np.stack(col) for col in zip(*stack.lits)) if stack.lits else (), n_aux,
+             epilogue)

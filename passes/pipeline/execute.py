@@ -251,6 +251,7 @@ def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_ax
     in_leaves, tg_leaves = jax.tree.leaves(inputs_m), jax.tree.leaves(targets_m)
     sd_leaves = jax.tree.leaves(side_m)
     table = jnp.asarray(pl.rows)[:, lax.axis_index(axis_name)]   # (ticks, fields)
+    vstage = jnp.asarray(prog.vstages)[lax.axis_index(axis_name)]  # (chunks,)
 
     def stack(n, shape, dtype):
       return jnp.zeros((n + 1, *shape), dtype)                     # +1: the trash slot
@@ -285,11 +286,13 @@ def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_ax
       if fl.last:
         vals += [get(x, r[F["mb"]]) for x in tg_leaves]
       vals += [get(x, r[F["mb"]]) for x in sd_leaves]   # every stage: its microbatch's side
+      if fl.index:   # the chunk's virtual stage (per-layer data: dropout key constants)
+        vals.append(vstage[c])
       assert len(vals) == len(fl.static), (len(vals), len(fl.static))
       return dict(zip(fl.static, vals))
 
     # the loss's aux outputs (metrics): the last stage's F writes microbatch m's at row m
-    aux_avals = [v.aval for fl in flavors if fl.last for v in fl.aux][:n_aux]
+    aux_avals = [u.aval for fl in flavors if fl.last for u in fl.aux][:n_aux]
     aux0 = tuple(jnp.zeros((steps * M, *a.shape), a.dtype)
                  for a in aux_avals) if n_aux else ()
     no_aux = tuple(jnp.zeros(a.shape, a.dtype) for a in aux_avals)

@@ -1,0 +1,120 @@
+"""Pipelines of the losses people write: aux metrics, dropout keys, and the tiled
+explain on a causal LM whose targets are its inputs.
+
+Reference (`_loop`): the loss run microbatch by microbatch, microbatch m with the
+key `fold_in(key, m)`, its loss and floating aux averaged (`jax.value_and_grad` of
+that mean), integer aux stacked.
+"""
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import ooojax as ooo
+from tests import _lm1b
+from tests.conftest import assert_trees_close
+from tests.test_pipeline_auto import _jit, _mesh
+
+O0 = {"xla_backend_optimization_level": 0}
+M = 4
+
+
+def _loop(loss, microbatches=M):
+  """`(params, *batch) -> ((loss, aux), grads)`: the microbatch loop, scalar keys folded."""
+  def mean(p, *batch):
+    outs = []
+    for m in range(microbatches):
+      part = [jax.random.fold_in(b, m) if ooo.pipeline.is_key(b) else
+              b.reshape(microbatches, -1, *b.shape[1:])[m] for b in batch]
+      outs.append(loss(p, *part))
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[o[1] for o in outs])
+    return sum(o[0] for o in outs) / microbatches, stacked
+
+  def run(p, *batch):
+    (l, aux), g = jax.value_and_grad(mean, has_aux=True)(p, *batch)
+    return (l, ooo.pipeline.mean_aux(aux)), g
+  return run
+
+
+@pytest.fixture(scope="module")
+def lm():
+  return _lm1b.make(layers=4, rate=0.1)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_dropout_and_metrics_equal_the_microbatch_loop(lm, schedule):
+  # linen nn.Dropout in every block and after the embedding, rngs={"dropout": key}:
+  # each block folds its own constant into the key, the stage hands it over
+  _, loss, params, tokens = lm
+  key = jax.random.key(7)
+  step = ooo.pipeline.value_and_grad(loss, mesh=_mesh(2), axis_name="stage",
+                                     schedule=schedule, microbatches=M, has_aux=True)
+  got = _jit(step)(params, tokens, key)
+  want = _jit(_loop(loss))(params, tokens, key)
+  assert_trees_close(got, want)
+  assert got[0][1]["tokens"].shape == (M,)          # integer aux: stacked per microbatch
+  # the bits really differ per microbatch: the same key for all gives another loss
+  same = _jit(step)(params, tokens, jax.random.key(8))
+  assert abs(float(same[0][0]) - float(got[0][0])) > 1e-4
+
+
+def test_aux_reduce_is_the_users(lm):
+  _, loss, params, tokens = lm
+  step = ooo.pipeline.value_and_grad(
+      loss, mesh=_mesh(2), axis_name="stage", schedule="zb-h1", microbatches=M,
+      has_aux=True, aux_reduce=lambda a: {"tokens": a["tokens"].sum(), "acc": a["accuracy"]})
+  (_, aux), _ = _jit(step)(params, tokens, jax.random.key(1))
+  assert int(aux["tokens"]) == int(jnp.sum(tokens > 0)) and aux["acc"].shape == (M,)
+
+
+def _reference_steps(loss, opt, params, batches):
+  run = jax.jit(_loop(loss), compiler_options=O0)
+  o, out = opt.init(params), []
+  for b in batches:
+    (l, aux), g = run(params, *b)
+    u, o = opt.update(g, o, params)
+    params = optax.apply_updates(params, u)
+    out.append((l, aux, params))
+  return out
+
+
+@pytest.mark.parametrize("schedule,steps", [("1f1b", 1), ("zb-h2", 3)])
+def test_dropout_lm_trains_as_pipeline_steps(lm, schedule, steps):
+  # 4 stages, 3 Adam steps with a new key each step: 1F1B one step per call,
+  # ZB-H2 the three steps as one table tiled over steps
+  _, loss, params, tokens = lm
+  opt = optax.adam(1e-2, eps=1e-4)
+  batches = [(jnp.roll(tokens, t, axis=0), jax.random.fold_in(jax.random.key(3), t))
+             for t in range(3)]
+  ref = _reference_steps(loss, opt, params, batches)
+  step = ooo.pipeline.make_train_step(loss, opt, mesh=_mesh(4), axis_name="stage",
+                                      schedule=schedule, microbatches=M, has_aux=True,
+                                      steps=steps, compiler_options=O0)
+  if steps == 1:
+    state = step.init(params, *batches[0])
+    for t, b in enumerate(batches):
+      state, (l, aux) = step(state, *b)
+      assert_trees_close((l, aux), ref[t][:2])
+  else:
+    stacked = tuple(jnp.stack(xs) for xs in zip(*batches))
+    state = step.init(params, *stacked)
+    state, (ls, aux) = step(state, *stacked)
+    for t in range(3):
+      assert_trees_close((ls[t], jax.tree.map(lambda a, t=t: a[t], aux)), ref[t][:2])
+  assert_trees_close(step.params(state), ref[-1][2])
+
+
+def test_explain_tiled_on_a_causal_lm_every_schedule():
+  # the loss reads the tokens as inputs and as targets; explain(steps=n) traces the
+  # ends at one microbatch's shapes (the whole batch would not broadcast)
+  model, _, params, tokens = _lm1b.make(layers=8, rate=0.0, batch=16, length=6)
+
+  def loss(p, tokens):
+    logits = model.apply({"params": p}, tokens, train=False)
+    w = (tokens > 0).astype(jnp.float32)
+    nll = -jnp.sum(jax.nn.one_hot(tokens, model.vocab) * jax.nn.log_softmax(logits), -1)
+    return jnp.sum(nll * w) / jnp.sum(w)
+  for schedule in ooo.pipeline.SCHEDULES:
+    r = ooo.pipeline.explain(loss, params, tokens, stages=4, schedule=schedule,
+                             microbatches=8, steps=2)
+    assert r.steady_state().steps == 2 and r.cut.layers == 8, schedule
