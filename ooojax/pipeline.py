@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ooojax._explain_pipeline import AutoCut, PipelineReport, explain
+from passes import _compat
 from ooojax._pipeline_train import (PipelineTrainState, PipelineTrainStep, StageParams,
                                     make_train_step)
 from passes.pipeline.balance import Balance
@@ -285,10 +286,16 @@ def microbatch_keys(key, rows: int, microbatches: int):
 
 
 def _auto_parts(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, D: int,
-                p_avals, p_tree, batch, layers=None) -> _AutoParts:
+                p_avals, p_tree, batch, layers=None, data_axis=None) -> _AutoParts:
   """Traces `loss_fn` at one data replica's slice of one microbatch (what each device
-  runs; `D` data replicas), cuts it (`passes.pipeline.cut`) and balances its layers;
-  `batch` may hold `jax.ShapeDtypeStruct`s (shapes only)."""
+  runs; `D` data replicas over `data_axis`, bound while tracing), cuts it
+  (`passes.pipeline.cut`) and balances its layers; `batch` may hold
+  `jax.ShapeDtypeStruct`s (shapes only)."""
+  with _compat.axis_env([(data_axis, D)] if data_axis else []):
+    return _auto_parts_bound(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers)
+
+
+def _auto_parts_bound(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers):
   M, V = sched.microbatches, sched.virtual_stages
   b_leaves, b_tree = jax.tree.flatten(batch)
   scalar = [jnp.ndim(x) == 0 for x in b_leaves]   # passed whole to every microbatch
@@ -361,7 +368,8 @@ def _auto_program(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, mes
   """`_auto_parts` lowered (`execute.lower`, or `lowering(cut, stage_fn, loss_fn,
   input_fn)`: the tiled train step's)."""
   D = mesh.shape[data_axis] if data_axis in mesh.shape else 1
-  parts = _auto_parts(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers)
+  parts = _auto_parts(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers,
+                      data_axis if D > 1 or data_axis in mesh.shape else None)
   c, fns = parts.cut, parts.fns
   if lowering is not None:
     run = lowering(c, *fns)

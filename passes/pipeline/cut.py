@@ -199,7 +199,9 @@ def _program(closed, n_params: int, n_aux: int = 0) -> _Program:
   lits: set = set()
   for k, e in enumerate(eqns):
     e = eqns[k] = _per_layer_data(e, dep, consts, lits)
-    bits = _PINNED if e.effects else 0
+    # a value of the data axis (axis_index, a psum over it) is recomputed like any other:
+    # every replica of a stage runs the same table
+    bits = _PINNED if _compat.pinning_effects(e) else 0
     for v in e.invars:
       if _is_var(v):
         bits |= dep.get(v, 0)
@@ -473,9 +475,6 @@ def cut(jaxpr, n_params: int, n_aux: int = 0) -> Cut:
                    f"{e.outvars[0].aval}, e.g. per-layer outputs, sown intermediates or "
                    "mutated batch statistics); only the last layer's output may leave the "
                    "stack" + EXPLICIT)
-  if stack.x_out in prog.aux:
-    raise CutError("the aux output holds the stack's output activation itself; return "
-                   "values computed from it (metrics) instead" + EXPLICIT)
   index = {v: i for i, v in enumerate(prog.param_vars)}
   b_index = {v: i for i, v in enumerate(prog.batch_vars)}
   stack_params = {v for row in stack.layers for v in row}

@@ -116,8 +116,9 @@ def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
     inputs_m, targets_m, side_m = split_microbatches(batch, M, D)
     local = lambda t: jax.tree.map(  # noqa: E731 - one data replica's slice
         lambda x: jax.ShapeDtypeStruct((M, x.shape[1] // D, *x.shape[2:]), x.dtype), t)
-    prog = trace(stage_fn, loss_fn, input_fn, sched, stage_params, local(inputs_m),
-                 local(targets_m), shared, local(side_m), has_aux)
+    with _compat.axis_env([(data_axis, D)] if data_axis else []):   # a loss naming it
+      prog = trace(stage_fn, loss_fn, input_fn, sched, stage_params, local(inputs_m),
+                   local(targets_m), shared, local(side_m), has_aux)
     body = _body(prog, sched.stages, sched.chunks, M, axis_name, sched.lag,
                  data_axis=data_axis)
     loss, gp, gsh = _shard(body, sched, mesh, axis_name, stage_params, shared,
