@@ -302,8 +302,12 @@ def _auto_parts_bound(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers
   rows = {jnp.shape(x)[0] for x, sc in zip(b_leaves, scalar) if not sc}
   if len(rows) != 1 or next(iter(rows)) % (M * D):
     per = f"microbatches={M}" + (f" x {D} data replicas" if D > 1 else "")
+    raw = any(jnp.result_type(x) == jnp.uint32 and jnp.shape(x) == (2,) for x in b_leaves)
     raise ValueError(f"the batch's arrays need one leading size divisible by {per} (they "
-                     f"are split on it); got leading sizes {sorted(rows)}")
+                     f"are split on it); got leading sizes {sorted(rows)}" + (
+                         "; a raw uint32[2] PRNG key is split like any array: pass a typed "
+                         "key (jax.random.key), which each microbatch gets folded with its "
+                         "index" if raw else ""))
   B = next(iter(rows))
   sd = lambda x, s: jax.ShapeDtypeStruct(s, jnp.result_type(x))  # noqa: E731
   b_avals = [sd(x, () if sc else (jnp.shape(x)[0] // (M * D), *jnp.shape(x)[1:]))
