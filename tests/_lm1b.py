@@ -29,7 +29,8 @@ class _Block(nn.Module):
   @nn.compact
   def __call__(self, x, mask, train):
     h = nn.LayerNorm()(x)
-    h = nn.SelfAttention(self.heads, qkv_features=self.dim, deterministic=True)(h, mask=mask)
+    h = nn.MultiHeadDotProductAttention(self.heads, qkv_features=self.dim,
+                                        deterministic=True)(h, mask=mask)
     x = x + nn.Dropout(self.rate)(h, deterministic=not train)
     h = nn.Dense(self.dim)(nn.relu(nn.Dense(2 * self.dim)(nn.LayerNorm()(x))))
     return x + nn.Dropout(self.rate)(h, deterministic=not train)

@@ -37,6 +37,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -175,17 +176,32 @@ class _Program:
     return self.dep[outs[0]] if outs else _PINNED
 
 
-def _per_layer_data(e, dep, consts, lits):
-  """`e` with a `fold_in(key, literal)` of a batch key reading the literal from a
-  new constvar instead (recorded in `lits`): flax folds a different constant
-  (a hash of the module path) into the dropout key of each layer, and the
-  layers must still compare equal; the stage hands each layer its own value."""
-  if (e.primitive.name != "random_fold_in" or not isinstance(e.invars[1], _compat.Literal)
-      or not dep.get(e.invars[0], 0) & _B):
+def _per_layer_data(e, dep, consts, lits, eqns, producer):
+  """`e` with a `fold_in(key, data)` of a batch key reading the constant `data`
+  from a new constvar instead (recorded in `lits`): flax linen folds a different
+  literal (a hash of the module path) into the dropout key of each layer, nnx
+  a count it increments per draw; the layers must still compare equal, and the
+  stage hands each layer its own value (`Cut.per_layer`)."""
+  if e.primitive.name != "random_fold_in" or not dep.get(e.invars[0], 0) & _B:
     return e
-  lit = e.invars[1]
-  v = _compat.new_var(lit.aval)
-  consts[v] = np.asarray(lit.val, lit.aval.dtype)
+  data = e.invars[1]
+  if isinstance(data, _compat.Literal):
+    val = data.val
+  elif dep.get(data, 0) == 0 and data not in consts:   # of constants alone: fold it now
+    todo, ids = [data], set()
+    while todo:
+      k = producer.get(todo.pop())
+      if k is not None and k not in ids:
+        ids.add(k)
+        todo += [u for u in eqns[k].invars if _is_var(u)]
+    if any(eqns[k].effects for k in ids):
+      return e
+    with jax.ensure_compile_time_eval():   # concrete, also under an outer jit trace
+      val = _evaluate([eqns[k] for k in sorted(ids)], dict(consts), [data])[0]
+  else:
+    return e
+  v = _compat.new_var(data.aval)
+  consts[v] = np.asarray(val, data.aval.dtype)
   lits.add(v)
   return e.replace(invars=[e.invars[0], v])
 
@@ -198,7 +214,7 @@ def _program(closed, n_params: int, n_aux: int = 0) -> _Program:
   producer = {}
   lits: set = set()
   for k, e in enumerate(eqns):
-    e = eqns[k] = _per_layer_data(e, dep, consts, lits)
+    e = eqns[k] = _per_layer_data(e, dep, consts, lits, eqns, producer)
     # a value of the data axis (axis_index, a psum over it) is recomputed like any other:
     # every replica of a stage runs the same table
     bits = _PINNED if _compat.pinning_effects(e) else 0
