@@ -307,7 +307,9 @@ def _auto_parts_bound(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers
                      f"are split on it); got leading sizes {sorted(rows)}" + (
                          "; a raw uint32[2] PRNG key is split like any array: pass a typed "
                          "key (jax.random.key), which each microbatch gets folded with its "
-                         "index" if raw else ""))
+                         "index" if raw else "; model state passed in the batch (BatchNorm "
+                         "batch_stats, a mutable collection) is not pipelined yet: see "
+                         "docs/guides/pipeline-real-losses.md" if len(rows) > 1 else ""))
   B = next(iter(rows))
   sd = lambda x, s: jax.ShapeDtypeStruct(s, jnp.result_type(x))  # noqa: E731
   b_avals = [sd(x, () if sc else (jnp.shape(x)[0] // (M * D), *jnp.shape(x)[1:]))

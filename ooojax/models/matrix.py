@@ -17,7 +17,11 @@ Modes:
     `NotAStack`);
   pipeline_auto: `ooo.pipeline.value_and_grad(case.loss, ...)`, the stages cut
     by ooojax from the unmodified loss, against `jax.value_and_grad` of the
-    loss averaged over the microbatches (a model it cannot cut: `CutError`).
+    loss averaged over the microbatches, microbatch m with the scalar key
+    `fold_in(key, m)` (a model it cannot cut: `CutError`). A loss that names
+    the data axis runs on a data x stage mesh (`data_axis`), against that
+    microbatch loop in `shard_map` over the data axis (replica d of microbatch
+    m: its rows [m, d]), `pmean`-ed.
 """
 from __future__ import annotations
 
