@@ -37,7 +37,6 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -177,33 +176,28 @@ class _Program:
 
 
 def _per_layer_data(e, dep, consts, lits, eqns, producer):
-  """`e` with a `fold_in(key, data)` of a batch key reading the constant `data`
-  from a new constvar instead (recorded in `lits`): flax linen folds a different
-  literal (a hash of the module path) into the dropout key of each layer, nnx
-  a count it increments per draw; the layers must still compare equal, and the
-  stage hands each layer its own value (`Cut.per_layer`)."""
+  """`side.per_layer_constant` of `e` when it folds data into a batch key."""
   if e.primitive.name != "random_fold_in" or not dep.get(e.invars[0], 0) & _B:
     return e
   data = e.invars[1]
   if isinstance(data, _compat.Literal):
     val = data.val
   elif dep.get(data, 0) == 0 and data not in consts:   # of constants alone: fold it now
-    todo, ids = [data], set()
+    ids = []
+    todo = [data]
     while todo:
       k = producer.get(todo.pop())
       if k is not None and k not in ids:
-        ids.add(k)
+        ids.append(k)
         todo += [u for u in eqns[k].invars if _is_var(u)]
     if any(eqns[k].effects for k in ids):
       return e
-    with jax.ensure_compile_time_eval():   # concrete, also under an outer jit trace
-      val = _evaluate([eqns[k] for k in sorted(ids)], dict(consts), [data])[0]
+    val = side_pass.evaluate_now([eqns[k] for k in sorted(ids)], consts, data)
   else:
     return e
-  v = _compat.new_var(data.aval)
-  consts[v] = np.asarray(val, data.aval.dtype)
+  e, v, consts[v] = side_pass.per_layer_constant(e, val)
   lits.add(v)
-  return e.replace(invars=[e.invars[0], v])
+  return e
 
 
 def _program(closed, n_params: int, n_aux: int = 0) -> _Program:

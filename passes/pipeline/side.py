@@ -26,10 +26,12 @@ pipeline equals the loss run microbatch by microbatch with those keys.
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 from passes import _compat
+from passes.pipeline.eqns import evaluate as _evaluate
 
-__all__ = ["PARAMS", "RANDOM", "check", "is_key"]
+__all__ = ["PARAMS", "RANDOM", "check", "evaluate_now", "is_key", "per_layer_constant"]
 
 # Primitives that make a key from integers: the pipeline cannot fold a microbatch
 # index into them.
@@ -59,3 +61,22 @@ def check(eqns, side_vars, where: str) -> str | None:
     if e.primitive.name in _RANDOM_PRIMS:
       return RANDOM.format(where=where, what=f"{e.primitive.name} -> {e.outvars[0].aval}")
   return None
+
+
+def per_layer_constant(e, value):
+  """`(e', v, value)`: the `fold_in(key, data)` equation `e` reading its constant
+  `data` from a new variable `v` instead. Flax linen folds a different literal
+  (a hash of the module path) into each layer's dropout key, nnx a count it
+  increments per draw: with the constant as an input the layers compare equal
+  (`passes.pipeline.cut`), and each stage hands its layers their own values
+  (`Cut.per_layer`, by the stage's index)."""
+  data = e.invars[1]
+  v = _compat.new_var(data.aval)
+  return e.replace(invars=[e.invars[0], v]), v, np.asarray(value, data.aval.dtype)
+
+
+def evaluate_now(eqns, consts: dict, var):
+  """The concrete value of `var`, computed by `eqns` from constants alone (also
+  under an outer `jit` trace)."""
+  with jax.ensure_compile_time_eval():
+    return _evaluate(eqns, dict(consts), [var])[0]
