@@ -97,8 +97,10 @@ def main(argv=None):
       row.append(h100(name))
     rows.append((name, case.features, row))
     print(f"{name}: {row} ({time.perf_counter() - t0:.0f} s)", flush=True)
-  lines = header("Model matrix (benchmarks/matrix.py): gradients vs jax.grad, "
-                 "H100 overlap compile-only")
+  lines = header("Model matrix (benchmarks/matrix.py" + (f" --modes {a.modes}" if a.modes
+                                                          else "")
+                 + "): gradients vs jax.grad" + (", H100 overlap compile-only" if do_h100
+                                                  else ""))
   lines += [f"| case | features | {' | '.join(cols)} |", "|" + "---|" * (len(cols) + 2)]
   lines += [f"| {n} | {f} | {' | '.join(r)} |" for n, f, r in rows]
   lines += ["", "Cells at the matrix's test sizes, float32 tolerance (bf16: 2e-2). "

@@ -158,14 +158,14 @@ def _pipeline_auto(case: Case, schedule: str):
   return (loss, grads), _jit(jax.value_and_grad(mean_loss))(case.params)
 
 
-def _micro(a, micro: int, m: int, data: int = 1):
-  """Microbatch m of a batch leaf: its rows (data-replica-major within m), a scalar
-  whole, a scalar key folded with m (what the pipeline hands microbatch m)."""
+def _micro(a, micro: int, m: int):
+  """Microbatch m of a batch leaf: its rows, a scalar whole, a scalar key folded
+  with m (what the pipeline hands microbatch m)."""
   if ooo.pipeline.is_key(a) and a.ndim == 0:
     return jax.random.fold_in(a, m)
   if a.ndim == 0:
     return a
-  return a.reshape(micro, data, -1, *a.shape[1:])[m]
+  return a.reshape(micro, -1, *a.shape[1:])[m]
 
 
 def _pipeline_auto_data(case: Case, schedule: str):
