@@ -127,7 +127,20 @@ class PipelineTrainStep:
       sp = self._to_stages(jax.tree.leaves(p))
       return PipelineTrainState(jnp.zeros((), jnp.int32), sp, self.optimizer.init(sp))
 
-    return make, self._shardings(jax.eval_shape(make, params))
+    try:
+      shape = jax.eval_shape(make, params)
+    except (ValueError, TypeError) as e:   # a mask or label tree of the user's structure
+      if "StageParams" not in str(e):
+        raise
+      raise ValueError(
+          "the optimizer compares a tree in your parameters' structure (optax.masked, "
+          "multi_transform, a weight-decay mask) with the train state's layout: "
+          "make_train_step's optimizer sees StageParams(stacked, shared, rest), the "
+          "stack's leaves stacked by stage. Give the mask or labels as a function of "
+          "that StageParams, use a transform without one, or take the gradients in your "
+          "tree from ooo.pipeline.value_and_grad and apply your optimizer to them "
+          "(docs/guides/pipeline-real-losses.md)") from e
+    return make, self._shardings(shape)
 
   def init(self, params, *batch) -> PipelineTrainState:
     """The first state, laid out and sharded by stage. `batch` is only traced (shapes)."""

@@ -155,3 +155,14 @@ def test_explain_tiled_on_a_causal_lm_every_schedule():
     r = ooo.pipeline.explain(loss, params, tokens, stages=4, schedule=schedule,
                              microbatches=8, steps=2)
     assert r.steady_state().steps == 2 and r.cut.layers == 8, schedule
+
+
+def test_masked_optimizer_names_the_layout():
+  # a weight-decay mask in the user's tree: make_train_step's optimizer sees StageParams
+  from tests.test_pipeline_auto import _mlp
+  loss, params, batch = _mlp()
+  opt = optax.masked(optax.add_decayed_weights(0.1), jax.tree.map(lambda x: x.ndim > 1, params))
+  step = ooo.pipeline.make_train_step(loss, opt, mesh=_mesh(2), axis_name="stage",
+                                      schedule="1f1b", microbatches=2)
+  with pytest.raises(ValueError, match="sees StageParams"):
+    step.init(params, *batch)
