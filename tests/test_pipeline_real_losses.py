@@ -142,18 +142,13 @@ def test_dropout_lm_trains_as_pipeline_steps(lm, schedule, steps):
 
 
 def test_explain_tiled_on_a_causal_lm_every_schedule():
-  # the loss reads the tokens as inputs and as targets; explain(steps=n) traces the
-  # ends at one microbatch's shapes (the whole batch would not broadcast)
-  model, _, params, tokens = _lm1b.make(layers=8, rate=0.0, batch=16, length=6)
-
-  def loss(p, tokens):
-    logits = model.apply({"params": p}, tokens, train=False)
-    w = (tokens > 0).astype(jnp.float32)
-    nll = -jnp.sum(jax.nn.one_hot(tokens, model.vocab) * jax.nn.log_softmax(logits), -1)
-    return jnp.sum(nll * w) / jnp.sum(w)
+  # the loss reads the tokens as inputs and as targets (and a dropout key, and returns
+  # metrics); explain(steps=n) traces the ends at one microbatch's shapes (the whole
+  # batch would not broadcast against the equations traced at a microbatch's)
+  _, loss, params, tokens = _lm1b.make(layers=8, batch=16)
   for schedule in ooo.pipeline.SCHEDULES:
-    r = ooo.pipeline.explain(loss, params, tokens, stages=4, schedule=schedule,
-                             microbatches=8, steps=2)
+    r = ooo.pipeline.explain(loss, params, tokens, jax.random.key(0), stages=4,
+                             schedule=schedule, microbatches=8, steps=2, has_aux=True)
     assert r.steady_state().steps == 2 and r.cut.layers == 8, schedule
 
 
