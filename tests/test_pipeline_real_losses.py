@@ -161,3 +161,28 @@ def test_masked_optimizer_names_the_layout():
                                       schedule="1f1b", microbatches=2)
   with pytest.raises(ValueError, match="sees StageParams"):
     step.init(params, *batch)
+
+
+def test_scanned_dropout_keys_refused():
+  # nn.scan splits the dropout key per layer and scans over the keys: refused, naming it
+  import flax.linen as nn
+  from tests.test_pipeline_auto import _raises
+
+  class Body(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      return nn.Dropout(0.5, deterministic=False)(nn.Dense(4)(x)), None
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      scan = nn.scan(Body, variable_axes={"params": 0},
+                     split_rngs={"params": True, "dropout": True}, length=4)
+      return scan()(x, None)[0]
+
+  model, x = Net(), jnp.ones((8, 4))
+  params = model.init(jax.random.key(0), x)["params"]
+
+  def loss(p, x, key):
+    return jnp.mean(model.apply({"params": p}, x, rngs={"dropout": key}) ** 2)
+  _raises(loss, params, (x, jax.random.key(1)), "per-layer keys split from a key")
