@@ -114,8 +114,11 @@ def value_and_grad(fn: Callable, loss_fn: Callable | None = None, *, mesh, axis_
     examples. The layers may read values of the batch alone besides the
     activation (a padding mask built from the tokens, segment ids): every
     stage rebuilds them from its microbatch's batch leaves. Values of
-    parameters and the batch read by the layers, and random bits drawn from a
-    key in the batch (dropout), are refused. With `has_aux=True` `loss_fn`
+    parameters and the batch read by the layers are refused. A scalar typed
+    key in the batch (or a keyword argument of `step`, e.g. `rngs={"dropout":
+    key}`) reaches microbatch m as `fold_in(key, m)`, and each layer of a loop
+    of blocks draws its bits as the model does (flax's per-module constants):
+    dropout equals the microbatch loop with those keys. With `has_aux=True` `loss_fn`
     returns `(loss, aux)` and `step` returns `((loss, aux), grads)`: the last
     stage computes each microbatch's aux in its forward (no activation moves
     for it), and `aux_reduce` combines them (default `mean_aux`: the mean over
@@ -398,7 +401,11 @@ def _auto(loss_fn: Callable, sched: PipelineSchedule, mesh, axis_name: str,
     return _auto_program(loss_fn, has_aux, sched, mesh, axis_name, data_axis, p_avals,
                          p_tree, batch, layers=layers)
 
-  def step(params, *batch):
+  def step(params, *batch, **kwargs):
+    if kwargs:   # keyword arguments (rngs={"dropout": key}) are batch leaves too
+      named = _auto(lambda p, *b: loss_fn(p, *b[:-1], **b[-1]), sched, mesh, axis_name,
+                    has_aux, data_axis, layers, aux_reduce)
+      return named(params, *batch, kwargs)
     leaves, p_tree = jax.tree.flatten(params)
     prog = program(params, batch)
     c, counts = prog.cut, prog.balance.counts

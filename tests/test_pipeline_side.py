@@ -139,7 +139,13 @@ def test_dropout_key_is_a_side_input():
 
   def mean(p):
     return sum(loss(p, x[2 * m:2 * m + 2], jax.random.fold_in(key, m)) for m in (0, 1)) / 2
-  assert_trees_close(_jit(step)(params, x, key), _jit(jax.value_and_grad(mean))(params))
+  want = _jit(jax.value_and_grad(mean))(params)
+  assert_trees_close(_jit(step)(params, x, key), want)
+  # the key as a keyword argument of the step (rngs=...), passed back to the loss by name
+  by_name = ooo.pipeline.value_and_grad(lambda p, x, *, rngs: loss(p, x, rngs["dropout"]),
+                                        mesh=_mesh(2), axis_name="stage", schedule="1f1b",
+                                        microbatches=2)
+  assert_trees_close(_jit(by_name)(params, x, rngs={"dropout": key}), want)
 
 
 def test_key_from_batch_integers_refused():
