@@ -8,7 +8,7 @@ single-GPU gradient compiled for a compile-only H100 at the case's real size:
 heavy dW calls with dX GEMMs/convs between start and done, of all heavy dW
 calls on stream 1.
 
-  python -m benchmarks.matrix [--cases a,b] [--no-h100] [--write]
+  python -m benchmarks.matrix [--cases a,b] [--modes a,b] [--no-h100] [--write]
 """
 from __future__ import annotations
 
@@ -77,23 +77,30 @@ def h100(name) -> str:
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
+  ap.add_argument("--modes", default=None, help="comma-separated modes (default: all)")
   ap.add_argument("--no-h100", action="store_true", help="skip the compile-only H100 column")
   ap.add_argument("--write", action="store_true", help="append to benchmarks/RESULTS.md")
   a = ap.parse_args(argv)
   names = a.cases.split(",") if a.cases else list(features.CASES)
+  modes = a.modes.split(",") if a.modes else list(MODES)
+  unknown = sorted(set(modes) - set(MODES))
+  if unknown:
+    ap.error(f"unknown modes {unknown}; choose from {MODES}")
   do_h100 = not a.no_h100 and gpu_hlo.unavailable_reason() is None
-  cols = list(MODES) + (["H100 dW overlap (real size)"] if do_h100 else [])
+  cols = list(modes) + (["H100 dW overlap (real size)"] if do_h100 else [])
   rows = []
   for name in names:
     t0 = time.perf_counter()
     case = features.make(name)
-    row = [cell(case, m) for m in MODES]
+    row = [cell(case, m) for m in modes]
     if do_h100:
       row.append(h100(name))
     rows.append((name, case.features, row))
     print(f"{name}: {row} ({time.perf_counter() - t0:.0f} s)", flush=True)
-  lines = header("Model matrix (benchmarks/matrix.py): gradients vs jax.grad, "
-                 "H100 overlap compile-only")
+  lines = header("Model matrix (benchmarks/matrix.py" + (f" --modes {a.modes}" if a.modes
+                                                          else "")
+                 + "): gradients vs jax.grad" + (", H100 overlap compile-only" if do_h100
+                                                  else ""))
   lines += [f"| case | features | {' | '.join(cols)} |", "|" + "---|" * (len(cols) + 2)]
   lines += [f"| {n} | {f} | {' | '.join(r)} |" for n, f, r in rows]
   lines += ["", "Cells at the matrix's test sizes, float32 tolerance (bf16: 2e-2). "
@@ -104,7 +111,10 @@ def main(argv=None):
             f"`ooo.pipeline.value_and_grad` on {matrix.STAGES} stages, 4 microbatches, "
             "1F1B, against the unrolled stack averaged over the microbatches; "
             "pipeline_auto: the same from the unmodified loss (`value_and_grad(loss_fn, "
-            "...)`, stages cut by ooojax), against the loss averaged over the microbatches."]
+            "...)`, stages cut by ooojax), against the loss averaged over the microbatches "
+            "(microbatch m's scalar key `fold_in(key, m)`; a loss naming the data axis on "
+            f"a {matrix.DEVICES // matrix.STAGES} x {matrix.STAGES} data x stage mesh, "
+            "against that loop in `shard_map` over the data axis, `pmean`-ed)."]
   emit(lines, a.write)
 
 

@@ -388,12 +388,19 @@ def _explain_auto(loss_fn, params, batch, schedule, stages, mesh, axis_name, lay
   b_avals = jax.tree.map(sds, batch)
   parts = _auto_parts(loss_fn, has_aux, sched, 1, p_avals, p_tree, b_avals, layers)
   c, counts, (stage_fn, lfn, ifn) = parts.cut, parts.balance.counts, parts.fns
+  epi = lfn     # the loss and the aux (with has_aux): what the last stage reads
+  if c.n_aux:   # the aux is a few values of the last stage's F: priced with the loss
+    lfn = lambda y, tg, sh: epi(y, tg, sh)[0]  # noqa: E731
   stage_params = jax.eval_shape(lambda ls: c.stage_params(ls, counts), p_avals)
   rows = jax.eval_shape(lambda bs: parts.rowed(bs), jax.tree.leaves(b_avals))
   shared = tuple(p_avals[i] for i in c.shared)
   report = _explain(stage_fn, lfn, sched, stage_params, rows, shared, ifn,
                     microbatches=None, chunks=None, **kw)
-  own = _owners(ifn, lfn, rows[0], rows[1], shared, sched.virtual_stages) if shared else []
+  # the ends as a stage runs them: on one microbatch (their equations were traced at
+  # its shapes, so the whole batch would not broadcast against them)
+  mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      (x.shape[0] // sched.microbatches, *x.shape[1:]), x.dtype), rows)
+  own = _owners(ifn, epi, mb[0], mb[1], shared, sched.virtual_stages) if shared else []
   name = lambda i: jax.tree_util.keystr(named[i][0]) or "params"  # noqa: E731
   b_named = jax.tree_util.tree_flatten_with_path(tuple(batch))[0]
   pick = lambda o: tuple(name(i) for i, w in zip(c.shared, own) if w == o)  # noqa: E731

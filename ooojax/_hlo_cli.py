@@ -10,7 +10,10 @@ a conv/GEMM kernel scheduled between start and done.
 k, link schedule, predicted overlap; the model's arguments are one device's
 shard, `--devices` of them) and the compiled all-reduce windows;
 `--mode pipeline` prints `ooo.pipeline.explain`'s report for the MLP stack
-(`ooojax.models.mlp_stack`) and the compiled collective-permute windows.
+(`ooojax.models.mlp_stack`) and the compiled collective-permute windows;
+`--mode pipeline --auto` does so for a zoo model's plain loss (default "gpt"),
+cut into stages by ooojax (`ooo.pipeline.explain(loss_fn, params, *batch,
+stages=...)`; the batch must split into the microbatches).
 Without the gpu-hlo extra both print the report and say why nothing compiled.
 """
 from __future__ import annotations
@@ -183,6 +186,9 @@ def add_parser(sub) -> None:
   p.add_argument("--chunks", type=int, default=None, help="pipeline: interleaved chunks")
   p.add_argument("--lag", type=int, default=0,
                  help="pipeline: 1 receives each transfer one tick after its send")
+  p.add_argument("--auto", action="store_true",
+                 help="pipeline: cut a zoo model's plain loss into stages (default --model "
+                 "gpt) instead of the hand-written mlp_stack")
   p.add_argument("--opt", action="append", default=[], metavar="NAME=VALUE",
                  help="XLA option for the compile (repeatable)")
   p.add_argument("--out", default=None, help="write the scheduled HLO text here")
@@ -237,12 +243,37 @@ def run_data_parallel(args) -> int:
   return 0
 
 
+def _auto_pipeline_report(args):
+  """`ooo.pipeline.explain` of a zoo model's plain loss (`--auto`), cut by ooojax."""
+  import jax
+
+  import ooojax as ooo
+  model = args.model or "gpt"
+  loss_fn, fargs, kw = load_model(model, tiny=args.tiny, batch=args.batch,
+                                  sizes=parse_kv(args.size))
+  micro = args.microbatches or 2 * args.stages
+  # the zoo's legacy uint32[2] dropout keys as typed keys: the pipeline folds a typed
+  # key per microbatch, and splits every other array on its rows
+  typed = jax.eval_shape(jax.random.key, 0)
+  fargs = tuple(typed if i and getattr(a, "dtype", None) == jax.numpy.uint32
+                and tuple(a.shape) == (2,) else a for i, a in enumerate(fargs))
+  print(f"{model} ({'tiny' if args.tiny else 'full'} size, the plain loss cut by ooojax), "
+        f"mode=pipeline --auto, jax {jax.__version__}")
+  return ooo.pipeline.explain(loss_fn, *fargs, stages=args.stages, schedule=args.schedule,
+                              microbatches=micro, chunks=args.chunks,
+                              has_aux=kw.get("has_aux", False), device=_spec(args.gpu),
+                              link=args.link)
+
+
 def run_pipeline(args) -> int:
   import jax
 
   import ooojax as ooo
   from ooojax import gpu_hlo
   from ooojax.models import mlp_stack
+  if args.auto:
+    report = _auto_pipeline_report(args)
+    return _print_compiled(report, args, gpu_hlo.unavailable_reason())
   model = args.model or "mlp_stack"
   if model not in PIPELINE_MODELS:
     raise ValueError(f"--mode pipeline needs a stack model: one of {sorted(PIPELINE_MODELS)}, "
@@ -260,7 +291,11 @@ def run_pipeline(args) -> int:
         f"jax {jax.__version__}")
   report = ooo.pipeline.explain(stage_fn, loss_fn, sched, params, batch,
                                 device=_spec(args.gpu), link=args.link)
-  reason = gpu_hlo.unavailable_reason()
+  return _print_compiled(report, args, gpu_hlo.unavailable_reason())
+
+
+def _print_compiled(report, args, reason) -> int:
+  """The report, with its compiled collective-permute windows where a GPU compiles."""
   if reason is None:
     try:
       report = report.compiled(args.gpu, compiler_options=parse_kv(args.opt))

@@ -260,18 +260,28 @@ class TiledTrainStep(PipelineTrainStep):
       sched = self.table = tile(self.sched, self.steps, shared=None in owners)
       return lower_updates(stage_fn, loss_fn, sched, self.mesh, self.axis_name,
                            g.updater(self.sched.chunks, owners), input_fn,
-                           device_major=True, owners=owners)
+                           device_major=True, owners=owners, has_aux=c.n_aux > 0)
 
     first = jax.tree.map(lambda x: x[0], batches)
     prog = self._program_with(list(lay.avals), lay.treedef, first, lowering)
     c = prog.cut
-    stacked = lambda ids: tuple(  # noqa: E731 - scalars per step as a row per example
-        jnp.broadcast_to(b_leaves[i][:, None], (self.steps, *rows)) if jnp.ndim(
-            b_leaves[i]) == 1 else b_leaves[i] for i in ids)
-    p, sh, o_stage, o_run, losses = prog.run(sp.stacked, sp.shared, o_stage,
+    from ooojax.pipeline import is_key, microbatch_keys
+
+    def per_step(x):   # a scalar per step as a row per example (a key: per microbatch)
+      if is_key(x):
+        return jax.vmap(lambda k: microbatch_keys(k, *rows, self.sched.microbatches))(x)
+      return jnp.broadcast_to(x[:, None], (self.steps, *rows))
+    stacked = lambda ids: tuple(  # noqa: E731
+        per_step(b_leaves[i]) if jnp.ndim(b_leaves[i]) == 1 else b_leaves[i] for i in ids)
+    p, sh, o_stage, o_run, out = prog.run(sp.stacked, sp.shared, o_stage,
                                              {"h": o_rep["h"], "n": o_rep["n"]},
                                              (stacked(c.inputs), stacked(c.targets),
                                               *((stacked(c.side),) if c.side else ())))
+    losses, aux = prog.split(out)
+    if self.has_aux:   # (steps * M, ...) per leaf: each step's microbatches reduced
+      aux = jax.vmap(lambda a: prog.aux(a, self.aux_reduce))(
+          tuple(x.reshape(self.steps, -1, *x.shape[1:]) for x in aux))
+      losses = (losses, aux)
     # The rest (never read, zero gradients): one update per step, after the loop.
     rest, rst = list(sp.rest), {"r": o_rep["r"], "n": o_rep["n"]}
     for _ in range(self.steps):

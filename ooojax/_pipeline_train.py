@@ -68,11 +68,12 @@ class PipelineTrainStep:
   """`state, loss = step(state, *batch)`; built by `make_train_step`."""
 
   def __init__(self, loss_fn, optimizer, sched, mesh, axis_name, data_axis, has_aux,
-               compiler_options, layers=None):
+               compiler_options, layers=None, aux_reduce=None):
     self.loss_fn, self.optimizer, self.sched = loss_fn, optimizer, sched
     self.mesh, self.axis_name, self.data_axis, self.has_aux = (mesh, axis_name, data_axis,
                                                                has_aux)
     self.compiler_options, self.layers = compiler_options, layers
+    self.aux_reduce = aux_reduce
     self._layout: _Layout | None = None
     self._step = self._grad = None
 
@@ -126,7 +127,20 @@ class PipelineTrainStep:
       sp = self._to_stages(jax.tree.leaves(p))
       return PipelineTrainState(jnp.zeros((), jnp.int32), sp, self.optimizer.init(sp))
 
-    return make, self._shardings(jax.eval_shape(make, params))
+    try:
+      shape = jax.eval_shape(make, params)
+    except (ValueError, TypeError) as e:   # a mask or label tree of the user's structure
+      if "StageParams" not in str(e):
+        raise
+      raise ValueError(
+          "the optimizer compares a tree in your parameters' structure (optax.masked, "
+          "multi_transform, a weight-decay mask) with the train state's layout: "
+          "make_train_step's optimizer sees StageParams(stacked, shared, rest), the "
+          "stack's leaves stacked by stage. Give the mask or labels as a function of "
+          "that StageParams, use a transform without one, or take the gradients in your "
+          "tree from ooo.pipeline.value_and_grad and apply your optimizer to them "
+          "(docs/guides/pipeline-real-losses.md)") from e
+    return make, self._shardings(shape)
 
   def init(self, params, *batch) -> PipelineTrainState:
     """The first state, laid out and sharded by stage. `batch` is only traced (shapes)."""
@@ -193,7 +207,10 @@ class PipelineTrainStep:
     lay = self._layout
     prog = self._program(list(lay.avals), lay.treedef, batch, lay.balance.counts)
     sp = state.params
-    loss, (gp, gsh) = prog.run(sp.stacked, prog.batch, sp.shared)
+    out, (gp, gsh) = prog.run(sp.stacked, prog.batch, sp.shared)
+    loss, aux = prog.split(out)
+    if self.has_aux:
+      loss = (loss, prog.aux(aux, self.aux_reduce))
     return loss, StageParams(tuple(gp), tuple(gsh), tuple(jnp.zeros_like(x) for x in sp.rest))
 
   def _jitted(self, state):
@@ -219,7 +236,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
                     data_axis: str | None = None, has_aux: bool = False,
                     compiler_options: dict | None = None,
                     layers: str | tuple[int, ...] | None = None,
-                    steps: int = 1) -> PipelineTrainStep:
+                    steps: int = 1, aux_reduce: Callable | None = None) -> PipelineTrainStep:
   """A jitted pipelined train step of a plain loss, the optimizer applied per stage.
 
   The stages are cut from `loss_fn` as in `value_and_grad(loss_fn, mesh=...,
@@ -234,7 +251,9 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
 
   Args:
     loss_fn: `loss_fn(params, *batch) -> scalar`, the plain loss (a mean over
-      examples); with `has_aux`, `(loss, aux)` (aux is not computed).
+      examples); with `has_aux`, `(loss, aux)`: the step returns `state, (loss,
+      aux)` (`steps > 1`: each aux leaf with a leading axis of steps), the aux
+      reduced over microbatches by `aux_reduce` as in `value_and_grad`.
     optimizer: the optax optimizer.
     mesh, axis_name, schedule, microbatches, chunks, data_axis, layers: as in
       `value_and_grad`. The split is fixed at `init` (`step.balance`); the cost
@@ -283,7 +302,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
                      f"axis {axis_name!r}; the mesh has {dict(mesh.shape)}")
   sched = _table(schedule, mesh.shape[axis_name], microbatches, chunks)
   args = (loss_fn, optimizer, sched, mesh, axis_name, data_axis, has_aux, compiler_options,
-          layers)
+          layers, aux_reduce)
   if not (isinstance(steps, int) and steps >= 1):
     raise ValueError(f"steps must be an int >= 1, got {steps!r}")
   if steps > 1:

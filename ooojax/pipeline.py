@@ -30,10 +30,12 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ooojax._explain_pipeline import AutoCut, PipelineReport, explain
+from passes import _compat
 from ooojax._pipeline_train import (PipelineTrainState, PipelineTrainStep, StageParams,
                                     make_train_step)
 from passes.pipeline.balance import Balance
@@ -51,7 +53,8 @@ from passes.pipeline.steps import SteadyState, steady_state, tile
 
 __all__ = ["SCHEDULES", "Action", "AutoCut", "Balance", "Cut", "CutError", "Memory", "PipelineReport",
            "PipelineSchedule", "PipelineTrainState", "PipelineTrainStep", "ScheduleError",
-           "StageParams", "SteadyState", "device_order", "explain", "make_train_step", "memory",
+           "StageParams", "SteadyState", "device_order", "explain", "make_train_step", "mean_aux",
+           "memory",
            "schedule", "steady_state", "tile", "train", "value_and_grad"]
 
 
@@ -90,7 +93,8 @@ def value_and_grad(fn: Callable, loss_fn: Callable | None = None, *, mesh, axis_
                    input_fn: Callable | None = None, has_aux: bool = False,
                    data_axis: str | None = None,
                    layers: str | tuple[int, ...] | None = None,
-                   layout: str | None = None) -> Callable:
+                   layout: str | None = None,
+                   aux_reduce: Callable | None = None) -> Callable:
   """Pipelined loss and gradients: of a plain loss (stages cut automatically), or
   of a stack of stages written by hand.
 
@@ -112,10 +116,17 @@ def value_and_grad(fn: Callable, loss_fn: Callable | None = None, *, mesh, axis_
     examples. The layers may read values of the batch alone besides the
     activation (a padding mask built from the tokens, segment ids): every
     stage rebuilds them from its microbatch's batch leaves. Values of
-    parameters and the batch read by the layers, and random bits drawn from a
-    key in the batch (dropout), are refused. With `has_aux=True` `loss_fn`
-    returns `(loss, aux)`; `aux` is not computed (the stages never gather it)
-    and `step` returns `((loss, None), grads)`. A model it cannot cut raises a
+    parameters and the batch read by the layers are refused. A scalar typed
+    key in the batch (or a keyword argument of `step`, e.g. `rngs={"dropout":
+    key}`) reaches microbatch m as `fold_in(key, m)`, and each layer of a loop
+    of blocks draws its bits as the model does (flax's per-module constants):
+    dropout equals the microbatch loop with those keys. With `has_aux=True` `loss_fn`
+    returns `(loss, aux)` and `step` returns `((loss, aux), grads)`: the last
+    stage computes each microbatch's aux in its forward (no activation moves
+    for it), and `aux_reduce` combines them (default `mean_aux`: the mean over
+    microbatches of floating leaves, the others stacked on a leading axis of
+    microbatches). The aux may read the stack's output, the batch and the
+    parameters, not values inside the stack. A model it cannot cut raises a
     `ValueError` that says why. `step.balance(params, *batch)` (shapes only)
     is the chosen split, a `Balance`: layers per virtual stage and their
     cost-model times.
@@ -139,6 +150,9 @@ def value_and_grad(fn: Callable, loss_fn: Callable | None = None, *, mesh, axis_
     input_fn: (explicit form) optional `(inputs[, shared]) -> activation` run by
       the first stage (e.g. an embedding).
     has_aux: (automatic form) `fn` returns `(loss, aux)`.
+    aux_reduce: (automatic form, with `has_aux`) `f(stacked) -> aux`, `stacked`
+      the aux tree with every leaf stacked over the microbatches (then the data
+      replicas, microbatch-major): `(M * D, ...)`. Default `mean_aux`.
     data_axis: a second mesh axis (e.g. `("data", "stage")`) over which each
       microbatch's rows are split: every data replica runs the pipeline on its
       slice, and the loss and gradients are the mean over the replicas.
@@ -199,8 +213,8 @@ def value_and_grad(fn: Callable, loss_fn: Callable | None = None, *, mesh, axis_
       raise TypeError("input_fn belongs to the explicit form value_and_grad(stage_fn, "
                       "loss_fn, input_fn=...); the automatic form value_and_grad(loss_fn) "
                       "finds the embedding itself")
-    return _auto(fn, sched, mesh, axis_name, has_aux, data_axis, layers)
-  if has_aux or layers is not None:
+    return _auto(fn, sched, mesh, axis_name, has_aux, data_axis, layers, aux_reduce)
+  if has_aux or layers is not None or aux_reduce is not None:
     raise TypeError(f"{'has_aux' if has_aux else 'layers'} belongs to the automatic form "
                     "value_and_grad(loss_fn, ...); the explicit form's loss_fn returns a "
                     "scalar and its stage_params set the layers per stage")
@@ -228,6 +242,21 @@ def _table(schedule, stages: int, microbatches: int | None,
                   f"{type(schedule).__name__}")
 
 
+def mean_aux(stacked):
+  """The default reduction of a pipelined loss's aux over its microbatches: the
+  mean of each floating leaf (a metric that is a mean over equal-sized
+  microbatches comes out as on the whole batch), the others (counts, flags)
+  stacked on a leading axis of microbatches, as given.
+
+  >>> import jax.numpy as jnp
+  >>> mean_aux({"acc": jnp.array([0.5, 1.0]), "n": jnp.array([3, 4])})
+  {'acc': Array(0.75, dtype=float32), 'n': Array([3, 4], dtype=int32)}
+  """
+  return jax.tree.map(
+      lambda x: jnp.mean(x, 0).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+      else x, stacked)
+
+
 @dataclasses.dataclass(frozen=True)
 class _AutoProgram:
   """A plain loss cut for one batch: `run(cut.stage_params(leaves, balance.counts),
@@ -238,6 +267,15 @@ class _AutoProgram:
   run: Callable
   batch: tuple
   balance: Balance     # layers per virtual stage (`cut.stage_params(leaves, counts)`)
+  aux_tree: object = None   # the aux's treedef (`has_aux`); `run`'s loss is then (loss, aux)
+
+  def split(self, out):
+    """`(loss, aux leaves stacked over microbatches)` of `run`'s first output."""
+    return out if self.cut.n_aux else (out, ())
+
+  def aux(self, stacked, reduce=None):
+    """The aux tree of `split`'s stacked leaves, reduced (default `mean_aux`)."""
+    return (reduce or mean_aux)(self.aux_tree.unflatten(list(stacked)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,32 +287,72 @@ class _AutoParts:
   fns: tuple
   balance: Balance
   rowed: Callable
+  aux_tree: object = None
+
+
+def is_key(x) -> bool:
+  """A typed PRNG key (`jax.random.key`), which the pipeline folds per microbatch."""
+  return jax.dtypes.issubdtype(jnp.result_type(x), jax.dtypes.prng_key)
+
+
+def microbatch_keys(key, rows: int, microbatches: int):
+  """`rows` copies of a batch's scalar key, those of microbatch m (the m-th run of
+  `rows / microbatches`) being `fold_in(key, m)`: what each microbatch's loss reads.
+
+  >>> import jax
+  >>> k = jax.random.key(0)
+  >>> ks = microbatch_keys(k, 4, 2)
+  >>> bool((jax.random.key_data(ks[2]) == jax.random.key_data(jax.random.fold_in(k, 1))).all())
+  True
+  """
+  keys = jax.vmap(lambda m: jax.random.fold_in(key, m))(jnp.arange(microbatches))
+  return keys[jnp.arange(rows) // (rows // microbatches)]
 
 
 def _auto_parts(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, D: int,
-                p_avals, p_tree, batch, layers=None) -> _AutoParts:
+                p_avals, p_tree, batch, layers=None, data_axis=None) -> _AutoParts:
   """Traces `loss_fn` at one data replica's slice of one microbatch (what each device
-  runs; `D` data replicas), cuts it (`passes.pipeline.cut`) and balances its layers;
-  `batch` may hold `jax.ShapeDtypeStruct`s (shapes only)."""
+  runs; `D` data replicas over `data_axis`, bound while tracing), cuts it
+  (`passes.pipeline.cut`) and balances its layers; `batch` may hold
+  `jax.ShapeDtypeStruct`s (shapes only)."""
+  with _compat.axis_env([(data_axis, D)] if data_axis else []):
+    return _auto_parts_bound(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers)
+
+
+def _auto_parts_bound(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers):
   M, V = sched.microbatches, sched.virtual_stages
   b_leaves, b_tree = jax.tree.flatten(batch)
   scalar = [jnp.ndim(x) == 0 for x in b_leaves]   # passed whole to every microbatch
   rows = {jnp.shape(x)[0] for x, sc in zip(b_leaves, scalar) if not sc}
   if len(rows) != 1 or next(iter(rows)) % (M * D):
     per = f"microbatches={M}" + (f" x {D} data replicas" if D > 1 else "")
+    raw = any(jnp.result_type(x) == jnp.uint32 and jnp.shape(x) == (2,) for x in b_leaves)
     raise ValueError(f"the batch's arrays need one leading size divisible by {per} (they "
-                     f"are split on it); got leading sizes {sorted(rows)}")
+                     f"are split on it); got leading sizes {sorted(rows)}" + (
+                         "; a raw uint32[2] PRNG key is split like any array: pass a typed "
+                         "key (jax.random.key), which each microbatch gets folded with its "
+                         "index" if raw else "; model state passed in the batch (BatchNorm "
+                         "batch_stats, a mutable collection) is not pipelined yet: see "
+                         "docs/guides/pipeline-real-losses.md" if len(rows) > 1 else ""))
   B = next(iter(rows))
   sd = lambda x, s: jax.ShapeDtypeStruct(s, jnp.result_type(x))  # noqa: E731
   b_avals = [sd(x, () if sc else (jnp.shape(x)[0] // (M * D), *jnp.shape(x)[1:]))
              for x, sc in zip(b_leaves, scalar)]
   n = len(p_avals)
+  box = {"tree": None}
 
   def flat(*xs):
     out = loss_fn(p_tree.unflatten(xs[:n]), *b_tree.unflatten(xs[n:]))
-    return out[0] if has_aux else out
+    if not has_aux:
+      return out
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+      raise TypeError("with has_aux=True the loss must return (loss, aux); got "
+                      f"{type(out).__name__}")
+    aux, box["tree"] = jax.tree.flatten(out[1])
+    return (out[0], *aux)
 
-  c = cut(jax.make_jaxpr(flat)(*p_avals, *b_avals), n)
+  closed = jax.make_jaxpr(flat)(*p_avals, *b_avals)
+  c = cut(closed, n, len(closed.jaxpr.outvars) - 1)
   if c.layers < V:
     raise CutError(f"the stack has {c.layers} layers, fewer than the {V} virtual stages "
                    "(stages x chunks); use fewer stages or chunks, or cut by hand" + _EXPLICIT)
@@ -284,22 +362,33 @@ def _auto_parts(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, D: in
   whole = lambda ids, xs: tuple(x[0] if scalar[i] else x  # noqa: E731
                                 for i, x in zip(ids, xs))
 
+  starts = np.cumsum([0, *bal.counts])[:-1]   # each virtual stage's first layer
+
   def stage_fn(k):   # one function per layer count: equal counts share a flavor
     f = c.stage_fn(k)
-    return (lambda p, x, sd: f(p, x, whole(c.side, sd))) if c.side else f
+    if not c.per_layer:
+      return (lambda p, x, sd: f(p, x, whole(c.side, sd))) if c.side else f
+
+    def indexed(p, x, *rest):   # ([side,] vstage): per-layer data from the stage's index
+      sd = whole(c.side, rest[0]) if c.side else ()
+      return f(p, x, sd, jnp.asarray(starts, jnp.int32)[rest[-1]])
+    indexed.stage_index = True   # `passes.pipeline.program.trace` passes the index
+    return indexed
   fns = {k: stage_fn(k) for k in sorted(set(bal.counts))}
   stage = fns[bal.counts[0]] if len(fns) == 1 else tuple(fns[k] for k in bal.counts)
-  fns = (stage, lambda y, tg, sh: c.loss_fn(y, whole(c.targets, tg), sh),
+  epi = c.epilogue if c.n_aux else c.loss_fn   # the aux: computed by the last stage's F
+  fns = (stage, lambda y, tg, sh: epi(y, whole(c.targets, tg), sh),
          lambda ins, sh: c.input_fn(whole(c.inputs, ins), sh))
 
   def rowed(b_leaves):
     row = lambda ids: tuple(  # noqa: E731
-        jnp.broadcast_to(b_leaves[i], (B,)) if scalar[i] else b_leaves[i] for i in ids)
+        microbatch_keys(b_leaves[i], B, M) if scalar[i] and is_key(b_leaves[i])
+        else jnp.broadcast_to(b_leaves[i], (B,)) if scalar[i] else b_leaves[i] for i in ids)
     # side: what every stage reads besides the activation (a mask's tokens), each
     # stage slicing its microbatch's rows from the batch it already holds
     side = (row(c.side),) if c.side else ()
     return (row(c.inputs), row(c.targets), *side)
-  return _AutoParts(c, fns, bal, rowed)
+  return _AutoParts(c, fns, bal, rowed, box["tree"])
 
 
 def _auto_program(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, mesh,
@@ -309,17 +398,21 @@ def _auto_program(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, mes
   """`_auto_parts` lowered (`execute.lower`, or `lowering(cut, stage_fn, loss_fn,
   input_fn)`: the tiled train step's)."""
   D = mesh.shape[data_axis] if data_axis in mesh.shape else 1
-  parts = _auto_parts(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers)
+  parts = _auto_parts(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers,
+                      data_axis if D > 1 or data_axis in mesh.shape else None)
   c, fns = parts.cut, parts.fns
   if lowering is not None:
     run = lowering(c, *fns)
   else:
-    run = lower(fns[0], fns[1], sched, mesh, axis_name, fns[2], data_axis, device_major)
-  return _AutoProgram(c, run, parts.rowed(jax.tree.leaves(batch)), parts.balance)
+    run = lower(fns[0], fns[1], sched, mesh, axis_name, fns[2], data_axis, device_major,
+                has_aux=c.n_aux > 0)
+  return _AutoProgram(c, run, parts.rowed(jax.tree.leaves(batch)), parts.balance,
+                      parts.aux_tree)
 
 
 def _auto(loss_fn: Callable, sched: PipelineSchedule, mesh, axis_name: str,
-          has_aux: bool, data_axis: str | None, layers=None) -> Callable:
+          has_aux: bool, data_axis: str | None, layers=None,
+          aux_reduce: Callable | None = None) -> Callable:
   """`step(params, *batch)` of a plain loss (`_auto_program`). The loss is traced on
   every call of `step` (once per `jax.jit` trace): a cached trace would keep the
   constants it closes over, tracers of an outer trace included."""
@@ -329,16 +422,21 @@ def _auto(loss_fn: Callable, sched: PipelineSchedule, mesh, axis_name: str,
     return _auto_program(loss_fn, has_aux, sched, mesh, axis_name, data_axis, p_avals,
                          p_tree, batch, layers=layers)
 
-  def step(params, *batch):
+  def step(params, *batch, **kwargs):
+    if kwargs:   # keyword arguments (rngs={"dropout": key}) are batch leaves too
+      named = _auto(lambda p, *b: loss_fn(p, *b[:-1], **b[-1]), sched, mesh, axis_name,
+                    has_aux, data_axis, layers, aux_reduce)
+      return named(params, *batch, kwargs)
     leaves, p_tree = jax.tree.flatten(params)
     prog = program(params, batch)
     c, counts = prog.cut, prog.balance.counts
-    loss, (gp, gsh) = prog.run(c.stage_params(leaves, counts), prog.batch,
-                               tuple(leaves[i] for i in c.shared))
+    out, (gp, gsh) = prog.run(c.stage_params(leaves, counts), prog.batch,
+                              tuple(leaves[i] for i in c.shared))
+    loss, aux = prog.split(out)
     if _explicit(mesh):  # stage axes come back sharded; the user's leaves are whole
       gp = jax.tree.map(lambda g: jax.reshard(g, NamedSharding(mesh, P())), gp)
     grads = p_tree.unflatten(c.grads(leaves, gp, gsh, counts))
-    return ((loss, None), grads) if has_aux else (loss, grads)
+    return ((loss, prog.aux(aux, aux_reduce)), grads) if has_aux else (loss, grads)
 
   def balance(params, *batch) -> Balance:
     """The layers per virtual stage `step` runs for these shapes (a `Balance`)."""

@@ -762,3 +762,17 @@ def context_mesh():
   """The mesh set by `jax.set_mesh` / `use_mesh` (abstract), or None."""
   m = jax.sharding.get_abstract_mesh()
   return None if m is None or m.empty else m
+
+def axis_env(axes: Sequence[tuple[str, int]]):
+  """A context in which the mapped axes `axes` (name, size) are bound for tracing:
+  a pipelined loss that names its data axis (`pmean`, `axis_index`) is traced
+  and cut outside the `shard_map` that binds it. Empty `axes`: no change."""
+  if not axes:
+    return contextlib.nullcontext()
+  return _core.extend_axis_env_nd(list(axes))
+
+
+def pinning_effects(eqn) -> set:
+  """`eqn`'s effects other than naming a mapped axis (`axis_index`, `psum` over the
+  data axis): those a pass must not duplicate or move across a stage boundary."""
+  return {e for e in eqn.effects if not isinstance(e, _core.NamedAxisEffect)}

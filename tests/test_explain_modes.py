@@ -261,6 +261,17 @@ def test_cli_pipeline(capsys):
     main(["hlo", "--mode", "pipeline", "--model", "resnet50"])
 
 
+def test_cli_pipeline_auto(capsys):
+  # the zoo GPT's plain loss (dropout from its key) cut into stages by ooojax
+  from ooojax.__main__ import main
+  assert main(["hlo", "--mode", "pipeline", "--auto", "--tiny", "--batch", "4", "--stages",
+               "2", "--microbatches", "2", "--schedule", "1f1b", "--size", "layers=2",
+               "--size", "dim=16", "--size", "heads=2", "--size", "vocab=32"]) == 0
+  out = capsys.readouterr().out
+  assert "mode=pipeline --auto" in out and "cut (automatic): 2 layers" in out
+  assert ("collective-permutes" in out) == (gpu_hlo.unavailable_reason() is None)
+
+
 # --- the automatic form: explain(loss_fn, params, *batch, stages=...) -----------------
 def test_auto_explain_equals_the_explicit_explain_on_the_cut():
   from ooojax.pipeline import _auto_parts, _table

@@ -129,11 +129,30 @@ def test_side_value_of_parameters_refused():
   _raises(loss, params, batch, "computed from parameters too")
 
 
-def test_dropout_key_refused():
-  # a dropout mask drawn from a key in the batch: a microbatch's bits differ
-  loss, params, batch = _scan_loss(
-      lambda p, x, key: jax.random.bernoulli(key, 0.9, x.shape).astype(x.dtype))
-  _raises(loss, params, batch, "bits drawn for a microbatch differ")
+def test_dropout_key_is_a_side_input():
+  # a dropout mask drawn from a key in the batch, read by every layer: microbatch m
+  # draws its mask from fold_in(key, m) (tests/test_pipeline_real_losses.py: flax)
+  loss, params, (x, key) = _scan_loss(
+      lambda p, x, key: jax.random.bernoulli(key, 0.5, x.shape).astype(x.dtype))
+  step = ooo.pipeline.value_and_grad(loss, mesh=_mesh(2), axis_name="stage",
+                                     schedule="1f1b", microbatches=2)
+
+  def mean(p):
+    return sum(loss(p, x[2 * m:2 * m + 2], jax.random.fold_in(key, m)) for m in (0, 1)) / 2
+  want = _jit(jax.value_and_grad(mean))(params)
+  assert_trees_close(_jit(step)(params, x, key), want)
+  # the key as a keyword argument of the step (rngs=...), passed back to the loss by name
+  by_name = ooo.pipeline.value_and_grad(lambda p, x, *, rngs: loss(p, x, rngs["dropout"]),
+                                        mesh=_mesh(2), axis_name="stage", schedule="1f1b",
+                                        microbatches=2)
+  assert_trees_close(_jit(by_name)(params, x, rngs={"dropout": key}), want)
+
+
+def test_key_from_batch_integers_refused():
+  # a key made inside the loss from a seed in the batch: nothing to fold per microbatch
+  loss, params, (x, _) = _scan_loss(lambda p, x, seed: jax.random.bernoulli(
+      jax.random.key(seed), 0.9, x.shape).astype(x.dtype))
+  _raises(loss, params, (x, jnp.uint32(3)), "pass a typed key")
 
 
 # --- the explicit form: batch = (inputs, targets, side) --------------------------------

@@ -121,11 +121,17 @@ def test_adam_sharded_by_stage_checkpoint_restores_training(tmp_path):
 
 def test_data_by_stage_mesh():
   mean, params, (tokens,) = _gpt()
-  loss = lambda p, tok: (mean(p, tok), {"unused": 0.0})  # noqa: E731 - aux is not computed
+  # an integer aux: one count per (microbatch, data replica) piece, microbatch-major
+  loss = lambda p, tok: (mean(p, tok), {"n": jnp.sum(tok[:, 0] > 6)})  # noqa: E731
   batches = _batches(tokens)
   step = _make(loss, ADAM, _mesh(data=2), schedule="1f1b", data_axis="data", has_aux=True)
   state = step.init(params, *batches[0])
-  _follow(step, state, batches, _reference(mean, ADAM, params, batches, 2))
+  ref = _reference(mean, ADAM, params, batches, 2)
+  for t, (tok,) in enumerate(batches):
+    state, (l, aux) = step(state, tok)
+    assert_trees_close(l, ref[t][0])
+    assert_trees_close(aux["n"], jnp.sum(tok[:, 0].reshape(4, -1) > 6, 1))
+  assert_trees_close(step.params(state), ref[-1][1])
 
 
 def test_errors():

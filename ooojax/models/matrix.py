@@ -17,7 +17,11 @@ Modes:
     `NotAStack`);
   pipeline_auto: `ooo.pipeline.value_and_grad(case.loss, ...)`, the stages cut
     by ooojax from the unmodified loss, against `jax.value_and_grad` of the
-    loss averaged over the microbatches (a model it cannot cut: `CutError`).
+    loss averaged over the microbatches, microbatch m with the scalar key
+    `fold_in(key, m)` (a model it cannot cut: `CutError`). A loss that names
+    the data axis runs on a data x stage mesh (`data_axis`), against that
+    microbatch loop in `shard_map` over the data axis (replica d of microbatch
+    m: its rows [m, d]), `pmean`-ed.
 """
 from __future__ import annotations
 
@@ -135,6 +139,8 @@ def _pipeline(case: Case, schedule: str):
 
 
 def _pipeline_auto(case: Case, schedule: str):
+  if case.axis is not None:
+    return _pipeline_auto_data(case, schedule)
   mesh = jax.make_mesh((STAGES,), ("stage",), devices=jax.devices()[:STAGES])
   sched = ooo.pipeline.schedule(schedule, STAGES, 2 * STAGES)
   step = ooo.pipeline.value_and_grad(case.loss, mesh=mesh, axis_name="stage", schedule=sched,
@@ -145,12 +151,52 @@ def _pipeline_auto(case: Case, schedule: str):
   def mean_loss(params):   # batch leaves split on their leading axis, scalars whole
     total = 0.0
     for m in range(micro):
-      part = jax.tree.map(lambda a: a if a.ndim == 0 else
-                          a.reshape(micro, -1, *a.shape[1:])[m], case.batch)
+      part = jax.tree.map(lambda a: _micro(a, micro, m), case.batch)
       total = total + case.loss(params, *part)[0]
     return total / micro
 
   return (loss, grads), _jit(jax.value_and_grad(mean_loss))(case.params)
+
+
+def _micro(a, micro: int, m: int):
+  """Microbatch m of a batch leaf: its rows, a scalar whole, a scalar key folded
+  with m (what the pipeline hands microbatch m)."""
+  if ooo.pipeline.is_key(a) and a.ndim == 0:
+    return jax.random.fold_in(a, m)
+  if a.ndim == 0:
+    return a
+  return a.reshape(micro, -1, *a.shape[1:])[m]
+
+
+def _pipeline_auto_data(case: Case, schedule: str):
+  """A loss that names the data axis: data x stage mesh (`data_axis`), against the
+  microbatch loop in `shard_map` over the data axis (replica d of microbatch m gets
+  its rows [m, d]), pmean-ed."""
+  data = DEVICES // STAGES
+  mesh = jax.make_mesh((data, STAGES), (AXIS, "stage"), devices=jax.devices()[:DEVICES])
+  sched = ooo.pipeline.schedule(schedule, STAGES, 2 * STAGES)
+  step = ooo.pipeline.value_and_grad(case.loss, mesh=mesh, axis_name="stage", schedule=sched,
+                                     has_aux=True, data_axis=AXIS)
+  (loss, _), grads = _jit(step)(case.params, *case.batch)
+  micro = sched.microbatches
+  # the split leaves as (data, micro, rows, ...): replica d's rows of every microbatch
+  by_replica = [jax.numpy.swapaxes(a.reshape(micro, data, -1, *a.shape[1:]), 0, 1) if s else a
+                for a, s in zip(case.batch, case.split)]
+
+  def per_replica(params, *batch):
+    def mean_loss(p):
+      total = 0.0
+      for m in range(micro):
+        part = [b[0, m] if s else _micro(b, micro, m) for b, s in zip(batch, case.split)]
+        total = total + case.loss(p, *part)[0]
+      return total / micro
+    return jax.lax.pmean(jax.value_and_grad(mean_loss)(params), AXIS)
+
+  dmesh = jax.sharding.Mesh(np.array(jax.devices()[:data]), (AXIS,))
+  want = _jit(jax.shard_map(per_replica, mesh=dmesh,
+                            in_specs=(P(),) + tuple(P(AXIS) if s else P() for s in case.split),
+                            out_specs=P(), check_vma=False))(case.params, *by_replica)
+  return (loss, grads), want
 
 
 def cell(case: Case, mode: str, *, devices: int = DEVICES, schedule: str = "1f1b"):

@@ -1,7 +1,8 @@
 """pipeline.cut: a plain loss's jaxpr cut into prologue, a stack of layers, epilogue.
 
-Contract: `cut(jaxpr, n_params) -> Cut` for `jaxpr = make_jaxpr(flat_loss)(*param_leaves,
-*batch_leaves)` with one scalar output; raises `CutError` (a `ValueError`) when
+Contract: `cut(jaxpr, n_params, n_aux=0) -> Cut` for `jaxpr = make_jaxpr(flat_loss)(
+*param_leaves, *batch_leaves)` with one scalar output, then `n_aux` aux outputs
+(metrics, computed by the epilogue: `Cut.epilogue`); raises `CutError` (a `ValueError`) when
 the program holds no stack it can pipeline. Read by `ooojax.pipeline`, which
 hands `Cut.input_fn`, `Cut.stage_fn(n)` per layer count (`passes.pipeline.balance`)
 and `Cut.loss_fn` to `passes.pipeline.execute.lower`.
@@ -74,18 +75,27 @@ class Cut:
   layer_fn: Callable = dataclasses.field(repr=False)  # (consts, layer_leaves, x) -> x
   consts_fn: Callable = dataclasses.field(repr=False)  # (side) -> the layers' constants
   side: tuple[int, ...] = ()            # batch leaves every layer reads (a mask's tokens)
+  # per-layer data that is no parameter: one (layers, ...) array per value a layer
+  # folds into the batch key (flax's per-module dropout keys); stage_fn's `first`
+  per_layer: tuple = dataclasses.field(default=(), repr=False)
+  n_aux: int = 0                        # aux outputs (`epilogue`)
+  epilogue: Callable | None = dataclasses.field(default=None, repr=False)
+  # ^ (activation, targets, shared) -> (scalar, aux outputs): the loss and the aux
 
   def stage_fn(self, per: int) -> Callable:
-    """`(stage_leaves, x, side=()) -> x` running the first `per` layers of its leaves
-    (`(rows, ...)`, rows >= per: the stage stack is padded to the largest count);
-    `side` holds the microbatch's `side` batch leaves."""
-    def stage(p, x, side=()):
+    """`(stage_leaves, x, side=(), first=0) -> x` running the first `per` layers of
+    its leaves (`(rows, ...)`, rows >= per: the stage stack is padded to the
+    largest count); `side` holds the microbatch's `side` batch leaves, `first` the
+    index of the stage's first layer in the stack (it picks `per_layer` rows; may
+    be traced)."""
+    def stage(p, x, side=(), first=0):
       consts = self.consts_fn(side)   # a mask: rebuilt from this microbatch's leaves
       if self.scanned:  # keep the user's loop: the split pass cuts scans into B/W scans
         p = tuple(a if a.shape[0] == per else a[:per] for a in p)
         return lax.scan(lambda h, ps: (self.layer_fn(consts, ps, h), None), x, p)[0]
       for j in range(per):
-        x = self.layer_fn(consts, tuple(a[j] for a in p), x)
+        own = tuple(jnp.asarray(a)[first + j] for a in self.per_layer)
+        x = self.layer_fn(consts, tuple(a[j] for a in p), x, *((own,) if own else ()))
       return x
     return stage
 
@@ -140,8 +150,10 @@ class _Program:
   param_vars: list        # parameter invars
   batch_vars: list        # batch invars
   loss: Any               # the scalar output
+  aux: tuple              # the aux outputs (vars or literals)
   dep: dict               # var -> _P | _B bits
   producer: dict          # var -> defining equation index
+  lits: frozenset = frozenset()   # constvars that were a fold_in's literal (`_per_layer_data`)
 
   def slice(self, roots, stop=()) -> list[int]:
     """Indices of the equations `roots` need, not looking past the `stop` vars."""
@@ -163,23 +175,54 @@ class _Program:
     return self.dep[outs[0]] if outs else _PINNED
 
 
-def _program(closed, n_params: int) -> _Program:
+def _per_layer_data(e, dep, consts, lits, eqns, producer):
+  """`side.per_layer_constant` of `e` when it folds data into a batch key."""
+  if e.primitive.name != "random_fold_in" or not dep.get(e.invars[0], 0) & _B:
+    return e
+  data = e.invars[1]
+  if isinstance(data, _compat.Literal):
+    val = data.val
+  elif dep.get(data, 0) == 0 and data not in consts:   # of constants alone: fold it now
+    ids = []
+    todo = [data]
+    while todo:
+      k = producer.get(todo.pop())
+      if k is not None and k not in ids:
+        ids.append(k)
+        todo += [u for u in eqns[k].invars if _is_var(u)]
+    if any(eqns[k].effects for k in ids):
+      return e
+    val = side_pass.evaluate_now([eqns[k] for k in sorted(ids)], consts, data)
+  else:
+    return e
+  e, v, consts[v] = side_pass.per_layer_constant(e, val)
+  lits.add(v)
+  return e
+
+
+def _program(closed, n_params: int, n_aux: int = 0) -> _Program:
   eqns, outs, consts = _flatten(closed)
   invars = list(closed.jaxpr.invars)
   dep = {v: _P for v in invars[:n_params]}
   dep.update({v: _B for v in invars[n_params:]})
   producer = {}
+  lits: set = set()
   for k, e in enumerate(eqns):
-    bits = _PINNED if e.effects else 0
+    e = eqns[k] = _per_layer_data(e, dep, consts, lits, eqns, producer)
+    # a value of the data axis (axis_index, a psum over it) is recomputed like any other:
+    # every replica of a stage runs the same table
+    bits = _PINNED if _compat.pinning_effects(e) else 0
     for v in e.invars:
       if _is_var(v):
         bits |= dep.get(v, 0)
     for v in e.outvars:
       if _is_var(v):
         dep[v], producer[v] = bits, k
-  if len(outs) != 1:
-    raise CutError(f"the traced loss returns {len(outs)} values; it must return one scalar")
-  return _Program(eqns, consts, invars[:n_params], invars[n_params:], outs[0], dep, producer)
+  if len(outs) != 1 + n_aux:
+    raise CutError(f"the traced loss returns {len(outs)} values; it must return one scalar"
+                   + (f" and {n_aux} aux leaves" if n_aux else ""))
+  return _Program(eqns, consts, invars[:n_params], invars[n_params:], outs[0],
+                  tuple(outs[1:]), dep, producer, frozenset(lits))
 
 
 # --- the stack -----------------------------------------------------------------------
@@ -197,6 +240,7 @@ class _Stack:
   layer_out: Any = None          # layer 0's output (loop stacks)
   body: Any = None               # the scan body (scanned)
   body_consts: tuple = ()        # the scan's consts (vars computed from constants alone)
+  lits: tuple = ()               # per layer: its values of layer 0's `prog.lits` inputs
 
 
 def _scan_stack(prog: _Program) -> _Stack | None:
@@ -219,8 +263,14 @@ def _scan_stack(prog: _Program) -> _Stack | None:
   other = [v for v in xs if not (_is_var(v) and v in params)]
   rand = side_pass.check([prog.eqns[k] for k in prog.slice(other) if prog.bits(k) == _B],
                          other, where)
-  if rand:   # per-layer keys split from a key in the batch (nn.scan's split_rngs)
+  if rand:
     raise CutError(rand + EXPLICIT)
+  if any(_is_var(v) and side_pass.is_key(v.aval) for v in other):
+    raise CutError(f"{where} scans over per-layer keys split from a key in the batch "
+                   "(nn.scan with split_rngs={'dropout': True}); automatic cutting draws "
+                   "per-layer dropout keys in a Python loop of blocks (each block folds "
+                   "its own constant into the key, as flax does), not over a scan"
+                   + EXPLICIT)
   if other:
     raise CutError(f"{where} also scans over {len(other)} per-layer input(s) that are not "
                    f"parameters ({', '.join(str(v.aval) for v in other)}); automatic "
@@ -321,7 +371,8 @@ def _piece(prog: _Program, ids, x_in, x_out, memo):
         ins.append(v)
         seen.add(v)
   key = (fingerprint.structure_key([prog.eqns[k] for k in eqns], ins, [x_out], memo),
-         tuple(fingerprint.value_key(prog.consts[v]) for v in ins if v in prog.consts))
+         tuple(fingerprint.value_key(prog.consts[v]) for v in ins
+               if v in prog.consts and v not in prog.lits))
   return eqns, tuple(ins), key
 
 
@@ -365,7 +416,7 @@ def _loop_stack(prog: _Program) -> _Stack | None:
   if best is None:
     return None
   s, per, n = best
-  layers, all_eqns = [], set()
+  layers, all_eqns, lits = [], set(), []
   key0 = None
   for j in range(n):
     a, b = s + j * per, s + (j + 1) * per
@@ -383,12 +434,14 @@ def _loop_stack(prog: _Program) -> _Stack | None:
                      "batch leaves besides the activation; automatic cutting rebuilds one "
                      "side input (a mask) for every layer" + EXPLICIT)
     layers.append(tuple(v for v in ins[1:] if v in params))
+    lits.append(tuple(prog.consts[v] for v in ins[1:] if v in prog.lits))
   used = [v for row in layers for v in row]
   if len(set(used)) != len(used):
     raise CutError(f"the {n} repeated layers share parameter leaves: weights shared by the "
                    "layers cannot be split over stages automatically" + EXPLICIT)
   return _Stack(pieces[s][1][0], segs[s + n * per - 1][2], frozenset(all_eqns), tuple(layers),
-                False, False, n, tuple(layer_eqns), layer_ins, segs[s + per - 1][2])
+                False, False, n, tuple(layer_eqns), layer_ins, segs[s + per - 1][2],
+                lits=tuple(lits) if lits and lits[0] else ())
 
 
 def _pick(prog: _Program) -> _Stack | None:
@@ -408,9 +461,10 @@ def _pick(prog: _Program) -> _Stack | None:
   return scan
 
 
-def cut(jaxpr, n_params: int) -> Cut:
-  """Cuts `jaxpr` (`(*param_leaves, *batch_leaves) -> loss`) into prologue, stack, epilogue."""
-  prog = _program(jaxpr, n_params)
+def cut(jaxpr, n_params: int, n_aux: int = 0) -> Cut:
+  """Cuts `jaxpr` (`(*param_leaves, *batch_leaves) -> (loss, *aux)`) into prologue,
+  stack, epilogue (which computes the aux outputs too)."""
+  prog = _program(jaxpr, n_params, n_aux)
   stack = _pick(prog)
   if stack is None:
     rand = side_pass.check([e for k, e in enumerate(prog.eqns) if prog.bits(k) == _B], (),
@@ -422,16 +476,20 @@ def cut(jaxpr, n_params: int) -> Cut:
                    "not cut either)" + (f"; {rand}" if rand else "") + EXPLICIT)
   pro = prog.slice([stack.x_in])
   epi = prog.slice([prog.loss], stop=[stack.x_out])
-  inside = stack.eqns.intersection(pro + epi)
+  epi_aux = prog.slice([prog.loss, *prog.aux], stop=[stack.x_out])
+  inside = stack.eqns.intersection(pro + epi_aux)
   if inside:
     e = prog.eqns[min(inside)]
-    raise CutError(f"the loss reads a value from inside the stack ({e.primitive.name} -> "
-                   f"{e.outvars[0].aval}, e.g. per-layer outputs or sown intermediates); "
-                   "only the last layer's output may leave the stack" + EXPLICIT)
+    what = "the loss" if stack.eqns.intersection(pro + epi) else "the aux output"
+    raise CutError(f"{what} reads a value from inside the stack ({e.primitive.name} -> "
+                   f"{e.outvars[0].aval}, e.g. per-layer outputs, sown intermediates or "
+                   "mutated batch statistics); only the last layer's output may leave the "
+                   "stack" + EXPLICIT)
   index = {v: i for i, v in enumerate(prog.param_vars)}
   b_index = {v: i for i, v in enumerate(prog.batch_vars)}
   stack_params = {v for row in stack.layers for v in row}
-  outside = (prog.reads(pro) | prog.reads(epi)) & set(prog.param_vars)
+  direct = {v for v in prog.aux if _is_var(v)}   # aux leaves that are inputs themselves
+  outside = (prog.reads(pro) | prog.reads(epi_aux) | direct) & set(prog.param_vars)
   if outside & stack_params:
     v = next(iter(outside & stack_params))
     raise CutError(f"a parameter of the stack ({v.aval}) is also read outside it; automatic "
@@ -439,10 +497,11 @@ def cut(jaxpr, n_params: int) -> Cut:
   shared = tuple(sorted(index[v] for v in outside))
   inputs = tuple(sorted(b_index[v] for v in (prog.reads(pro) | {stack.x_in})
                         if v in b_index))
-  targets = tuple(sorted(b_index[v] for v in prog.reads(epi) if v in b_index))
+  targets = tuple(sorted(b_index[v] for v in prog.reads(epi_aux) | direct if v in b_index))
   consts = prog.consts
   pro_eqns = [prog.eqns[k] for k in pro]
   epi_eqns = [prog.eqns[k] for k in epi]
+  aux_eqns = [prog.eqns[k] for k in epi_aux]
   shared_vars = [prog.param_vars[i] for i in shared]
 
   def input_fn(ins, sh):
@@ -457,6 +516,14 @@ def cut(jaxpr, n_params: int) -> Cut:
     env.update(zip(shared_vars, sh))
     env[stack.x_out] = y
     return _evaluate(epi_eqns, env, [prog.loss])[0]
+
+  def epilogue(y, tg, sh):
+    env = dict(consts)
+    env.update(zip([prog.batch_vars[i] for i in targets], tg))
+    env.update(zip(shared_vars, sh))
+    env[stack.x_out] = y
+    loss, *aux = _evaluate(aux_eqns, env, [prog.loss, *prog.aux])
+    return loss, tuple(aux)
 
   # side inputs: values of the batch alone every layer reads (a mask), rebuilt per
   # microbatch from the batch leaves `side` on every stage (`passes.pipeline.side`)
@@ -489,17 +556,21 @@ def cut(jaxpr, n_params: int) -> Cut:
   else:
     l_eqns = [prog.eqns[k] for k in stack.layer_eqns]
     l_params = [v for v in stack.layer_ins[1:] if v in stack_params]
+    l_lits = [v for v in stack.layer_ins[1:] if v in prog.lits]
 
     def consts_fn(sd):
       return sd
 
-    def layer_fn(cs, p, x):
+    def layer_fn(cs, p, x, own=()):   # own: this layer's `per_layer` values (else layer 0's)
       env = dict(consts)
       env.update(zip(s_vars, cs))
       env[stack.layer_ins[0]] = x
       env.update(zip(l_params, p))
+      env.update(zip(l_lits, own))
       return _evaluate(l_eqns, env, [stack.layer_out])[0]
 
   return Cut(stack.length, stack.scanned, stack.reverse,
              tuple(tuple(index[v] for v in row) for row in stack.layers), shared, inputs,
-             targets, input_fn, loss_fn, layer_fn, consts_fn, side)
+             targets, input_fn, loss_fn, layer_fn, consts_fn, side,
+             tuple(np.stack(col) for col in zip(*stack.lits)) if stack.lits else (), n_aux,
+             epilogue)

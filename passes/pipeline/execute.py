@@ -83,7 +83,8 @@ def _check(sched: PipelineSchedule, mesh, axis_name: str) -> None:
 
 def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
           axis_name: str, input_fn: Callable | None = None,
-          data_axis: str | None = None, device_major: bool = False) -> Callable:
+          data_axis: str | None = None, device_major: bool = False,
+          has_aux: bool = False) -> Callable:
   """Returns `step(stage_params, batch, shared=None) -> (loss, grads)`; see the module doc.
 
   `stage_fn` is one function, or a tuple of one per virtual stage (equal ones
@@ -99,6 +100,9 @@ def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
   With `device_major`, `stage_params` (and `grads`) stack the virtual stages in
   device order (`device_order(sched)`): device s's chunks are contiguous, so a
   stage-sharded stack reaches its devices without moving (interleaved, zb-v).
+  With `has_aux`, `loss_fn` returns `(loss, aux)` (`aux` a tuple of arrays, computed
+  by the last stage's F) and `step` returns `((loss, aux), grads)`, each aux leaf
+  stacked over the microbatches (then data replicas): `(M * D, ...)`.
   """
   _check(sched, mesh, axis_name)
   D = _data_size(mesh, axis_name, data_axis)
@@ -112,8 +116,9 @@ def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
     inputs_m, targets_m, side_m = split_microbatches(batch, M, D)
     local = lambda t: jax.tree.map(  # noqa: E731 - one data replica's slice
         lambda x: jax.ShapeDtypeStruct((M, x.shape[1] // D, *x.shape[2:]), x.dtype), t)
-    prog = trace(stage_fn, loss_fn, input_fn, sched, stage_params, local(inputs_m),
-                 local(targets_m), shared, local(side_m))
+    with _compat.axis_env([(data_axis, D)] if data_axis else []):   # a loss naming it
+      prog = trace(stage_fn, loss_fn, input_fn, sched, stage_params, local(inputs_m),
+                   local(targets_m), shared, local(side_m), has_aux)
     body = _body(prog, sched.stages, sched.chunks, M, axis_name, sched.lag,
                  data_axis=data_axis)
     loss, gp, gsh = _shard(body, sched, mesh, axis_name, stage_params, shared,
@@ -213,6 +218,17 @@ def _explicit(mesh) -> bool:
   return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ()))
 
 
+def _gather(a, axis_name, data_axis):
+  """An aux buffer written by the last stage alone, on every device; with a
+  `data_axis`, the replicas' rows after each microbatch's: `(M * D, ...)`."""
+  x = a.astype(jnp.int32) if a.dtype == jnp.bool_ else a
+  x = lax.psum(x, axis_name).astype(a.dtype)
+  if data_axis is not None:
+    x = lax.all_gather(x, data_axis, axis=1)
+    x = x.reshape(-1, *x.shape[2:])
+  return x
+
+
 def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_axis=None,
           owners=None):
   """The per-device program. With an `updater` (a table tiled over `steps`),
@@ -224,6 +240,7 @@ def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_ax
   F = plan_pass.F
   flavors, pl, x_aval, fres, bres = (prog.flavors, prog.plan, prog.x_aval, prog.fres,
                                      prog.bres)
+  n_aux = max(len(fl.aux) for fl in flavors)
   train = updater is not None
 
   def body(chunks, shared, batch_m, consts, opt=None, opt_rep=None):
@@ -235,6 +252,7 @@ def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_ax
     in_leaves, tg_leaves = jax.tree.leaves(inputs_m), jax.tree.leaves(targets_m)
     sd_leaves = jax.tree.leaves(side_m)
     table = jnp.asarray(pl.rows)[:, lax.axis_index(axis_name)]   # (ticks, fields)
+    vstage = jnp.asarray(prog.vstages)[lax.axis_index(axis_name)]  # (chunks,)
 
     def stack(n, shape, dtype):
       return jnp.zeros((n + 1, *shape), dtype)                     # +1: the trash slot
@@ -269,8 +287,17 @@ def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_ax
       if fl.last:
         vals += [get(x, r[F["mb"]]) for x in tg_leaves]
       vals += [get(x, r[F["mb"]]) for x in sd_leaves]   # every stage: its microbatch's side
+      if fl.index:   # the chunk's virtual stage (per-layer data: dropout key constants)
+        vals.append(vstage[c])
       assert len(vals) == len(fl.static), (len(vals), len(fl.static))
       return dict(zip(fl.static, vals))
+
+    # the loss's aux outputs (metrics): the last stage's F writes microbatch m's at row m
+    aux_avals = [u.aval for fl in flavors if fl.last for u in fl.aux][:n_aux]
+    aux0 = tuple(jnp.zeros((steps * M, *a.shape), a.dtype)
+                 for a in aux_avals) if n_aux else ()
+    no_aux = tuple(jnp.zeros(a.shape, a.dtype) for a in aux_avals)
+    zero_l = (zero, no_aux)
 
     def records(bufs, name, slot):
       return {dt: get(b, slot) for dt, b in bufs[name].items()}
@@ -279,7 +306,7 @@ def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_ax
       fl = flavors[i]
 
       def run(r, bufs, acc, f_rec, b_rec, w):
-        out, loss = no_out, zero
+        out, loss = no_out, zero_l
         ws = (chunk_w, sh_leaves) if w is None else w   # constants, or training's state
         env = env_of(i, fl, c, r, ws)
         if kind == "F":
@@ -288,7 +315,7 @@ def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_ax
           _run(fl.jaxpr, fl.f_eqns, env)
           y = _read(env, fl.jaxpr.outvars[0])
           if fl.last:
-            loss = y.astype(jnp.float32) / M
+            loss = (y.astype(jnp.float32) / M, tuple(_read(env, u) for u in fl.aux))
           else:
             out = y.astype(x_aval.dtype)
           return out, loss, acc, fres.pack(i, [_read(env, u) for u in fl.fres]), b_rec
@@ -315,7 +342,10 @@ def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_ax
       return run
 
     def idle(r, bufs, acc, f_rec, b_rec, w):
-      return no_out, zero, acc, f_rec, b_rec
+      return no_out, zero_l, acc, f_rec, b_rec
+
+    aux_f = jnp.asarray([0] + [int(k == "F" and flavors[i].last) for i, k, _ in pl.branches],
+                        jnp.int32)   # per branch: a last-stage F (writes the aux)
 
     branches = [idle] + [action(*b) for b in pl.branches]
     ring_up = [(k, (k + 1) % S) for k in range(S)]
@@ -379,11 +409,15 @@ def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_ax
       return (ws, sh), (oc, orep), {"gp": gp, "gsh": gsh}
 
     def tick(carry, r):
-      bufs, acc, loss, out, f_rec, b_rec, w, o = carry
+      bufs, acc, (loss, aux), out, f_rec, b_rec, w, o = carry
       if lag:  # the last tick's output travels while this tick computes
         below, above = send(out, r)
-      out, dl, acc, f_rec, b_rec = lax.switch(r[F["branch"]], branches, r, bufs, acc, f_rec,
-                                              b_rec, w)
+      out, (dl, da), acc, f_rec, b_rec = lax.switch(r[F["branch"]], branches, r, bufs, acc,
+                                                    f_rec, b_rec, w)
+      if n_aux:
+        aux = lax.cond(aux_f[r[F["branch"]]] == 1,
+                       lambda a: tuple(put(b, r[F["mb"]], x) for b, x in zip(a, da)),
+                       lambda a: a, aux)
       if not lag:
         below, above = send(out, r)
       act, grad = bufs["act"], bufs["grad"]
@@ -399,7 +433,7 @@ def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_ax
         loss = loss.at[r[F["step"]]].add(dl)
       else:
         loss = loss + dl
-      return (bufs, acc, loss, out, f_rec, b_rec, w, o), None
+      return (bufs, acc, (loss, aux), out, f_rec, b_rec, w, o), None
 
     groups = {}   # None (tied: sync) or owner vstage -> (device, chunk, leaf indices)
     for j, own in enumerate(owners or [None] * len(sh_leaves)):
@@ -418,9 +452,12 @@ def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_ax
       w0 = (chunk_w, list(sh_leaves))
       o0 = ([jax.tree.map(lambda x: x[0], oc) for oc in opt], updater.start(opt_rep))
     loss0 = jnp.zeros((steps,), jnp.float32) if train else zero
-    init = (bufs, acc, loss0, no_out, fres.empty(), bres.empty(), w0, o0)
-    (_, acc, loss, _, _, _, w, o), _ = lax.scan(tick, init, table)
+    init = (bufs, acc, (loss0, aux0), no_out, fres.empty(), bres.empty(), w0, o0)
+    (_, acc, (loss, aux), _, _, _, w, o), _ = lax.scan(tick, init, table)
     loss = lax.psum(loss, axis_name)
+    if n_aux:   # the last stage's rows (the others hold zeros), on every device
+      aux = tuple(_gather(a, axis_name, data_axis) for a in aux)
+      loss = (loss, aux)
     if train:
       sh = list(w[1])
       for key, (_, _, js) in groups.items():
@@ -432,7 +469,11 @@ def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_ax
               updater.finish(o[1], bcast))
     gsh = [lax.psum(g, axis_name) for g in acc["gsh"]]
     if data_axis is not None:   # the mean over the data replicas' slices
-      loss, gsh = lax.pmean(loss, data_axis), [lax.pmean(g, data_axis) for g in gsh]
+      if n_aux:
+        loss = (lax.pmean(loss[0], data_axis), loss[1])
+      else:
+        loss = lax.pmean(loss, data_axis)
+      gsh = [lax.pmean(g, data_axis) for g in gsh]
       acc["gp"] = [[lax.pmean(g, data_axis) for g in gs] for gs in acc["gp"]]
     gp = tuple(p_tree.unflatten([g[None] for g in gs]) for gs in acc["gp"])
     return loss, gp, jax.tree.unflatten(jax.tree.structure(shared), gsh)

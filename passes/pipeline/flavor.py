@@ -63,6 +63,8 @@ class Flavor:
   dx: Any                     # outvar of the input cotangent (None on the first stage)
   grads: tuple                # outvars of the parameter (then shared) gradients
   n_shared: int               # how many of `grads` are shared-weight gradients
+  aux: tuple = ()             # outvars of the loss's aux outputs (last stage; F computes them)
+  index: bool = False         # the last static input is the virtual stage's index
 
 
 def _vars_read(jaxpr, ids):
@@ -99,8 +101,13 @@ def _definers(jaxpr, phase, pc_def) -> set:
 
 
 def make_flavor(first: bool, last: bool, stage_fn, loss_fn, input_fn, p_aval, sh_aval,
-                x_aval, in_aval, tg_aval, sd_aval=None) -> Flavor:
-  """Traces one stage kind's forward + vjp and cuts it with the split pass."""
+                x_aval, in_aval, tg_aval, sd_aval=None, has_aux: bool = False,
+                index: bool = False) -> Flavor:
+  """Traces one stage kind's forward + vjp and cuts it with the split pass. With
+  `has_aux` the last stage's `loss_fn` returns `(loss, aux)`: its F computes the aux.
+  With `index` the stage is `stage_fn(p, x[, side], vstage)`, `vstage` the virtual
+  stage's index (an int32 scalar; per-layer data such as dropout key constants)."""
+  has_aux = has_aux and last
   has_sh = sh_aval is not None and (last or (first and input_fn is not None))
   p_leaves, p_tree = jax.tree.flatten(p_aval)
   sh_leaves, sh_tree = jax.tree.flatten(sh_aval if has_sh else ())
@@ -108,7 +115,7 @@ def make_flavor(first: bool, last: bool, stage_fn, loss_fn, input_fn, p_aval, sh
   tg_leaves, tg_tree = jax.tree.flatten(tg_aval if last else ())
   sd_leaves, sd_tree = jax.tree.flatten(sd_aval)
   n = [len(p_leaves), len(sh_leaves), 0 if first else 1, len(in_leaves), len(tg_leaves),
-       len(sd_leaves)]
+       len(sd_leaves), int(index)]
   side_arg = lambda sd: () if sd_aval is None else (sd,)  # noqa: E731
   extra = lambda sh: (sh,) if sh_aval is not None else ()  # noqa: E731
 
@@ -121,22 +128,26 @@ def make_flavor(first: bool, last: bool, stage_fn, loss_fn, input_fn, p_aval, sh
     inputs = in_tree.unflatten(take(n[3])) if first else None
     targets = tg_tree.unflatten(take(n[4])) if last else None
     side = sd_tree.unflatten(take(n[5]))
+    vs = take(n[6])
 
     def fwd(p, sh, x):
       if first:
         h = input_fn(inputs, *extra(sh)) if input_fn is not None else inputs
       else:
         h = x[0]
-      y = stage_fn(p, h, *side_arg(side))
+      y = stage_fn(p, h, *side_arg(side), *vs)
       return loss_fn(y, targets, *extra(sh)) if last else y
 
-    y, vjp = jax.vjp(fwd, p, sh, x)
+    if has_aux:
+      y, vjp, aux = jax.vjp(fwd, p, sh, x, has_aux=True)
+    else:
+      (y, vjp), aux = jax.vjp(fwd, p, sh, x), ()
     dp, dsh, dx = vjp(ct)
-    return (y, *dx, *jax.tree.leaves(dp), *jax.tree.leaves(dsh))
+    return (y, *jax.tree.leaves(aux), *dx, *jax.tree.leaves(dp), *jax.tree.leaves(dsh))
 
   ct_aval = jax.ShapeDtypeStruct((), jnp.float32) if last else x_aval
   avals = [ct_aval, *p_leaves, *sh_leaves, *([x_aval] * n[2]), *in_leaves, *tg_leaves,
-           *sd_leaves]
+           *sd_leaves, *([jax.ShapeDtypeStruct((), jnp.int32)] * n[6])]
   n_grads = n[2] + n[0] + n[1]
   names = [*(["dx"] * n[2]), *(f"param{i}" for i in range(n[0])),
            *(f"shared{i}" for i in range(n[1]))]
@@ -158,7 +169,8 @@ def make_flavor(first: bool, last: bool, stage_fn, loss_fn, input_fn, p_aval, sh
     (b_set if (not first and c.grad_out == gs) else w_set).update(c.eqns)
   # F: the forward equations y needs; other forward equations (recomputation)
   # run in the first phase that reads them.
-  need_y = {jaxpr.outvars[0]}
+  aux = tuple(jaxpr.outvars[1:gs])
+  need_y = {jaxpr.outvars[0], *(v for v in aux if isinstance(v, _compat.Var))}
   f_set = set()
   for k in range(len(jaxpr.eqns) - 1, -1, -1):
     e = jaxpr.eqns[k]
@@ -185,7 +197,7 @@ def make_flavor(first: bool, last: bool, stage_fn, loss_fn, input_fn, p_aval, sh
   # a transpose) are recomputed in each phase that reads them, never stored
   # per microbatch: a stored copy would cost a stage's weights per slot.
   # Values of the side input alone (a mask) are cheap to rebuild: the same.
-  side_vars = set(leaves[len(leaves) - n[5]:]) if n[5] else set()
+  side_vars = set(leaves[len(leaves) - n[5] - n[6]:]) if n[5] + n[6] else set()
   pc_def = _param_only(jaxpr, set(invars[1:1 + n_consts + n[0] + n[1]]) | side_vars)
   for phase in (b_set, w_set):
     phase.update(_definers(jaxpr, phase, pc_def))
@@ -198,7 +210,8 @@ def make_flavor(first: bool, last: bool, stage_fn, loss_fn, input_fn, p_aval, sh
   bres = tuple(sorted((b_def & (_vars_read(jaxpr, w_set) | need_w)) - set(pc_def),
                       key=order.get))
   fl = Flavor(first, last, jaxpr, tuple(sp.consts), static, x_var, tuple(sorted(f_set)),
-              tuple(sorted(b_set)), tuple(sorted(w_set)), fres, bres, dx_var, grads, n[1])
+              tuple(sorted(b_set)), tuple(sorted(w_set)), fres, bres, dx_var, grads, n[1],
+              aux, index)
   return merge_w_scans(fl)
 
 

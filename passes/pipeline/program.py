@@ -35,6 +35,7 @@ class Program:
   x_aval: jax.ShapeDtypeStruct        # the activation passed between stages
   fres: records_pass.Records          # F's residual record (what B and W read)
   bres: records_pass.Records          # B's record (what W reads)
+  vstages: np.ndarray | None = None   # (stages, chunks): the virtual stage of each chunk
 
 
 def split_microbatches(batch, M, D=1):
@@ -55,7 +56,7 @@ def split_microbatches(batch, M, D=1):
 
 
 def trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m,
-           shared, side_m=None) -> Program:
+           shared, side_m=None, has_aux: bool = False) -> Program:
   V = sched.virtual_stages
   for leaf in jax.tree.leaves(stage_params):
     if jnp.ndim(leaf) < 1 or jnp.shape(leaf)[0] != V:
@@ -80,8 +81,11 @@ def trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m,
     raise ValueError(f"stage_fn gives {len(fns)} functions for {V} virtual stages; pass "
                      "one function, or one per virtual stage")
   uniq = list(dict.fromkeys(fns))
+  # a stage function marked `stage_index` also gets its virtual stage's index
+  index = any(getattr(fn, "stage_index", False) for fn in uniq)
+  vs = (jax.ShapeDtypeStruct((), jnp.int32),) if index else ()
   for fn in uniq:
-    y_aval = jax.eval_shape(fn, p_aval, x_aval, *sd)
+    y_aval = jax.eval_shape(fn, p_aval, x_aval, *sd, *vs)
     if (getattr(y_aval, "shape", None), getattr(y_aval, "dtype", None)) != (
         x_aval.shape, x_aval.dtype):
       raise ValueError(f"stage_fn must map the activation to one of the same shape and "
@@ -91,13 +95,16 @@ def trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m,
   kinds = sorted({kind_of(vs) for vs in range(V)},
                  key=lambda k: (not k[0], not k[1], k[2]))   # first, last, middles
   flavors = tuple(make_flavor(fi, la, uniq[i], loss_fn, input_fn, p_aval, sh_aval, x_aval,
-                              in_aval, tg_aval, sd_aval) for fi, la, i in kinds)
+                              in_aval, tg_aval, sd_aval, has_aux, index)
+                  for fi, la, i in kinds)
   flavor_of = lambda s, c: kinds.index(kind_of(sched.vstage(s, c)))  # noqa: E731
   # The executor is lock-step (a tick lasts as long as its slowest cell): it
   # runs a fused BW as B then W in consecutive ticks (`generate.unfuse`).
   return Program(flavors, plan_pass.plan(unfuse(sched), flavor_of), x_aval,
                  records_pass.layout([fl.fres for fl in flavors]),
-                 records_pass.layout([fl.bres for fl in flavors]))
+                 records_pass.layout([fl.bres for fl in flavors]),
+                 np.array([[sched.vstage(s, c) for c in range(sched.chunks)]
+                           for s in range(sched.stages)], np.int32))
 
 
 @dataclasses.dataclass(frozen=True)

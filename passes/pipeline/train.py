@@ -89,14 +89,15 @@ def lower_train(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, 
 
 def lower_updates(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
                   axis_name: str, updater: Updater, input_fn: Callable | None = None,
-                  device_major: bool = False, owners=None) -> Callable:
+                  device_major: bool = False, owners=None, has_aux: bool = False) -> Callable:
   """`run(stage_params, shared, opt_stage, opt_rep, batches) -> (stage_params, shared,
   opt_stage, opt_rep, losses)`: `lower_train`'s program with the updates of
   `updater`. `shared` (weights read outside the stack, or None): `owners[j]`
   is the virtual stage (0 or the last) that alone reads leaf j, updated there
   at its U tick; None (default: all) for a leaf both read, reduced over the
   stages and updated at the plan's `sync` ticks, which needs a table tiled
-  with `tile(sched, steps, shared=True)` (checked)."""
+  with `tile(sched, steps, shared=True)` (checked). With `has_aux` (`loss_fn` returns
+  `(loss, aux)`), `losses` is `(losses, aux)`, each aux leaf `(steps * M, ...)`."""
   _check(sched, mesh, axis_name)
   if sched.steps == 1 and not any(a.kind == "U" for row in sched.grid for c in row
                                   for a in c):
@@ -115,7 +116,7 @@ def lower_updates(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule
     # index step * M + microbatch; side: what every stage reads besides the activation
     inputs_m, targets_m, side_m = split_microbatches(flat, N * M)
     prog = trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m,
-                 shared, side_m)
+                 shared, side_m, has_aux)
     own = list(owners or [None] * len(jax.tree.leaves(shared)))
     if None in own:
       _check_sync(prog, sched)
