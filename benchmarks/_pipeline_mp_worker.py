@@ -82,6 +82,93 @@ def _baseline():
   return out
 
 
+def _median_s(f, *args, reps: int = 15) -> float:
+  jax.block_until_ready(f(*args))
+  ts = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    ts.append(time.perf_counter() - t0)
+  return float(np.median(ts))
+
+
+def _phases(m: int) -> dict:
+  """This process's stage (the first or the last), one microbatch of `m`: measured
+  seconds of F, B (dX) and W (dW), each a jitted call on this core (the call's
+  dispatch subtracted: an empty jitted call's time)."""
+  import jax.numpy as jnp
+  full = model.make_params(nproc, cfg["layers"], cfg["dim"], cfg["hidden"])
+  p = {k: jnp.asarray(a[pid]) for k, a in full.items()}
+  x, t = (jnp.asarray(a[:cfg["batch"] // m]) for a in model.make_batch(cfg["batch"], cfg["dim"]))
+  last = pid == nproc - 1
+  f = (lambda p, x: model.loss_fn(model.stage_fn(p, x), t)) if last else model.stage_fn
+  y, pb_x = jax.vjp(lambda x: f(p, x), x)
+  _, pb_w = jax.vjp(lambda p: f(p, x), p)
+  g = jnp.ones_like(y)
+  call = jax.jit(lambda pb, g: pb(g))
+  empty = _median_s(jax.jit(lambda a: a + 0), g)
+  out = {"F": _median_s(jax.jit(f), p, x), "B": _median_s(call, pb_x, g),
+         "W": _median_s(call, pb_w, g)}
+  return {k: max(v - empty, 1e-6) for k, v in out.items()}
+
+
+def _probe(mesh, m: int) -> dict:
+  """The link, measured: a jitted ppermute of one activation (and of 4) from
+  process 0 to 1, and both ways at once, minus an empty jitted call (seconds)."""
+  import jax.numpy as jnp
+  from jax.sharding import PartitionSpec as Ps
+  rows = cfg["batch"] // m
+  one = [(0, 1)]
+  both = [(0, 1), (1, 0)]
+
+  def perm(pairs):
+    body = lambda a: jax.lax.ppermute(a, "stage", pairs)  # noqa: E731
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=Ps("stage"), out_specs=Ps("stage"),
+                                 check_vma=False))
+
+  out = {}
+  for k, n in (("one", 1), ("four", 4)):
+    a = jax.make_array_from_process_local_data(
+        NamedSharding(mesh, P("stage")), np.ones((n * rows, cfg["dim"]), np.float32),
+        (nproc * n * rows, cfg["dim"]))
+    f = perm(one)
+    empty = jax.jit(lambda a: a + 0)
+    multihost_utils.sync_global_devices("probe")
+    out[k] = _median_s(f, a) - _median_s(empty, a)
+    if n == 1:
+      multihost_utils.sync_global_devices("probe2")
+      out["both"] = _median_s(perm(both), a) - _median_s(empty, a)
+  out["nbytes"] = rows * cfg["dim"] * 4
+  return out
+
+
+def _calibration(mesh) -> dict:
+  """Per microbatch count: every process's phase costs, and the link probe."""
+  res = {}
+  for m in cfg["microbatches"]:
+    ph = _phases(m)
+    allph = np.asarray(multihost_utils.process_allgather(
+        np.array([ph["F"], ph["B"], ph["W"]]), tiled=False))
+    lk = _probe(mesh, m)
+    keys = sorted(lk)
+    # process 0's probe on every process: both must plan the same table
+    got = np.asarray(multihost_utils.process_allgather(np.array([lk[k] for k in keys]),
+                                                       tiled=False))
+    res[str(m)] = {"phases": allph.tolist(), "link": dict(zip(keys, got[0].tolist()))}
+  return res
+
+
+def _table(name: str, m: int, calib: dict):
+  """The named table; "ooo-link": ooo planned on the measured link and costs."""
+  if name != "ooo-link":
+    return ooo.pipeline.schedule(name, stages=nproc, microbatches=m)
+  from benchmarks.pipeline_mp import link_model, stage_costs
+  from passes.pipeline.depth import plan_ooo
+  c = calib[str(m)]
+  sched, _ = plan_ooo(nproc, m, stage_costs(c, nproc), link_model(c, cfg.get("gbit")))
+  return sched
+
+
 def _pipeline():
   devs = jax.devices()
   if len(devs) != nproc:
@@ -92,11 +179,12 @@ def _pipeline():
   x, t = model.make_batch(cfg["batch"], cfg["dim"])
   batch = tuple(jax.make_array_from_process_local_data(rep, a, a.shape) for a in (x, t))
   runs, out = {}, {}
+  calib = _calibration(mesh) if cfg.get("predict") else {}
   for name in cfg["schedules"]:
     for m in cfg["microbatches"]:
       key = f"{name}/{m}"
       try:
-        sched = ooo.pipeline.schedule(name, stages=nproc, microbatches=m)
+        sched = _table(name, m, calib)
         v = sched.virtual_stages
         full = model.make_params(v, cfg["layers"], cfg["dim"], cfg["hidden"])
         # Stage params sharded on the stage axis: this process holds its rows.
@@ -118,6 +206,8 @@ def _pipeline():
                     "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
       print(f"[{pid}] {key}: {out[key].get('error') or 'compiled, %.1f s' % out[key]['compile_s']}",
             flush=True)
+  if calib:
+    out["_calibration"] = calib
   if cfg.get("check"):
     # Gradients are sharded over the processes: gather them so process 0 saves all.
     return _gathered({key: (loss, grads) for key, (_, _, (loss, grads)) in runs.items()})
