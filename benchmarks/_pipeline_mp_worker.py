@@ -92,70 +92,68 @@ def _median_s(f, *args, reps: int = 15) -> float:
   return float(np.median(ts))
 
 
-def _phases(m: int) -> dict:
-  """This process's stage (the first or the last), one microbatch of `m`: measured
-  seconds of F, B (dX) and W (dW), each a jitted call on this core (the call's
-  dispatch subtracted: an empty jitted call's time)."""
-  import jax.numpy as jnp
-  full = model.make_params(nproc, cfg["layers"], cfg["dim"], cfg["hidden"])
-  p = {k: jnp.asarray(a[pid]) for k, a in full.items()}
-  x, t = (jnp.asarray(a[:cfg["batch"] // m]) for a in model.make_batch(cfg["batch"], cfg["dim"]))
-  last = pid == nproc - 1
-  f = (lambda p, x: model.loss_fn(model.stage_fn(p, x), t)) if last else model.stage_fn
-  y, pb_x = jax.vjp(lambda x: f(p, x), x)
-  _, pb_w = jax.vjp(lambda p: f(p, x), p)
-  g = jnp.ones_like(y)
-  call = jax.jit(lambda pb, g: pb(g))
-  empty = _median_s(jax.jit(lambda a: a + 0), g)
-  out = {"F": _median_s(jax.jit(f), p, x), "B": _median_s(call, pb_x, g),
-         "W": _median_s(call, pb_w, g)}
-  return {k: max(v - empty, 1e-6) for k, v in out.items()}
+class _Calibration:
+  """Measured inputs of the simulator, sampled between the timed rounds so that the
+  machine's drift hits them as it hits the steps: per microbatch count, this
+  process's stage (the first or the last) on one microbatch, F, B (dX) and W (dW)
+  as jitted calls on this core; and the link, a jitted ppermute of one
+  activation (and of four) from process 0 to 1, and both ways at once. Every
+  time has an empty jitted call's subtracted (the dispatch)."""
 
-
-def _probe(mesh, m: int) -> dict:
-  """The link, measured: a jitted ppermute of one activation (and of 4) from
-  process 0 to 1, and both ways at once, minus an empty jitted call (seconds)."""
-  import jax.numpy as jnp
-  from jax.sharding import PartitionSpec as Ps
-  rows = cfg["batch"] // m
-  one = [(0, 1)]
-  both = [(0, 1), (1, 0)]
-
-  def perm(pairs):
-    body = lambda a: jax.lax.ppermute(a, "stage", pairs)  # noqa: E731
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=Ps("stage"), out_specs=Ps("stage"),
-                                 check_vma=False))
-
-  out = {}
-  for k, n in (("one", 1), ("four", 4)):
-    a = jax.make_array_from_process_local_data(
-        NamedSharding(mesh, P("stage")), np.ones((n * rows, cfg["dim"]), np.float32),
-        (nproc * n * rows, cfg["dim"]))
-    f = perm(one)
+  def __init__(self, mesh):
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as Ps
+    self.fns, self.samples = {}, {}
+    full = model.make_params(nproc, cfg["layers"], cfg["dim"], cfg["hidden"])
+    p = {k: jnp.asarray(a[pid]) for k, a in full.items()}
+    call = jax.jit(lambda pb, g: pb(g))
     empty = jax.jit(lambda a: a + 0)
-    multihost_utils.sync_global_devices("probe")
-    out[k] = _median_s(f, a) - _median_s(empty, a)
-    if n == 1:
-      multihost_utils.sync_global_devices("probe2")
-      out["both"] = _median_s(perm(both), a) - _median_s(empty, a)
-  out["nbytes"] = rows * cfg["dim"] * 4
-  return out
 
+    def perm(pairs):
+      body = lambda a: jax.lax.ppermute(a, "stage", pairs)  # noqa: E731
+      return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=Ps("stage"),
+                                   out_specs=Ps("stage"), check_vma=False))
 
-def _calibration(mesh) -> dict:
-  """Per microbatch count: every process's phase costs, and the link probe."""
-  res = {}
-  for m in cfg["microbatches"]:
-    ph = _phases(m)
-    allph = np.asarray(multihost_utils.process_allgather(
-        np.array([ph["F"], ph["B"], ph["W"]]), tiled=False))
-    lk = _probe(mesh, m)
-    keys = sorted(lk)
-    # process 0's probe on every process: both must plan the same table
-    got = np.asarray(multihost_utils.process_allgather(np.array([lk[k] for k in keys]),
-                                                       tiled=False))
-    res[str(m)] = {"phases": allph.tolist(), "link": dict(zip(keys, got[0].tolist()))}
-  return res
+    for m in cfg["microbatches"]:
+      rows = cfg["batch"] // m
+      x, t = (jnp.asarray(a[:rows]) for a in model.make_batch(cfg["batch"], cfg["dim"]))
+      last = pid == nproc - 1
+      f = (lambda p, x, t=t: model.loss_fn(model.stage_fn(p, x), t)) if last else model.stage_fn
+      y, pb_x = jax.vjp(lambda x, f=f: f(p, x), x)
+      _, pb_w = jax.vjp(lambda p, f=f, x=x: f(p, x), p)
+      g = jnp.ones_like(y)
+      acts = {n: jax.make_array_from_process_local_data(
+          NamedSharding(mesh, P("stage")), np.ones((n * rows, cfg["dim"]), np.float32),
+          (nproc * n * rows, cfg["dim"])) for n in (1, 4)}
+      self.fns[m] = {"F": (jax.jit(f), (p, x)), "B": (call, (pb_x, g)), "W": (call, (pb_w, g)),
+                     "empty": (empty, (g,)), "one": (perm([(0, 1)]), (acts[1],)),
+                     "four": (perm([(0, 1)]), (acts[4],)),
+                     "both": (perm([(0, 1), (1, 0)]), (acts[1],)),
+                     "empty_link": (empty, (acts[1],))}
+      self.samples[m] = {k: [] for k in self.fns[m]}
+
+  def sample(self, reps: int) -> None:
+    for m, fns in self.fns.items():
+      for k, (f, args) in fns.items():
+        if k in ("one", "four", "both"):   # collectives: both processes together
+          multihost_utils.sync_global_devices("probe")
+        self.samples[m][k].append(_median_s(f, *args, reps=reps))
+
+  def result(self) -> dict:
+    """Per microbatch count (str): every process's [F, B, W] and process 0's link."""
+    res = {}
+    for m, sm in self.samples.items():
+      med = {k: float(np.median(v)) for k, v in sm.items()}
+      ph = [max(med[k] - med["empty"], 1e-6) for k in "FBW"]
+      lk = [max(med[k] - med["empty_link"], 1e-6) for k in ("one", "four", "both")]
+      allph = np.asarray(multihost_utils.process_allgather(np.array(ph), tiled=False))
+      # process 0's probe on every process: both must plan the same table
+      got = np.asarray(multihost_utils.process_allgather(np.array(lk), tiled=False))[0]
+      res[str(m)] = {"phases": allph.tolist(),
+                     "link": {"one": float(got[0]), "four": float(got[1]),
+                              "both": float(got[2]),
+                              "nbytes": cfg["batch"] // m * cfg["dim"] * 4}}
+    return res
 
 
 def _table(name: str, m: int, calib: dict):
@@ -179,7 +177,10 @@ def _pipeline():
   x, t = model.make_batch(cfg["batch"], cfg["dim"])
   batch = tuple(jax.make_array_from_process_local_data(rep, a, a.shape) for a in (x, t))
   runs, out = {}, {}
-  calib = _calibration(mesh) if cfg.get("predict") else {}
+  cal = _Calibration(mesh) if cfg.get("predict") else None
+  if cal is not None:   # a first sample, to plan ooo-link on
+    cal.sample(reps=10)
+  calib = cal.result() if cal is not None else {}
   for name in cfg["schedules"]:
     for m in cfg["microbatches"]:
       key = f"{name}/{m}"
@@ -206,8 +207,6 @@ def _pipeline():
                     "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
       print(f"[{pid}] {key}: {out[key].get('error') or 'compiled, %.1f s' % out[key]['compile_s']}",
             flush=True)
-  if calib:
-    out["_calibration"] = calib
   if cfg.get("check"):
     # Gradients are sharded over the processes: gather them so process 0 saves all.
     return _gathered({key: (loss, grads) for key, (_, _, (loss, grads)) in runs.items()})
@@ -215,6 +214,10 @@ def _pipeline():
   for _ in range(cfg["rounds"]):
     for key, (step, params, _) in runs.items():
       out[key]["ms"].append(_time_once(step, params, batch) * 1e3)
+    if cal is not None:
+      cal.sample(reps=3)
+  if cal is not None:
+    out["_calibration"] = cal.result()
   return out
 
 

@@ -22,6 +22,7 @@ the link demands it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from passes.pipeline.link import LinkModel, simulate_link
 
@@ -68,6 +69,35 @@ def _extras(S: int, M: int) -> list[int]:
   return sorted({x for x in out + [M] if x <= M})
 
 
+@functools.lru_cache(maxsize=64)
+def _candidates(S: int, M: int, gen_costs, budget: int, lag: int):
+  """(form, extra, table) of every candidate: they do not depend on the link, so a
+  sweep over links generates them once."""
+  from passes.pipeline.generate import Policy, _greedy, _lower_comms, _place, generate
+  from passes.pipeline.schedule import PipelineSchedule, ScheduleError
+  gc = dict(gen_costs) if gen_costs is not None else None
+  out = [(n, M if n == "gpipe" else 0, generate(n, S, M, lag=lag, costs=gc))
+         for n in ("gpipe", "1f1b")]
+  seen = set()
+  for extra in _extras(S, M):
+    lim = tuple(min(S - s + extra, M, budget) for s in range(S))
+    for w, lazy in (("eager", (S - 1,)), ("fill", ())):
+      if (lim, w, lazy) in seen or min(lim) < 1:
+        continue
+      seen.add((lim, w, lazy))
+      last = min(max(S, lim[-1]), budget)
+      pol = Policy(False, "F", w, lim[:-1] + (last,), lim, lazy_stages=lazy)
+      try:
+        orders = _greedy(S, M, 1, pol, "modulo", gc)
+        grid = _place(S, M, 1, orders, lag, "modulo")
+        t = PipelineSchedule("ooo", S, M, 1, _lower_comms(S, 1, grid, lag, "modulo"),
+                             pol.limit, lag).validate()
+      except ScheduleError:
+        continue
+      out.append(("ooo", extra, t))
+  return tuple(out)
+
+
 def plan_ooo(stages: int, microbatches: int, costs=None, link: LinkModel | None = None,
              budget: int | None = None, mode: str = "executor", lag: int = 0):
   """The `ooo` table with the in-flight depth that is fastest on `link` within `budget`.
@@ -88,49 +118,22 @@ def plan_ooo(stages: int, microbatches: int, costs=None, link: LinkModel | None 
     >>> c.step <= min(c.gpipe, c.one_f_one_b), max(s.peak_activations()) <= 8
     (True, True)
   """
-  from passes.pipeline.generate import Policy, _greedy, _lower_comms, _place, generate
-  from passes.pipeline.schedule import PipelineSchedule, ScheduleError
   S, M = stages, microbatches
   budget = M if budget is None else budget
   if not (isinstance(budget, int) and budget >= 1):
     raise ValueError(f"budget must be an int >= 1 (activations per stage), got {budget!r}")
-  gen_costs = costs if costs is None or isinstance(costs, dict) else None
+  gen = tuple(sorted(costs.items())) if isinstance(costs, dict) else None
   sim = lambda t: simulate_link(t, costs, link, mode).makespan  # noqa: E731
-  cands = []   # (step, max peak, form, extra, table)
-
-  def consider(form, extra, table):
-    peak = table.peak_activations()
-    if max(peak) <= budget:
-      cands.append((sim(table), max(peak), form, extra, table))
-
-  fused = {n: generate(n, S, M, lag=lag, costs=gen_costs) for n in ("gpipe", "1f1b")}
-  for n, t in fused.items():
-    consider(n, M if n == "gpipe" else 0, t)
-  seen = set()
-  for extra in _extras(S, M):
-    lim = tuple(min(S - s + extra, M, budget) for s in range(S))
-    for w, lazy in (("eager", (S - 1,)), ("fill", ())):
-      key = (lim, w, lazy)
-      if key in seen or min(lim) < 1:
-        continue
-      seen.add(key)
-      last = min(max(S, lim[-1]), budget)
-      pol = Policy(False, "F", w, lim[:-1] + (last,), lim, lazy_stages=lazy)
-      try:
-        orders = _greedy(S, M, 1, pol, "modulo", gen_costs)
-        grid = _place(S, M, 1, orders, lag, "modulo")
-        t = PipelineSchedule("ooo", S, M, 1, _lower_comms(S, 1, grid, lag, "modulo"),
-                             pol.limit, lag).validate()
-      except ScheduleError:
-        continue
-      consider("ooo", extra, t)
+  tables = _candidates(S, M, gen, budget, lag)
+  cands = [(sim(t), max(t.peak_activations()), form, extra, t) for form, extra, t in tables
+           if max(t.peak_activations()) <= budget]
   if not cands:
     raise ValueError(f"no ooo table fits a budget of {budget} activations per stage on "
                      f"{S} stages; 1F1B needs {S}: raise budget")
   best = min(c[0] for c in cands)   # ties (to 1e-6): the smaller memory, then ooo's own
   step, peak, form, extra, table = min((c for c in cands if c[0] <= best * (1 + 1e-6)),
                                        key=lambda c: (c[1], c[2] != "ooo", c[3]))
-  g, f = fused["gpipe"], fused["1f1b"]
+  g, f = (next(t for form, _, t in tables if form == n) for n in ("gpipe", "1f1b"))
   choice = DepthChoice(form, extra, table.peak_activations(), step, budget, sim(g), sim(f),
                        max(g.peak_activations()), max(f.peak_activations()), mode,
                        tuple((c[2], c[3], c[0], c[1]) for c in cands))
