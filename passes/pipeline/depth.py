@@ -70,14 +70,15 @@ def _extras(S: int, M: int) -> list[int]:
 
 
 @functools.lru_cache(maxsize=64)
-def _candidates(S: int, M: int, gen_costs, budget: int, lag: int):
-  """(form, extra, table) of every candidate: they do not depend on the link, so a
-  sweep over links generates them once."""
+def _candidates(S: int, M: int, gen_costs, budget: int, lag: int, comm: float = 0.0):
+  """(form, extra, table) of every candidate, generated as if each transfer took
+  `comm` (a delay: the replay on the link then prices the queueing); cached, so
+  a sweep over links and modes generates them once per `comm`."""
   from passes.pipeline.generate import Policy, _greedy, _lower_comms, _place, generate
   from passes.pipeline.schedule import PipelineSchedule, ScheduleError
   gc = dict(gen_costs) if gen_costs is not None else None
-  out = [(n, M if n == "gpipe" else 0, generate(n, S, M, lag=lag, costs=gc))
-         for n in ("gpipe", "1f1b")]
+  out = [] if comm else [(n, M if n == "gpipe" else 0, generate(n, S, M, lag=lag, costs=gc))
+                         for n in ("gpipe", "1f1b")]
   seen = set()
   for extra in _extras(S, M):
     lim = tuple(min(S - s + extra, M, budget) for s in range(S))
@@ -88,7 +89,7 @@ def _candidates(S: int, M: int, gen_costs, budget: int, lag: int):
       last = min(max(S, lim[-1]), budget)
       pol = Policy(False, "F", w, lim[:-1] + (last,), lim, lazy_stages=lazy)
       try:
-        orders = _greedy(S, M, 1, pol, "modulo", gc)
+        orders = _greedy(S, M, 1, pol, "modulo", gc, comm)
         grid = _place(S, M, 1, orders, lag, "modulo")
         t = PipelineSchedule("ooo", S, M, 1, _lower_comms(S, 1, grid, lag, "modulo"),
                              pol.limit, lag).validate()
@@ -125,6 +126,9 @@ def plan_ooo(stages: int, microbatches: int, costs=None, link: LinkModel | None 
   gen = tuple(sorted(costs.items())) if isinstance(costs, dict) else None
   sim = lambda t: simulate_link(t, costs, link, mode).makespan  # noqa: E731
   tables = _candidates(S, M, gen, budget, lag)
+  comm = link.seconds() if link is not None and gen is not None else 0.0
+  if comm > 0:   # also orders planned with the transfer's delay (the greedy sees it)
+    tables += _candidates(S, M, gen, budget, lag, comm)
   cands = [(sim(t), max(t.peak_activations()), form, extra, t) for form, extra, t in tables
            if max(t.peak_activations()) <= budget]
   if not cands:

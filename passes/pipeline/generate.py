@@ -165,9 +165,10 @@ def synced(sched: PipelineSchedule) -> bool:
 
 
 def _greedy(S: int, M: int, v: int, pol: Policy, placement: str = "modulo",
-            costs=None) -> list[list[Action]]:
+            costs=None, comm: float = 0.0) -> list[list[Action]]:
   """Event-driven list scheduling under the policy; durations from `costs`
-  (per whole stage, default F = B = W = 1; a chunk costs 1 / v; BW = B + W)."""
+  (per whole stage, default F = B = W = 1; a chunk costs 1 / v; BW = B + W);
+  a value from another device is ready `comm` after its producer ends."""
   V = S * v
   c = {"F": 1.0, "B": 1.0, "W": 1.0, **(costs or {})}
   dur_of = {"F": c["F"] / v, "B": c["B"] / v, "W": c["W"] / v, "BW": (c["B"] + c["W"]) / v}
@@ -183,8 +184,9 @@ def _greedy(S: int, M: int, v: int, pol: Policy, placement: str = "modulo",
   total = S * M * v * 3
   count, t, idle = 0, 0.0, 0
 
-  def ready(key):
-    return key in fin and fin[key] <= t
+  def ready(key, s=None):
+    late = comm if s is not None and place_of(S, key[1], placement)[0] != s else 0.0
+    return key in fin and fin[key] + late <= t
 
   while count < total:
     progressed = False
@@ -193,11 +195,11 @@ def _greedy(S: int, M: int, v: int, pol: Policy, placement: str = "modulo",
         continue
       # candidates
       b_ok = [(m, c) for m, c in pending_b[s]
-              if (vs := vstage_of(S, s, c, placement)) == V - 1 or ready(("B", vs + 1, m))]
+              if (vs := vstage_of(S, s, c, placement)) == V - 1 or ready(("B", vs + 1, m), s)]
       b_ok.sort(key=lambda mc: (mc[0] // S, -mc[1], mc[0] % S))
       def f_ready(mc):
         vs = vstage_of(S, s, mc[1], placement)
-        return vs == 0 or ready(("F", vs - 1, mc[0]))
+        return vs == 0 or ready(("F", vs - 1, mc[0]), s)
       rest = fwd_order[s][nf[s]:]
       if placement == "v":  # any arrived forward, the deeper chunk first
         cands = sorted((mc for mc in rest if f_ready(mc)), key=lambda mc: (-mc[1], mc[0]))
@@ -248,7 +250,8 @@ def _greedy(S: int, M: int, v: int, pol: Policy, placement: str = "modulo",
         pending_w[s].remove((m, c))
         live[s] -= 1
         count += 1
-    later = [x for x in (*free, *fin.values()) if x > t]
+    arrive = (f + comm for f in fin.values()) if comm else ()
+    later = [x for x in (*free, *fin.values(), *arrive) if x > t]
     idle = 0 if progressed or later else idle + 1
     if idle > 2 or (not later and not progressed):
       raise ScheduleError(f"schedule generation deadlocked at tick {t} (policy {pol}); "
