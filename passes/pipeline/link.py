@@ -177,7 +177,7 @@ def simulate_link(sched, costs=None, link: LinkModel | None = None,
   >>> from passes.pipeline.generate import generate
   >>> lk = LinkModel(latency=0.0, bandwidth=1.0, nbytes=1.0)    # a transfer: 1 unit
   >>> simulate_link(generate("gpipe", 2, 2), None, lk, "overlap").makespan
-  10.0
+  11.0
   """
   link = link or LinkModel()
   if mode not in ("executor", "overlap"):
