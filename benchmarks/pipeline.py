@@ -368,11 +368,19 @@ def main(argv=None):
   ap.add_argument("--write", action="store_true")
   ap.add_argument("--no-cpu", action="store_true")
   ap.add_argument("--cpu-only", action="store_true", help="only the measured CPU table")
+  ap.add_argument("--paper-link", action="store_true",
+                  help="only the paper-scale table in the link-true simulator")
   ap.add_argument("--rounds", type=int, default=7)
   ap.add_argument("--batch", type=int, default=BATCH)
   ap.add_argument("--schedules", nargs="*", default=list(SCHEDULES))
   ap.add_argument("--json", help="save the CPU table's per-round ms here")
   args = ap.parse_args(argv)
+  if args.paper_link:
+    lines = _report.header("Pipelines on slow links: paper scale, link-true simulator "
+                           "(benchmarks/pipeline.py --paper-link)")
+    paper, rows = table_paper_link()
+    _report.emit(lines + paper + paper_link_summary(rows), args.write)
+    return
   lines = _report.header("Pipeline schedules (benchmarks/pipeline.py)")
   if not args.cpu_only:
     lines += table_metrics() + [""]
