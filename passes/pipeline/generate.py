@@ -10,6 +10,7 @@ of those per-stage orders; `_lower_comms` adds the transfers.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Sequence
 
 from passes.pipeline.actions import UPDATE, deps
@@ -183,6 +184,7 @@ def _greedy(S: int, M: int, v: int, pol: Policy, placement: str = "modulo",
   orders: list[list[Action]] = [[] for _ in range(S)]
   total = S * M * v * 3
   count, t, idle = 0, 0.0, 0
+  events: list[float] = []   # every finish (and arrival) time: the next event is the heap's min
 
   def ready(key, s=None):
     late = comm if s is not None and place_of(S, key[1], placement)[0] != s else 0.0
@@ -200,12 +202,12 @@ def _greedy(S: int, M: int, v: int, pol: Policy, placement: str = "modulo",
       def f_ready(mc):
         vs = vstage_of(S, s, mc[1], placement)
         return vs == 0 or ready(("F", vs - 1, mc[0]), s)
-      rest = fwd_order[s][nf[s]:]
       if placement == "v":  # any arrived forward, the deeper chunk first
+        rest = fwd_order[s][nf[s]:]
         cands = sorted((mc for mc in rest if f_ready(mc)), key=lambda mc: (-mc[1], mc[0]))
         f_next = cands[0] if cands else (rest[0] if rest else None)
       else:
-        f_next = rest[0] if rest else None
+        f_next = fwd_order[s][nf[s]] if nf[s] < len(fwd_order[s]) else None
       f_in = f_next is not None and f_ready(f_next)
       f_ok = (f_in and live[s] < pol.limit[s]
               and len(pending_b[s]) < pol.limit_b[s])
@@ -228,6 +230,9 @@ def _greedy(S: int, M: int, v: int, pol: Policy, placement: str = "modulo",
       dur = dur_of[kind]
       orders[s].append(Action(s, kind, m, c))
       free[s] = t + dur
+      heapq.heappush(events, t + dur)
+      if comm:
+        heapq.heappush(events, t + dur + comm)
       progressed = True
       if kind == "F":
         fwd_order[s].remove((m, c))
@@ -250,13 +255,14 @@ def _greedy(S: int, M: int, v: int, pol: Policy, placement: str = "modulo",
         pending_w[s].remove((m, c))
         live[s] -= 1
         count += 1
-    arrive = (f + comm for f in fin.values()) if comm else ()
-    later = [x for x in (*free, *fin.values(), *arrive) if x > t]
+    while events and events[0] <= t:
+      heapq.heappop(events)
+    later = bool(events)
     idle = 0 if progressed or later else idle + 1
     if idle > 2 or (not later and not progressed):
       raise ScheduleError(f"schedule generation deadlocked at tick {t} (policy {pol}); "
                           "use more microbatches or another schedule")
-    t = min(later) if later else t + 1  # the next finish: nothing changes before it
+    t = events[0] if later else t + 1  # the next finish: nothing changes before it
   return orders
 
 
