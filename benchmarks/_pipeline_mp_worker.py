@@ -120,12 +120,13 @@ class _Calibration:
       last = pid == nproc - 1
       f = (lambda p, x, t=t: model.loss_fn(model.stage_fn(p, x), t)) if last else model.stage_fn
       y, pb_x = jax.vjp(lambda x, f=f: f(p, x), x)
-      _, pb_w = jax.vjp(lambda p, f=f, x=x: f(p, x), p)
+      _, pb_all = jax.vjp(f, p, x)
       g = jnp.ones_like(y)
       acts = {n: jax.make_array_from_process_local_data(
           NamedSharding(mesh, P("stage")), np.ones((n * rows, cfg["dim"]), np.float32),
           (nproc * n * rows, cfg["dim"])) for n in (1, 4)}
-      self.fns[m] = {"F": (jax.jit(f), (p, x)), "B": (call, (pb_x, g)), "W": (call, (pb_w, g)),
+      # W alone reads what B saved (the executor's split): the whole backward less B
+      self.fns[m] = {"F": (jax.jit(f), (p, x)), "B": (call, (pb_x, g)), "BW": (call, (pb_all, g)),
                      "empty": (empty, (g,)), "one": (perm([(0, 1)]), (acts[1],)),
                      "four": (perm([(0, 1)]), (acts[4],)),
                      "both": (perm([(0, 1), (1, 0)]), (acts[1],)),
@@ -139,12 +140,14 @@ class _Calibration:
           multihost_utils.sync_global_devices("probe")
         self.samples[m][k].append(_median_s(f, *args, reps=reps))
 
-  def result(self) -> dict:
-    """Per microbatch count (str): every process's [F, B, W] and process 0's link."""
+  def result(self, stat=np.median) -> dict:
+    """Per microbatch count (str): every process's [F, B, W] and process 0's link,
+    `stat` (median, or min: the least disturbed sample) over the samples."""
     res = {}
     for m, sm in self.samples.items():
-      med = {k: float(np.median(v)) for k, v in sm.items()}
-      ph = [max(med[k] - med["empty"], 1e-6) for k in "FBW"]
+      med = {k: float(stat(v)) for k, v in sm.items()}
+      f, b = med["F"] - med["empty"], med["B"] - med["empty"]
+      ph = [max(f, 1e-6), max(b, 1e-6), max(med["BW"] - med["empty"] - b, 1e-6)]
       lk = [max(med[k] - med["empty_link"], 1e-6) for k in ("one", "four", "both")]
       allph = np.asarray(multihost_utils.process_allgather(np.array(ph), tiled=False))
       # process 0's probe on every process: both must plan the same table
@@ -200,7 +203,8 @@ def _pipeline():
           res = jax.block_until_ready(step(params, batch))
         out[key] = {"schedule": name, "microbatches": m, "ms": [],
                     "compile_s": time.perf_counter() - t0,
-                    "bubble": sched.bubble_fraction(), "ticks": sched.ticks}
+                    "bubble": sched.bubble_fraction(), "ticks": sched.ticks,
+                    "table": sched.to_text()}
         runs[key] = (step, params, res)
       except Exception as e:  # noqa: BLE001 - a schedule that cannot run is a result
         out[key] = {"schedule": name, "microbatches": m,
@@ -218,6 +222,7 @@ def _pipeline():
       cal.sample(reps=3)
   if cal is not None:
     out["_calibration"] = cal.result()
+    out["_calibration_min"] = cal.result(np.min)
   return out
 
 
