@@ -375,6 +375,8 @@ def main(argv=None):
   ap.add_argument("--cpu-only", action="store_true", help="only the measured CPU table")
   ap.add_argument("--paper-link", action="store_true",
                   help="only the paper-scale table in the link-true simulator")
+  ap.add_argument("--micro-per-stage", type=int, nargs="*", default=[2, 4],
+                  help="microbatches per stage in the paper-scale table")
   ap.add_argument("--rounds", type=int, default=7)
   ap.add_argument("--batch", type=int, default=BATCH)
   ap.add_argument("--schedules", nargs="*", default=list(SCHEDULES))
@@ -383,7 +385,7 @@ def main(argv=None):
   if args.paper_link:
     lines = _report.header("Pipelines on slow links: paper scale, link-true simulator "
                            "(benchmarks/pipeline.py --paper-link)")
-    paper, rows = table_paper_link()
+    paper, rows = table_paper_link(micro_per_stage=tuple(args.micro_per_stage))
     _report.emit(lines + paper + paper_link_summary(rows), args.write)
     return
   lines = _report.header("Pipeline schedules (benchmarks/pipeline.py)")
