@@ -108,6 +108,94 @@ def _stage_params(mesh, sched) -> dict:
       for k, a in full.items()}
 
 
+def _median_s(f, *args, reps: int = 15) -> float:
+  jax.block_until_ready(f(*args))
+  ts = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    ts.append(time.perf_counter() - t0)
+  return float(np.median(ts))
+
+
+class _Calibration:
+  """Measured inputs of the simulator, sampled between the timed rounds so that the
+  machine's drift hits them as it hits the steps: per microbatch count, this
+  process's stage (the first or the last) on one microbatch, F, B (dX) and W (dW)
+  as jitted calls on this core; and the link, a jitted ppermute of one
+  activation (and of four) from process 0 to 1, and both ways at once. Every
+  time has an empty jitted call's subtracted (the dispatch)."""
+
+  def __init__(self, mesh):
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as Ps
+    self.fns, self.samples = {}, {}
+    full = model.make_params(nproc, cfg["layers"], cfg["dim"], cfg["hidden"])
+    p = {k: jnp.asarray(a[pid]) for k, a in full.items()}
+    call = jax.jit(lambda pb, g: pb(g))
+    empty = jax.jit(lambda a: a + 0)
+
+    def perm(pairs):
+      body = lambda a: jax.lax.ppermute(a, "stage", pairs)  # noqa: E731
+      return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=Ps("stage"),
+                                   out_specs=Ps("stage"), check_vma=False))
+
+    for m in cfg["microbatches"]:
+      rows = cfg["batch"] // m
+      x, t = (jnp.asarray(a[:rows]) for a in model.make_batch(cfg["batch"], cfg["dim"]))
+      last = pid == nproc - 1
+      f = (lambda p, x, t=t: model.loss_fn(model.stage_fn(p, x), t)) if last else model.stage_fn
+      y, pb_x = jax.vjp(lambda x, f=f: f(p, x), x)
+      _, pb_all = jax.vjp(f, p, x)
+      g = jnp.ones_like(y)
+      acts = {n: jax.make_array_from_process_local_data(
+          NamedSharding(mesh, P("stage")), np.ones((n * rows, cfg["dim"]), np.float32),
+          (nproc * n * rows, cfg["dim"])) for n in (1, 4)}
+      # W alone reads what B saved (the executor's split): the whole backward less B
+      self.fns[m] = {"F": (jax.jit(f), (p, x)), "B": (call, (pb_x, g)), "BW": (call, (pb_all, g)),
+                     "empty": (empty, (g,)), "one": (perm([(0, 1)]), (acts[1],)),
+                     "four": (perm([(0, 1)]), (acts[4],)),
+                     "both": (perm([(0, 1), (1, 0)]), (acts[1],)),
+                     "empty_link": (empty, (acts[1],))}
+      self.samples[m] = {k: [] for k in self.fns[m]}
+
+  def sample(self, reps: int) -> None:
+    for m, fns in self.fns.items():
+      for k, (f, args) in fns.items():
+        if k in ("one", "four", "both"):   # collectives: both processes together
+          multihost_utils.sync_global_devices("probe")
+        self.samples[m][k].append(_median_s(f, *args, reps=reps))
+
+  def result(self, stat=np.median) -> dict:
+    """Per microbatch count (str): every process's [F, B, W] and process 0's link,
+    `stat` (median, or min: the least disturbed sample) over the samples."""
+    res = {}
+    for m, sm in self.samples.items():
+      med = {k: float(stat(v)) for k, v in sm.items()}
+      f, b = med["F"] - med["empty"], med["B"] - med["empty"]
+      ph = [max(f, 1e-6), max(b, 1e-6), max(med["BW"] - med["empty"] - b, 1e-6)]
+      lk = [max(med[k] - med["empty_link"], 1e-6) for k in ("one", "four", "both")]
+      allph = np.asarray(multihost_utils.process_allgather(np.array(ph), tiled=False))
+      # process 0's probe on every process: both must plan the same table
+      got = np.asarray(multihost_utils.process_allgather(np.array(lk), tiled=False))[0]
+      res[str(m)] = {"phases": allph.tolist(),
+                     "link": {"one": float(got[0]), "four": float(got[1]),
+                              "both": float(got[2]),
+                              "nbytes": cfg["batch"] // m * cfg["dim"] * 4}}
+    return res
+
+
+def _table(name: str, m: int, calib: dict):
+  """The named table; "ooo-link": ooo planned on the measured link and costs."""
+  if name != "ooo-link":
+    return ooo.pipeline.schedule(name, stages=nproc, microbatches=m)
+  from benchmarks.pipeline_mp import link_model, stage_costs
+  from passes.pipeline.depth import plan_ooo
+  c = calib[str(m)]
+  sched, _ = plan_ooo(nproc, m, stage_costs(c, nproc), link_model(c, cfg.get("gbit")))
+  return sched
+
+
 def _pipeline():
   devs = jax.devices()
   if len(devs) != nproc:
@@ -118,11 +206,15 @@ def _pipeline():
   x, t = model.make_batch(cfg["batch"], cfg["dim"])
   batch = tuple(jax.make_array_from_process_local_data(rep, a, a.shape) for a in (x, t))
   runs, out = {}, {}
+  cal = _Calibration(mesh) if cfg.get("predict") else None
+  if cal is not None:   # a first sample, to plan ooo-link on
+    cal.sample(reps=10)
+  calib = cal.result() if cal is not None else {}
   for name in cfg["schedules"]:
     for m in cfg["microbatches"]:
       key = f"{name}/{m}"
       try:
-        sched = ooo.pipeline.schedule(name, stages=nproc, microbatches=m)
+        sched = _table(name, m, calib)
         params = _stage_params(mesh, sched)
         step = jax.jit(ooo.pipeline.value_and_grad(model.stage_fn, model.loss_fn, mesh=mesh,
                                                    axis_name="stage", schedule=sched,
@@ -133,7 +225,7 @@ def _pipeline():
         out[key] = {"schedule": name, "microbatches": m, "ms": [],
                     "compile_s": time.perf_counter() - t0,
                     "bubble": sched.bubble_fraction(), "ticks": sched.ticks,
-                    **_ticks(sched, params, batch)}
+                    **_ticks(sched, params, batch), "table": sched.to_text()}
         runs[key] = (step, params, res)
       except Exception as e:  # noqa: BLE001 - a schedule that cannot run is a result
         out[key] = {"schedule": name, "microbatches": m,
@@ -149,7 +241,12 @@ def _pipeline():
     for key, (step, params, _) in runs.items():
       out[key]["ms"].append(_time_once(step, params, batch) * 1e3)
     probe()
+    if cal is not None:
+      cal.sample(reps=3)
   out["_link"] = {"ppermute_ms": probe.ms, "bytes": probe.bytes}
+  if cal is not None:
+    out["_calibration"] = cal.result()
+    out["_calibration_min"] = cal.result(np.min)
   return out
 
 

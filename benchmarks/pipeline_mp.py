@@ -127,13 +127,127 @@ def run_shaped(cfg: dict, n: int, cores, gbit: float, timeout: float = 3600) -> 
 def measure(cfg: dict, n: int, cores, gbit: float | None) -> dict:
   with tempfile.TemporaryDirectory() as d:
     out = os.path.join(d, "stages.json")
-    cfg = {**cfg, "out": out}
+    cfg = {**cfg, "out": out, "gbit": gbit}
     if gbit is None:
       run_workers(cfg, n, cores)
     else:
       run_shaped(cfg, n, cores, gbit)
     with open(out) as f:
       return json.load(f)
+
+
+def stage_costs(calib: dict, n: int) -> list[dict]:
+  """Measured phase seconds per virtual stage (one stage per process) from a
+  worker's calibration (`_pipeline_mp_worker._calibration`, one microbatch count)."""
+  return [dict(zip("FBW", calib["phases"][s])) for s in range(n)]
+
+
+def link_model(calib: dict, gbit: float | None):
+  """The measured link (`_probe`): latency and bandwidth fitted to a one-way
+  ppermute of one and of four activations; one resource for both directions
+  where two transfers at once take longer than one (the shaped loopback)."""
+  from passes.pipeline.link import LinkModel
+  lk = calib["link"]
+  n = lk["nbytes"]
+  extra = max(lk["four"] - lk["one"], 1e-9)
+  bw = 3 * n / extra
+  if gbit is not None:   # the tbf rate is known: trust it over a noisy fit
+    bw = gbit * 1e9 / 8
+  wire = n / bw
+  lat = max(lk["one"] - wire, 0.0)
+  shared = lk["both"] > lk["one"] + 0.5 * wire
+  return LinkModel(lat, bw, n, duplex=not shared,
+                   name=f"measured ({'shaped ' + format(gbit, 'g') + ' Gbit/s' if gbit else 'unshaped'})")
+
+
+STATS = {"median": ("_calibration", np.median), "min": ("_calibration_min", np.min)}
+
+
+def fit_tick(results: dict, n: int, stat: str = "median") -> float:
+  """Seconds each executor tick costs besides its action (the loop body: switch,
+  slot writes), fitted by least squares to the cells of one run (the unshaped
+  one: the shaped runs are then predicted with it, not fitted)."""
+  p0, p1 = (predicted(results, n, None, t, stat) for t in (0.0, 1e-3))
+  num = den = 0.0
+  for key, t0 in p0.items():
+    if results[key]["schedule"] in WEIGHTS_CROSS:
+      continue
+    slope = (p1[key] - t0) / 1e-3          # makespan grows ~ticks x tick
+    num += slope * (float(STATS[stat][1](results[key]["ms"])) / 1e3 - t0)
+    den += slope * slope
+  return max(num / den, 0.0) if den else 0.0
+
+
+# Their stage parameters are stacked in virtual-stage order, so weights and gradients
+# cross the processes every step: traffic the replay does not price (issue 34, part 4).
+WEIGHTS_CROSS = ("interleaved", "zb-v")
+
+
+def predicted(results: dict, n: int, gbit: float | None, tick: float = 0.0,
+              stat: str = "median") -> dict:
+  """`{key: simulated seconds}` of every measured cell: its table replayed on the
+  measured link with the measured phase costs (`passes.pipeline.link`, executor mode)."""
+  import dataclasses
+
+  from passes.pipeline.link import simulate_link
+  from passes.pipeline.schedule import PipelineSchedule
+  calib = results.get(STATS[stat][0], {})
+  out = {}
+  for key, r in results.items():
+    if key.startswith("_") or "error" in r or str(r["microbatches"]) not in calib:
+      continue
+    c = calib[str(r["microbatches"])]
+    sched = (PipelineSchedule.parse(r["table"]) if "table" in r   # the table that ran
+             else _sched(r["schedule"], n, r["microbatches"], c, gbit))
+    costs = stage_costs(c, n)
+    if sched.chunks > 1:   # whole-stage costs on each chunk's device (a chunk: 1 / chunks)
+      costs = [costs[sched.place(vs)[0]] for vs in range(sched.virtual_stages)]
+    lk = dataclasses.replace(link_model(c, gbit), tick=tick)
+    out[key] = simulate_link(sched, costs, lk, "executor").makespan
+  return out
+
+
+def _sched(name: str, n: int, m: int, calib: dict, gbit):
+  from passes.pipeline.generate import generate
+  if name == "ooo-link":
+    from passes.pipeline.depth import plan_ooo
+    return plan_ooo(n, m, stage_costs(calib, n), link_model(calib, gbit))[0]
+  return generate(name, n, m)
+
+
+def predict_table(results: dict, n: int, link: str, gbit, ticks: dict) -> list[str]:
+  """Predicted (simulated) beside measured step time, per cell: from the median of
+  the samples and from their min (the least disturbed round, of the steps and of
+  the calibration alike)."""
+  pred = {st: predicted(results, n, gbit, ticks[st], st) for st in STATS}
+  calib = results.get("_calibration", {})
+  lines = [f"Link: {link}. Predicted: the table replayed by `passes.pipeline.link` (executor "
+           "mode) with the phase costs and the link measured in the same run (medians "
+           "shown), and a cost per tick fitted to the unshaped run's cells ("
+           + ", ".join(f"{st} {t * 1e6:.0f} us" for st, t in ticks.items()) + "); the min "
+           "columns take the fastest sample of every step, cost and probe:"]
+  for m, c in sorted(calib.items(), key=lambda kv: int(kv[0])):
+    lk = link_model(c, gbit)
+    ph = "; ".join(f"stage {s}: F {p[0] * 1e3:.2f} B {p[1] * 1e3:.2f} W {p[2] * 1e3:.2f}"
+                   for s, p in enumerate(c["phases"]))
+    lines.append(f"- {m} microbatches: {ph} ms; link: latency {lk.latency * 1e6:.0f} us, "
+                 f"{lk.nbytes / 1e3:.0f} kB per transfer, wire {lk.wire * 1e3:.3f} ms, "
+                 f"{'duplex' if lk.duplex else 'one resource both ways'}.")
+  lines += ["", "| schedule | microbatches | measured, median (ms) | predicted | predicted / "
+            "measured | measured, min (ms) | predicted | predicted / measured | within 15% "
+            "(median / min) |", "|---|---|---|---|---|---|---|---|---|"]
+  for key, r in results.items():
+    if key.startswith("_") or key not in pred["median"]:
+      continue
+    cells, ok = [], []
+    for st, (_, fn) in STATS.items():
+      ms, p = float(fn(r["ms"])), pred[st].get(key, float("nan")) * 1e3
+      cells.append(f"{ms:.1f} | {p:.1f} | {p / ms:.2f}")
+      ok.append("yes" if abs(p / ms - 1) <= 0.15 else "no")
+    note = " (weights cross: not priced)" if r["schedule"] in WEIGHTS_CROSS else ""
+    lines.append(f"| {r['schedule']} | {r['microbatches']} | " + " | ".join(cells)
+                 + f" | {' / '.join(ok)}{note} |")
+  return lines
 
 
 def table(results: dict, base: dict, n: int, link: str) -> list[str]:
@@ -157,8 +271,8 @@ def table(results: dict, base: dict, n: int, link: str) -> list[str]:
     lines[0] += (f" One ppermute of an activation ({link['bytes'] / 1024:.1f} KiB, both ways) "
                  f"in a loop: {float(np.median(link['ppermute_ms'])):.2f} ms (median).")
   pp = float(np.median(link["ppermute_ms"])) if link else None
-  for r in results.values():
-    if "schedule" not in r:
+  for key, r in results.items():
+    if key.startswith("_"):
       continue
     if "error" in r:
       lines.append(f"| {r['schedule']} | {r['microbatches']} | failed: {r['error']} | | | | | | |")
@@ -179,14 +293,15 @@ def verdict(results: dict, link: str) -> list[str]:
   """Whether ooo beats gpipe and 1f1b at each microbatch count."""
   out = []
   med = {(r["schedule"], r["microbatches"]): float(np.median(r["ms"]))
-         for r in results.values() if "error" not in r and "schedule" in r}
+         for k, r in results.items() if not k.startswith("_") and "error" not in r}
   for m in sorted({k[1] for k in med}):
-    if ("ooo", m) not in med:
-      continue
-    vs = [f"{other} {med[(other, m)] / med[('ooo', m)]:.2f}x"
-          for other in ("gpipe", "1f1b") if (other, m) in med]
-    out.append(f"- {link}, {m} microbatches: ooo's speedup over " + ", ".join(vs)
-               + " (> 1: ooo faster).")
+    for mine in ("ooo", "ooo-link"):
+      if (mine, m) not in med:
+        continue
+      vs = [f"{other} {med[(other, m)] / med[(mine, m)]:.2f}x"
+            for other in ("gpipe", "1f1b") if (other, m) in med]
+      out.append(f"- {link}, {m} microbatches: {mine}'s speedup over " + ", ".join(vs)
+                 + f" (> 1: {mine} faster).")
   return out
 
 
@@ -236,7 +351,11 @@ def main(argv=None):
   ap.add_argument("--layout", choices=("device", "virtual"), default="device",
                   help="row order of the stage stacks (virtual: interleaved / zb-v weights "
                        "cross the link every step)")
+  ap.add_argument("--predict", action="store_true",
+                  help="measure phase costs and the link in each run, add ooo planned on "
+                       "that link (ooo-link), print predicted (simulated) beside measured")
   ap.add_argument("--json", help="save all raw timings here")
+  ap.add_argument("--from-json", help="print the tables of a run saved with --json")
   ap.add_argument("--write", action="store_true")
   ap.add_argument("--_spawn", help=argparse.SUPPRESS)  # inside the shaped namespace
   args = ap.parse_args(argv)
@@ -251,16 +370,23 @@ def main(argv=None):
   if n > (os.cpu_count() or 1):
     print(f"warning: {n} stages on {os.cpu_count()} cores: stages share cores", flush=True)
   cfg = {k: getattr(args, k) for k in ("layers", "dim", "hidden", "batch", "rounds", "warmup",
-                                       "schedules", "microbatches", "layout")}
+                                       "schedules", "microbatches", "layout", "predict")}
+  if args.predict and "ooo-link" not in cfg["schedules"]:
+    cfg["schedules"] = [*cfg["schedules"], "ooo-link"]
   if args.tiled:
     return _main_tiled(args, cfg, n, cores)
-  base = run_baseline(cfg, cores[0])
-  runs = {"unshaped localhost": measure(cfg, n, cores, None)}
-  for g in args.link_gbit:
-    runs[f"loopback shaped to {g:g} Gbit/s (tbf)"] = measure(cfg, n, cores, g)
-  # The baseline again after the stage runs, pooled: load drift hits both sides.
-  for k, v in run_baseline(cfg, cores[0]).items():
-    base[k]["ms"] += v["ms"]
+  if args.from_json:   # re-print (and re-predict) a saved run
+    with open(args.from_json) as f:
+      saved = json.load(f)
+    base, runs, args.link_gbit = saved["baseline"], saved["runs"], saved.get("gbits", [])
+  else:
+    base = run_baseline(cfg, cores[0])
+    runs = {"unshaped localhost": measure(cfg, n, cores, None)}
+    for g in args.link_gbit:
+      runs[f"loopback shaped to {g:g} Gbit/s (tbf)"] = measure(cfg, n, cores, g)
+    # The baseline again after the stage runs, pooled: load drift hits both sides.
+    for k, v in run_baseline(cfg, cores[0]).items():
+      base[k]["ms"] += v["ms"]
   lines = _report.header("Pipeline schedules, one stage per process (benchmarks/pipeline_mp.py)")
   lines += [f"**Measured** on {_cpu_name()}: {n} processes, each pinned to its own core with one "
             f"jax CPU device, jax.distributed + gloo over localhost TCP; model: {args.layers} "
@@ -269,11 +395,17 @@ def main(argv=None):
             f"schedules after {args.warmup} warm-up steps; stage stacks in {args.layout} "
             f"order. Ideal = {n} x (1 - bubble fraction) "
             "of the table with F = B = W (jax " + jax.__version__ + ").", ""]
+  gbits = dict(zip(runs, [None, *args.link_gbit]))
+  args.predict = args.predict or any("_calibration" in r for r in runs.values())
+  ticks = ({st: fit_tick(runs["unshaped localhost"], n, st) for st in STATS}
+           if args.predict else {})
   for link, res in runs.items():
     lines += table(res, base, n, link) + [""] + verdict(res, link) + [""]
+    if args.predict:
+      lines += predict_table(res, n, link, gbits[link], ticks) + [""]
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({"baseline": base, "runs": runs}, f, indent=1)
+      json.dump({"baseline": base, "runs": runs, "gbits": args.link_gbit}, f, indent=1)
   _report.emit(lines, args.write)
 
 

@@ -83,6 +83,7 @@ class PipelineReport:
   steps: int = 1
   cut: AutoCut | None = None       # the automatic form's cut (`explain(loss_fn, params, ...)`)
   balance: Any = None              # ... and its `passes.pipeline.balance.Balance`
+  depth: Any = None                # `passes.pipeline.depth.DepthChoice`: ooo planned on the link
 
   # --- simulated from the table and the costs ------------------------------
   def timeline(self):
@@ -170,6 +171,8 @@ class PipelineReport:
       lines.append(self.cut.summary())
     if self.balance is not None:
       lines.append(f"  balance: {self.balance.summary()}")
+    if self.depth is not None:
+      lines.append("  " + self.depth.summary())
     lines += self._steps_lines()
     if self.windows is not None:
       lines.append(_windows_text(self.windows, self.gpu))
@@ -283,7 +286,8 @@ def explain(fn: Callable, *args, schedule: str | PipelineSchedule | None = None,
             mesh=None, axis_name: str | None = None, layers=None, has_aux: bool = False,
             microbatches: int | None = None, chunks: int | None = None,
             device: str = "H100", link: str | None = None, gpu: str | None = None,
-            compiler_options=None, steps: int = 1) -> PipelineReport:
+            compiler_options=None, steps: int = 1, budget: int | None = None
+            ) -> PipelineReport:
   """The schedule, its simulated bubble and the memory per stage for this model.
 
   Two forms, as `ooo.pipeline.value_and_grad`: `explain(stage_fn, loss_fn,
@@ -301,7 +305,13 @@ def explain(fn: Callable, *args, schedule: str | PipelineSchedule | None = None,
       defaults to 2 x stages.
     device: the cost-model spec the phases are priced with.
     link: a network preset ("nvlink", "100GbE", ...) whose transfer of one
-      activation delays each cross-device dependency in the simulation.
+      activation delays each cross-device dependency in the simulation. With
+      the schedule named "ooo", its in-flight depth is planned on this link
+      (`ooo.pipeline.plan_ooo`, the executor's replay with the link's
+      bandwidth shared): `report.depth` and the summary give the chosen depth,
+      its peak activations, and the simulated step beside GPipe's and 1F1B's.
+    budget: activations a stage may hold when planning "ooo" on a link
+      (default GPipe's: the microbatches).
     gpu: "H100" / "H200" / "A100": also compile the step for compile-only
       GPUs (`ooojax.gpu_hlo`) and read the collective-permute windows.
     stages, mesh, axis_name, layers, has_aux: (automatic form) the stage count
@@ -339,8 +349,9 @@ def explain(fn: Callable, *args, schedule: str | PipelineSchedule | None = None,
   >>> a.balance.counts, a.cut.layers, a.cut.scanned, a.peak_activations
   ((2, 2, 2, 2), 8, True, (4, 3, 2, 1))
   """
+  plan = link is not None and schedule in ("ooo", None)
   kw = dict(microbatches=microbatches, chunks=chunks, device=device, link=link, gpu=gpu,
-            compiler_options=compiler_options, steps=steps)
+            compiler_options=compiler_options, steps=steps, budget=budget, plan=plan)
   if args and callable(args[0]):   # explicit: (stage_fn, loss_fn, schedule, ...)
     auto = {k: v for k, v in dict(stages=stages, mesh=mesh, axis_name=axis_name,
                                   layers=layers, has_aux=has_aux).items() if v}
@@ -411,8 +422,8 @@ def _explain_auto(loss_fn, params, batch, schedule, stages, mesh, axis_name, lay
 
 
 def _explain(stage_fn, loss_fn, schedule, stage_params, batch, shared, input_fn, *,
-             microbatches, chunks, device, link, gpu, compiler_options, steps
-             ) -> PipelineReport:
+             microbatches, chunks, device, link, gpu, compiler_options, steps,
+             budget=None, plan=False) -> PipelineReport:
   from passes.collectives.plan import get_link
   from passes.cost import get_spec
   from passes.pipeline.program import memory_of, program
@@ -429,11 +440,18 @@ def _explain(stage_fn, loss_fn, schedule, stage_params, batch, shared, input_fn,
   x = prog.x_aval
   act = x.size * x.dtype.itemsize
   comm = get_link(link).seconds(act) if link is not None else 0.0
+  depth = None
+  if plan and sched.name == "ooo" and sched.chunks == 1:   # the depth, planned on the link
+    from passes.pipeline.depth import plan_ooo
+    from passes.pipeline.link import LinkModel
+    sched, depth = plan_ooo(sched.stages, sched.microbatches, costs, LinkModel.of(link, act),
+                            budget, lag=sched.lag)
+    prog = program(stage_fn, loss_fn, sched, stage_params, batch, shared, input_fn)
   name = get_spec(device).name  # a ValueError naming the specs for an unknown one
   report = PipelineReport(sched, costs, comm, memory_of(prog, sched, stage_params), name,
                           get_link(link).name if link is not None else "", phases,
                           call=_Call(stage_fn, loss_fn, stage_params, batch, shared, input_fn),
-                          steps=steps)
+                          steps=steps, depth=depth)
   return report.compiled(gpu, compiler_options=compiler_options) if gpu else report
 
 

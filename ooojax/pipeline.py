@@ -47,11 +47,14 @@ from passes.pipeline.execute import device_order, lower
 from passes.pipeline.train import lower_train
 from passes.pipeline.program import Memory
 from passes.pipeline.program import memory as _memory
+from passes.pipeline.depth import DepthChoice, plan_ooo
 from passes.pipeline.generate import SCHEDULES, generate
+from passes.pipeline.link import LinkModel, simulate_link
 from passes.pipeline.schedule import Action, PipelineSchedule, ScheduleError
 from passes.pipeline.steps import SteadyState, steady_state, tile
 
-__all__ = ["SCHEDULES", "Action", "AutoCut", "Balance", "Cut", "CutError", "Memory", "PipelineReport",
+__all__ = ["SCHEDULES", "Action", "AutoCut", "Balance", "Cut", "CutError", "DepthChoice",
+           "LinkModel", "Memory", "PipelineReport", "plan_ooo", "simulate_link",
            "PipelineSchedule", "PipelineTrainState", "PipelineTrainStep", "ScheduleError",
            "StageParams", "SteadyState", "device_order", "explain", "make_train_step", "mean_aux",
            "memory",
@@ -59,7 +62,8 @@ __all__ = ["SCHEDULES", "Action", "AutoCut", "Balance", "Cut", "CutError", "Memo
 
 
 def schedule(name: str, stages: int, microbatches: int, chunks: int | None = None,
-             lag: int = 0, steps: int = 1) -> PipelineSchedule:
+             lag: int = 0, steps: int = 1, *, link: LinkModel | None = None, costs=None,
+             budget: int | None = None, mode: str = "executor") -> PipelineSchedule:
   """A validated schedule table by name (one of `SCHEDULES`).
 
   Args:
@@ -75,6 +79,17 @@ def schedule(name: str, stages: int, microbatches: int, chunks: int | None = Non
       forwards on a stage start once that stage's update of step t is done,
       so one step's drain overlaps the next one's warm-up. Run such a table
       with `train` (`value_and_grad` runs one-step tables).
+    link: for "ooo" only, a `LinkModel` (latency, bandwidth, bytes per
+      transfer): the in-flight depth is planned on it (`plan_ooo`): the
+      fastest table, simulated on that link with `costs`, that holds at most
+      `budget` activations per stage (default GPipe's, `microbatches`).
+      GPipe's and 1F1B's own tables are candidates, so on that link the result
+      is never slower than either at the same memory.
+    costs: `{"F", "B", "W"}` seconds per whole stage for planning with `link`.
+    budget: activations a stage may hold when planning with `link`.
+    mode: how the planner replays a table: "executor" (this package's tick
+      loop, transfers after each tick's compute) or "overlap" (asynchronous
+      transfers beside compute).
 
   Returns:
     A `PipelineSchedule`: `validate()`, `bubble_fraction(costs)`,
@@ -84,6 +99,11 @@ def schedule(name: str, stages: int, microbatches: int, chunks: int | None = Non
   >>> print(s.to_text().splitlines()[1])
   0F0+0SF0 0F1+0SF1 0RB0 0B0 0W0+0RB1 0B1 0W1
   """
+  if link is not None:
+    if name != "ooo":
+      raise ValueError(f"link= plans the in-flight depth of 'ooo' only, not {name!r}; "
+                       "compare other tables with passes.pipeline.link.simulate_link")
+    return tile(plan_ooo(stages, microbatches, costs, link, budget, mode, lag)[0], steps)
   return tile(generate(name, stages, microbatches, chunks, lag), steps)
 
 

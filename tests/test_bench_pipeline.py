@@ -24,3 +24,13 @@ def test_paper_scale_table_has_a_finite_cell_for_every_runnable_schedule():
   assert any("~" in r for r in rows if r.startswith("| BERT-48") and "| 32 |" in r)
   assert exact and len(every) > len(exact) and all(math.isfinite(v) and v > 0 for v in every)
   assert "1.41-1.99x" in "".join(pipeline.paper_scale_summary(exact, every))
+
+
+def test_link_true_paper_table_keeps_ooo_at_least_the_best_of_gpipe_and_1f1b():
+  lines, rows = pipeline.table_paper_link(stages=(4,), links=("10GbE",), micro_per_stage=(2,))
+  assert len(rows) == 2 * 2   # modes x models
+  assert all(r[6] >= 0.98 and r[5] >= 0.98 and 0 < r[7] <= 1 + 1e-9 for r in rows)
+  table = [l for l in lines if l.startswith("| BERT-")]
+  assert len(table) == 4 and all("1.41-1.99x" in l for l in table)
+  assert any(re.search(r"\| [0-9.]+, (link|round trip|compute) \(", l) for l in table)
+  assert "every row >= 0.98x: yes" in "".join(pipeline.paper_link_summary(rows))

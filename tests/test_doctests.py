@@ -10,7 +10,7 @@ MODULES = ["ooojax._api", "ooojax._calibrate", "ooojax._explain", "ooojax.flax",
            "ooojax._explain_pipeline", "ooojax.models.mlp_stack", "passes.pipeline.steps",
            "ooojax.single_gpu", "passes.fingerprint",
            "ooojax._pipeline_train", "passes.pipeline.balance", "passes.pipeline.eqns",
-           "ooojax._pipeline_tiled"]
+           "ooojax._pipeline_tiled", "passes.pipeline.link", "passes.pipeline.depth"]
 
 
 @pytest.mark.parametrize("name", MODULES)

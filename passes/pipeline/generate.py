@@ -10,6 +10,7 @@ of those per-stage orders; `_lower_comms` adds the transfers.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Sequence
 
 from passes.pipeline.actions import UPDATE, deps
@@ -165,9 +166,10 @@ def synced(sched: PipelineSchedule) -> bool:
 
 
 def _greedy(S: int, M: int, v: int, pol: Policy, placement: str = "modulo",
-            costs=None) -> list[list[Action]]:
+            costs=None, comm: float = 0.0) -> list[list[Action]]:
   """Event-driven list scheduling under the policy; durations from `costs`
-  (per whole stage, default F = B = W = 1; a chunk costs 1 / v; BW = B + W)."""
+  (per whole stage, default F = B = W = 1; a chunk costs 1 / v; BW = B + W);
+  a value from another device is ready `comm` after its producer ends."""
   V = S * v
   c = {"F": 1.0, "B": 1.0, "W": 1.0, **(costs or {})}
   dur_of = {"F": c["F"] / v, "B": c["B"] / v, "W": c["W"] / v, "BW": (c["B"] + c["W"]) / v}
@@ -182,9 +184,11 @@ def _greedy(S: int, M: int, v: int, pol: Policy, placement: str = "modulo",
   orders: list[list[Action]] = [[] for _ in range(S)]
   total = S * M * v * 3
   count, t, idle = 0, 0.0, 0
+  events: list[float] = []   # every finish (and arrival) time: the next event is the heap's min
 
-  def ready(key):
-    return key in fin and fin[key] <= t
+  def ready(key, s=None):
+    late = comm if s is not None and place_of(S, key[1], placement)[0] != s else 0.0
+    return key in fin and fin[key] + late <= t
 
   while count < total:
     progressed = False
@@ -193,17 +197,17 @@ def _greedy(S: int, M: int, v: int, pol: Policy, placement: str = "modulo",
         continue
       # candidates
       b_ok = [(m, c) for m, c in pending_b[s]
-              if (vs := vstage_of(S, s, c, placement)) == V - 1 or ready(("B", vs + 1, m))]
+              if (vs := vstage_of(S, s, c, placement)) == V - 1 or ready(("B", vs + 1, m), s)]
       b_ok.sort(key=lambda mc: (mc[0] // S, -mc[1], mc[0] % S))
       def f_ready(mc):
         vs = vstage_of(S, s, mc[1], placement)
-        return vs == 0 or ready(("F", vs - 1, mc[0]))
-      rest = fwd_order[s][nf[s]:]
+        return vs == 0 or ready(("F", vs - 1, mc[0]), s)
       if placement == "v":  # any arrived forward, the deeper chunk first
+        rest = fwd_order[s][nf[s]:]
         cands = sorted((mc for mc in rest if f_ready(mc)), key=lambda mc: (-mc[1], mc[0]))
         f_next = cands[0] if cands else (rest[0] if rest else None)
       else:
-        f_next = rest[0] if rest else None
+        f_next = fwd_order[s][nf[s]] if nf[s] < len(fwd_order[s]) else None
       f_in = f_next is not None and f_ready(f_next)
       f_ok = (f_in and live[s] < pol.limit[s]
               and len(pending_b[s]) < pol.limit_b[s])
@@ -226,6 +230,9 @@ def _greedy(S: int, M: int, v: int, pol: Policy, placement: str = "modulo",
       dur = dur_of[kind]
       orders[s].append(Action(s, kind, m, c))
       free[s] = t + dur
+      heapq.heappush(events, t + dur)
+      if comm:
+        heapq.heappush(events, t + dur + comm)
       progressed = True
       if kind == "F":
         fwd_order[s].remove((m, c))
@@ -248,12 +255,14 @@ def _greedy(S: int, M: int, v: int, pol: Policy, placement: str = "modulo",
         pending_w[s].remove((m, c))
         live[s] -= 1
         count += 1
-    later = [x for x in (*free, *fin.values()) if x > t]
+    while events and events[0] <= t:
+      heapq.heappop(events)
+    later = bool(events)
     idle = 0 if progressed or later else idle + 1
     if idle > 2 or (not later and not progressed):
       raise ScheduleError(f"schedule generation deadlocked at tick {t} (policy {pol}); "
                           "use more microbatches or another schedule")
-    t = min(later) if later else t + 1  # the next finish: nothing changes before it
+    t = events[0] if later else t + 1  # the next finish: nothing changes before it
   return orders
 
 

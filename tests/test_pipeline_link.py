@@ -1,0 +1,121 @@
+"""The link-true pipeline simulator (passes.pipeline.link) on cases worked by hand, and
+`ooo` planned on the link (passes.pipeline.depth): its depth choice across link costs,
+and its tables through the executor equal jax.grad."""
+import pytest
+
+import ooojax as ooo
+from passes.pipeline.depth import plan_ooo
+from passes.pipeline.generate import generate
+from passes.pipeline.link import LinkModel, simulate_link
+from tests.conftest import assert_trees_close
+from tests.test_pipeline import _jit, _mesh, _mlp, _reference
+
+COSTS = {"F": 1.0, "B": 0.5, "W": 0.5}   # BW = 1
+
+
+def test_transfers_queue_on_the_link():
+  """GPipe, 2 stages, 4 microbatches, a transfer's wire time 2 (twice a forward):
+  the forwards leave at 1, 2, 3, 4 but the link takes them one at a time, so
+  they arrive at 3, 5, 7, 9; stage 1 ends its forwards at 10 and its BWs at
+  11..14; the input gradients arrive at 13, 15, 17, 19 on the other direction;
+  stage 0's last BW ends at 20. A delay-only model (every value 2 late, no
+  queue) says 14."""
+  g = generate("gpipe", 2, 4)
+  slow = LinkModel(latency=0.0, bandwidth=1.0, nbytes=2.0)
+  tl = simulate_link(g, COSTS, slow, "overlap")
+  assert tl.makespan == 20.0
+  assert [(t.start, t.end) for t in tl.transfers if t.kind == "F"] == [
+      (1.0, 3.0), (3.0, 5.0), (5.0, 7.0), (7.0, 9.0)]
+  assert g.simulate(COSTS, 2.0).makespan == 14.0
+  # a free link: the table's own step
+  assert simulate_link(g, COSTS, LinkModel(), "overlap").makespan == g.simulate(COSTS).makespan
+
+
+def test_executor_replay_by_hand():
+  """The tick loop: a tick's transfers follow its compute, sender and receiver meet
+  (rendezvous), the receiver leaves when the bytes have arrived.
+  GPipe 2 x 2, wire 1: s0 F0 ends 1, meets s1 (idle) at 1, s1 has F0's input at 2;
+  F1 ends 2 on s0, F0 ends 3 on s1: they meet at 3, s1 has F1 at 4, runs it to 5,
+  BW0 to 6, sends; s0 (waiting since 3) has it at 7, BW0 to 8; s1's BW1 (6..7)
+  meets it at 8, s0 has the gradient at 9 and ends BW1 at 10."""
+  tl = simulate_link(generate("gpipe", 2, 2), COSTS, LinkModel(bandwidth=1.0, nbytes=1.0),
+                     "executor")
+  assert tl.makespan == 10.0
+  # free transfers, no tick cost: the table's own step
+  f = generate("1f1b", 4, 8)
+  assert simulate_link(f, COSTS, LinkModel(), "executor").makespan == f.simulate(COSTS).makespan
+  # every tick costs 0.25 more on every device: 1F1B's 4 x 8 lock-step adds ticks x 0.25
+  tick = simulate_link(f, COSTS, LinkModel(tick=0.25), "executor").makespan
+  assert tick == pytest.approx(f.simulate(COSTS).makespan + 0.25 * f.ticks, abs=2.0)
+
+
+def test_both_directions_share_a_shaped_loopback():
+  """1F1B 2 x 4: at its steady ticks an activation goes up while an input gradient
+  comes down. Duplex: each takes its wire time (1); one shared resource (a tbf
+  qdisc on lo): both leave together and end together after 2."""
+  f = generate("1f1b", 2, 4)
+  for duplex, span in ((True, 1.0), (False, 2.0)):
+    tl = simulate_link(f, COSTS, LinkModel(bandwidth=1.0, nbytes=1.0, duplex=duplex),
+                       "executor")
+    starts = {}
+    for t in tl.transfers:
+      starts.setdefault(t.start, []).append(t)
+    together = [ts for ts in starts.values() if len(ts) == 2]
+    assert together and all(t.end - t.start == span for ts in together for t in ts)
+  assert simulate_link(f, COSTS, LinkModel(bandwidth=1.0, nbytes=1.0, duplex=False),
+                       "executor").makespan == 18.0
+
+
+@pytest.mark.parametrize("mode", ["overlap", "executor"])
+def test_depth_choice_across_link_costs(mode):
+  """On every link ooo is at least as fast as GPipe and 1F1B within GPipe's memory;
+  on a slow link it keeps more in flight than 1F1B."""
+  S, M = 4, 8
+  extras = {}
+  for wire in (0.0, 0.5, 1.0, 2.0, 4.0):
+    lk = LinkModel(bandwidth=1.0, nbytes=wire)
+    sched, c = plan_ooo(S, M, COSTS, lk, mode=mode)
+    assert c.step <= min(c.gpipe, c.one_f_one_b) * (1 + 1e-9), (wire, c)
+    assert max(sched.peak_activations()) <= M and sched.name == "ooo"
+    assert c.step == pytest.approx(simulate_link(sched, COSTS, lk, mode).makespan)
+    extras[wire] = c.extra if c.form == "ooo" else (M if c.form == "gpipe" else 0)
+  assert max(extras[w] for w in (1.0, 2.0, 4.0)) > 0   # deeper than 1F1B's S - s
+  # within 1F1B's memory (budget S) it still is never slower than 1F1B
+  lk = LinkModel(bandwidth=1.0, nbytes=2.0)
+  sched, c = plan_ooo(S, M, COSTS, lk, budget=S, mode=mode)
+  assert max(sched.peak_activations()) <= S and c.step <= c.one_f_one_b * (1 + 1e-9)
+  with pytest.raises(ValueError, match="budget"):
+    plan_ooo(S, M, COSTS, lk, budget=0)
+
+
+def test_planned_tables_match_jax_grad():
+  """Two depths the planner picks (a free and a slow link) run through the executor
+  and equal jax.value_and_grad of the unpipelined model."""
+  plan = lambda w: ooo.pipeline.schedule(  # noqa: E731
+      "ooo", 2, 4, link=LinkModel(bandwidth=1.0, nbytes=w), costs=COSTS, mode="overlap")
+  tables = {max(t.peak_activations()): t for t in (plan(0.0), plan(0.5))}
+  assert len(tables) == 2   # two different depths
+  stage_fn, loss_fn, params, x, t = _mlp(2)
+  ref_loss, ref_grads = _reference(stage_fn, loss_fn, params, x, t)
+  for sched in tables.values():
+    step = ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=_mesh(2), axis_name="stage",
+                                       schedule=sched)
+    loss, grads = _jit(step)(params, (x, t))
+    assert_trees_close(loss, ref_loss)
+    assert_trees_close(grads, ref_grads)
+
+
+def test_explain_shows_the_planned_depth():
+  from ooojax.models import mlp_stack
+  stage_fn, loss_fn, params, batch = mlp_stack.make(4, layers=4, dim=256, hidden=1024,
+                                                    batch=32)
+  r = ooo.pipeline.explain(stage_fn, loss_fn, "ooo", params, batch, microbatches=8,
+                           link="10GbE")
+  d = r.depth
+  assert d is not None and d.step <= min(d.gpipe, d.one_f_one_b) * (1 + 1e-9)
+  assert r.schedule.peak_activations() == d.peak and max(d.peak) <= 8
+  text = r.summary()
+  assert "in-flight depth" in text and "GPipe" in text and "1F1B" in text
+  with pytest.raises(ValueError, match="ooo"):
+    ooo.pipeline.schedule("gpipe", 2, 4, link=LinkModel())
+
