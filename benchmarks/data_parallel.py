@@ -29,8 +29,8 @@ import jax
 import ooojax as ooo
 from benchmarks import _report
 from ooojax.models import resnet, scanned, transformer
-from passes.collectives import plan as collectives
-from passes.cost import CostModel
+from ooojax.passes.collectives import plan as collectives
+from ooojax.passes.cost import CostModel
 
 MODELS = {
     # the paper's per-GPU batches: 128 (ResNet-50), 96 (ResNet-101)

@@ -34,7 +34,7 @@ def main(argv=None):
   args = (v["params"], v["batch_stats"], x, y)
   want = jax.jit(jax.grad(loss_fn, has_aux=True))(*args)[0]
   print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}")
-  from passes.hlo import schedule as hlo_schedule
+  from ooojax.passes.hlo import schedule as hlo_schedule
   for ordering in ("auto", "barriers", "none", "scheduling_group", "control_deps"):
     try:
       f = jax.jit(ooo.grad(loss_fn, has_aux=True, mode="single_gpu", ordering=ordering))

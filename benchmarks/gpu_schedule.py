@@ -40,7 +40,7 @@ def _compile_here(fn, args, compiler_options):
   """Compiled for this machine's own device (a real GPU: autotuned layouts)."""
   import jax
 
-  from passes.hlo import schedule as hlo_schedule
+  from ooojax.passes.hlo import schedule as hlo_schedule
   t0 = time.perf_counter()
   lowered = jax.jit(fn).lower(*args)
   t1 = time.perf_counter()

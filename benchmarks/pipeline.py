@@ -32,10 +32,10 @@ import numpy as np  # noqa: E402
 
 from benchmarks import _mlp_model as mlp  # noqa: E402
 from benchmarks import _report  # noqa: E402
-from passes.cost import CostModel  # noqa: E402
-from passes.pipeline.execute import make_flavor  # noqa: E402
-from passes.pipeline.generate import SCHEDULES, generate  # noqa: E402
-from passes.simulate import LINKS  # noqa: E402
+from ooojax.passes.cost import CostModel  # noqa: E402
+from ooojax.passes.pipeline.execute import make_flavor  # noqa: E402
+from ooojax.passes.pipeline.generate import SCHEDULES, generate  # noqa: E402
+from ooojax.passes.simulate import LINKS  # noqa: E402
 
 STAGES = (4, 8, 16)
 MICROBATCHES = (8, 16, 32, 64)
@@ -194,7 +194,7 @@ def table_cpu(stages=4, micros=(8, 16), batch=BATCH, rounds=7, schedules=SCHEDUL
               record=None):
   """Every schedule on `stages` forced CPU devices, alternating with the baselines;
   `record` (a dict) receives every row's per-round ms."""
-  from passes.pipeline.execute import lower, memory
+  from ooojax.passes.pipeline.execute import lower, memory
   devs = jax.devices()[:stages]
   if len(devs) < stages:
     return [f"(CPU table skipped: {len(devs)} devices, need {stages})"]

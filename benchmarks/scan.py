@@ -26,8 +26,8 @@ import numpy as np
 import ooojax as ooo
 from benchmarks import _report
 from ooojax.models import scanned
-from passes.cost import CostModel, get_spec
-from passes.scan.skew import predict
+from ooojax.passes.cost import CostModel, get_spec
+from ooojax.passes.scan.skew import predict
 
 VARIANTS = {
     "jax.grad": None,

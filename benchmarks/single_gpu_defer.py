@@ -17,8 +17,8 @@ import time
 import ooojax as ooo
 from benchmarks import _report
 from ooojax._hlo_cli import load_model
-from passes import defer
-from passes.cost import CostModel
+from ooojax.passes import defer
+from ooojax.passes.cost import CostModel
 
 
 def _plan(name, device, batch):

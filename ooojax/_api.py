@@ -14,14 +14,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from passes import _compat
-from passes.collectives import plan as _collectives
-from passes.cost import CostModel, DeviceSpec
-from passes.emit import ORDERINGS, emit
-from passes.ir import Schedule, Split
-from passes.schedule import schedule as make_schedule
-from passes.fingerprint import fingerprint
-from passes.split import from_flat, inline_calls, rewrite
+from ooojax.passes import _compat
+from ooojax.passes.collectives import plan as _collectives
+from ooojax.passes.cost import CostModel, DeviceSpec
+from ooojax.passes.emit import ORDERINGS, emit
+from ooojax.passes.ir import Schedule, Split
+from ooojax.passes.schedule import schedule as make_schedule
+from ooojax.passes.fingerprint import fingerprint
+from ooojax.passes.split import from_flat, inline_calls, rewrite
 from ooojax import _dp
 
 MODES = ("auto", "single_gpu", "in_order", "data_parallel")

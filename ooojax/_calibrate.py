@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from passes import _compat
-from passes.ir import Kind
+from ooojax.passes import _compat
+from ooojax.passes.ir import Kind
 
 
 def _unit_io(jaxpr, eqn_ids, skip):

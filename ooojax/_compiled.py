@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from passes.hlo import compare as hlo_compare
+from ooojax.passes.hlo import compare as hlo_compare
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,9 +15,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from passes import defer as defer_pass
-from passes.cost import CostModel
-from passes.simulate import simulate
+from ooojax.passes import defer as defer_pass
+from ooojax.passes.cost import CostModel
+from ooojax.passes.simulate import simulate
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,10 +5,10 @@ import contextlib
 
 import jax
 
-from passes import _compat
-from passes.collectives import plan as _collectives
-from passes.emit import emit as _emit
-from passes.collectives.emit import BucketEmitter
+from ooojax.passes import _compat
+from ooojax.passes.collectives import plan as _collectives
+from ooojax.passes.emit import emit as _emit
+from ooojax.passes.collectives.emit import BucketEmitter
 
 
 def axis_size(opts) -> int | None:

@@ -6,9 +6,9 @@ import html
 from collections import Counter
 from typing import Any
 
-from passes.cost import LOOP_RULES, CostModel, get_spec
-from passes.ir import Kind, Schedule, Split, UnitKind
-from passes.simulate import Timeline, simulate
+from ooojax.passes.cost import LOOP_RULES, CostModel, get_spec
+from ooojax.passes.ir import Kind, Schedule, Split, UnitKind
+from ooojax.passes.simulate import Timeline, simulate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Report:
   @property
   def loops(self) -> tuple[LoopRow, ...]:
     """Every loop equation with its kind and cost (per layer = `per_trip`)."""
-    from passes.cost import estimate
+    from ooojax.passes.cost import estimate
     cm = CostModel(self.schedule.device or None)
     eqns = self.split.jaxpr.jaxpr.eqns
     rows = []
@@ -80,7 +80,7 @@ class Report:
       parts = [f"{k} {sum(r.per_trip for r in rs) * 1e3:.4f} ms ({len(rs)} loops)"
                for k, rs in sorted(kinds.items())]
       lines.append(f"    x{trips:g} per trip (per layer): " + ", ".join(parts))
-    from passes.scan.skew import predict
+    from ooojax.passes.scan.skew import predict
     io, sk = predict(self.split, CostModel(self.schedule.device or None))
     if sk:
       lines.append(f"    skewed scan (single_gpu emits B(i) beside W(i-1)): split backward "

@@ -14,9 +14,9 @@ from typing import Any
 
 import jax
 
-from passes.collectives import plan as collectives
-from passes.hlo.windows import Window
-from passes.simulate import Timeline
+from ooojax.passes.collectives import plan as collectives
+from ooojax.passes.hlo.windows import Window
+from ooojax.passes.simulate import Timeline
 
 # `explain` keywords that only the data-parallel report takes (not `ooo.grad` options).
 EXPLAIN_ONLY = ("axis_size", "cross_step")
@@ -272,7 +272,7 @@ def explain_dp(fun, args, argnums, has_aux, options: dict, kwargs: dict, *,
   from ooojax._api import _check_argnums, _make_options, _resolve_argnums, value_and_grad
   from ooojax._compiled import Call
   from ooojax._explain import Report
-  from passes.cost import CostModel
+  from ooojax.passes.cost import CostModel
   opts = _make_options(options)  # TypeError / ValueError as ooo.grad raises them
   n = _axis_size(opts.axis_name, axis_size)
   argnums = _check_argnums(argnums)
@@ -301,7 +301,7 @@ def compile_dp(report: DataParallelReport, gpu: str, batch_argnums, compiler_opt
 
   from ooojax import gpu_hlo
   from ooojax._api import _resolve_argnums, grad
-  from passes.hlo.windows import windows
+  from ooojax.passes.hlo.windows import windows
   call = report.call
   if call is None:
     raise ValueError("this DataParallelReport was not made by ooo.explain(fun, *args, "

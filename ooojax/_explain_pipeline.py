@@ -18,9 +18,9 @@ from typing import Any
 
 import jax
 
-from passes.hlo.windows import Window
-from passes.pipeline.program import Memory
-from passes.pipeline.schedule import PipelineSchedule
+from ooojax.passes.hlo.windows import Window
+from ooojax.passes.pipeline.program import Memory
+from ooojax.passes.pipeline.schedule import PipelineSchedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +109,7 @@ class PipelineReport:
     None with `steps=1`."""
     if self.steps < 2:
       return None
-    from passes.pipeline.steps import steady_state
+    from ooojax.passes.pipeline.steps import steady_state
     return steady_state(self.schedule, self.steps, self.costs, self.comm)
 
   @property
@@ -119,7 +119,7 @@ class PipelineReport:
     next step's warm-up, simulated with the model's costs. Empty with `steps=1`."""
     if self.steps < 2:
       return ()
-    from passes.pipeline.steps import tile
+    from ooojax.passes.pipeline.steps import tile
     tl = tile(self.schedule, self.steps).simulate(self.costs, self.comm)
     t = self.steps - 2
     start = min(b for a, b, _ in tl.spans if a.step == t + 1)
@@ -244,7 +244,7 @@ class _Call:
 
 
 def _phase_costs(prog, device) -> tuple[tuple[str, float, float, float], ...]:
-  from passes.cost import CostModel
+  from ooojax.passes.cost import CostModel
   cm = CostModel(device)
   out = []
   for fl in prog.flavors:
@@ -256,7 +256,7 @@ def _phase_costs(prog, device) -> tuple[tuple[str, float, float, float], ...]:
 
 
 def _schedule(schedule, stage_params, microbatches, chunks) -> PipelineSchedule:
-  from passes.pipeline.generate import SCHEDULES, generate
+  from ooojax.passes.pipeline.generate import SCHEDULES, generate
   if isinstance(schedule, PipelineSchedule):
     if microbatches not in (None, schedule.microbatches):
       raise ValueError(f"microbatches={microbatches} disagrees with the schedule's "
@@ -406,9 +406,9 @@ def _explain_auto(loss_fn, params, batch, schedule, stages, mesh, axis_name, lay
 def _explain(stage_fn, loss_fn, schedule, stage_params, batch, shared, input_fn, *,
              microbatches, chunks, device, link, gpu, compiler_options, steps
              ) -> PipelineReport:
-  from passes.collectives.plan import get_link
-  from passes.cost import get_spec
-  from passes.pipeline.program import memory_of, program
+  from ooojax.passes.collectives.plan import get_link
+  from ooojax.passes.cost import get_spec
+  from ooojax.passes.pipeline.program import memory_of, program
   if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
     raise ValueError(f"steps must be an int >= 1, got {steps!r}")
   sched = _schedule(schedule, stage_params, microbatches, chunks)
@@ -433,8 +433,8 @@ def _explain(stage_fn, loss_fn, schedule, stage_params, batch, shared, input_fn,
 def compile_windows(report: PipelineReport, gpu: str, compiler_options=None
                     ) -> tuple[Window, ...]:
   from ooojax import gpu_hlo
-  from passes.hlo.windows import windows
-  from passes.pipeline.execute import lower
+  from ooojax.passes.hlo.windows import windows
+  from ooojax.passes.pipeline.execute import lower
   c = report.call
   if c is None:
     raise ValueError("this PipelineReport was not made by ooo.pipeline.explain, so there "

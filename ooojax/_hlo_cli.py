@@ -143,7 +143,7 @@ def compile_model(fn, args, *, gpu: str = "H100", devices: int = 1,
   import jax
 
   from ooojax import gpu_hlo
-  from passes.hlo import schedule as hlo_schedule
+  from ooojax.passes.hlo import schedule as hlo_schedule
   reason = gpu_hlo.unavailable_reason()
   if reason is not None:
     raise RuntimeError(f"cannot compile for a GPU here: {reason}")
@@ -189,7 +189,7 @@ def add_parser(sub) -> None:
 
 
 def _spec(gpu: str) -> str:
-  from passes.cost import DEVICE_SPECS
+  from ooojax.passes.cost import DEVICE_SPECS
   return gpu.upper() if gpu.upper() in DEVICE_SPECS else "H100"
 
 

@@ -39,9 +39,9 @@ import jax.numpy as jnp
 import optax
 
 from ooojax._pipeline_train import PipelineTrainState, PipelineTrainStep, StageParams
-from passes import _compat
-from passes.pipeline.train import Updater, lower_updates
-from passes.pipeline.steps import tile
+from ooojax.passes import _compat
+from ooojax.passes.pipeline.train import Updater, lower_updates
+from ooojax.passes.pipeline.steps import tile
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,10 +35,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import numpy as np
 
-from passes.pipeline.balance import Balance
-from passes.pipeline.cut import Cut
-from passes.pipeline.execute import device_order
-from passes.pipeline.schedule import PipelineSchedule
+from ooojax.passes.pipeline.balance import Balance
+from ooojax.passes.pipeline.cut import Cut
+from ooojax.passes.pipeline.execute import device_order
+from ooojax.passes.pipeline.schedule import PipelineSchedule
 
 
 class StageParams(struct.PyTreeNode):

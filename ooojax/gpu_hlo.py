@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 from ooojax import _platform
-from passes.hlo import schedule as hlo_schedule
+from ooojax.passes.hlo import schedule as hlo_schedule
 
 # Device numbers from XLA's xla/tools/hlo_opt/gpu_specs/*.txtpb (h100_sxm,
 # a100_40); H200 = H100 SXM with H200's memory (143771 MiB) and bandwidth

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from passes import _compat
+from ooojax.passes import _compat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,7 +282,7 @@ class UnitCost:
 class CostModel:
   """Prices groups of equations on a `DeviceSpec`; measured timings win.
 
-  >>> from passes.cost import CostModel
+  >>> from ooojax.passes.cost import CostModel
   >>> cm = CostModel("H100", measured={"w": 1e-3})
   >>> cm.unit_cost([], label="w").seconds
   0.001

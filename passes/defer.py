@@ -29,12 +29,12 @@ import dataclasses
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from passes import _compat
-from passes.cost import CostModel
-from passes.stream_calls import free_inputs
-from passes.ir import Action, Kind, Schedule, Split, Unit, UnitKind
-from passes.schedule import _anchorable, _eqn_seconds, is_heavy
-from passes.simulate import simulate
+from ooojax.passes import _compat
+from ooojax.passes.cost import CostModel
+from ooojax.passes.stream_calls import free_inputs
+from ooojax.passes.ir import Action, Kind, Schedule, Split, Unit, UnitKind
+from ooojax.passes.schedule import _anchorable, _eqn_seconds, is_heavy
+from ooojax.passes.simulate import simulate
 
 
 @dataclasses.dataclass(frozen=True)

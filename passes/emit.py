@@ -44,10 +44,10 @@ from typing import Any
 
 import jax
 
-from passes import _compat, stage
-from passes.scan import skew as scan_skew
-from passes.ir import Call, Kind, Schedule, Split
-from passes.stream_calls import Anchor, Late, LateLeaves, calls_of, on_stream
+from ooojax.passes import _compat, stage
+from ooojax.passes.scan import skew as scan_skew
+from ooojax.passes.ir import Call, Kind, Schedule, Split
+from ooojax.passes.stream_calls import Anchor, Late, LateLeaves, calls_of, on_stream
 
 ORDERINGS = ("auto", "barriers", "control_deps", "scheduling_group", "none")
 

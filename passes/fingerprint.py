@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from passes import _compat
+from ooojax.passes import _compat
 
 
 def _param(x) -> Any:

@@ -28,10 +28,10 @@ import bisect
 import dataclasses
 from collections.abc import Sequence
 
-from passes import _compat
-from passes.cost import MATMUL_PRIMS, CostModel, estimate
-from passes.ir import Action, Call, Kind, Schedule, Split, Unit, UnitKind
-from passes.simulate import Timeline, simulate
+from ooojax.passes import _compat
+from ooojax.passes.cost import MATMUL_PRIMS, CostModel, estimate
+from ooojax.passes.ir import Action, Call, Kind, Schedule, Split, Unit, UnitKind
+from ooojax.passes.simulate import Timeline, simulate
 
 
 def build_units(split: Split, cost: CostModel) -> tuple[Unit, ...]:

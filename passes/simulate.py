@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Sequence
 
-from passes.ir import Action, Unit
+from ooojax.passes.ir import Action, Unit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +67,7 @@ def simulate(streams: Sequence[Sequence[Action]], units: Sequence[Unit],
              sync: float = 0.0, links: Collection[int] = ()) -> Timeline:
   """Runs the schedule and returns per-unit spans and the makespan.
 
-  >>> from passes.ir import Action, Unit, UnitKind
+  >>> from ooojax.passes.ir import Action, Unit, UnitKind
   >>> a = Unit(UnitKind.DX, 0, (), (), cost=1.0, util=0.5)
   >>> b = Unit(UnitKind.DW, 0, (), (), cost=1.0, util=0.5)
   >>> simulate([[Action("X", 0, 0)], [Action("W", 0, 1)]], [a, b]).makespan

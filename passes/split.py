@@ -28,8 +28,8 @@ from typing import Any
 
 import jax
 
-from passes import _compat
-from passes.ir import Cluster, Kind, Split
+from ooojax.passes import _compat
+from ooojax.passes.ir import Cluster, Kind, Split
 
 # --- rewrite rules for backward equations: primitive name -> eqn -> new eqns ---
 # Filled by the packages that own them: `passes.scan` registers "scan" (a

@@ -17,8 +17,8 @@ from typing import Any
 
 import jax
 
-from passes import _compat
-from passes._compat import DropVar, Literal
+from ooojax.passes import _compat
+from ooojax.passes._compat import DropVar, Literal
 
 
 def scoped_eqns(eqns, base, stacks: dict, subst: dict) -> list:

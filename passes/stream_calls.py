@@ -29,9 +29,9 @@ import jax
 import numpy as np
 from jax import lax
 
-from passes import _compat, stage
-from passes.fingerprint import exact_key
-from passes.ir import Call, Schedule
+from ooojax.passes import _compat, stage
+from ooojax.passes.fingerprint import exact_key
+from ooojax.passes.ir import Call, Schedule
 
 
 def _read(env, v):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from passes import _compat
+from ooojax.passes import _compat
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCES = [p for d in ("passes", "ooojax", "benchmarks", "tests") for p in (ROOT / d).rglob("*.py")]

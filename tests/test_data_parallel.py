@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import ooojax as ooo
-from passes.collectives import plan as collectives
+from ooojax.passes.collectives import plan as collectives
 from ooojax.models._common import init_params
 from tests import models
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import ooojax as ooo
-from passes.collectives import plan as collectives
-from passes.cost import CostModel
+from ooojax.passes.collectives import plan as collectives
+from ooojax.passes.cost import CostModel
 from tests import models
 
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import ooojax as ooo
-from passes import _compat
-from passes.emit import emit
+from ooojax.passes import _compat
+from ooojax.passes.emit import emit
 from tests.conftest import assert_trees_close
 
 
@@ -88,7 +88,7 @@ def test_staged_program_equals_bind(mode, monkeypatch):
 
 def test_unknown_jit_form_falls_back_to_copying(monkeypatch):
   # a JAX whose nested-jit equation ooojax does not recognise: equations are copied
-  from passes import stage
+  from ooojax.passes import stage
   staged = _text(_inlined(_program("single_gpu")))
   orig = stage.CallStager.__init__
 
@@ -214,7 +214,7 @@ def test_equal_dw_clusters_share_one_call_body():
 
 
 def test_exact_key_tells_apart_what_computes_differently():
-  from passes.fingerprint import exact_key
+  from ooojax.passes.fingerprint import exact_key
 
   def key(f):
     j = jax.make_jaxpr(f)(jnp.ones(3)).jaxpr

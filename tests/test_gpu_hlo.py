@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 import ooojax as ooo
 from ooojax import gpu_hlo
-from passes.hlo import schedule as hlo_schedule
+from ooojax.passes.hlo import schedule as hlo_schedule
 
 REASON = gpu_hlo.unavailable_reason()
 needs_gpu_hlo = pytest.mark.skipif(REASON is not None, reason=f"compile-only GPU: {REASON}")
@@ -277,9 +277,9 @@ def test_cli_hlo_on_demo(tmp_path, capsys):
 
 
 def test_compare_prediction_with_compiled_snippet():
-  from passes.hlo import compare as hlo_compare
-  from passes.ir import Action, Schedule, Unit, UnitKind
-  from passes.simulate import simulate
+  from ooojax.passes.hlo import compare as hlo_compare
+  from ooojax.passes.ir import Action, Schedule, Unit, UnitKind
+  from ooojax.passes.simulate import simulate
   X, W = UnitKind.DX, UnitKind.DW
   units = (Unit(X, 0, (), (), cost=1.0, util=0.5), Unit(X, 2, (), ("X0",), cost=3.0, util=0.5),
            Unit(W, 3, (), ("X0",), cost=1.0, util=0.5, label="w3"),

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from ooojax import gpu_hlo
 from ooojax.models import features, matrix
-from passes.pipeline.cut import CutError
+from ooojax.passes.pipeline.cut import CutError
 from tests.conftest import assert_trees_close
 
 NAMES = sorted(features.CASES)

@@ -12,7 +12,7 @@ import pytest
 
 import ooojax as ooo
 from ooojax import demo, gpu_hlo
-from passes.ir import UnitKind
+from ooojax.passes.ir import UnitKind
 from tests.conftest import cpu_backend_only
 
 pytestmark = cpu_backend_only

@@ -3,10 +3,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from passes import cost, ir, simulate
-import passes.split as split
-from passes.ir import Action, Kind, Unit, UnitKind
-from passes.schedule import in_order, replace_streams, schedule
+from ooojax.passes import cost, ir, simulate
+import ooojax.passes.split as split
+from ooojax.passes.ir import Action, Kind, Unit, UnitKind
+from ooojax.passes.schedule import in_order, replace_streams, schedule
 
 
 def _two_layer():
@@ -152,7 +152,7 @@ def test_simulate_send_on_a_slow_link():
 
 
 def test_plan_calls_groups_by_issue_point_and_anchors_after_the_call():
-  from passes.schedule import plan_calls
+  from ooojax.passes.schedule import plan_calls
   units = [_u(UnitKind.FORWARD, 0), _u(UnitKind.DX, 0, ["F0"]), _u(UnitKind.DX, 1, ["X0"]),
            _u(UnitKind.DX, 2, ["X1"]), _u(UnitKind.DW, 0, ["X0"], util=0.2),
            _u(UnitKind.DW, 1, ["X0"], util=0.2), _u(UnitKind.DW, 2, ["X1"], util=0.2)]

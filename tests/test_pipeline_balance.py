@@ -7,8 +7,8 @@ import optax
 import pytest
 
 import ooojax as ooo
-from passes.pipeline.balance import Phases, StackCosts, balance, even
-from passes.pipeline.generate import generate
+from ooojax.passes.pipeline.balance import Phases, StackCosts, balance, even
+from ooojax.passes.pipeline.generate import generate
 from tests.test_pipeline_auto import _check, _mesh
 from tests.test_pipeline_train_step import O0, _follow, _reference
 

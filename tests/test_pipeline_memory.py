@@ -11,8 +11,8 @@ import pytest
 
 import ooojax as ooo
 from ooojax import gpu_hlo
-from passes.hlo.schedule import parse, shape_bytes
-from passes.pipeline.program import memory
+from ooojax.passes.hlo.schedule import parse, shape_bytes
+from ooojax.passes.pipeline.program import memory
 
 D, H, BLOCKS = 64, 256, 2
 

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 import ooojax as ooo
-from passes import _compat
-from passes.hlo import schedule as hlo_schedule
-from passes.scan import merge as scan_merge
-from passes.pipeline.flavor import make_flavor
+from ooojax.passes import _compat
+from ooojax.passes.hlo import schedule as hlo_schedule
+from ooojax.passes.scan import merge as scan_merge
+from ooojax.passes.pipeline.flavor import make_flavor
 from tests.conftest import assert_trees_close
 from tests.test_pipeline import _jit, _mesh, _reference, _stack
 

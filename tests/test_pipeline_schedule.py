@@ -3,8 +3,8 @@ import dataclasses
 
 import pytest
 
-from passes.pipeline.generate import SCHEDULES, generate
-from passes.pipeline.schedule import Action, PipelineSchedule, ScheduleError
+from ooojax.passes.pipeline.generate import SCHEDULES, generate
+from ooojax.passes.pipeline.schedule import Action, PipelineSchedule, ScheduleError
 
 SIZES = [(1, 3), (2, 2), (2, 5), (3, 4), (4, 4), (4, 8), (4, 3), (8, 16), (16, 8)]
 
@@ -144,7 +144,7 @@ def test_plot():
   assert "ooo" in ax.get_title()
 
 
-@pytest.mark.parametrize("name", ["passes.pipeline.generate", "passes.pipeline.simulate",
+@pytest.mark.parametrize("name", ["ooojax.passes.pipeline.generate", "ooojax.passes.pipeline.simulate",
                                   "ooojax.pipeline"])
 def test_docstring_examples(name):
   import doctest

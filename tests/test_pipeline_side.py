@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import ooojax as ooo
-from passes.pipeline.cut import cut
+from ooojax.passes.pipeline.cut import cut
 from tests.conftest import assert_trees_close
 from tests.test_pipeline_auto import _check, _jit, _mesh, _raises
 from tests.test_pipeline_train_step import _follow, _make, _reference

@@ -3,9 +3,9 @@ import dataclasses
 
 import pytest
 
-from passes.pipeline.generate import SCHEDULES, generate, unfuse
-from passes.pipeline.schedule import Action, PipelineSchedule, ScheduleError
-from passes.pipeline.steps import steady_state, tile
+from ooojax.passes.pipeline.generate import SCHEDULES, generate, unfuse
+from ooojax.passes.pipeline.schedule import Action, PipelineSchedule, ScheduleError
+from ooojax.passes.pipeline.steps import steady_state, tile
 
 SIZES = [(1, 3), (2, 2), (2, 5), (3, 4), (4, 4), (4, 8), (8, 16)]
 

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import ooojax as ooo
-from passes.pipeline.generate import synced
+from ooojax.passes.pipeline.generate import synced
 from tests.conftest import assert_trees_close
 from tests.test_pipeline_auto import _gpt, _mlp
 from tests.test_pipeline_train_step import ADAM, O0, _mesh, _reference

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from passes import _compat, cost
+from ooojax.passes import _compat, cost
 
 
 def _scanned(w, x):
@@ -67,8 +67,8 @@ import flax.linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import ooojax as ooo  # noqa: E402
-from passes.scan import split as scan_split  # noqa: E402
-from passes.hlo import schedule as hlo_schedule  # noqa: E402
+from ooojax.passes.scan import split as scan_split  # noqa: E402
+from ooojax.passes.hlo import schedule as hlo_schedule  # noqa: E402
 from tests import models  # noqa: E402
 from tests.conftest import assert_trees_close  # noqa: E402
 

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import ooojax as ooo
-from passes.hlo import schedule as hlo_schedule
+from ooojax.passes.hlo import schedule as hlo_schedule
 from tests import models
 
 N = 8
@@ -253,6 +253,6 @@ def test_h100_loop_body_all_reduce_overlaps_compute():
 def test_scan_collectives_docstring_examples():
   import doctest
 
-  from passes.collectives import loops as scan_collectives
+  from ooojax.passes.collectives import loops as scan_collectives
   result = doctest.testmod(scan_collectives, optionflags=doctest.ELLIPSIS)
   assert result.attempted > 0 and result.failed == 0

@@ -12,8 +12,8 @@ import optax
 import pytest
 
 from ooojax import gpu_hlo, single_gpu
-from passes import defer as defer_pass
-from passes.cost import CostModel
+from ooojax.passes import defer as defer_pass
+from ooojax.passes.cost import CostModel
 from tests.conftest import cpu_backend_only
 from tests.models import tanh_mlp
 

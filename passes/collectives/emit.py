@@ -30,9 +30,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from passes import _compat
-from passes.collectives.plan import Bucket, CollectivePlan
-from passes.ir import Kind, Split
+from ooojax.passes import _compat
+from ooojax.passes.collectives.plan import Bucket, CollectivePlan
+from ooojax.passes.ir import Kind, Split
 
 
 def _zero_from(x, dtype):

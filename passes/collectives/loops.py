@@ -26,8 +26,8 @@ e.g. an LSTM's) are partial sums until the last step, so they stay on the
 bucket path, as do leaves in `skip` (reverse first-k / cross-step deferred).
 
 >>> import jax, jax.numpy as jnp
->>> from passes import split as sp, schedule as sc
->>> from passes.cost import CostModel
+>>> from ooojax.passes import split as sp, schedule as sc
+>>> from ooojax.passes.cost import CostModel
 >>> layer = lambda h, wb: (jnp.tanh(h @ wb[0] + wb[1]), None)
 >>> def f(ct, w, b, x):
 ...   y, vjp = jax.vjp(lambda w, b: jnp.sum(jax.lax.scan(layer, x, (w, b))[0]), w, b)
@@ -42,10 +42,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 
-from passes import _compat
-from passes.scan import skew as scan_skew
-from passes.cost import _nbytes
-from passes.ir import Action, Schedule, Split, Unit, UnitKind
+from ooojax.passes import _compat
+from ooojax.passes.scan import skew as scan_skew
+from ooojax.passes.cost import _nbytes
+from ooojax.passes.ir import Action, Schedule, Split, Unit, UnitKind
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,11 +33,11 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from passes.collectives import loops as scan_collectives
-from passes.cost import CostModel, _nbytes
-from passes.ir import Action, Schedule, Split, Unit, UnitKind
-from passes.collectives.loops import LoopReduce
-from passes.simulate import LINKS, Link, Timeline, simulate
+from ooojax.passes.collectives import loops as scan_collectives
+from ooojax.passes.cost import CostModel, _nbytes
+from ooojax.passes.ir import Action, Schedule, Split, Unit, UnitKind
+from ooojax.passes.collectives.loops import LoopReduce
+from ooojax.passes.simulate import LINKS, Link, Timeline, simulate
 
 REDUCTIONS = ("mean", "sum")
 # Bucket candidates when the cost model chooses (bytes); 0 = one per dW cluster.
@@ -55,7 +55,7 @@ def get_link(link: str | Link | None) -> Link:
     if name.lower() == str(link).lower():
       return l
   raise ValueError(f"unknown link {link!r}; use one of {sorted(LINKS)} or pass a "
-                   "passes.simulate.Link(name, latency_s, bytes_per_s)")
+                   "ooojax.passes.simulate.Link(name, latency_s, bytes_per_s)")
 
 
 def validate_options(mode: str, axis_name, reduce: str, bucket_bytes, first_k, link) -> None:
@@ -317,7 +317,7 @@ def plan(split: Split, sched: Schedule, cost: CostModel, n_devices: int,
     A `CollectivePlan`. Example:
 
     >>> import jax, jax.numpy as jnp
-    >>> from passes import split as sp, schedule as sc
+    >>> from ooojax.passes import split as sp, schedule as sc
     >>> def f(ct, w0, w1, x):
     ...   y, vjp = jax.vjp(lambda w0, w1: jnp.sum(jnp.tanh(x @ w0) @ w1), w0, w1)
     ...   return (y, *vjp(ct))

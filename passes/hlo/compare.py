@@ -9,9 +9,9 @@ side what the schedule predicted (stream, and whether the simulated span
 overlaps dX work) and what the compiled module shows (a stream-annotated
 async call? which kernels are scheduled between its start and done?).
 
->>> from passes.ir import Action, Schedule, Unit, UnitKind
->>> from passes.simulate import simulate
->>> from passes.hlo.schedule import parse
+>>> from ooojax.passes.ir import Action, Schedule, Unit, UnitKind
+>>> from ooojax.passes.simulate import simulate
+>>> from ooojax.passes.hlo.schedule import parse
 >>> units = (Unit(UnitKind.DX, 0, (), (), cost=1.0, util=0.5),
 ...          Unit(UnitKind.DW, 0, (), ("X0",), cost=1.0, util=0.5))
 >>> sched = Schedule(((Action("X", 0, 0),), (Action("W", 0, 1),)), (), units)
@@ -29,9 +29,9 @@ from __future__ import annotations
 import dataclasses
 import html
 
-from passes.hlo.schedule import AsyncPair, HloSchedule, Instr
-from passes.ir import Schedule
-from passes.simulate import Timeline
+from ooojax.passes.hlo.schedule import AsyncPair, HloSchedule, Instr
+from ooojax.passes.ir import Schedule
+from ooojax.passes.simulate import Timeline
 
 SCOPE = "ooo_"
 

@@ -9,7 +9,7 @@ called computation: a pipeline tick's action switch is one `conditional`
 whose branches hold that tick's GEMMs, so the window counts it as compute
 (`compute`) although `AsyncPair.overlapped_heavy` sees no GEMM at its level.
 
->>> from passes.hlo.schedule import parse
+>>> from ooojax.passes.hlo.schedule import parse
 >>> s = parse('''
 ... ENTRY %main (p: f32[8,8]) -> f32[8,8] {
 ...   %p = f32[8,8]{1,0} parameter(0)
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from passes.hlo.schedule import HloSchedule, shape_bytes
+from ooojax.passes.hlo.schedule import HloSchedule, shape_bytes
 
 
 @dataclasses.dataclass(frozen=True)

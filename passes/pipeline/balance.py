@@ -30,8 +30,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from passes.pipeline.generate import unfuse
-from passes.pipeline.schedule import PipelineSchedule
+from ooojax.passes.pipeline.generate import unfuse
+from ooojax.passes.pipeline.schedule import PipelineSchedule
 
 __all__ = ["Balance", "Phases", "StackCosts", "balance", "even", "price"]
 
@@ -104,7 +104,7 @@ def balance(layers: int, costs: StackCosts, sched: PipelineSchedule,
     how: "balanced" (least simulated makespan), "even" (`even`), or the counts
       themselves (one per virtual stage, each at least 1, summing to L).
 
-  >>> from passes.pipeline.generate import generate
+  >>> from ooojax.passes.pipeline.generate import generate
   >>> heavy_head = StackCosts(Phases(1, 1, 1), Phases(), Phases(3, 3, 3))
   >>> balance(8, heavy_head, generate("1f1b", 2, 4)).counts
   (5, 3)
@@ -254,7 +254,7 @@ def price(cut, p_avals: Sequence, b_avals: Sequence, device=None) -> StackCosts:
   import jax
   import jax.numpy as jnp
 
-  from passes.cost import CostModel
+  from ooojax.passes.cost import CostModel
   cm = CostModel(device)
   secs = lambda f, *a: cm.unit_cost(jax.make_jaxpr(f)(*a).jaxpr.eqns).seconds  # noqa: E731
   sh = tuple(p_avals[i] for i in cut.shared)

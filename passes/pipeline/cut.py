@@ -40,9 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from passes import _compat, fingerprint
-from passes.pipeline import side as side_pass
-from passes.pipeline.eqns import evaluate as _evaluate, flatten as _flatten
+from ooojax.passes import _compat, fingerprint
+from ooojax.passes.pipeline import side as side_pass
+from ooojax.passes.pipeline.eqns import evaluate as _evaluate, flatten as _flatten
 
 __all__ = ["Cut", "CutError", "cut"]
 

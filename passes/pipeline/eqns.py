@@ -7,7 +7,7 @@ the stage functions by evaluating subsets of them.
 """
 from __future__ import annotations
 
-from passes import _compat
+from ooojax.passes import _compat
 
 __all__ = ["evaluate", "flatten"]
 

@@ -41,12 +41,12 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from passes import _compat
-from passes.pipeline import plan as plan_pass
-from passes.pipeline.flavor import Flavor, make_flavor
-from passes.pipeline.program import (Memory, Program, memory, program, split_microbatches,
+from ooojax.passes import _compat
+from ooojax.passes.pipeline import plan as plan_pass
+from ooojax.passes.pipeline.flavor import Flavor, make_flavor
+from ooojax.passes.pipeline.program import (Memory, Program, memory, program, split_microbatches,
                                      trace)
-from passes.pipeline.schedule import PipelineSchedule
+from ooojax.passes.pipeline.schedule import PipelineSchedule
 
 __all__ = ["Flavor", "Memory", "Program", "device_order", "lower", "make_flavor", "memory",
            "program"]

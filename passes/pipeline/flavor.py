@@ -40,10 +40,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from passes import _compat
-from passes.scan import merge as scan_merge
-from passes import split as split_pass
-from passes.ir import Kind
+from ooojax.passes import _compat
+from ooojax.passes.scan import merge as scan_merge
+from ooojax.passes import split as split_pass
+from ooojax.passes.ir import Kind
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from passes.pipeline.actions import UPDATE, deps
-from passes.pipeline.schedule import (Action, PipelineSchedule, ScheduleError, place_of,
+from ooojax.passes.pipeline.actions import UPDATE, deps
+from ooojax.passes.pipeline.schedule import (Action, PipelineSchedule, ScheduleError, place_of,
                                       vstage_of)
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from passes.pipeline.schedule import PipelineSchedule
+from ooojax.passes.pipeline.schedule import PipelineSchedule
 
 KINDS = ("F", "B", "W", "BW")
 BUFFERS = ("act", "grad", "fres", "bres")

@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from passes.pipeline import plan as plan_pass
-from passes.pipeline import records as records_pass
-from passes.pipeline.flavor import Flavor, make_flavor
-from passes.pipeline.generate import unfuse
-from passes.pipeline.schedule import PipelineSchedule
+from ooojax.passes.pipeline import plan as plan_pass
+from ooojax.passes.pipeline import records as records_pass
+from ooojax.passes.pipeline.flavor import Flavor, make_flavor
+from ooojax.passes.pipeline.generate import unfuse
+from ooojax.passes.pipeline.schedule import PipelineSchedule
 
 __all__ = ["Memory", "Program", "memory", "memory_of", "program", "split_microbatches",
            "trace"]

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from passes.pipeline import simulate as _simulate
-from passes.pipeline.actions import (COMMS, COMPUTE, UPDATE, Action, ScheduleError, deps,
+from ooojax.passes.pipeline import simulate as _simulate
+from ooojax.passes.pipeline.actions import (COMMS, COMPUTE, UPDATE, Action, ScheduleError, deps,
                                      place_of, vstage_of)
 
 __all__ = ["COMMS", "COMPUTE", "UPDATE", "Action", "PipelineSchedule", "ScheduleError",
@@ -155,12 +155,12 @@ class PipelineSchedule:
   # --- several steps (passes.pipeline.steps) -----------------------------
   def tile(self, steps: int) -> PipelineSchedule:
     """`steps` consecutive steps of this table in one; see `passes.pipeline.steps.tile`."""
-    from passes.pipeline import steps as _steps
+    from ooojax.passes.pipeline import steps as _steps
     return _steps.tile(self, steps)
 
   def steady_state(self, steps: int = 4, costs=None, comm: float = 0.0):
     """Per-step times and bubbles of this table tiled over `steps` (simulated)."""
-    from passes.pipeline import steps as _steps
+    from ooojax.passes.pipeline import steps as _steps
     return _steps.steady_state(self, steps, costs, comm)
 
   def steady_bubble(self, steps: int = 4, costs=None, comm: float = 0.0) -> float:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import jax
 
-from passes import _compat
+from ooojax.passes import _compat
 
 __all__ = ["PARAMS", "RANDOM", "check"]
 

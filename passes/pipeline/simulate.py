@@ -16,10 +16,10 @@ from collections.abc import Mapping
 
 from typing import TYPE_CHECKING
 
-from passes.pipeline.actions import UPDATE, Action, ScheduleError, deps
+from ooojax.passes.pipeline.actions import UPDATE, Action, ScheduleError, deps
 
 if TYPE_CHECKING:
-  from passes.pipeline.schedule import PipelineSchedule
+  from ooojax.passes.pipeline.schedule import PipelineSchedule
 
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "BW": "#C44E52", "U": "#8172B3"}
 
@@ -65,7 +65,7 @@ def simulate(sched: PipelineSchedule, costs: Mapping[str, float] | None = None,
   """Event replay of the table's per-stage orders (`extra(action, vstage)`: further
   dependencies, as in `generate._place`; `steps.steady_state(shared=True)`'s).
 
-  >>> from passes.pipeline.generate import generate
+  >>> from ooojax.passes.pipeline.generate import generate
   >>> simulate(generate("gpipe", 2, 2)).makespan   # 3 ticks of F, then BW = 2 x 3
   9.0
   """

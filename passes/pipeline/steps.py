@@ -37,9 +37,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from passes.pipeline.actions import COMPUTE, UPDATE, Action
-from passes.pipeline.generate import _lower_comms, _place, shared_dep
-from passes.pipeline.schedule import PipelineSchedule
+from ooojax.passes.pipeline.actions import COMPUTE, UPDATE, Action
+from ooojax.passes.pipeline.generate import _lower_comms, _place, shared_dep
+from ooojax.passes.pipeline.schedule import PipelineSchedule
 
 __all__ = ["SteadyState", "steady_state", "tile", "with_updates"]
 
@@ -58,7 +58,7 @@ def tile(sched: PipelineSchedule, steps: int, shared: bool = False) -> PipelineS
     (`1F0@1`), and each (stage, chunk) has one update `U` per step in the cell
     of its last W. Example:
 
-    >>> from passes.pipeline.generate import generate
+    >>> from ooojax.passes.pipeline.generate import generate
     >>> one = generate("zb-h2", stages=4, microbatches=8)
     >>> two = tile(one, 2)
     >>> two.steps, two.ticks, 2 * one.ticks          # step 1 starts before step 0 ends
@@ -82,7 +82,7 @@ def with_updates(sched: PipelineSchedule) -> PipelineSchedule:
   """A one-step table with each (stage, chunk)'s update `U` after its last W: what
   a training program of one step runs (`tile(sched, 1)` is `sched` itself).
 
-  >>> from passes.pipeline.generate import generate
+  >>> from ooojax.passes.pipeline.generate import generate
   >>> one = with_updates(generate("1f1b", stages=2, microbatches=2))
   >>> one.steps, [str(a) for a in one.grid[0][one.ticks - 1]]
   (1, ['0BW1', '0U'])
@@ -145,7 +145,7 @@ def steady_state(sched: PipelineSchedule, steps: int = 4,
   `costs` as in `simulate` (`"U"`: a stage's optimizer update, default 0).
   `shared=True`: weights the first and the last stage share (tied embeddings).
 
-  >>> from passes.pipeline.generate import generate
+  >>> from ooojax.passes.pipeline.generate import generate
   >>> st = steady_state(generate("zb-h2", 4, 8), steps=4)
   >>> round(st.one_step_bubble, 3), [round(b, 3) for b in st.step_bubbles]
   (0.111, [0.111, 0.0, 0.0, 0.0])
@@ -157,7 +157,7 @@ def steady_state(sched: PipelineSchedule, steps: int = 4,
   one = tile(sched, 1)  # the one-step table (and the argument checks)
   if steps < 2:
     raise ValueError(f"steady_state needs steps >= 2 to see a steady step, got {steps!r}")
-  from passes.pipeline.simulate import simulate
+  from ooojax.passes.pipeline.simulate import simulate
   tl = simulate(tile(one, steps, shared), costs, comm,
                 shared_dep(one.virtual_stages - 1) if shared else None)
   end = [0.0] * steps

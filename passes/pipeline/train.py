@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from passes.pipeline import plan as plan_pass
-from passes.pipeline.execute import _body, _check, _shard
-from passes.pipeline.program import Program, split_microbatches, trace
-from passes.pipeline.schedule import PipelineSchedule
+from ooojax.passes.pipeline import plan as plan_pass
+from ooojax.passes.pipeline.execute import _body, _check, _shard
+from ooojax.passes.pipeline.program import Program, split_microbatches, trace
+from ooojax.passes.pipeline.schedule import PipelineSchedule
 
 __all__ = ["Updater", "lower_train", "lower_updates"]
 
@@ -96,7 +96,7 @@ def lower_updates(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule
   _check(sched, mesh, axis_name)
   if sched.steps == 1 and not any(a.kind == "U" for row in sched.grid for c in row
                                   for a in c):
-    from passes.pipeline.steps import with_updates
+    from ooojax.passes.pipeline.steps import with_updates
     sched = with_updates(sched)
   M, N = sched.microbatches, sched.steps
 

@@ -20,7 +20,7 @@ nothing is computed twice or in a different order within a body.
 ...   return jax.lax.scan(f, h, w)[1], jax.lax.scan(f, h, v)[1]
 >>> j = jax.make_jaxpr(two)(jnp.ones((3, 2)), jnp.ones((3, 2)), jnp.ones(2)).jaxpr
 >>> m = merge_scans(j.eqns)
->>> from passes._compat import scan_info
+>>> from ooojax.passes._compat import scan_info
 >>> scan_info(m).length, scan_info(m).num_carry, len(m.outvars)
 (3, 2, 4)
 """
@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from passes import _compat
+from ooojax.passes import _compat
 
 def _vars(atoms):
   return [v for v in atoms if isinstance(v, _compat.Var)]

@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from passes import _compat
-from passes.cost import CostModel
-from passes.ir import Action, Kind, Schedule, Split, Unit, UnitKind
-from passes.simulate import simulate
+from ooojax.passes import _compat
+from ooojax.passes.cost import CostModel
+from ooojax.passes.ir import Action, Kind, Schedule, Split, Unit, UnitKind
+from ooojax.passes.simulate import simulate
 
 
 @dataclasses.dataclass(frozen=True)

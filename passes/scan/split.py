@@ -35,7 +35,7 @@ cotangent of its output), as when dW of unrolled layers runs late.
 >>> jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(jnp.ones((3, 4, 4)), jnp.ones((2, 4)))
 >>> bwd = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"][-1]
 >>> s = split_scan(bwd)
->>> from passes._compat import scan_info
+>>> from ooojax.passes._compat import scan_info
 >>> len(s.w_eqns), scan_info(s.b_eqn).num_carry, scan_info(s.w_eqns[0]).num_carry
 (1, 1, 0)
 """
@@ -45,7 +45,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from passes import _compat
+from ooojax.passes import _compat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +150,7 @@ def split_scan(eqn) -> ScanSplit | None:
   >>> import jax, jax.numpy as jnp
   >>> j = jax.make_jaxpr(lambda c, xs: jax.lax.scan(lambda c, x: (c * 2, x * c), c, xs))
   >>> s = split_scan(j(1.0, jnp.ones(3)).jaxpr.eqns[0])
-  >>> from passes._compat import scan_info
+  >>> from ooojax.passes._compat import scan_info
   >>> [scan_info(e).num_carry for e in s.eqns]
   [1, 0]
   """
