@@ -20,9 +20,9 @@ import numpy as np
 
 import ooojax as ooo
 from benchmarks import _report
-from ooojax.models import ZOO
 from benchmarks.step_time import _sgd_step
 from ooojax._calibrate import time_fn
+from ooojax.models import ZOO
 
 DEFAULT = ["mobilenet_v3_small", "densenet121", "resnet50", "bert"]
 

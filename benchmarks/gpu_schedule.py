@@ -20,7 +20,6 @@ import sys
 import time
 
 import ooojax as ooo  # before anything imports jax: picks JAX_PLATFORMS=cpu when no GPU is here
-
 from benchmarks import _report
 from ooojax import _hlo_cli, gpu_hlo
 

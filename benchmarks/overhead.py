@@ -77,8 +77,9 @@ def _peak_lower_mb(make_grad, loss_fn, args) -> float:
 
 def _lm(layers: int, modes):
   """(loss_fn, abstract args, {name: make_grad}) for the GPT-style LM, caches warmed."""
-  from ooojax.models.transformer import Stack
   import optax
+
+  from ooojax.models.transformer import Stack
   model = Stack(layers, 768, 12, 50257, causal=True)
   tokens = jax.ShapeDtypeStruct((8, 128), np.int32)
   params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
@@ -164,7 +165,7 @@ def sweep_lm(layers: int, modes, n: int) -> list[str]:
   """One lowering of each function at each of n offsets over a data-stack chunk:
   the evidence that the offset, not the function, moves the system time."""
   loss_fn, args, impls = _lm(layers, modes)
-  lines = [f"| stack offset (slots) | " + " | ".join(f"{k}: user / sys s, faults" for k in impls) + " |",
+  lines = ["| stack offset (slots) | " + " | ".join(f"{k}: user / sys s, faults" for k in impls) + " |",
            "|---" * (len(impls) + 1) + "|"]
   for slots in _cpu.offset_grid(n):
     cells = []

@@ -55,8 +55,10 @@ import spectrax as spx  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 from spectrax import nn  # noqa: E402
 from spectrax.nn import PipelineSequential  # noqa: E402
-from spectrax.runtime import schedules as sched  # noqa: E402
-from spectrax.runtime import sxcall  # noqa: E402
+from spectrax.runtime import (
+  schedules as sched,  # noqa: E402
+  sxcall,  # noqa: E402
+)
 from spectrax.runtime.spmd import pipeline_step  # noqa: E402
 from spectrax.runtime.types import MpMdMesh  # noqa: E402
 

@@ -21,8 +21,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import functools  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
 
@@ -30,8 +30,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks import _mlp_model as mlp  # noqa: E402
-from benchmarks import _report  # noqa: E402
+from benchmarks import (
+  _mlp_model as mlp,  # noqa: E402
+  _report,  # noqa: E402
+)
 from ooojax.passes.cost import CostModel  # noqa: E402
 from ooojax.passes.pipeline.execute import make_flavor  # noqa: E402
 from ooojax.passes.pipeline.generate import SCHEDULES, generate  # noqa: E402

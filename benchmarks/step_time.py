@@ -18,9 +18,9 @@ import optax
 
 import ooojax as ooo
 from benchmarks import _report
-from ooojax.models import ZOO
 from ooojax import demo
 from ooojax._calibrate import time_fn
+from ooojax.models import ZOO
 
 VARIANTS = {
     "jax.grad": None,

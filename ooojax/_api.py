@@ -14,15 +14,15 @@ from typing import Any
 import jax
 import numpy as np
 
+from ooojax import _dp
 from ooojax.passes import _compat
 from ooojax.passes.collectives import plan as _collectives
 from ooojax.passes.cost import CostModel, DeviceSpec
 from ooojax.passes.emit import ORDERINGS, emit
+from ooojax.passes.fingerprint import fingerprint
 from ooojax.passes.ir import Schedule, Split
 from ooojax.passes.schedule import schedule as make_schedule
-from ooojax.passes.fingerprint import fingerprint
 from ooojax.passes.split import from_flat, inline_calls, rewrite
-from ooojax import _dp
 
 MODES = ("auto", "single_gpu", "in_order", "data_parallel")
 

@@ -7,8 +7,8 @@ import jax
 
 from ooojax.passes import _compat
 from ooojax.passes.collectives import plan as _collectives
-from ooojax.passes.emit import emit as _emit
 from ooojax.passes.collectives.emit import BucketEmitter
+from ooojax.passes.emit import emit as _emit
 
 
 def axis_size(opts) -> int | None:

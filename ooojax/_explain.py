@@ -215,9 +215,9 @@ def explain(fun, *args, argnums=0, has_aux=False, **options):
   >>> c.deferred_paths, c.carried_bytes        # b's input activation and output cotangent
   (("['b']",), 192)
   """
+  from ooojax import _explain_dp
   from ooojax._api import value_and_grad
   from ooojax._compiled import Call
-  from ooojax import _explain_dp
   kwargs = options.pop("kwargs", {})
   defer = options.pop("defer", None)
   only = {k: options.pop(k) for k in _explain_dp.EXPLAIN_ONLY if k in options}

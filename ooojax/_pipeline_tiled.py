@@ -40,8 +40,8 @@ import optax
 
 from ooojax._pipeline_train import PipelineTrainState, PipelineTrainStep, StageParams
 from ooojax.passes import _compat
-from ooojax.passes.pipeline.train import Updater, lower_updates
 from ooojax.passes.pipeline.steps import tile
+from ooojax.passes.pipeline.train import Updater, lower_updates
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,11 +29,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
-
-import numpy as np
 
 from ooojax.passes.pipeline.balance import Balance
 from ooojax.passes.pipeline.cut import Cut

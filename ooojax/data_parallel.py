@@ -40,8 +40,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ooojax import _dp
 from ooojax._api import _make_options, value_and_grad
 from ooojax.passes.collectives import plan as collectives
-from ooojax.passes.cost import CostModel
 from ooojax.passes.collectives.emit import chain_after, reduce_buffers
+from ooojax.passes.cost import CostModel
 
 
 class Pending(struct.PyTreeNode):

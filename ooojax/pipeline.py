@@ -30,24 +30,23 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ooojax._explain_pipeline import AutoCut, PipelineReport, explain
-from ooojax._pipeline_train import (PipelineTrainState, PipelineTrainStep, StageParams,
-                                    make_train_step)
-from ooojax.passes.pipeline.balance import Balance
-from ooojax.passes.pipeline.balance import balance as _balance
-from ooojax.passes.pipeline.balance import price as _price
-from ooojax.passes.pipeline.cut import EXPLICIT as _EXPLICIT
-from ooojax.passes.pipeline.cut import Cut, CutError, cut
+from ooojax._pipeline_train import (
+  PipelineTrainState,
+  PipelineTrainStep,
+  StageParams,
+  make_train_step,
+)
+from ooojax.passes.pipeline.balance import Balance, balance as _balance, price as _price
+from ooojax.passes.pipeline.cut import EXPLICIT as _EXPLICIT, Cut, CutError, cut
 from ooojax.passes.pipeline.execute import lower
-from ooojax.passes.pipeline.train import lower_train
-from ooojax.passes.pipeline.program import Memory
-from ooojax.passes.pipeline.program import memory as _memory
 from ooojax.passes.pipeline.generate import SCHEDULES, generate
+from ooojax.passes.pipeline.program import Memory, memory as _memory
 from ooojax.passes.pipeline.schedule import Action, PipelineSchedule, ScheduleError
 from ooojax.passes.pipeline.steps import SteadyState, steady_state, tile
+from ooojax.passes.pipeline.train import lower_train
 
 __all__ = ["SCHEDULES", "Action", "AutoCut", "Balance", "Cut", "CutError", "Memory", "PipelineReport",
            "PipelineSchedule", "PipelineTrainState", "PipelineTrainStep", "ScheduleError",

@@ -13,9 +13,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
-from jax._src import core as _core
-from jax._src import flattree as _ft
-from jax._src import source_info_util as _siu
+from jax._src import core as _core, flattree as _ft, source_info_util as _siu
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax.lax import _convert_element_type as _cet
 from jax._src.linear_util import DebugInfo as _DebugInfo
@@ -30,9 +28,9 @@ DropVar = jex_core.DropVar
 JAXPR_TYPES = (Jaxpr,) if ClosedJaxpr is Jaxpr else (Jaxpr, ClosedJaxpr)
 
 from jax._src.api import (  # noqa: E402 - JAX's own wording for grad's argument errors
-    _check_input_dtype_grad as check_input_dtype_grad,
-    _check_output_dtype_grad as check_output_dtype_grad,
-    _check_scalar as check_scalar,
+    _check_input_dtype_grad as check_input_dtype_grad,  # noqa: F401 - read by ooojax._api
+    _check_output_dtype_grad as check_output_dtype_grad,  # noqa: F401
+    _check_scalar as check_scalar,  # noqa: F401
 )
 
 

@@ -31,10 +31,10 @@ from typing import Any
 
 from ooojax.passes import _compat
 from ooojax.passes.cost import CostModel
-from ooojax.passes.stream_calls import free_inputs
 from ooojax.passes.ir import Action, Kind, Schedule, Split, Unit, UnitKind
 from ooojax.passes.schedule import _anchorable, _eqn_seconds, is_heavy
 from ooojax.passes.simulate import simulate
+from ooojax.passes.stream_calls import free_inputs
 
 
 @dataclasses.dataclass(frozen=True)

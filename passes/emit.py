@@ -45,8 +45,8 @@ from typing import Any
 import jax
 
 from ooojax.passes import _compat, stage
-from ooojax.passes.scan import skew as scan_skew
 from ooojax.passes.ir import Call, Kind, Schedule, Split
+from ooojax.passes.scan import skew as scan_skew
 from ooojax.passes.stream_calls import Anchor, Late, LateLeaves, calls_of, on_stream
 
 ORDERINGS = ("auto", "barriers", "control_deps", "scheduling_group", "none")

@@ -24,7 +24,6 @@ number of equations, plus two simulations.
 from __future__ import annotations
 
 import bisect
-
 import dataclasses
 from collections.abc import Sequence
 

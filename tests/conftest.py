@@ -12,7 +12,6 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-
 # Tests that read XLA:CPU's compiled HLO (control-predecessors, `call(` rather
 # than `call-start(`) or compile for a compile-only GPU beside a CPU host hold
 # on the CPU backend only; on a GPU machine (benchmarks/gpu.sh) they skip.

@@ -46,7 +46,7 @@ def _jax_private(tree) -> list[int]:
     elif isinstance(node, ast.Import):
       mods = [a.name for a in node.names]
     if any(m.startswith("jax._src") for m in mods):
-      lines.append(target.lineno)  # a comprehension node has no line of its own
+      lines.append(node.lineno)
   return lines
 
 

@@ -9,8 +9,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import ooojax as ooo
-from ooojax.passes.collectives import plan as collectives
 from ooojax.models._common import init_params
+from ooojax.passes.collectives import plan as collectives
 from tests import models
 
 N = 8

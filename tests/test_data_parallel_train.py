@@ -119,7 +119,6 @@ def test_two_processes_match_single_process(tmp_path, close):
 
 
 def test_compiled_step_reduces_pending_first_k_before_the_forward():
-  import re
   mesh, params, loss, xs = _setup()
   step = dp.make_train_step(loss, optax.sgd(0.1), mesh, first_k=2, bucket_bytes=1)
   state = step.init(params, xs[0])

@@ -30,6 +30,7 @@ def test_explain_accepts_options_and_kwargs():
 def test_compiled_schedule_beside_the_simulated_one(tmp_path):
   # Needs the compile-only GPU (gpu-hlo extra); skipped with the reason otherwise.
   import pytest
+
   from ooojax import gpu_hlo
   reason = gpu_hlo.unavailable_reason()
   if reason is not None:
@@ -76,6 +77,7 @@ def _deep(n=6, d=512):
 def test_explain_defer_shows_what_is_carried_to_the_next_step(tmp_path):
   import optax
   import pytest
+
   from ooojax import single_gpu
   loss, params, x = _deep()
   r = ooo.explain(loss, params, x, mode="single_gpu", device="H100", defer="auto")

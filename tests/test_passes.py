@@ -3,8 +3,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from ooojax.passes import cost, ir, simulate
 import ooojax.passes.split as split
+from ooojax.passes import cost, ir, simulate
 from ooojax.passes.ir import Action, Kind, Unit, UnitKind
 from ooojax.passes.schedule import in_order, replace_streams, schedule
 

@@ -26,7 +26,6 @@ def _stack(trees):
 def _reference(stage_fn, loss_fn, params, inputs, targets, input_fn=None, shared=None,
                jit=_jit):
   """The same model without a pipeline: jax.value_and_grad of the plain stack."""
-  extra = () if shared is None else (shared,)
 
   def loss(params, *extra):
     h = inputs if input_fn is None else input_fn(inputs, *extra)

@@ -6,8 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from benchmarks import _mlp_model as model
-from benchmarks import pipeline_mp
+from benchmarks import _mlp_model as model, pipeline_mp
 
 SIZES = {"layers": 4, "dim": 32, "hidden": 64, "batch": 16}
 SCHEDULES = pipeline_mp.SCHEDULES   # every one; interleaved / zb-v: 4 virtual stages

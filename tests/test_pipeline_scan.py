@@ -15,8 +15,8 @@ import pytest
 import ooojax as ooo
 from ooojax.passes import _compat
 from ooojax.passes.hlo import schedule as hlo_schedule
-from ooojax.passes.scan import merge as scan_merge
 from ooojax.passes.pipeline.flavor import make_flavor
+from ooojax.passes.scan import merge as scan_merge
 from tests.conftest import assert_trees_close
 from tests.test_pipeline import _jit, _mesh, _reference, _stack
 

@@ -99,8 +99,8 @@ def test_checkpoint_restore_between_tiled_calls(tmp_path, name, opt):
 def test_shared_weights_need_a_synced_table():
   # zb-h2 (2 stages, 4 microbatches) starts stage 0's next step before the last
   # stage's update: weights both read would be stale, unless tiled with shared=True
-  from ooojax.passes.pipeline.train import Updater, lower_updates
   from ooojax.passes.pipeline.generate import synced
+  from ooojax.passes.pipeline.train import Updater, lower_updates
   one = ooo.pipeline.schedule("zb-h2", stages=2, microbatches=4)
   loose, tight = ooo.pipeline.tile(one, 2), ooo.pipeline.tile(one, 2, shared=True)
   assert not synced(loose) and synced(tight) and tight.ticks > loose.ticks

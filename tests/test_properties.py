@@ -7,9 +7,7 @@ scalars, strings, None, nests) and options; either the results agree exactly
 """
 import jax
 import jax.numpy as jnp
-import numpy as np
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import ooojax as ooo
 from tests._same import assert_same, outcome

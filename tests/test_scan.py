@@ -67,8 +67,8 @@ import flax.linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import ooojax as ooo  # noqa: E402
-from ooojax.passes.scan import split as scan_split  # noqa: E402
 from ooojax.passes.hlo import schedule as hlo_schedule  # noqa: E402
+from ooojax.passes.scan import split as scan_split  # noqa: E402
 from tests import models  # noqa: E402
 from tests.conftest import assert_trees_close  # noqa: E402
 

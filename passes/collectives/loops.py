@@ -43,9 +43,9 @@ import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 
 from ooojax.passes import _compat
-from ooojax.passes.scan import skew as scan_skew
 from ooojax.passes.cost import _nbytes
 from ooojax.passes.ir import Action, Schedule, Split, Unit, UnitKind
+from ooojax.passes.scan import skew as scan_skew
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,9 +34,9 @@ import math
 from collections.abc import Sequence
 
 from ooojax.passes.collectives import loops as scan_collectives
+from ooojax.passes.collectives.loops import LoopReduce
 from ooojax.passes.cost import CostModel, _nbytes
 from ooojax.passes.ir import Action, Schedule, Split, Unit, UnitKind
-from ooojax.passes.collectives.loops import LoopReduce
 from ooojax.passes.simulate import LINKS, Link, Timeline, simulate
 
 REDUCTIONS = ("mean", "sum")

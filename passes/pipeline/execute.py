@@ -38,14 +38,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ooojax.passes import _compat
 from ooojax.passes.pipeline import plan as plan_pass
 from ooojax.passes.pipeline.flavor import Flavor, make_flavor
-from ooojax.passes.pipeline.program import (Memory, Program, memory, program, split_microbatches,
-                                     trace)
+from ooojax.passes.pipeline.program import (
+  Memory,
+  Program,
+  memory,
+  program,
+  split_microbatches,
+  trace,
+)
 from ooojax.passes.pipeline.schedule import PipelineSchedule
 
 __all__ = ["Flavor", "Memory", "Program", "device_order", "lower", "make_flavor", "memory",

@@ -40,10 +40,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ooojax.passes import _compat
-from ooojax.passes.scan import merge as scan_merge
-from ooojax.passes import split as split_pass
+from ooojax.passes import _compat, split as split_pass
 from ooojax.passes.ir import Kind
+from ooojax.passes.scan import merge as scan_merge
 
 
 @dataclasses.dataclass(frozen=True)

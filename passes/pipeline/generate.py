@@ -13,8 +13,14 @@ import dataclasses
 from collections.abc import Sequence
 
 from ooojax.passes.pipeline.actions import UPDATE, deps
-from ooojax.passes.pipeline.schedule import (Action, PipelineSchedule, ScheduleError, place_of,
-                                      vstage_of)
+from ooojax.passes.pipeline.schedule import (
+  Action,
+  PipelineSchedule,
+  ScheduleError,
+  place_of,
+  vstage_of,
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Policy:

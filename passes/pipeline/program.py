@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ooojax.passes.pipeline import plan as plan_pass
-from ooojax.passes.pipeline import records as records_pass
+from ooojax.passes.pipeline import plan as plan_pass, records as records_pass
 from ooojax.passes.pipeline.flavor import Flavor, make_flavor
 from ooojax.passes.pipeline.generate import unfuse
 from ooojax.passes.pipeline.schedule import PipelineSchedule

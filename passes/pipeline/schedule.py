@@ -33,8 +33,16 @@ from __future__ import annotations
 import dataclasses
 
 from ooojax.passes.pipeline import simulate as _simulate
-from ooojax.passes.pipeline.actions import (COMMS, COMPUTE, UPDATE, Action, ScheduleError, deps,
-                                     place_of, vstage_of)
+from ooojax.passes.pipeline.actions import (
+  COMMS,
+  COMPUTE,
+  UPDATE,
+  Action,
+  ScheduleError,
+  deps,
+  place_of,
+  vstage_of,
+)
 
 __all__ = ["COMMS", "COMPUTE", "UPDATE", "Action", "PipelineSchedule", "ScheduleError",
            "place_of", "render", "validate", "vstage_of"]

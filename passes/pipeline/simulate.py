@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-
 from typing import TYPE_CHECKING
 
 from ooojax.passes.pipeline.actions import UPDATE, Action, ScheduleError, deps

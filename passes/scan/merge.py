@@ -31,6 +31,7 @@ from typing import Any
 
 from ooojax.passes import _compat
 
+
 def _vars(atoms):
   return [v for v in atoms if isinstance(v, _compat.Var)]
 
