@@ -36,7 +36,7 @@ class Options:
     re-emit on one stream, no annotations: the control to compare against).
   streams: 1 or 2 compute streams.
   device: device spec name for the cost model ("V100", "A100", "H100",
-    "CPU") or a `passes.cost.DeviceSpec`; None guesses from `jax.devices()`.
+    "CPU") or a `ooojax.passes.cost.DeviceSpec`; None guesses from `jax.devices()`.
   ordering: how the schedule is pinned in XLA: "auto" (barriers, plus
     control edges when lowering for CPU), "barriers", "control_deps",
     "scheduling_group" or "none" (see `passes.emit`).
@@ -48,7 +48,7 @@ class Options:
     "mean" or "sum" of the per-device gradients; bytes per all-reduce bucket
     and layers to reverse (None: chosen by the cost and network model); the
     network preset ("nvlink", "100GbE", "25GbE", "10GbE") or a
-    `passes.simulate.Link`.
+    `ooojax.passes.simulate.Link`.
   """
   mode: str = "auto"
   streams: int = 2

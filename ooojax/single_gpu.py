@@ -332,7 +332,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *,
       its value. aux comes from step t's forward, which reads the plain
       loop's parameters, so flax mutable collections (BatchNorm's
       `batch_stats`) are exact: pass them in `batch` and take the updated
-      ones from aux (see the README).
+      ones from aux (see docs/single-gpu.md).
     **ooo_options: options of `ooo.grad` (`mode`, `device`, `ordering`, ...;
       not data_parallel).
 

@@ -62,7 +62,7 @@ def get_spec(name_or_spec: str | DeviceSpec | None) -> DeviceSpec:
     if name in key:
       return spec
   raise ValueError(f"unknown device spec {name_or_spec!r}; use one of "
-                   f"{sorted(DEVICE_SPECS)} or pass a passes.cost.DeviceSpec")
+                   f"{sorted(DEVICE_SPECS)} or pass an ooojax.passes.cost.DeviceSpec")
 
 
 def _guess_device() -> str:

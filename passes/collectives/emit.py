@@ -7,7 +7,7 @@ calls `emitter.after_unit(name, env)` after each compute unit, and
 What reaches XLA per bucket: the bucket's gradient leaves flattened into one
 buffer per dtype, one `psum` (one all-reduce), a scale by `1/n` for
 `reduce="mean"`, and a split back. One tie keeps the buckets apart
-and in order (see the README's "Data parallel" section): bucket b+1's inputs
+and in order (see docs/data-parallel.md): bucket b+1's inputs
 pass through a `lax.optimization_barrier` with bucket b's reduced buffer and
 take an exact zero computed from it (`_zero_from`), so all-reduce b+1
 data-depends on all-reduce b. XLA's all-reduce combiners (CPU and GPU) merge

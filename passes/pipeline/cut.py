@@ -48,7 +48,7 @@ __all__ = ["Cut", "CutError", "cut"]
 
 EXPLICIT = ("; pipeline it with the explicit API instead: ooo.pipeline.value_and_grad("
             "stage_fn, loss_fn, input_fn=..., mesh=..., axis_name=...) with parameters "
-            "stacked on a stage axis (README, 'Pipeline parallel')")
+            "stacked on a stage axis (docs/pipeline.md)")
 
 
 class CutError(ValueError):
