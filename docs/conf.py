@@ -65,16 +65,23 @@ html_theme_options = {"show_toc_level": 2, "use_download_button": False}
 _CODE_THEN_LETTER = re.compile(r"(`[^`\s](?:[^`]*[^`\s])?`)(?=[\w(])")
 
 
+def _indent(line: str) -> int:
+  return len(line) - len(line.lstrip())
+
+
 def _repair_docstring(app, what, name, obj, options, lines):
   out = []
-  for line in lines:
+  for i, line in enumerate(lines):
     # `gpu`s, `nnx.Param`s: inline code must end before a letter
     line = _CODE_THEN_LETTER.sub(r"\1\\ ", line)
-    # a dedent needs a blank line before it (an attribute list's next name)
-    if (out and out[-1].strip() and line.strip()
-        and len(line) - len(line.lstrip()) < len(out[-1]) - len(out[-1].lstrip())
-        and not out[-1].lstrip().startswith((">>>", "..."))):
-      out.append("")
+    prev, nxt = (out[-1] if out else ""), (lines[i + 1] if i + 1 < len(lines) else "")
+    if prev.strip() and line.strip() and not prev.lstrip().startswith((">>>", "...")):
+      # a dedent needs a blank line before it (an attribute list's next name), and
+      # so does a line that an indented block follows (the name it describes)
+      if _indent(line) < _indent(prev) or (
+          _indent(line) == _indent(prev) and nxt.strip() and _indent(nxt) > _indent(line)
+          and not line.lstrip().startswith((">>>", "..."))):
+        out.append("")
     out.append(line)
   lines[:] = out
 
