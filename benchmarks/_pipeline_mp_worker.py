@@ -15,6 +15,7 @@ With tiled (an int n >= 2), the pipeline processes time training instead
 (`_tiled`): n calls of `ooo.pipeline.train(..., steps=1)` against one call of
 the n-step tiled program, per schedule and microbatch count.
 """
+
 import json
 import os
 import sys
@@ -66,8 +67,9 @@ def _gathered(results) -> dict:
 def _baseline():
   """One core: the unpipelined step, and the same model accumulated over each
   microbatch count (the pipeline's kernels without a pipeline), alternating."""
-  params = jax.tree.map(jax.numpy.asarray,
-                        model.make_params(1, cfg["layers"], cfg["dim"], cfg["hidden"]))
+  params = jax.tree.map(
+    jax.numpy.asarray, model.make_params(1, cfg["layers"], cfg["dim"], cfg["hidden"])
+  )
   batch = tuple(map(jax.numpy.asarray, model.make_batch(cfg["batch"], cfg["dim"])))
   steps = {"baseline": jax.jit(jax.value_and_grad(model.flat_loss))}
   steps.update({f"accum/{m}": jax.jit(model.accumulated(m)) for m in cfg["microbatches"]})
@@ -77,8 +79,11 @@ def _baseline():
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("stage",))
   for m in cfg["microbatches"]:
     sched = ooo.pipeline.schedule("1f1b", stages=1, microbatches=m)
-    steps[f"executor/{m}"] = jax.jit(ooo.pipeline.value_and_grad(
-        model.stage_fn, model.loss_fn, mesh=mesh, axis_name="stage", schedule=sched))
+    steps[f"executor/{m}"] = jax.jit(
+      ooo.pipeline.value_and_grad(
+        model.stage_fn, model.loss_fn, mesh=mesh, axis_name="stage", schedule=sched
+      )
+    )
   out = {}
   for k, step in steps.items():
     t0 = time.perf_counter()
@@ -103,9 +108,12 @@ def _stage_params(mesh, sched) -> dict:
   if LAYOUT == "device":
     full = {k: a[ooo.pipeline.device_order(sched)] for k, a in full.items()}
   per = v // nproc
-  return {k: jax.make_array_from_process_local_data(
-      NamedSharding(mesh, P("stage")), a[pid * per:(pid + 1) * per], a.shape)
-      for k, a in full.items()}
+  return {
+    k: jax.make_array_from_process_local_data(
+      NamedSharding(mesh, P("stage")), a[pid * per : (pid + 1) * per], a.shape
+    )
+    for k, a in full.items()
+  }
 
 
 def _median_s(f, *args, reps: int = 15) -> float:
@@ -129,6 +137,7 @@ class _Calibration:
   def __init__(self, mesh):
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as Ps
+
     self.fns, self.samples = {}, {}
     full = model.make_params(nproc, cfg["layers"], cfg["dim"], cfg["hidden"])
     p = {k: jnp.asarray(a[pid]) for k, a in full.items()}
@@ -137,8 +146,9 @@ class _Calibration:
 
     def perm(pairs):
       body = lambda a: jax.lax.ppermute(a, "stage", pairs)  # noqa: E731
-      return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=Ps("stage"),
-                                   out_specs=Ps("stage"), check_vma=False))
+      return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=Ps("stage"), out_specs=Ps("stage"), check_vma=False)
+      )
 
     for m in cfg["microbatches"]:
       rows = cfg["batch"] // m
@@ -148,21 +158,31 @@ class _Calibration:
       y, pb_x = jax.vjp(lambda x, f=f: f(p, x), x)
       _, pb_all = jax.vjp(f, p, x)
       g = jnp.ones_like(y)
-      acts = {n: jax.make_array_from_process_local_data(
-          NamedSharding(mesh, P("stage")), np.ones((n * rows, cfg["dim"]), np.float32),
-          (nproc * n * rows, cfg["dim"])) for n in (1, 4)}
+      acts = {
+        n: jax.make_array_from_process_local_data(
+          NamedSharding(mesh, P("stage")),
+          np.ones((n * rows, cfg["dim"]), np.float32),
+          (nproc * n * rows, cfg["dim"]),
+        )
+        for n in (1, 4)
+      }
       # W alone reads what B saved (the executor's split): the whole backward less B
-      self.fns[m] = {"F": (jax.jit(f), (p, x)), "B": (call, (pb_x, g)), "BW": (call, (pb_all, g)),
-                     "empty": (empty, (g,)), "one": (perm([(0, 1)]), (acts[1],)),
-                     "four": (perm([(0, 1)]), (acts[4],)),
-                     "both": (perm([(0, 1), (1, 0)]), (acts[1],)),
-                     "empty_link": (empty, (acts[1],))}
+      self.fns[m] = {
+        "F": (jax.jit(f), (p, x)),
+        "B": (call, (pb_x, g)),
+        "BW": (call, (pb_all, g)),
+        "empty": (empty, (g,)),
+        "one": (perm([(0, 1)]), (acts[1],)),
+        "four": (perm([(0, 1)]), (acts[4],)),
+        "both": (perm([(0, 1), (1, 0)]), (acts[1],)),
+        "empty_link": (empty, (acts[1],)),
+      }
       self.samples[m] = {k: [] for k in self.fns[m]}
 
   def sample(self, reps: int) -> None:
     for m, fns in self.fns.items():
       for k, (f, args) in fns.items():
-        if k in ("one", "four", "both"):   # collectives: both processes together
+        if k in ("one", "four", "both"):  # collectives: both processes together
           multihost_utils.sync_global_devices("probe")
         self.samples[m][k].append(_median_s(f, *args, reps=reps))
 
@@ -178,10 +198,15 @@ class _Calibration:
       allph = np.asarray(multihost_utils.process_allgather(np.array(ph), tiled=False))
       # process 0's probe on every process: both must plan the same table
       got = np.asarray(multihost_utils.process_allgather(np.array(lk), tiled=False))[0]
-      res[str(m)] = {"phases": allph.tolist(),
-                     "link": {"one": float(got[0]), "four": float(got[1]),
-                              "both": float(got[2]),
-                              "nbytes": cfg["batch"] // m * cfg["dim"] * 4}}
+      res[str(m)] = {
+        "phases": allph.tolist(),
+        "link": {
+          "one": float(got[0]),
+          "four": float(got[1]),
+          "both": float(got[2]),
+          "nbytes": cfg["batch"] // m * cfg["dim"] * 4,
+        },
+      }
     return res
 
 
@@ -190,7 +215,8 @@ def _table(name: str, m: int, calib: dict):
   if name != "ooo-link":
     return ooo.pipeline.schedule(name, stages=nproc, microbatches=m)
   from benchmarks.pipeline_mp import link_model, stage_costs
-  from passes.pipeline.depth import plan_ooo
+  from ooojax.passes.pipeline.depth import plan_ooo
+
   c = calib[str(m)]
   sched, _ = plan_ooo(nproc, m, stage_costs(c, nproc), link_model(c, cfg.get("gbit")))
   return sched
@@ -199,15 +225,17 @@ def _table(name: str, m: int, calib: dict):
 def _pipeline():
   devs = jax.devices()
   if len(devs) != nproc:
-    raise RuntimeError(f"expected one device per process ({nproc}), got {len(devs)}: "
-                       "set XLA_FLAGS=--xla_force_host_platform_device_count=1")
+    raise RuntimeError(
+      f"expected one device per process ({nproc}), got {len(devs)}: "
+      "set XLA_FLAGS=--xla_force_host_platform_device_count=1"
+    )
   mesh = jax.sharding.Mesh(np.array(devs), ("stage",))
   rep = NamedSharding(mesh, P())
   x, t = model.make_batch(cfg["batch"], cfg["dim"])
   batch = tuple(jax.make_array_from_process_local_data(rep, a, a.shape) for a in (x, t))
   runs, out = {}, {}
   cal = _Calibration(mesh) if cfg.get("predict") else None
-  if cal is not None:   # a first sample, to plan ooo-link on
+  if cal is not None:  # a first sample, to plan ooo-link on
     cal.sample(reps=10)
   calib = cal.result() if cal is not None else {}
   for name in cfg["schedules"]:
@@ -216,22 +244,40 @@ def _pipeline():
       try:
         sched = _table(name, m, calib)
         params = _stage_params(mesh, sched)
-        step = jax.jit(ooo.pipeline.value_and_grad(model.stage_fn, model.loss_fn, mesh=mesh,
-                                                   axis_name="stage", schedule=sched,
-                                                   layout=LAYOUT))
+        step = jax.jit(
+          ooo.pipeline.value_and_grad(
+            model.stage_fn,
+            model.loss_fn,
+            mesh=mesh,
+            axis_name="stage",
+            schedule=sched,
+            layout=LAYOUT,
+          )
+        )
         t0 = time.perf_counter()
         for _ in range(max(1, cfg["warmup"])):
           res = jax.block_until_ready(step(params, batch))
-        out[key] = {"schedule": name, "microbatches": m, "ms": [],
-                    "compile_s": time.perf_counter() - t0,
-                    "bubble": sched.bubble_fraction(), "ticks": sched.ticks,
-                    **_ticks(sched, params, batch), "table": sched.to_text()}
+        out[key] = {
+          "schedule": name,
+          "microbatches": m,
+          "ms": [],
+          "compile_s": time.perf_counter() - t0,
+          "bubble": sched.bubble_fraction(),
+          "ticks": sched.ticks,
+          **_ticks(sched, params, batch),
+          "table": sched.to_text(),
+        }
         runs[key] = (step, params, res)
       except Exception as e:  # noqa: BLE001 - a schedule that cannot run is a result
-        out[key] = {"schedule": name, "microbatches": m,
-                    "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
-      print(f"[{pid}] {key}: {out[key].get('error') or 'compiled, %.1f s' % out[key]['compile_s']}",
-            flush=True)
+        out[key] = {
+          "schedule": name,
+          "microbatches": m,
+          "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}",
+        }
+      print(
+        f"[{pid}] {key}: {out[key].get('error') or 'compiled, %.1f s' % out[key]['compile_s']}",
+        flush=True,
+      )
   if cfg.get("check"):
     # Gradients are sharded over the processes: gather them so process 0 saves all.
     return _gathered({key: (loss, grads) for key, (_, _, (loss, grads)) in runs.items()})
@@ -253,8 +299,9 @@ def _pipeline():
 def _ticks(sched, params, batch) -> dict:
   """The executor's ticks (the unfused table) and those that carry a transfer
   (a lag-0 tick with one waits for it: each costs one ppermute's latency)."""
-  from passes.pipeline.plan import F
-  from passes.pipeline.program import program
+  from ooojax.passes.pipeline.plan import F
+  from ooojax.passes.pipeline.program import program
+
   pl = program(model.stage_fn, model.loss_fn, sched, params, batch).plan
   busy = np.zeros(pl.rows.shape[0], bool)
   for ring, pats in pl.patterns.items():
@@ -266,21 +313,25 @@ def _ppermute_probe(mesh, row_bytes, micro):
   """A loop of 50 lag-0-style ppermutes of one activation (both directions), in one
   program: `probe()` times it, `probe.ms` collects ms per ppermute. What each of a
   step's transfers costs on this link (latency, the processes' wake-ups)."""
-  import jax.numpy as jnp
   n, rows = 50, cfg["batch"] // micro
   ring = [(k, (k + 1) % nproc) for k in range(nproc)]
 
   def body(x):
-    return jax.lax.scan(lambda c, _: (jax.lax.ppermute(c, "stage", ring), None), x, None,
-                        length=n)[0]
+    return jax.lax.scan(lambda c, _: (jax.lax.ppermute(c, "stage", ring), None), x, None, length=n)[
+      0
+    ]
+
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("stage"), out_specs=P("stage")))
   x = jax.make_array_from_process_local_data(
-      NamedSharding(mesh, P("stage")), np.ones((rows, row_bytes // 4), np.float32),
-      (nproc * rows, row_bytes // 4))
+    NamedSharding(mesh, P("stage")),
+    np.ones((rows, row_bytes // 4), np.float32),
+    (nproc * rows, row_bytes // 4),
+  )
   jax.block_until_ready(f(x))
 
   def probe():
     probe.ms.append(_time_once(f, x) * 1e3 / n)
+
   probe.ms, probe.bytes = [], rows * row_bytes
   return probe
 
@@ -291,6 +342,7 @@ def _tiled():
   `tiled` one call of the table tiled over n steps (step t + 1's warm-up under
   step t's drain). Both time n steps from the same state; rounds alternate."""
   import optax
+
   n = int(cfg["tiled"])
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("stage",))
   rep, stage = NamedSharding(mesh, P()), NamedSharding(mesh, P("stage"))
@@ -304,13 +356,12 @@ def _tiled():
     for m in cfg["microbatches"]:
       key = f"{name}/{m}"
       try:
-        params = _stage_params(mesh, ooo.pipeline.schedule(name, stages=nproc,
-                                                           microbatches=m))
+        params = _stage_params(mesh, ooo.pipeline.schedule(name, stages=nproc, microbatches=m))
         state = jax.jit(jax.vmap(opt.init), out_shardings=stage)(params)
         kw = dict(mesh=mesh, axis_name="stage", schedule=name, microbatches=m, layout=LAYOUT)
         one = jax.jit(ooo.pipeline.train(model.stage_fn, model.loss_fn, opt, steps=1, **kw))
         many = jax.jit(ooo.pipeline.train(model.stage_fn, model.loss_fn, opt, steps=n, **kw))
-        slices = [jax.tree.map(lambda b, k=k: b[k:k + 1], batches) for k in range(n)]
+        slices = [jax.tree.map(lambda b, k=k: b[k : k + 1], batches) for k in range(n)]
 
         def ones(p, o, one=one, slices=slices):
           losses = []
@@ -322,26 +373,40 @@ def _tiled():
         t0 = time.perf_counter()
         res = {}
         for _ in range(max(1, cfg["warmup"])):
-          res = {"one": jax.block_until_ready(ones(params, state)),
-                 "tiled": jax.block_until_ready(many(params, state, batches))}
-        for k, (fn, args) in {"one": (ones, (params, state)),
-                              "tiled": (many, (params, state, batches))}.items():
-          out[f"{key}/{k}"] = {"schedule": name, "microbatches": m, "how": k, "ms": [],
-                               "steps": n, "compile_s": time.perf_counter() - t0}
+          res = {
+            "one": jax.block_until_ready(ones(params, state)),
+            "tiled": jax.block_until_ready(many(params, state, batches)),
+          }
+        for k, (fn, args) in {
+          "one": (ones, (params, state)),
+          "tiled": (many, (params, state, batches)),
+        }.items():
+          out[f"{key}/{k}"] = {
+            "schedule": name,
+            "microbatches": m,
+            "how": k,
+            "ms": [],
+            "steps": n,
+            "compile_s": time.perf_counter() - t0,
+          }
           runs[f"{key}/{k}"] = (fn, args, res[k])
         sched = ooo.pipeline.schedule(name, stages=nproc, microbatches=m)
         st = sched.steady_state(steps=n) if n >= 2 else None
         out[f"{key}/one"]["bubble"] = sched.bubble_fraction()
         out[f"{key}/tiled"]["bubble"] = st.bubble if st else sched.bubble_fraction()
       except Exception as e:  # noqa: BLE001 - a schedule that cannot run is a result
-        out[f"{key}/one"] = {"schedule": name, "microbatches": m, "how": "one",
-                             "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+        out[f"{key}/one"] = {
+          "schedule": name,
+          "microbatches": m,
+          "how": "one",
+          "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}",
+        }
       print(f"[{pid}] {key}: {out[f'{key}/one'].get('error') or 'compiled'}", flush=True)
   if cfg.get("check"):
     return _gathered({key: (losses, p) for key, (_, _, (p, _, losses)) in runs.items()})
   for _ in range(cfg["rounds"]):
     for key, (fn, args, _) in runs.items():
-      out[key]["ms"].append(_time_once(fn, *args) * 1e3 / n)   # per step
+      out[key]["ms"].append(_time_once(fn, *args) * 1e3 / n)  # per step
   return out
 
 

@@ -16,6 +16,7 @@ gradient reduce-scatter starts relative to the backward's last GEMM.
 `--mp` starts 2 processes (`jax.distributed` + gloo, one CPU device each, each
 pinned to its own core) and times both steps, alternating, medians.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,11 +41,13 @@ def _abstract_state(cfg, mesh):
   from flax.training.train_state import TrainState
 
   from tests import nanodo as nd
+
   module = nd.TransformerDo(cfg)
 
   def init(rng):
     p = module.init(rng, jnp.ones((1, cfg.L), jnp.int32))
     return TrainState.create(apply_fn=module.apply, params=p["params"], tx=nd.get_optimizer())
+
   abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
   shardings = nn.get_sharding(abstract, mesh)
 
@@ -52,32 +55,41 @@ def _abstract_state(cfg, mesh):
     if isinstance(a, nn.Partitioned):
       return a.replace_boxed(jax.ShapeDtypeStruct(a.value.shape, a.value.dtype, sharding=s))
     return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-  return shardings, jax.tree.map(put, shardings, abstract,
-                                 is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+  return shardings, jax.tree.map(
+    put, shardings, abstract, is_leaf=lambda x: isinstance(x, nn.Partitioned)
+  )
 
 
-def h100_counts(fsdp: bool, variant: str, devices: int = 8, sizes=None,
-                compiler_options=None) -> dict:
+def h100_counts(
+  fsdp: bool, variant: str, devices: int = 8, sizes=None, compiler_options=None
+) -> dict:
   """The compiled step's collectives on compile-only H100s (`variant`: "jax" or "ooo")."""
   import jax
   import jax.numpy as jnp
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
+  from jax.sharding import NamedSharding, PartitionSpec as P
 
   import ooojax as ooo
   from ooojax import gpu_hlo
   from tests import nanodo as nd
+
   cfg = nd.DoConfig(**(sizes or HLO_CFG), fsdp_enabled=fsdp)
   mesh = gpu_hlo.mesh("H100", devices, ("data",))
   shardings, state = _abstract_state(cfg, mesh)
-  batch = jax.ShapeDtypeStruct((8 * devices, cfg.L), jnp.int32,
-                               sharding=NamedSharding(mesh, P()))
-  vg = (jax.value_and_grad if variant == "jax" else
-        functools.partial(ooo.value_and_grad, mode="data_parallel", ordering="none",
-                          device="H100"))
+  batch = jax.ShapeDtypeStruct((8 * devices, cfg.L), jnp.int32, sharding=NamedSharding(mesh, P()))
+  vg = (
+    jax.value_and_grad
+    if variant == "jax"
+    else functools.partial(ooo.value_and_grad, mode="data_parallel", ordering="none", device="H100")
+  )
   t0 = time.perf_counter()
-  s = gpu_hlo.schedule(nd.make_step(shardings, mesh, value_and_grad=vg), state, batch,
-                       mesh=mesh, compiler_options=compiler_options)
+  s = gpu_hlo.schedule(
+    nd.make_step(shardings, mesh, value_and_grad=vg),
+    state,
+    batch,
+    mesh=mesh,
+    compiler_options=compiler_options,
+  )
   seconds = time.perf_counter() - t0
   out = {"seconds": seconds}
   entry = [i.name for i in s.entry]
@@ -93,19 +105,24 @@ def h100_counts(fsdp: bool, variant: str, devices: int = 8, sizes=None,
 
 
 def _hlo_rows(args) -> list[str]:
-  lines = ["| step | variant | async all-reduces (GEMMs in each window) | reduce-scatters "
-           "(GEMMs in each) | all-gathers (GEMMs in each) | first reduce-scatter start / "
-           "last GEMM (entry position) | compile s |", "|---|---|---|---|---|---|---|"]
+  lines = [
+    "| step | variant | async all-reduces (GEMMs in each window) | reduce-scatters "
+    "(GEMMs in each) | all-gathers (GEMMs in each) | first reduce-scatter start / "
+    "last GEMM (entry position) | compile s |",
+    "|---|---|---|---|---|---|---|",
+  ]
   for fsdp in (False, True):
     for variant in ("jax", "ooo"):
       c = h100_counts(fsdp, variant, args.devices)
       rs = c["reduce-scatter starts"]
       where = f"{min(rs)} / {c['last gemm']}" if rs else "-"
       show = lambda k, c=c: f"{len(c[k])}: {c[k]}" if c[k] else "0"
-      lines.append(f"| {'FSDP' if fsdp else 'data parallel'} | "
-                   f"{'jax.value_and_grad' if variant == 'jax' else 'ooo data_parallel'} | "
-                   f"{show('all-reduce')} | {show('reduce-scatter')} | {show('all-gather')} | "
-                   f"{where} | {c['seconds']:.0f} |")
+      lines.append(
+        f"| {'FSDP' if fsdp else 'data parallel'} | "
+        f"{'jax.value_and_grad' if variant == 'jax' else 'ooo data_parallel'} | "
+        f"{show('all-reduce')} | {show('reduce-scatter')} | {show('all-gather')} | "
+        f"{where} | {c['seconds']:.0f} |"
+      )
       print(lines[-1], file=sys.stderr, flush=True)
   return lines
 
@@ -114,29 +131,33 @@ def _hlo_rows(args) -> list[str]:
 def worker(rank: int, port: int, rounds: int, warmup: int, out: str) -> None:
   """One of 2 processes: both steps, alternating, per-round seconds to `out`."""
   import jax
+
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(f"localhost:{port}", 2, rank)
   import json
 
   import numpy as np
-  from jax.sharding import Mesh, NamedSharding
-  from jax.sharding import PartitionSpec as P
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
   import ooojax as ooo
   from tests import nanodo as nd
+
   cfg = nd.DoConfig(**MP_CFG, fsdp_enabled=False)
   mesh = Mesh(np.array(jax.devices()), ("data",))
   shardings, state = nd.init_train_state(cfg, mesh)
   # nanodo's jit takes the batch replicated (in_shardings P()) and constrains it to P("data")
   full = np.random.default_rng(0).integers(1, cfg.V, (16, cfg.L)).astype(np.int32)
   batch = jax.make_array_from_process_local_data(NamedSharding(mesh, P()), full)
-  steps = {"jax": nd.make_step(shardings, mesh),
-           "ooo": nd.make_step(shardings, mesh, value_and_grad=functools.partial(
-               ooo.value_and_grad, mode="data_parallel"))}
+  steps = {
+    "jax": nd.make_step(shardings, mesh),
+    "ooo": nd.make_step(
+      shardings, mesh, value_and_grad=functools.partial(ooo.value_and_grad, mode="data_parallel")
+    ),
+  }
   times = {k: [] for k in steps}
   states = dict.fromkeys(steps, state)
   for r in range(warmup + rounds):
-    for k in (("jax", "ooo") if r % 2 == 0 else ("ooo", "jax")):
+    for k in ("jax", "ooo") if r % 2 == 0 else ("ooo", "jax"):
       t0 = time.perf_counter()
       states[k], m = steps[k](states[k], batch)
       jax.block_until_ready((states[k], m))
@@ -151,17 +172,31 @@ def worker(rank: int, port: int, rounds: int, warmup: int, out: str) -> None:
 def _mp_rows(args) -> list[str]:
   import json
   import socket
+
   with socket.socket() as s:
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
   out = tempfile.mktemp(suffix=".json")
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",
-         "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  env = {
+    **os.environ,
+    "JAX_PLATFORMS": "cpu",
+    "XLA_FLAGS": "",
+    "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
+  }
   cores = os.sched_getaffinity(0)
   procs = []
   for rank in range(2):
-    cmd = [sys.executable, "-m", "benchmarks.dp_gspmd", "--worker", str(rank), str(port),
-           str(args.rounds), str(args.warmup), out]
+    cmd = [
+      sys.executable,
+      "-m",
+      "benchmarks.dp_gspmd",
+      "--worker",
+      str(rank),
+      str(port),
+      str(args.rounds),
+      str(args.warmup),
+      out,
+    ]
     if len(cores) >= 2:
       cmd = ["taskset", "-c", str(sorted(cores)[rank])] + cmd
     procs.append(subprocess.Popen(cmd, env=env))
@@ -175,19 +210,28 @@ def _mp_rows(args) -> list[str]:
   lo = {k: min(v) * 1e3 for k, v in res["times"].items()}
   hi = {k: max(v) * 1e3 for k, v in res["times"].items()}
   cfg = ", ".join(f"{k}={v}" for k, v in MP_CFG.items())
-  lines = [f"nanodo ({cfg}, global batch 16), 2 processes x 1 CPU device, gloo, "
-           f"{args.rounds} alternating rounds after {args.warmup} warm-up, per step (ms):", "",
-           "| step | median | min | max |", "|---|---|---|---|"]
-  for k, name in (("jax", "plain jit, jax.value_and_grad"),
-                  ("ooo", "jit, ooo.value_and_grad(mode='data_parallel')")):
+  lines = [
+    f"nanodo ({cfg}, global batch 16), 2 processes x 1 CPU device, gloo, "
+    f"{args.rounds} alternating rounds after {args.warmup} warm-up, per step (ms):",
+    "",
+    "| step | median | min | max |",
+    "|---|---|---|---|",
+  ]
+  for k, name in (
+    ("jax", "plain jit, jax.value_and_grad"),
+    ("ooo", "jit, ooo.value_and_grad(mode='data_parallel')"),
+  ):
     lines.append(f"| {name} | {med[k]:.1f} | {lo[k]:.1f} | {hi[k]:.1f} |")
   lines.append(f"\nratio (plain / ooo, medians): {med['jax'] / med['ooo']:.3f}")
   return lines
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.dp_gspmd", description=__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap = argparse.ArgumentParser(
+    prog="python -m benchmarks.dp_gspmd",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   ap.add_argument("--hlo", action="store_true")
   ap.add_argument("--mp", action="store_true")
   ap.add_argument("--devices", type=int, default=8)
@@ -204,10 +248,18 @@ def main(argv=None):
   import jax
 
   from benchmarks import _report
+
   lines = _report.header("Data parallel inside a sharded jit (GSPMD), nanodo step")
   if a.hlo:
-    lines += [f"Compile-only H100 x{a.devices} (jax {jax.__version__}, no GPU ran), "
-              "default compiler options:", ""] + _hlo_rows(a) + [""]
+    lines += (
+      [
+        f"Compile-only H100 x{a.devices} (jax {jax.__version__}, no GPU ran), "
+        "default compiler options:",
+        "",
+      ]
+      + _hlo_rows(a)
+      + [""]
+    )
   if a.mp:
     lines += _mp_rows(a)
   _report.emit(lines, a.write)

@@ -24,6 +24,7 @@ priced by its shape and executions per step:
 `traffic(hlo_text, plan, lag)` is the count; tests/test_pipeline_layout.py
 reads the same collectives.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,27 +34,32 @@ import re
 
 _COLL = ("collective-permute", "all-gather", "all-reduce", "reduce-scatter", "all-to-all")
 _HEADER = re.compile(r"^\s*(ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\s"
-                    r"(?P<op>" + "|".join(_COLL) + r")(?:-start)?\((?P<rest>.*)$")
+_INSTR = re.compile(
+  r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\s"
+  r"(?P<op>" + "|".join(_COLL) + r")(?:-start)?\((?P<rest>.*)$"
+)
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _GROUPS = re.compile(r"replica_groups=(\{[^=]*?\}\}|\[[^\]]*\]<=\[[^\]]*\]|\{\})")
 _WHILE = re.compile(r"\bwhile\(.*body=%?(?P<body>[\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)"
-                    r"=\s*%?([\w.\-]+)")
+_CALLS = re.compile(
+  r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)"
+  r"=\s*%?([\w.\-]+)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
   """One collective of a compiled step and what it moves per step."""
+
   op: str
-  shape: str               # the printed result type
+  shape: str  # the printed result type
   computation: str
-  in_loop: bool            # inside the tick loop
-  pairs: tuple             # collective-permute's (source, target) pairs
-  runs: int                # executions per step
-  bytes: int               # bytes over the links per step, summed over the devices
+  in_loop: bool  # inside the tick loop
+  pairs: tuple  # collective-permute's (source, target) pairs
+  runs: int  # executions per step
+  bytes: int  # bytes over the links per step, summed over the devices
 
   @property
   def shapes(self) -> tuple[str, ...]:
@@ -110,7 +116,8 @@ def _reach(comps, roots) -> set[str]:
 
 
 def _shape_bytes(shape: str) -> int:
-  from passes.hlo.schedule import shape_bytes
+  from ooojax.passes.hlo.schedule import shape_bytes
+
   return shape_bytes(shape)
 
 
@@ -121,7 +128,7 @@ def _group_size(rest: str, devices: int) -> int:
   g = m.group(1)
   if g.startswith("{{"):
     return len(g[2:].split("}")[0].split(","))
-  dims = [int(x) for x in g[1:g.index("]")].split(",")]   # [groups, size]<=[...]
+  dims = [int(x) for x in g[1 : g.index("]")].split(",")]  # [groups, size]<=[...]
   return dims[-1]
 
 
@@ -134,7 +141,8 @@ def traffic(text: str, plan=None, lag: int = 0, devices: int = 2) -> Traffic:
   group size of a collective that names no replica groups."""
   import numpy as np
 
-  from passes.pipeline.plan import F
+  from ooojax.passes.pipeline.plan import F
+
   comps = _computations(text)
   loops, trips = set(), {}
   for lines in comps.values():
@@ -164,8 +172,13 @@ def traffic(text: str, plan=None, lag: int = 0, devices: int = 2) -> Traffic:
       op, shape, rest = m.group("op"), m.group("type"), m.group("rest")
       if op == "collective-permute":
         pm = _PAIRS.search(rest)
-        pairs = tuple(tuple(int(x) for x in p.split(","))
-                      for p in re.findall(r"\{(\d+,\d+)\}", pm.group(1))) if pm else ()
+        pairs = (
+          tuple(
+            tuple(int(x) for x in p.split(",")) for p in re.findall(r"\{(\d+,\d+)\}", pm.group(1))
+          )
+          if pm
+          else ()
+        )
         shape = shape if not shape.startswith("(") else shape[1:].split(", ")[0]
         size = _shape_bytes(shape) * sum(a != b for a, b in pairs)
       else:
@@ -175,52 +188,73 @@ def traffic(text: str, plan=None, lag: int = 0, devices: int = 2) -> Traffic:
         size = 2 * (n - 1) * b if op == "all-reduce" else (n - 1) * b
       in_loop = cname in loops
       runs = 1
-      if in_loop:   # a lag-0 pattern's ticks, else every tick
+      if in_loop:  # a lag-0 pattern's ticks, else every tick
         runs = runs_of.get(frozenset(pairs), trips.get(cname, 1))
       out.append(Collective(op, shape, cname, in_loop, pairs, runs, size * runs))
   return Traffic(tuple(out))
 
 
-def measure(name: str, stages: int, microbatches: int, layout: str, layers: int, dim: int,
-            hidden: int, batch: int, lag: int = 0) -> dict:
+def measure(
+  name: str,
+  stages: int,
+  microbatches: int,
+  layout: str,
+  layers: int,
+  dim: int,
+  hidden: int,
+  batch: int,
+  lag: int = 0,
+) -> dict:
   """One schedule's compiled step on `stages` devices: its `Traffic` and the sizes
   to read it by (weights, one activation, the table's transfers)."""
   import jax
   import numpy as np
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
+  from jax.sharding import NamedSharding, PartitionSpec as P
 
   import ooojax as ooo
   from benchmarks import _mlp_model as model
-  from passes.pipeline.program import program
+  from ooojax.passes.pipeline.program import program
 
   mesh = jax.make_mesh((stages,), ("stage",), devices=jax.devices()[:stages])
   sched = ooo.pipeline.schedule(name, stages=stages, microbatches=microbatches, lag=lag)
   full = model.make_params(sched.virtual_stages, layers, dim, hidden)
   if layout == "device":
     full = {k: a[ooo.pipeline.device_order(sched)] for k, a in full.items()}
-  params = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P("stage")))
-            for k, a in full.items()}
+  params = {
+    k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P("stage")))
+    for k, a in full.items()
+  }
   x, t = model.make_batch(batch, dim)
   rep = NamedSharding(mesh, P())
   b = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep) for a in (x, t))
-  step = jax.jit(ooo.pipeline.value_and_grad(model.stage_fn, model.loss_fn, mesh=mesh,
-                                             axis_name="stage", schedule=sched,
-                                             layout=layout))
+  step = jax.jit(
+    ooo.pipeline.value_and_grad(
+      model.stage_fn, model.loss_fn, mesh=mesh, axis_name="stage", schedule=sched, layout=layout
+    )
+  )
   text = step.lower(params, b).compile().as_text()
   prog = program(model.stage_fn, model.loss_fn, sched, params, b)
   tr = traffic(text, prog.plan, lag, stages)
   act = int(np.prod(prog.x_aval.shape)) * prog.x_aval.dtype.itemsize
   sends = sum(a.kind in ("SF", "SB") for row in sched.grid for cell in row for a in cell)
-  return {"schedule": name, "layout": layout, "traffic": tr, "activation": act,
-          "weights": sum(a.nbytes for a in full.values()), "transfers": sends}
+  return {
+    "schedule": name,
+    "layout": layout,
+    "traffic": tr,
+    "activation": act,
+    "weights": sum(a.nbytes for a in full.values()),
+    "transfers": sends,
+  }
 
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--stages", type=int, default=2)
-  ap.add_argument("--schedules", nargs="*",
-                  default=["gpipe", "1f1b", "ooo", "zb-h1", "zb-h2", "interleaved", "zb-v"])
+  ap.add_argument(
+    "--schedules",
+    nargs="*",
+    default=["gpipe", "1f1b", "ooo", "zb-h1", "zb-h2", "interleaved", "zb-v"],
+  )
   ap.add_argument("--microbatches", type=int, default=8)
   ap.add_argument("--layouts", nargs="*", default=["virtual", "device"])
   ap.add_argument("--layers", type=int, default=8)
@@ -233,28 +267,43 @@ def main(argv=None):
   os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.stages}"
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   from benchmarks import _report
+
   mb = 1 << 20
-  lines = _report.header("Bytes crossing between stages per step, from the compiled HLO "
-                         "(benchmarks/pipeline_bytes.py)")
-  lines += [f"{args.stages} stages (forced CPU devices, one per stage, as a run with one "
-            f"device per process places them), {args.microbatches} microbatches, lag "
-            f"{args.lag}; model: {args.layers} residual blocks, D={args.dim}, "
-            f"H={args.hidden}, batch {args.batch}, float32. Bytes over the links per step, "
-            "summed over the devices (see the module doc for how each collective is priced).",
-            "",
-            "| schedule | layout | weights (MiB) | in the tick loop (MiB) | transfers x "
-            "activation (MiB) | outside the loop (bytes) | collectives outside the loop |",
-            "|---|---|---|---|---|---|---|"]
+  lines = _report.header(
+    "Bytes crossing between stages per step, from the compiled HLO (benchmarks/pipeline_bytes.py)"
+  )
+  lines += [
+    f"{args.stages} stages (forced CPU devices, one per stage, as a run with one "
+    f"device per process places them), {args.microbatches} microbatches, lag "
+    f"{args.lag}; model: {args.layers} residual blocks, D={args.dim}, "
+    f"H={args.hidden}, batch {args.batch}, float32. Bytes over the links per step, "
+    "summed over the devices (see the module doc for how each collective is priced).",
+    "",
+    "| schedule | layout | weights (MiB) | in the tick loop (MiB) | transfers x "
+    "activation (MiB) | outside the loop (bytes) | collectives outside the loop |",
+    "|---|---|---|---|---|---|---|",
+  ]
   for name in args.schedules:
     for layout in args.layouts:
-      r = measure(name, args.stages, args.microbatches, layout, args.layers, args.dim,
-                  args.hidden, args.batch, args.lag)
+      r = measure(
+        name,
+        args.stages,
+        args.microbatches,
+        layout,
+        args.layers,
+        args.dim,
+        args.hidden,
+        args.batch,
+        args.lag,
+      )
       tr = r["traffic"]
       out = [c for c in tr.collectives if not c.in_loop]
       what = ", ".join(f"{c.op} {c.shape.split('{')[0]}" for c in out) or "none"
-      lines.append(f"| {name} | {layout} | {r['weights'] / mb:.1f} | {tr.loop / mb:.2f} | "
-                   f"{r['transfers'] * r['activation'] / mb:.2f} | {tr.outside:,} | "
-                   f"{what} |")
+      lines.append(
+        f"| {name} | {layout} | {r['weights'] / mb:.1f} | {tr.loop / mb:.2f} | "
+        f"{r['transfers'] * r['activation'] / mb:.2f} | {tr.outside:,} | "
+        f"{what} |"
+      )
       print(lines[-1], flush=True)
   _report.emit(lines, args.write)
 

@@ -23,6 +23,7 @@ calls of the one-step program (`steps=1`) against one call of the table tiled
 over N steps (`steps=N`: step t + 1's warm-up under step t's drain), per step,
 rounds alternating, medians; no unpipelined baseline.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,6 +43,8 @@ from benchmarks import _report
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "benchmarks", "_pipeline_mp_worker.py")
 SCHEDULES = ("gpipe", "1f1b", "ooo", "zb-h1", "zb-h2", "interleaved", "zb-v")
+
+
 # tbf: the bucket holds one timer tick (1 ms) of the rate and at least a few
 # packets: a larger bucket lets a whole activation through at loopback speed
 # (a 1 MB bucket did: 0.1 Gbit/s changed nothing). The loopback's MTU drops to
@@ -59,8 +62,11 @@ def free_port() -> int:
 
 def worker_env() -> dict:
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
-             PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])))
+  env.update(
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])),
+  )
   return env
 
 
@@ -89,20 +95,32 @@ def run_workers(cfg: dict, n: int, cores=None, timeout: float = 3600) -> None:
   """Runs `n` stage processes (process i pinned to cores[i]) on a fresh port."""
   port = free_port()
   cores = list(cores) if cores is not None else list(range(n))
-  procs = [subprocess.Popen(
-      _pinned(cores[i % len(cores)], {**cfg, "mode": "pipeline", "process_id": i,
-                                      "num_processes": n, "port": port}),
-      env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-      for i in range(n)]
+  procs = [
+    subprocess.Popen(
+      _pinned(
+        cores[i % len(cores)],
+        {**cfg, "mode": "pipeline", "process_id": i, "num_processes": n, "port": port},
+      ),
+      env=worker_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(n)
+  ]
   _wait(procs, timeout)
 
 
 def run_baseline(cfg: dict, core: int = 0, timeout: float = 3600) -> dict:
   with tempfile.TemporaryDirectory() as d:
     out = os.path.join(d, "base.json")
-    p = subprocess.Popen(_pinned(core, {**cfg, "mode": "baseline", "out": out}),
-                         env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True)
+    p = subprocess.Popen(
+      _pinned(core, {**cfg, "mode": "baseline", "out": out}),
+      env=worker_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
     _wait([p], timeout)
     with open(out) as f:
       return json.load(f)
@@ -112,14 +130,25 @@ def run_shaped(cfg: dict, n: int, cores, gbit: float, timeout: float = 3600) -> 
   """`run_workers` inside a new network namespace whose loopback is shaped to `gbit`."""
   missing = [t for t in ("unshare", "tc", "ip") if shutil.which(t) is None]
   if missing or os.geteuid() != 0:
-    raise RuntimeError(f"--link-gbit needs root and unshare/tc/ip (missing: {missing}, "
-                       f"uid {os.geteuid()})")
-  script = (f"ip link set lo mtu 1500 up && tc qdisc add dev lo root {tbf(gbit)} "
-            '&& exec "$@"')
-  inner = [sys.executable, "-m", "benchmarks.pipeline_mp", "--_spawn",
-           json.dumps({"cfg": cfg, "n": n, "cores": list(cores), "timeout": timeout})]
-  p = subprocess.run(["unshare", "-n", "sh", "-c", script, "sh", *inner], cwd=ROOT,
-                     env=worker_env(), capture_output=True, text=True, timeout=timeout + 60)
+    raise RuntimeError(
+      f"--link-gbit needs root and unshare/tc/ip (missing: {missing}, uid {os.geteuid()})"
+    )
+  script = f'ip link set lo mtu 1500 up && tc qdisc add dev lo root {tbf(gbit)} && exec "$@"'
+  inner = [
+    sys.executable,
+    "-m",
+    "benchmarks.pipeline_mp",
+    "--_spawn",
+    json.dumps({"cfg": cfg, "n": n, "cores": list(cores), "timeout": timeout}),
+  ]
+  p = subprocess.run(
+    ["unshare", "-n", "sh", "-c", script, "sh", *inner],
+    cwd=ROOT,
+    env=worker_env(),
+    capture_output=True,
+    text=True,
+    timeout=timeout + 60,
+  )
   if p.returncode != 0:
     raise RuntimeError(f"shaped run failed ({p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}")
 
@@ -146,18 +175,24 @@ def link_model(calib: dict, gbit: float | None):
   """The measured link (`_probe`): latency and bandwidth fitted to a one-way
   ppermute of one and of four activations; one resource for both directions
   where two transfers at once take longer than one (the shaped loopback)."""
-  from passes.pipeline.link import LinkModel
+  from ooojax.passes.pipeline.link import LinkModel
+
   lk = calib["link"]
   n = lk["nbytes"]
   extra = max(lk["four"] - lk["one"], 1e-9)
   bw = 3 * n / extra
-  if gbit is not None:   # the tbf rate is known: trust it over a noisy fit
+  if gbit is not None:  # the tbf rate is known: trust it over a noisy fit
     bw = gbit * 1e9 / 8
   wire = n / bw
   lat = max(lk["one"] - wire, 0.0)
   shared = lk["both"] > lk["one"] + 0.5 * wire
-  return LinkModel(lat, bw, n, duplex=not shared,
-                   name=f"measured ({'shaped ' + format(gbit, 'g') + ' Gbit/s' if gbit else 'unshaped'})")
+  return LinkModel(
+    lat,
+    bw,
+    n,
+    duplex=not shared,
+    name=f"measured ({'shaped ' + format(gbit, 'g') + ' Gbit/s' if gbit else 'unshaped'})",
+  )
 
 
 STATS = {"median": ("_calibration", np.median), "min": ("_calibration_min", np.min)}
@@ -172,7 +207,7 @@ def fit_tick(results: dict, n: int, stat: str = "median") -> float:
   for key, t0 in p0.items():
     if results[key]["schedule"] in WEIGHTS_CROSS:
       continue
-    slope = (p1[key] - t0) / 1e-3          # makespan grows ~ticks x tick
+    slope = (p1[key] - t0) / 1e-3  # makespan grows ~ticks x tick
     num += slope * (float(STATS[stat][1](results[key]["ms"])) / 1e3 - t0)
     den += slope * slope
   return max(num / den, 0.0) if den else 0.0
@@ -183,24 +218,29 @@ def fit_tick(results: dict, n: int, stat: str = "median") -> float:
 WEIGHTS_CROSS = ("interleaved", "zb-v")
 
 
-def predicted(results: dict, n: int, gbit: float | None, tick: float = 0.0,
-              stat: str = "median") -> dict:
+def predicted(
+  results: dict, n: int, gbit: float | None, tick: float = 0.0, stat: str = "median"
+) -> dict:
   """`{key: simulated seconds}` of every measured cell: its table replayed on the
   measured link with the measured phase costs (`passes.pipeline.link`, executor mode)."""
   import dataclasses
 
-  from passes.pipeline.link import simulate_link
-  from passes.pipeline.schedule import PipelineSchedule
+  from ooojax.passes.pipeline.link import simulate_link
+  from ooojax.passes.pipeline.schedule import PipelineSchedule
+
   calib = results.get(STATS[stat][0], {})
   out = {}
   for key, r in results.items():
     if key.startswith("_") or "error" in r or str(r["microbatches"]) not in calib:
       continue
     c = calib[str(r["microbatches"])]
-    sched = (PipelineSchedule.parse(r["table"]) if "table" in r   # the table that ran
-             else _sched(r["schedule"], n, r["microbatches"], c, gbit))
+    sched = (
+      PipelineSchedule.parse(r["table"])
+      if "table" in r  # the table that ran
+      else _sched(r["schedule"], n, r["microbatches"], c, gbit)
+    )
     costs = stage_costs(c, n)
-    if sched.chunks > 1:   # whole-stage costs on each chunk's device (a chunk: 1 / chunks)
+    if sched.chunks > 1:  # whole-stage costs on each chunk's device (a chunk: 1 / chunks)
       costs = [costs[sched.place(vs)[0]] for vs in range(sched.virtual_stages)]
     lk = dataclasses.replace(link_model(c, gbit), tick=tick)
     out[key] = simulate_link(sched, costs, lk, "executor").makespan
@@ -208,9 +248,11 @@ def predicted(results: dict, n: int, gbit: float | None, tick: float = 0.0,
 
 
 def _sched(name: str, n: int, m: int, calib: dict, gbit):
-  from passes.pipeline.generate import generate
+  from ooojax.passes.pipeline.generate import generate
+
   if name == "ooo-link":
-    from passes.pipeline.depth import plan_ooo
+    from ooojax.passes.pipeline.depth import plan_ooo
+
     return plan_ooo(n, m, stage_costs(calib, n), link_model(calib, gbit))[0]
   return generate(name, n, m)
 
@@ -221,21 +263,32 @@ def predict_table(results: dict, n: int, link: str, gbit, ticks: dict) -> list[s
   the calibration alike)."""
   pred = {st: predicted(results, n, gbit, ticks[st], st) for st in STATS}
   calib = results.get("_calibration", {})
-  lines = [f"Link: {link}. Predicted: the table replayed by `passes.pipeline.link` (executor "
-           "mode) with the phase costs and the link measured in the same run (medians "
-           "shown), and a cost per tick fitted to the unshaped run's cells ("
-           + ", ".join(f"{st} {t * 1e6:.0f} us" for st, t in ticks.items()) + "); the min "
-           "columns take the fastest sample of every step, cost and probe:"]
+  lines = [
+    f"Link: {link}. Predicted: the table replayed by `passes.pipeline.link` (executor "
+    "mode) with the phase costs and the link measured in the same run (medians "
+    "shown), and a cost per tick fitted to the unshaped run's cells ("
+    + ", ".join(f"{st} {t * 1e6:.0f} us" for st, t in ticks.items())
+    + "); the min "
+    "columns take the fastest sample of every step, cost and probe:"
+  ]
   for m, c in sorted(calib.items(), key=lambda kv: int(kv[0])):
     lk = link_model(c, gbit)
-    ph = "; ".join(f"stage {s}: F {p[0] * 1e3:.2f} B {p[1] * 1e3:.2f} W {p[2] * 1e3:.2f}"
-                   for s, p in enumerate(c["phases"]))
-    lines.append(f"- {m} microbatches: {ph} ms; link: latency {lk.latency * 1e6:.0f} us, "
-                 f"{lk.nbytes / 1e3:.0f} kB per transfer, wire {lk.wire * 1e3:.3f} ms, "
-                 f"{'duplex' if lk.duplex else 'one resource both ways'}.")
-  lines += ["", "| schedule | microbatches | measured, median (ms) | predicted | predicted / "
-            "measured | measured, min (ms) | predicted | predicted / measured | within 15% "
-            "(median / min) |", "|---|---|---|---|---|---|---|---|---|"]
+    ph = "; ".join(
+      f"stage {s}: F {p[0] * 1e3:.2f} B {p[1] * 1e3:.2f} W {p[2] * 1e3:.2f}"
+      for s, p in enumerate(c["phases"])
+    )
+    lines.append(
+      f"- {m} microbatches: {ph} ms; link: latency {lk.latency * 1e6:.0f} us, "
+      f"{lk.nbytes / 1e3:.0f} kB per transfer, wire {lk.wire * 1e3:.3f} ms, "
+      f"{'duplex' if lk.duplex else 'one resource both ways'}."
+    )
+  lines += [
+    "",
+    "| schedule | microbatches | measured, median (ms) | predicted | predicted / "
+    "measured | measured, min (ms) | predicted | predicted / measured | within 15% "
+    "(median / min) |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
   for key, r in results.items():
     if key.startswith("_") or key not in pred["median"]:
       continue
@@ -245,31 +298,45 @@ def predict_table(results: dict, n: int, link: str, gbit, ticks: dict) -> list[s
       cells.append(f"{ms:.1f} | {p:.1f} | {p / ms:.2f}")
       ok.append("yes" if abs(p / ms - 1) <= 0.15 else "no")
     note = " (weights cross: not priced)" if r["schedule"] in WEIGHTS_CROSS else ""
-    lines.append(f"| {r['schedule']} | {r['microbatches']} | " + " | ".join(cells)
-                 + f" | {' / '.join(ok)}{note} |")
+    lines.append(
+      f"| {r['schedule']} | {r['microbatches']} | "
+      + " | ".join(cells)
+      + f" | {' / '.join(ok)}{note} |"
+    )
   return lines
 
 
 def table(results: dict, base: dict, n: int, link: str) -> list[str]:
   med = lambda k: float(np.median(base[k]["ms"]))  # noqa: E731
   b = med("baseline")
-  lines = [f"Link: {link}. One core: unpipelined jax.value_and_grad {b:.1f} ms; the same "
-           "model accumulated over the microbatches (the pipeline's kernels) " + ", ".join(
-               f"{med(k):.1f} ms at {k.split('/')[1]}" for k in base if k.startswith("accum/"))
-           + f" (medians of {len(base['baseline']['ms'])}).", "",
-           f"| schedule | microbatches | step (ms), median [min-max] | x 1 core, unpipelined | "
-           f"x 1 core, same microbatches | ideal {n}(1 - bubble) | same microbatches / ideal "
-           "| ticks with a transfer / ticks | their ppermutes' share of the step |",
-           "|---|---|---|---|---|---|---|---|---|"]
+  lines = [
+    f"Link: {link}. One core: unpipelined jax.value_and_grad {b:.1f} ms; the same "
+    "model accumulated over the microbatches (the pipeline's kernels) "
+    + ", ".join(f"{med(k):.1f} ms at {k.split('/')[1]}" for k in base if k.startswith("accum/"))
+    + f" (medians of {len(base['baseline']['ms'])}).",
+    "",
+    f"| schedule | microbatches | step (ms), median [min-max] | x 1 core, unpipelined | "
+    f"x 1 core, same microbatches | ideal {n}(1 - bubble) | same microbatches / ideal "
+    "| ticks with a transfer / ticks | their ppermutes' share of the step |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
   if any(k.startswith("executor/") for k in base):
-    lines[0] += (" The executor on one core (a one-stage 1F1B table, same microbatches) / "
-                 "accumulated: " + ", ".join(
-                     f"{med(k) / med('accum/' + k.split('/')[1]):.2f}x at {k.split('/')[1]}"
-                     for k in base if k.startswith("executor/")) + " (its own overhead).")
+    lines[0] += (
+      " The executor on one core (a one-stage 1F1B table, same microbatches) / "
+      "accumulated: "
+      + ", ".join(
+        f"{med(k) / med('accum/' + k.split('/')[1]):.2f}x at {k.split('/')[1]}"
+        for k in base
+        if k.startswith("executor/")
+      )
+      + " (its own overhead)."
+    )
   link = results.get("_link")
   if link:
-    lines[0] += (f" One ppermute of an activation ({link['bytes'] / 1024:.1f} KiB, both ways) "
-                 f"in a loop: {float(np.median(link['ppermute_ms'])):.2f} ms (median).")
+    lines[0] += (
+      f" One ppermute of an activation ({link['bytes'] / 1024:.1f} KiB, both ways) "
+      f"in a loop: {float(np.median(link['ppermute_ms'])):.2f} ms (median)."
+    )
   pp = float(np.median(link["ppermute_ms"])) if link else None
   for key, r in results.items():
     if key.startswith("_"):
@@ -280,37 +347,53 @@ def table(results: dict, base: dict, n: int, link: str) -> list[str]:
     ms = float(np.median(r["ms"]))
     ideal = n * (1 - r["bubble"])
     acc = med(f"accum/{r['microbatches']}")
-    lines.append(f"| {r['schedule']} | {r['microbatches']} | {ms:.1f} [{min(r['ms']):.1f}-"
-                 f"{max(r['ms']):.1f}] | {b / ms:.2f}x | {acc / ms:.2f}x | {ideal:.2f}x | "
-                 f"{acc / ms / ideal:.2f} | {r.get('transfer_ticks', '?')} / "
-                 f"{r.get('exec_ticks', '?')} | " + (
-                     f"{r['transfer_ticks'] * pp / ms:.2f} |" if pp and "transfer_ticks" in r
-                     else "|"))
+    lines.append(
+      f"| {r['schedule']} | {r['microbatches']} | {ms:.1f} [{min(r['ms']):.1f}-"
+      f"{max(r['ms']):.1f}] | {b / ms:.2f}x | {acc / ms:.2f}x | {ideal:.2f}x | "
+      f"{acc / ms / ideal:.2f} | {r.get('transfer_ticks', '?')} / "
+      f"{r.get('exec_ticks', '?')} | "
+      + (f"{r['transfer_ticks'] * pp / ms:.2f} |" if pp and "transfer_ticks" in r else "|")
+    )
   return lines
 
 
 def verdict(results: dict, link: str) -> list[str]:
   """Whether ooo beats gpipe and 1f1b at each microbatch count."""
   out = []
-  med = {(r["schedule"], r["microbatches"]): float(np.median(r["ms"]))
-         for k, r in results.items() if not k.startswith("_") and "error" not in r}
+  med = {
+    (r["schedule"], r["microbatches"]): float(np.median(r["ms"]))
+    for k, r in results.items()
+    if not k.startswith("_") and "error" not in r
+  }
   for m in sorted({k[1] for k in med}):
     for mine in ("ooo", "ooo-link"):
       if (mine, m) not in med:
         continue
-      vs = [f"{other} {med[(other, m)] / med[(mine, m)]:.2f}x"
-            for other in ("gpipe", "1f1b") if (other, m) in med]
-      out.append(f"- {link}, {m} microbatches: {mine}'s speedup over " + ", ".join(vs)
-                 + f" (> 1: {mine} faster).")
+      vs = [
+        f"{other} {med[(other, m)] / med[(mine, m)]:.2f}x"
+        for other in ("gpipe", "1f1b")
+        if (other, m) in med
+      ]
+      out.append(
+        f"- {link}, {m} microbatches: {mine}'s speedup over "
+        + ", ".join(vs)
+        + f" (> 1: {mine} faster)."
+      )
   return out
 
 
 def tiled_table(res: dict, n: int, link: str) -> list[str]:
-  lines = [f"Link: {link}. Per training step (ms), {n} steps: {n} calls of the one-step "
-           f"train program vs one call of the program tiled over {n} steps.", "",
-           "| schedule | microbatches | steps=1, x" + str(n) + " calls | steps=" + str(n) +
-           ", one call | tiled speedup | simulated bubble, one step / tiled |",
-           "|---|---|---|---|---|---|"]
+  lines = [
+    f"Link: {link}. Per training step (ms), {n} steps: {n} calls of the one-step "
+    f"train program vs one call of the program tiled over {n} steps.",
+    "",
+    "| schedule | microbatches | steps=1, x"
+    + str(n)
+    + " calls | steps="
+    + str(n)
+    + ", one call | tiled speedup | simulated bubble, one step / tiled |",
+    "|---|---|---|---|---|---|",
+  ]
   for key in sorted({k.rsplit("/", 1)[0] for k in res}):
     one, til = res.get(f"{key}/one", {}), res.get(f"{key}/tiled", {})
     name, m = key.split("/")
@@ -319,8 +402,10 @@ def tiled_table(res: dict, n: int, link: str) -> list[str]:
       continue
     a, b = float(np.median(one["ms"])), float(np.median(til["ms"]))
     span = lambda r: f"[{min(r['ms']):.1f}-{max(r['ms']):.1f}]"  # noqa: E731
-    lines.append(f"| {name} | {m} | {a:.1f} {span(one)} | {b:.1f} {span(til)} | "
-                 f"{a / b:.2f}x | {one['bubble']:.3f} / {til['bubble']:.3f} |")
+    lines.append(
+      f"| {name} | {m} | {a:.1f} {span(one)} | {b:.1f} {span(til)} | "
+      f"{a / b:.2f}x | {one['bubble']:.3f} / {til['bubble']:.3f} |"
+    )
   return lines
 
 
@@ -344,16 +429,33 @@ def main(argv=None):
   ap.add_argument("--batch", type=int, default=256)
   ap.add_argument("--rounds", type=int, default=7, help="timed steps per schedule (median)")
   ap.add_argument("--warmup", type=int, default=2)
-  ap.add_argument("--link-gbit", type=float, nargs="*", default=[],
-                  help="also run over a loopback shaped to this many Gbit/s")
-  ap.add_argument("--tiled", type=int, default=0, metavar="N",
-                  help="time training: N calls of steps=1 vs one call of steps=N")
-  ap.add_argument("--layout", choices=("device", "virtual"), default="device",
-                  help="row order of the stage stacks (virtual: interleaved / zb-v weights "
-                       "cross the link every step)")
-  ap.add_argument("--predict", action="store_true",
-                  help="measure phase costs and the link in each run, add ooo planned on "
-                       "that link (ooo-link), print predicted (simulated) beside measured")
+  ap.add_argument(
+    "--link-gbit",
+    type=float,
+    nargs="*",
+    default=[],
+    help="also run over a loopback shaped to this many Gbit/s",
+  )
+  ap.add_argument(
+    "--tiled",
+    type=int,
+    default=0,
+    metavar="N",
+    help="time training: N calls of steps=1 vs one call of steps=N",
+  )
+  ap.add_argument(
+    "--layout",
+    choices=("device", "virtual"),
+    default="device",
+    help="row order of the stage stacks (virtual: interleaved / zb-v weights "
+    "cross the link every step)",
+  )
+  ap.add_argument(
+    "--predict",
+    action="store_true",
+    help="measure phase costs and the link in each run, add ooo planned on "
+    "that link (ooo-link), print predicted (simulated) beside measured",
+  )
   ap.add_argument("--json", help="save all raw timings here")
   ap.add_argument("--from-json", help="print the tables of a run saved with --json")
   ap.add_argument("--write", action="store_true")
@@ -369,13 +471,26 @@ def main(argv=None):
     raise SystemExit(f"--cores names {len(cores)} cores for {n} stages")
   if n > (os.cpu_count() or 1):
     print(f"warning: {n} stages on {os.cpu_count()} cores: stages share cores", flush=True)
-  cfg = {k: getattr(args, k) for k in ("layers", "dim", "hidden", "batch", "rounds", "warmup",
-                                       "schedules", "microbatches", "layout", "predict")}
+  cfg = {
+    k: getattr(args, k)
+    for k in (
+      "layers",
+      "dim",
+      "hidden",
+      "batch",
+      "rounds",
+      "warmup",
+      "schedules",
+      "microbatches",
+      "layout",
+      "predict",
+    )
+  }
   if args.predict and "ooo-link" not in cfg["schedules"]:
     cfg["schedules"] = [*cfg["schedules"], "ooo-link"]
   if args.tiled:
     return _main_tiled(args, cfg, n, cores)
-  if args.from_json:   # re-print (and re-predict) a saved run
+  if args.from_json:  # re-print (and re-predict) a saved run
     with open(args.from_json) as f:
       saved = json.load(f)
     base, runs, args.link_gbit = saved["baseline"], saved["runs"], saved.get("gbits", [])
@@ -388,17 +503,19 @@ def main(argv=None):
     for k, v in run_baseline(cfg, cores[0]).items():
       base[k]["ms"] += v["ms"]
   lines = _report.header("Pipeline schedules, one stage per process (benchmarks/pipeline_mp.py)")
-  lines += [f"**Measured** on {_cpu_name()}: {n} processes, each pinned to its own core with one "
-            f"jax CPU device, jax.distributed + gloo over localhost TCP; model: {args.layers} "
-            f"residual blocks x + gelu(LN(x) W1) W2, D={args.dim}, H={args.hidden}, batch "
-            f"{args.batch}, MSE, float32; {args.rounds} timed rounds alternating over the "
-            f"schedules after {args.warmup} warm-up steps; stage stacks in {args.layout} "
-            f"order. Ideal = {n} x (1 - bubble fraction) "
-            "of the table with F = B = W (jax " + jax.__version__ + ").", ""]
+  lines += [
+    f"**Measured** on {_cpu_name()}: {n} processes, each pinned to its own core with one "
+    f"jax CPU device, jax.distributed + gloo over localhost TCP; model: {args.layers} "
+    f"residual blocks x + gelu(LN(x) W1) W2, D={args.dim}, H={args.hidden}, batch "
+    f"{args.batch}, MSE, float32; {args.rounds} timed rounds alternating over the "
+    f"schedules after {args.warmup} warm-up steps; stage stacks in {args.layout} "
+    f"order. Ideal = {n} x (1 - bubble fraction) "
+    "of the table with F = B = W (jax " + jax.__version__ + ").",
+    "",
+  ]
   gbits = dict(zip(runs, [None, *args.link_gbit]))
   args.predict = args.predict or any("_calibration" in r for r in runs.values())
-  ticks = ({st: fit_tick(runs["unshaped localhost"], n, st) for st in STATS}
-           if args.predict else {})
+  ticks = {st: fit_tick(runs["unshaped localhost"], n, st) for st in STATS} if args.predict else {}
   for link, res in runs.items():
     lines += table(res, base, n, link) + [""] + verdict(res, link) + [""]
     if args.predict:
@@ -409,24 +526,27 @@ def main(argv=None):
   _report.emit(lines, args.write)
 
 
-
 def _main_tiled(args, cfg, n, cores):
   if args.tiled < 2:
     raise SystemExit("--tiled N needs N >= 2 steps per call")
-  if args.schedules == list(SCHEDULES):   # not given: the two the issue compares
+  if args.schedules == list(SCHEDULES):  # not given: the two the issue compares
     cfg["schedules"] = ["zb-h2", "1f1b"]
   cfg["tiled"] = args.tiled
   runs = {"unshaped localhost": measure(cfg, n, cores, None)}
   for g in args.link_gbit:
     runs[f"loopback shaped to {g:g} Gbit/s (tbf)"] = measure(cfg, n, cores, g)
-  lines = _report.header("Pipeline training tiled over steps, one stage per process "
-                         "(benchmarks/pipeline_mp.py --tiled)")
-  lines += [f"**Measured** on {_cpu_name()}: {n} processes, each pinned to its own core, "
-            f"jax.distributed + gloo over localhost TCP; model: {args.layers} residual "
-            f"blocks, D={args.dim}, H={args.hidden}, batch {args.batch}, MSE, float32, Adam "
-            f"inside the tick loop; {args.rounds} timed rounds alternating after "
-            f"{args.warmup} warm-up rounds (jax {jax.__version__}). Simulated bubble: "
-            "F = B = W, free update; tiled: over the whole tiled run.", ""]
+  lines = _report.header(
+    "Pipeline training tiled over steps, one stage per process (benchmarks/pipeline_mp.py --tiled)"
+  )
+  lines += [
+    f"**Measured** on {_cpu_name()}: {n} processes, each pinned to its own core, "
+    f"jax.distributed + gloo over localhost TCP; model: {args.layers} residual "
+    f"blocks, D={args.dim}, H={args.hidden}, batch {args.batch}, MSE, float32, Adam "
+    f"inside the tick loop; {args.rounds} timed rounds alternating after "
+    f"{args.warmup} warm-up rounds (jax {jax.__version__}). Simulated bubble: "
+    "F = B = W, free update; tiled: over the whole tiled run.",
+    "",
+  ]
   for link, res in runs.items():
     lines += tiled_table(res, args.tiled, link) + [""]
   if args.json:

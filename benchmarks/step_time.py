@@ -8,6 +8,7 @@ markdown table; `--write` appends it to benchmarks/RESULTS.md.
   python -m benchmarks.step_time --model mobilenet_v3_small --batch 32
   python -m benchmarks.step_time --model densenet121 --tiny   # a CPU-sized copy
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,18 +19,18 @@ import optax
 
 import ooojax as ooo
 from benchmarks import _report
-from ooojax.models import ZOO
 from ooojax import demo
 from ooojax._calibrate import time_fn
+from ooojax.models import ZOO
 
 VARIANTS = {
-    "jax.grad": None,
-    "ooo auto": {},
-    "ooo in_order": {"mode": "in_order"},
-    "ooo single_gpu": {"mode": "single_gpu"},  # default ordering: pinned windows
-    "ooo single_gpu (control_deps)": {"mode": "single_gpu", "ordering": "control_deps"},
-    "ooo single_gpu (scheduling_group)": {"mode": "single_gpu", "ordering": "scheduling_group"},
-    "ooo single_gpu (none)": {"mode": "single_gpu", "ordering": "none"},
+  "jax.grad": None,
+  "ooo auto": {},
+  "ooo in_order": {"mode": "in_order"},
+  "ooo single_gpu": {"mode": "single_gpu"},  # default ordering: pinned windows
+  "ooo single_gpu (control_deps)": {"mode": "single_gpu", "ordering": "control_deps"},
+  "ooo single_gpu (scheduling_group)": {"mode": "single_gpu", "ordering": "scheduling_group"},
+  "ooo single_gpu (none)": {"mode": "single_gpu", "ordering": "none"},
 }
 
 
@@ -47,6 +48,7 @@ def _sgd_step(grad_fn, loss_fn, kw):
     g = grad_fn(loss_fn, **kw)(*args)
     g = g[0] if kw.get("has_aux") else g
     return jax.tree.map(lambda p, d: p - 0.01 * d, args[0], g)
+
   return step
 
 
@@ -80,12 +82,12 @@ def main(argv=None):
   med = {k: float(np.median(t)) for k, t in times.items()}
   base = med.get("jax.grad")
   lines = _report.header(f"Step time, {desc}") + [
-      f"Measured: jitted SGD step, median of {a.rounds} rounds x {a.iters} steps, "
-      "variants alternating in one process. Ratio = jax.grad time / variant time "
-      "(>1 means faster than jax.grad).",
-      "",
-      "| variant | step ms | ratio vs jax.grad |",
-      "|---|---|---|",
+    f"Measured: jitted SGD step, median of {a.rounds} rounds x {a.iters} steps, "
+    "variants alternating in one process. Ratio = jax.grad time / variant time "
+    "(>1 means faster than jax.grad).",
+    "",
+    "| variant | step ms | ratio vs jax.grad |",
+    "|---|---|---|",
   ]
   for k, t in med.items():
     ratio = f"{base / t:.3f}x" if base else "-"
@@ -96,13 +98,17 @@ def main(argv=None):
     # Calibrated per-unit timings -> simulated in-order gradient time, against
     # the measured jax.grad gradient computation alone.
     measured = ooo.calibrate(loss_fn, *args, **kw)
-    pred = ooo.explain(loss_fn, *args, mode="in_order", measured=measured,
-                       **kw).schedule.in_order_makespan
+    pred = ooo.explain(
+      loss_fn, *args, mode="in_order", measured=measured, **kw
+    ).schedule.in_order_makespan
     real = time_fn(jax.jit(jax.grad(loss_fn, **kw)), args, 20)
-    lines += ["", f"Simulator check: calibrated in-order prediction (simulated) "
-              f"{pred * 1e3:.2f} ms vs measured `jit(jax.grad)` {real * 1e3:.2f} ms: "
-              f"error {100 * (pred - real) / real:+.0f}% ({len(measured)} units timed "
-              "alone; per-unit timing misses cross-unit fusion)."]
+    lines += [
+      "",
+      f"Simulator check: calibrated in-order prediction (simulated) "
+      f"{pred * 1e3:.2f} ms vs measured `jit(jax.grad)` {real * 1e3:.2f} ms: "
+      f"error {100 * (pred - real) / real:+.0f}% ({len(measured)} units timed "
+      "alone; per-unit timing misses cross-unit fusion).",
+    ]
   _report.emit(lines, a.write)
 
 

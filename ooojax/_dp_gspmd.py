@@ -28,6 +28,7 @@ gradients: `jax.value_and_grad` of the full-batch mean loss for equal shards.
 `has_aux`: each shard's aux leaves are combined as documented in
 `combine_aux`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from passes import _compat
+from ooojax.passes import _compat
 
 
 def unbound(opts) -> bool:
@@ -58,12 +59,13 @@ def unbound(opts) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """How each traced input enters the shard_map (see `layout`)."""
+
   mesh: Any
   axis: str
   n: int
-  specs: tuple          # per dynamic leaf: its in_spec
-  gather: tuple         # per dynamic leaf: the dimension sharded over `axis` (FSDP) or None
-  split_consts: tuple   # closed-over values whose leading dimension is split
+  specs: tuple  # per dynamic leaf: its in_spec
+  gather: tuple  # per dynamic leaf: the dimension sharded over `axis` (FSDP) or None
+  split_consts: tuple  # closed-over values whose leading dimension is split
 
 
 def _spec_axes(entry) -> tuple:
@@ -82,12 +84,13 @@ def _dim_on(spec, axis) -> int | None:
 def _no_axis_error(mesh, what: str) -> ValueError:
   axes = tuple(mesh.axis_names) if mesh is not None else ()
   return ValueError(
-      f"mode='data_parallel' inside jax.jit: {what}. Pass axis_name= naming the mesh axis "
-      f"the batch is split over (the mesh's axes: {axes}), e.g. ooo.grad(loss, "
-      "mode='data_parallel', axis_name='data'), and make the batch's sharding visible: "
-      "jax.lax.with_sharding_constraint(batch, NamedSharding(mesh, P('data'))) inside the "
-      "jitted function (as nanodo does), explicit axes (jax.make_mesh(..., "
-      "axis_types=(AxisType.Explicit,))), or `with jax.set_mesh(mesh):` around the call")
+    f"mode='data_parallel' inside jax.jit: {what}. Pass axis_name= naming the mesh axis "
+    f"the batch is split over (the mesh's axes: {axes}), e.g. ooo.grad(loss, "
+    "mode='data_parallel', axis_name='data'), and make the batch's sharding visible: "
+    "jax.lax.with_sharding_constraint(batch, NamedSharding(mesh, P('data'))) inside the "
+    "jitted function (as nanodo does), explicit axes (jax.make_mesh(..., "
+    "axis_types=(AxisType.Explicit,))), or `with jax.set_mesh(mesh):` around the call"
+  )
 
 
 def _is_key(x) -> bool:
@@ -111,32 +114,47 @@ def layout(opts, leaves, diff, positional, consts, boxed=None) -> Layout:
   meshes = [s.mesh for _, s in seen + cseen if s is not None]
   mesh = meshes[0] if meshes else _compat.context_mesh()
   if mesh is None:
-    raise _no_axis_error(None, "no mesh is known (no input shows a sharding, and no mesh is "
-                         "set)")
+    raise _no_axis_error(None, "no mesh is known (no input shows a sharding, and no mesh is set)")
+
   def from_box(spec):
     try:
       return jax.sharding.NamedSharding(mesh, spec)
     except (ValueError, TypeError):  # names that are not this mesh's axes (logical names)
       return None
+
   boxed = boxed or {}
-  seen = [(x, s if s is not None or id(x) not in boxed else from_box(boxed[id(x)]))
-          for x, s in seen]
+  seen = [
+    (x, s if s is not None or id(x) not in boxed else from_box(boxed[id(x)])) for x, s in seen
+  ]
   names = tuple(mesh.axis_names)
   axis = opts.axis_name
   if axis is not None and axis not in names:
-    raise ValueError(f"axis_name={axis!r} is not an axis of the mesh (its axes: {names}); "
-                     "pass axis_name= naming the mesh axis the batch is split over")
+    raise ValueError(
+      f"axis_name={axis!r} is not an axis of the mesh (its axes: {names}); "
+      "pass axis_name= naming the mesh axis the batch is split over"
+    )
   # the batch: non-differentiated values sharded on their leading dimension
-  batch_axes = {a for (x, s), d in zip(seen, diff) if s is not None and not d and x.ndim
-                for a in _spec_axes(s.spec[0] if len(s.spec) else None)}
-  batch_axes |= {a for c, s in cseen if s is not None and getattr(c, "ndim", 0)
-                 for a in _spec_axes(s.spec[0] if len(s.spec) else None)}
+  batch_axes = {
+    a
+    for (x, s), d in zip(seen, diff)
+    if s is not None and not d and x.ndim
+    for a in _spec_axes(s.spec[0] if len(s.spec) else None)
+  }
+  batch_axes |= {
+    a
+    for c, s in cseen
+    if s is not None and getattr(c, "ndim", 0)
+    for a in _spec_axes(s.spec[0] if len(s.spec) else None)
+  }
   batch_axes = {a for a in batch_axes if mesh.shape[a] > 1}
   if axis is None:
     if len(batch_axes) != 1:
-      raise _no_axis_error(mesh, "no input shows which mesh axis the batch is split over"
-                           if not batch_axes else
-                           f"the batch is split over several mesh axes {sorted(batch_axes)}")
+      raise _no_axis_error(
+        mesh,
+        "no input shows which mesh axis the batch is split over"
+        if not batch_axes
+        else f"the batch is split over several mesh axes {sorted(batch_axes)}",
+      )
     axis = next(iter(batch_axes))
   n = mesh.shape[axis]
   evidence = axis in batch_axes
@@ -149,8 +167,15 @@ def layout(opts, leaves, diff, positional, consts, boxed=None) -> Layout:
     elif not d and dim == 0:
       specs.append(P(axis))
       gather.append(None)
-    elif (not d and s is None and not evidence and pos and getattr(x, "ndim", 0)
-          and not _is_key(x) and x.shape[0] % n == 0):
+    elif (
+      not d
+      and s is None
+      and not evidence
+      and pos
+      and getattr(x, "ndim", 0)
+      and not _is_key(x)
+      and x.shape[0] % n == 0
+    ):
       # nothing shows a sharding: the non-differentiated arguments are the batch
       specs.append(P(axis))
       gather.append(None)
@@ -158,10 +183,12 @@ def layout(opts, leaves, diff, positional, consts, boxed=None) -> Layout:
       specs.append(P())
       gather.append(None)
   if not any(sp == P(axis) for sp in specs) and not any(
-      s is not None and c.ndim and _dim_on(s.spec, axis) == 0 for c, s in cseen):
+    s is not None and c.ndim and _dim_on(s.spec, axis) == 0 for c, s in cseen
+  ):
     raise _no_axis_error(mesh, f"no input is split over {axis!r} on its leading dimension")
-  split = tuple(c for c, s in cseen
-                if s is not None and getattr(c, "ndim", 0) and _dim_on(s.spec, axis) == 0)
+  split = tuple(
+    c for c, s in cseen if s is not None and getattr(c, "ndim", 0) and _dim_on(s.spec, axis) == 0
+  )
   return Layout(mesh, axis, n, tuple(specs), tuple(gather), split)
 
 
@@ -173,7 +200,7 @@ def sum_outputs(jaxpr, start: int, n: int) -> tuple[bool, ...]:
   (`reduce_sum`, looking through casts and reshapes): a count or total."""
   made = {v: e for e in jaxpr.eqns for v in e.outvars}
   out = []
-  for v in jaxpr.outvars[start:start + n]:
+  for v in jaxpr.outvars[start : start + n]:
     e = made.get(v) if isinstance(v, _compat.Var) else None
     while e is not None and e.primitive.name in _PASS_THROUGH:
       v = e.invars[0]
@@ -195,14 +222,15 @@ def combine_aux(x, axis, batch_rows: frozenset, is_sum: bool = False):
   if jnp.issubdtype(x.dtype, jnp.bool_):
     return jax.lax.psum(x.astype(jnp.int32), axis) > 0
   if not jnp.issubdtype(x.dtype, jnp.number):
-    raise TypeError(f"mode='data_parallel' inside jax.jit cannot combine an aux leaf of "
-                    f"dtype {x.dtype} over the data axis {axis!r}: return it outside the "
-                    "differentiated function")
+    raise TypeError(
+      f"mode='data_parallel' inside jax.jit cannot combine an aux leaf of "
+      f"dtype {x.dtype} over the data axis {axis!r}: return it outside the "
+      "differentiated function"
+    )
   if x.ndim and x.shape[0] in batch_rows:  # per-example rows: this shard's, in place
     n = jax.lax.axis_size(axis)
     full = jnp.zeros((n * x.shape[0], *x.shape[1:]), x.dtype)
-    full = jax.lax.dynamic_update_slice_in_dim(
-        full, x, jax.lax.axis_index(axis) * x.shape[0], 0)
+    full = jax.lax.dynamic_update_slice_in_dim(full, x, jax.lax.axis_index(axis) * x.shape[0], 0)
     return jax.lax.psum(full, axis)
   if jnp.issubdtype(x.dtype, jnp.inexact) and not is_sum:
     return jax.lax.pmean(x, axis)
@@ -217,6 +245,7 @@ def with_closure(fun, swap: dict, hits: set, depth: int = 4):
   the ids replaced. Anything else reaching an old value is left as it is
   (the caller checks `hits`).
   """
+
   def leaf(v):
     hit = swap.get(id(v))
     if hit is not None and hit[0] is v:
@@ -233,8 +262,11 @@ def with_closure(fun, swap: dict, hits: set, depth: int = 4):
       return v
 
   if isinstance(fun, functools.partial):
-    return functools.partial(value(fun.func, depth), *(value(a, depth) for a in fun.args),
-                             **{k: value(v, depth) for k, v in fun.keywords.items()})
+    return functools.partial(
+      value(fun.func, depth),
+      *(value(a, depth) for a in fun.args),
+      **{k: value(v, depth) for k, v in fun.keywords.items()},
+    )
   if isinstance(fun, types.MethodType):
     return types.MethodType(value(fun.__func__, depth), value(fun.__self__, depth))
   if not isinstance(fun, types.FunctionType) or not fun.__closure__:
@@ -251,8 +283,9 @@ def with_closure(fun, swap: dict, hits: set, depth: int = 4):
     cells.append(types.CellType(new) if new is not old else c)
   if not changed:
     return fun
-  g = types.FunctionType(fun.__code__, fun.__globals__, fun.__name__, fun.__defaults__,
-                         tuple(cells))
+  g = types.FunctionType(
+    fun.__code__, fun.__globals__, fun.__name__, fun.__defaults__, tuple(cells)
+  )
   g.__kwdefaults__, g.__dict__ = fun.__kwdefaults__, dict(fun.__dict__)
   functools.update_wrapper(g, fun, updated=())
   return g
@@ -262,6 +295,7 @@ def _drop_axis(spec, axis):
   def entry(e):
     kept = tuple(a for a in _spec_axes(e) if a != axis)
     return None if not kept else kept[0] if len(kept) == 1 else kept
+
   return P(*(entry(e) for e in spec))
 
 
@@ -277,26 +311,35 @@ def _in_shard(fun, axis, had_mesh: bool):
   only when a mesh is set (flax's `nn.with_partitioning` boxes) would
   otherwise apply constraints the user's program never applies.
   """
+
   @functools.wraps(fun)
   def f(*a, **k):
     orig = jax.lax.with_sharding_constraint
 
     def constrain(x, shardings):
-      if not had_mesh and all(isinstance(s, P) for s in jax.tree.leaves(
-          shardings, is_leaf=lambda s: isinstance(s, (P, jax.sharding.Sharding)))):
+      if not had_mesh and all(
+        isinstance(s, P)
+        for s in jax.tree.leaves(
+          shardings, is_leaf=lambda s: isinstance(s, (P, jax.sharding.Sharding))
+        )
+      ):
         return x
 
       def one(s):
         if isinstance(s, jax.sharding.NamedSharding):
           return jax.sharding.NamedSharding(s.mesh, _drop_axis(s.spec, axis))
         return _drop_axis(s, axis) if isinstance(s, P) else s
-      return orig(x, jax.tree.map(one, shardings,
-                                  is_leaf=lambda s: isinstance(s, (P, jax.sharding.Sharding))))
+
+      return orig(
+        x, jax.tree.map(one, shardings, is_leaf=lambda s: isinstance(s, (P, jax.sharding.Sharding)))
+      )
+
     jax.lax.with_sharding_constraint = constrain
     try:
       return fun(*a, **k)
     finally:
       jax.lax.with_sharding_constraint = orig
+
   return f
 
 
@@ -323,8 +366,9 @@ def _bound_to(vg, axis):
   t = vg._bound.get(axis)
   if t is None:
     opts = dataclasses.replace(vg.options, axis_name=axis)
-    t = vg._bound[axis] = type(vg)(vg.fun, vg.argnums, vg.has_aux, vg.holomorphic,
-                                   vg.allow_int, opts)
+    t = vg._bound[axis] = type(vg)(
+      vg.fun, vg.argnums, vg.has_aux, vg.holomorphic, vg.allow_int, opts
+    )
   return t
 
 
@@ -342,6 +386,7 @@ def _call_local(vg, fun, args, kwargs, scatter):
 def call(vg, args, kwargs):
   """`vg(*args, **kwargs)` for an unbound data axis: the per-shard gradient in a shard_map."""
   from ooojax._api import _is_dynamic, _resolve_argnums
+
   idx = _resolve_argnums(vg.argnums, len(args))
   flat, tree = jax.tree_util.tree_flatten((args, kwargs))
   arg_sizes = [len(jax.tree_util.tree_leaves(a)) for a in args]
@@ -361,8 +406,12 @@ def call(vg, args, kwargs):
   def forward(*vals):
     a, k = rebuild(vals)
     return vg.fun(*a, **k)
-  consts = [c for c in jax.make_jaxpr(forward)(*leaves).consts
-            if _compat.is_tracer(c) or isinstance(c, jax.Array)]
+
+  consts = [
+    c
+    for c in jax.make_jaxpr(forward)(*leaves).consts
+    if _compat.is_tracer(c) or isinstance(c, jax.Array)
+  ]
   lay = layout(vg.options, leaves, diff, positional, consts, _boxed_specs(args, idx))
   had_mesh = _compat.context_mesh() is not None
   inner = _bound_to(vg, lay.axis)
@@ -376,37 +425,52 @@ def call(vg, args, kwargs):
 
   def body(*local):
     vals = list(local[:n_dyn])
-    vals = [x if g is None else jax.lax.all_gather(x, ax, axis=g, tiled=True)
-            for x, g in zip(vals, lay.gather)]
+    vals = [
+      x if g is None else jax.lax.all_gather(x, ax, axis=g, tiled=True)
+      for x, g in zip(vals, lay.gather)
+    ]
     a, k = rebuild(vals)
     swap = {id(o): (o, l) for o, l in zip(lay.split_consts, local[n_dyn:])}
     hits: set = set()
     fun = with_closure(vg.fun, swap, hits)
     if len(hits) != len(swap):
       raise ValueError(
-          f"mode='data_parallel' inside jax.jit: {vg.__name__} closes over a value split "
-          f"over {ax!r} that ooojax cannot replace by its shard (it is not held in the "
-          "function's closure, a functools.partial or a pytree there); pass it as an "
-          "argument of the differentiated function instead")
+        f"mode='data_parallel' inside jax.jit: {vg.__name__} closes over a value split "
+        f"over {ax!r} that ooojax cannot replace by its shard (it is not held in the "
+        "function's closure, a functools.partial or a pytree there); pass it as an "
+        "argument of the differentiated function instead"
+      )
     (out, g), sums = _call_local(inner, _in_shard(fun, ax, had_mesh), a, k, scatter)
     if vg.has_aux:
       val, aux = out
       leaves, aux_tree = jax.tree.flatten(aux)
       it = iter(sums)  # one per traced aux leaf, in order
-      aux = jax.tree.unflatten(aux_tree, [
+      aux = jax.tree.unflatten(
+        aux_tree,
+        [
           combine_aux(x, ax, rows, next(it, False) if _compat.is_tracer(x) else False)
-          for x in leaves])
+          for x in leaves
+        ],
+      )
     else:
       val, aux = out, None
     return jax.lax.pmean(val, ax), aux, g
 
   grad_specs = [sp for sp, d in zip(lay.specs, diff) if d]
   diff_tree = args[idx[0]] if isinstance(vg.argnums, int) else tuple(args[i] for i in idx)
-  g_specs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(diff_tree),
-                                         grad_specs) if grad_specs else None
+  g_specs = (
+    jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(diff_tree), grad_specs)
+    if grad_specs
+    else None
+  )
   in_specs = (*lay.specs, *(P(ax) for _ in lay.split_consts))
-  out = jax.shard_map(body, mesh=lay.mesh, in_specs=in_specs,
-                      out_specs=(P(), P(), g_specs), axis_names={ax},
-                      check_vma=True)(*leaves, *lay.split_consts)
+  out = jax.shard_map(
+    body,
+    mesh=lay.mesh,
+    in_specs=in_specs,
+    out_specs=(P(), P(), g_specs),
+    axis_names={ax},
+    check_vma=True,
+  )(*leaves, *lay.split_consts)
   val, aux, g = out
   return ((val, aux) if vg.has_aux else val), g

@@ -14,6 +14,7 @@ contract and its errors):
   mesh with those axes, so the axis is bound as it is in the user's
   `pmap` / `shard_map`; nothing runs and no device is needed.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,13 +39,13 @@ def _is_hole(x) -> bool:
 @dataclasses.dataclass(frozen=True)
 class FloatOnly:
   """`fun` and `args` rewritten so only float leaves are differentiated."""
+
   fun: Callable
   args: tuple
-  moved: tuple[str, ...]    # key paths of the leaves that are not differentiated
+  moved: tuple[str, ...]  # key paths of the leaves that are not differentiated
 
 
-def float_only(fun, args: tuple, idx: tuple[int, ...], allow_int: bool = False
-               ) -> FloatOnly | None:
+def float_only(fun, args: tuple, idx: tuple[int, ...], allow_int: bool = False) -> FloatOnly | None:
   """Moves the non-float leaves of `args[i]` (i in `idx`) into an extra last argument.
 
   Returns None when every differentiated leaf is float (nothing to move).
@@ -55,7 +56,7 @@ def float_only(fun, args: tuple, idx: tuple[int, ...], allow_int: bool = False
   if allow_int:
     return None
   holed, rests, defs, moved = list(args), [], [], []
-  mark = object()   # stands for a moved leaf while the slots are laid out
+  mark = object()  # stands for a moved leaf while the slots are laid out
   for i in idx:
     leaves, tree = jax.tree_util.tree_flatten_with_path(args[i])
     keep = [_is_float(x) for _, x in leaves]
@@ -64,14 +65,18 @@ def float_only(fun, args: tuple, idx: tuple[int, ...], allow_int: bool = False
       defs.append(None)
       continue
     marked = jax.tree_util.tree_unflatten(
-        tree, [x if k else mark for (_, x), k in zip(leaves, keep)])
+      tree, [x if k else mark for (_, x), k in zip(leaves, keep)]
+    )
     # slots: leaves, holes and the tree's own None subtrees, in one order
     slots, slot_def = jax.tree_util.tree_flatten(marked, is_leaf=_is_hole)
     holed[i] = jax.tree_util.tree_unflatten(slot_def, [None if x is mark else x for x in slots])
     rests.append(tuple(x for (_, x), k in zip(leaves, keep) if not k))
     defs.append((slot_def, tuple(x is mark for x in slots)))
-    moved += [f"{i}{jax.tree_util.keystr(p)}" if len(idx) > 1 else jax.tree_util.keystr(p)
-              for (p, _), k in zip(leaves, keep) if not k]
+    moved += [
+      f"{i}{jax.tree_util.keystr(p)}" if len(idx) > 1 else jax.tree_util.keystr(p)
+      for (p, _), k in zip(leaves, keep)
+      if not k
+    ]
   if not moved:
     return None
 
@@ -85,7 +90,8 @@ def float_only(fun, args: tuple, idx: tuple[int, ...], allow_int: bool = False
       it = iter(r)
       slots = slot_def.flatten_up_to(a[i])
       full[i] = jax.tree_util.tree_unflatten(
-          slot_def, [next(it) if h else x for x, h in zip(slots, holes)])
+        slot_def, [next(it) if h else x for x, h in zip(slots, holes)]
+      )
     return fun(*full, **kw)
 
   fun_float.__name__ = getattr(fun, "__name__", "fun")
@@ -110,8 +116,10 @@ def mesh_axes(mesh) -> dict[str, int]:
   shape = getattr(mesh, "shape", None)
   if isinstance(shape, Mapping):
     return {str(k): int(v) for k, v in shape.items()}
-  raise TypeError(f"mesh= takes a jax.sharding.Mesh, an AbstractMesh or a dict of axis "
-                  f"sizes such as {{'batch': 8}}, got {type(mesh).__name__}")
+  raise TypeError(
+    f"mesh= takes a jax.sharding.Mesh, an AbstractMesh or a dict of axis "
+    f"sizes such as {{'batch': 8}}, got {type(mesh).__name__}"
+  )
 
 
 def run_bound(fn: Callable[[], Any], axes: Mapping[str, int]) -> Any:
@@ -125,6 +133,7 @@ def run_bound(fn: Callable[[], Any], axes: Mapping[str, int]) -> Any:
   if not names:
     return fn()
   from jax.sharding import AbstractMesh, PartitionSpec
+
   am = AbstractMesh(tuple(int(axes[n]) for n in names), tuple(names))
   box = {}
 
@@ -132,8 +141,9 @@ def run_bound(fn: Callable[[], Any], axes: Mapping[str, int]) -> Any:
     box["out"] = fn()
     return np.zeros((), np.float32)
 
-  jax.eval_shape(jax.shard_map(body, mesh=am, in_specs=(), out_specs=PartitionSpec(),
-                               check_vma=False))
+  jax.eval_shape(
+    jax.shard_map(body, mesh=am, in_specs=(), out_specs=PartitionSpec(), check_vma=False)
+  )
   return box["out"]
 
 
@@ -141,21 +151,28 @@ def unbound_axis_note(err: NameError, mode: str) -> NameError:
   """Adds to JAX's unbound-axis error which `explain` argument binds it."""
   name = str(err).split("axis name:")[-1].split(".")[0].strip() or "batch"
   if mode == "data_parallel":
-    hint = (f"pass axis_name={name!r} and axis_size=N (the devices the batch is split over), "
-            f"or mesh=jax.make_mesh((N,), ({name!r},)), to ooo.explain")
+    hint = (
+      f"pass axis_name={name!r} and axis_size=N (the devices the batch is split over), "
+      f"or mesh=jax.make_mesh((N,), ({name!r},)), to ooo.explain"
+    )
   else:
-    hint = (f"pass mesh=jax.make_mesh((N,), ({name!r},)) (or mesh={{{name!r}: N}}) and "
-            f"axis_name={name!r} to ooo.explain, which then traces the loss with the axis "
-            "bound; or call explain inside the jax.shard_map / jax.pmap that binds it")
-  err.add_note(f"ooo.explain: the loss names mesh axis {name!r} (e.g. synchronised "
-               f"BatchNorm(axis_name={name!r}) or lax.pmean(..., {name!r})): {hint}.")
+    hint = (
+      f"pass mesh=jax.make_mesh((N,), ({name!r},)) (or mesh={{{name!r}: N}}) and "
+      f"axis_name={name!r} to ooo.explain, which then traces the loss with the axis "
+      "bound; or call explain inside the jax.shard_map / jax.pmap that binds it"
+    )
+  err.add_note(
+    f"ooo.explain: the loss names mesh axis {name!r} (e.g. synchronised "
+    f"BatchNorm(axis_name={name!r}) or lax.pmean(..., {name!r})): {hint}."
+  )
   return err
 
 
 def int_leaves_note(err: TypeError) -> TypeError:
   err.add_note(
-      "ooo.explain differentiates only the float leaves of what it is given: pass the nnx "
-      "module (or its (graphdef, state) pair) as it is. ooo.grad, like jax.grad, needs "
-      "float inputs: split the module first, e.g. graphdef, params, rest = "
-      "nnx.split(model, nnx.Param, ...), and differentiate params.")
+    "ooo.explain differentiates only the float leaves of what it is given: pass the nnx "
+    "module (or its (graphdef, state) pair) as it is. ooo.grad, like jax.grad, needs "
+    "float inputs: split the module first, e.g. graphdef, params, rest = "
+    "nnx.split(model, nnx.Param, ...), and differentiate params."
+  )
   return err

@@ -25,6 +25,7 @@ a checkpoint taken between steps restores the same training.
 they are real); `ooojax.single_gpu` carries its deferred dW clusters' inputs
 in it the same way.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,9 +40,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ooojax import _dp
 from ooojax._api import _make_options, value_and_grad
-from passes.collectives import plan as collectives
-from passes.cost import CostModel
-from passes.collectives.emit import chain_after, reduce_buffers
+from ooojax.passes.collectives import plan as collectives
+from ooojax.passes.collectives.emit import chain_after, reduce_buffers
+from ooojax.passes.cost import CostModel
 
 
 class Pending(struct.PyTreeNode):
@@ -52,6 +53,7 @@ class Pending(struct.PyTreeNode):
   ready: values already complete on every device, one per other leaf.
   valid: False before the first step and after `flush` (nothing to apply).
   """
+
   local: tuple
   ready: tuple
   valid: jax.Array
@@ -63,6 +65,7 @@ class DPTrainState(struct.PyTreeNode):
   `params` lags one update behind the plain loop while `pending.valid`; use
   `step.flush(state)` for the parameters of the plain loop.
   """
+
   step: jax.Array
   params: Any
   opt_state: Any
@@ -72,7 +75,7 @@ class DPTrainState(struct.PyTreeNode):
 @dataclasses.dataclass(frozen=True)
 class _Layout:
   treedef: Any
-  deferred: tuple[int, ...]   # leaf positions reduced next step, layer 0 first
+  deferred: tuple[int, ...]  # leaf positions reduced next step, layer 0 first
   ready: tuple[int, ...]
   first_k: int
   bucket_bytes: int
@@ -95,14 +98,23 @@ class DataParallelStep:
   def _plan_layout(self, params, batch) -> _Layout:
     """Traces one device's gradient to choose k and bucket size, and the deferred leaves."""
     opts = self.options
-    vg = value_and_grad(self.loss_fn, mode="in_order", device=opts.get("device"),
-                        has_aux=self.has_aux)
-    local = jax.tree.map(lambda b: jax.ShapeDtypeStruct((b.shape[0] // self.n, *b.shape[1:]),
-                                                        b.dtype), batch)
+    vg = value_and_grad(
+      self.loss_fn, mode="in_order", device=opts.get("device"), has_aux=self.has_aux
+    )
+    local = jax.tree.map(
+      lambda b: jax.ShapeDtypeStruct((b.shape[0] // self.n, *b.shape[1:]), b.dtype), batch
+    )
     plan = vg.abstract_plan(params, local)
-    cp = collectives.plan(plan.split, plan.schedule, CostModel(opts.get("device")), self.n,
-                          opts.get("link"), opts.get("bucket_bytes"), opts.get("first_k"),
-                          cross_step=self.cross_step)
+    cp = collectives.plan(
+      plan.split,
+      plan.schedule,
+      CostModel(opts.get("device")),
+      self.n,
+      opts.get("link"),
+      opts.get("bucket_bytes"),
+      opts.get("first_k"),
+      cross_step=self.cross_step,
+    )
     k = cp.first_k if self.cross_step else 0
     deferred = collectives.first_k_leaves(plan.split, k)
     layers = collectives.layers_forward(plan.split)
@@ -116,13 +128,19 @@ class DataParallelStep:
     """Params (and optimizer state or None) from what the user holds; see `init`."""
     if isinstance(held, tuple) and len(held) == 2 and _is_nnx_graphdef(held[0]):
       from flax import nnx
+
       graphdef, params = held
-      bad = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
-             if not jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+      bad = [
+        jax.tree_util.keystr(p)
+        for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+        if not jnp.issubdtype(jnp.result_type(x), jnp.floating)
+      ]
       if bad:
-        raise TypeError(f"the nnx state holds non-float leaves {bad[:4]}: split the Params "
-                        "out, `graphdef, params, rest = nnx.split(model, nnx.Param, ...)`, and "
-                        "pass (graphdef, params); close over `rest` in loss_fn")
+        raise TypeError(
+          f"the nnx state holds non-float leaves {bad[:4]}: split the Params "
+          "out, `graphdef, params, rest = nnx.split(model, nnx.Param, ...)`, and "
+          "pass (graphdef, params); close over `rest` in loss_fn"
+        )
       user = self.user_loss_fn
       self.loss_fn = lambda p, *b: user(nnx.merge(graphdef, p), *b)
       self._held = ("nnx", graphdef)
@@ -133,8 +151,10 @@ class DataParallelStep:
       self._held = ("train_state", held)
       return held.params, held.opt_state
     if self.tx is None:
-      raise TypeError("make_train_step(..., tx=None) takes its optimizer from a flax "
-                      "TrainState: pass one to init, or pass tx")
+      raise TypeError(
+        "make_train_step(..., tx=None) takes its optimizer from a flax "
+        "TrainState: pass one to init, or pass tx"
+      )
     return held, None
 
   def held(self, state: DPTrainState):
@@ -143,8 +163,7 @@ class DataParallelStep:
     state = self.flush(state)
     kind = self._held[0] if self._held else None
     if kind == "train_state":
-      return self._held[1].replace(step=state.step, params=state.params,
-                                   opt_state=state.opt_state)
+      return self._held[1].replace(step=state.step, params=state.params, opt_state=state.opt_state)
     if kind == "nnx":
       return self._held[1], state.params
     return state.params
@@ -161,12 +180,17 @@ class DataParallelStep:
     leaves = jax.tree.leaves(params)
     rep = NamedSharding(self.mesh, P())
     dev = NamedSharding(self.mesh, P(self.axis_name))
-    local = tuple(jax.device_put(jnp.zeros((self.n, *leaves[i].shape), leaves[i].dtype), dev)
-                  for i in lay.deferred)
+    local = tuple(
+      jax.device_put(jnp.zeros((self.n, *leaves[i].shape), leaves[i].dtype), dev)
+      for i in lay.deferred
+    )
     ready = tuple(jax.device_put(jnp.zeros_like(leaves[i]), rep) for i in lay.ready)
-    state = DPTrainState(jnp.zeros((), jnp.int32), params,
-                         self.tx.init(params) if opt_state is None else opt_state,
-                         Pending(local, ready, jnp.zeros((), bool)))
+    state = DPTrainState(
+      jnp.zeros((), jnp.int32),
+      params,
+      self.tx.init(params) if opt_state is None else opt_state,
+      Pending(local, ready, jnp.zeros((), bool)),
+    )
     return jax.device_put(state, self._specs(state, sharding=True))
 
   def abstract_state(self, params, batch) -> DPTrainState:
@@ -179,10 +203,15 @@ class DataParallelStep:
     sds = lambda shape, dtype, s: jax.ShapeDtypeStruct(shape, dtype, sharding=s)
     on = lambda tree: jax.tree.map(lambda a: sds(a.shape, a.dtype, rep), tree)
     return DPTrainState(
-        sds((), jnp.int32, rep), on(params), on(jax.eval_shape(self.tx.init, params)),
-        Pending(tuple(sds((self.n, *leaves[i].shape), leaves[i].dtype, dev) for i in lay.deferred),
-                tuple(sds(leaves[i].shape, leaves[i].dtype, rep) for i in lay.ready),
-                sds((), bool, rep)))
+      sds((), jnp.int32, rep),
+      on(params),
+      on(jax.eval_shape(self.tx.init, params)),
+      Pending(
+        tuple(sds((self.n, *leaves[i].shape), leaves[i].dtype, dev) for i in lay.deferred),
+        tuple(sds(leaves[i].shape, leaves[i].dtype, rep) for i in lay.ready),
+        sds((), bool, rep),
+      ),
+    )
 
   def lower(self, state, batch):
     """`jax.jit(step).lower(state, batch)` (state may be `abstract_state`'s)."""
@@ -202,8 +231,9 @@ class DataParallelStep:
     vals = [x[0] for x in pend.local]  # drop the device axis of this shard
     reduced, prev = [], None
     for x in vals:  # one all-reduce per leaf, layer 0 first, chained
-      (r,), prev = reduce_buffers(chain_after(prev, [x]), self.axis_name,
-                                  self.options.get("reduce", "mean"))
+      (r,), prev = reduce_buffers(
+        chain_after(prev, [x]), self.axis_name, self.options.get("reduce", "mean")
+      )
       reduced.append(r)
     flat = [None] * (len(lay.deferred) + len(lay.ready))
     for i, r in zip(lay.deferred, reduced):
@@ -214,26 +244,35 @@ class DataParallelStep:
     updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(pend.valid, a, b), new, old)
-    return state.replace(step=state.step + pend.valid.astype(state.step.dtype),
-                         params=keep(params, state.params),
-                         opt_state=keep(opt_state, state.opt_state))
+    return state.replace(
+      step=state.step + pend.valid.astype(state.step.dtype),
+      params=keep(params, state.params),
+      opt_state=keep(opt_state, state.opt_state),
+    )
 
   def _body(self, state, batch):
     lay = self._layout
     state = self._apply_pending(state)
     opts = {k: v for k, v in self.options.items() if k not in ("first_k", "bucket_bytes")}
-    vg = value_and_grad(self.loss_fn, mode="data_parallel", axis_name=self.axis_name,
-                        has_aux=self.has_aux,
-                        first_k=lay.first_k, bucket_bytes=lay.bucket_bytes, **opts)
+    vg = value_and_grad(
+      self.loss_fn,
+      mode="data_parallel",
+      axis_name=self.axis_name,
+      has_aux=self.has_aux,
+      first_k=lay.first_k,
+      bucket_bytes=lay.bucket_bytes,
+      **opts,
+    )
     plan, dyn = vg.plan((state.params, batch), {})
     outs = _dp.emit(plan, dyn, vg.options, defer=frozenset(lay.deferred))
     loss = jax.lax.pmean(outs[0], self.axis_name)
     if self.has_aux:
       aux = _aux_of(plan, outs, self.axis_name, batch)
       loss = (loss, aux)
-    g = outs[plan.split.grad_out_start:]
-    pending = Pending(tuple(g[i][None] for i in lay.deferred), tuple(g[i] for i in lay.ready),
-                      jnp.ones((), bool))
+    g = outs[plan.split.grad_out_start :]
+    pending = Pending(
+      tuple(g[i][None] for i in lay.deferred), tuple(g[i] for i in lay.ready), jnp.ones((), bool)
+    )
     state = state.replace(pending=pending)
     if not self.cross_step:  # apply now: params never lag
       state = self._flush_body(state)
@@ -248,10 +287,14 @@ class DataParallelStep:
   def _build(self, state):
     specs = self._specs(state)
     batch_spec = P(self.axis_name)
-    self._step = jax.jit(jax.shard_map(self._body, mesh=self.mesh,
-                                       in_specs=(specs, batch_spec), out_specs=(specs, P())))
-    self._flush = jax.jit(jax.shard_map(self._flush_body, mesh=self.mesh,
-                                        in_specs=(specs,), out_specs=specs))
+    self._step = jax.jit(
+      jax.shard_map(
+        self._body, mesh=self.mesh, in_specs=(specs, batch_spec), out_specs=(specs, P())
+      )
+    )
+    self._flush = jax.jit(
+      jax.shard_map(self._flush_body, mesh=self.mesh, in_specs=(specs,), out_specs=specs)
+    )
 
   def __call__(self, state: DPTrainState, batch) -> tuple[DPTrainState, jax.Array]:
     if self._layout is None:
@@ -280,20 +323,32 @@ def _aux_of(plan, outs, axis, batch):
   jit (`ooojax._dp_gspmd.combine_aux`): per-row leaves gathered, sums summed, means
   averaged."""
   from ooojax import _dp_gspmd
+
   aux_tree, aux_parts, _, _ = plan.out_tree
-  sums = iter(_dp_gspmd.sum_outputs(plan.split.jaxpr.jaxpr, 1, plan.n_aux)
-              if plan.split.jaxpr is not None else ())
+  sums = iter(
+    _dp_gspmd.sum_outputs(plan.split.jaxpr.jaxpr, 1, plan.n_aux)
+    if plan.split.jaxpr is not None
+    else ()
+  )
   rows = frozenset(b.shape[0] for b in jax.tree.leaves(batch) if getattr(b, "ndim", 0))
-  it = iter(outs[1:1 + plan.n_aux])
-  leaves = [_dp_gspmd.combine_aux(next(it), axis, rows, next(sums, False)) if p is None
-            else p[0] for p in aux_parts]
+  it = iter(outs[1 : 1 + plan.n_aux])
+  leaves = [
+    _dp_gspmd.combine_aux(next(it), axis, rows, next(sums, False)) if p is None else p[0]
+    for p in aux_parts
+  ]
   return jax.tree_util.tree_unflatten(aux_tree, leaves)
 
 
-def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation | None,
-                    mesh: jax.sharding.Mesh, *, axis_name: str = "batch",
-                    cross_step: bool = True, has_aux: bool = False,
-                    **ooo_options) -> DataParallelStep:
+def make_train_step(
+  loss_fn: Callable,
+  tx: optax.GradientTransformation | None,
+  mesh: jax.sharding.Mesh,
+  *,
+  axis_name: str = "batch",
+  cross_step: bool = True,
+  has_aux: bool = False,
+  **ooo_options,
+) -> DataParallelStep:
   """A jitted data-parallel step over `mesh[axis_name]` with cross-step overlap.
 
   Args:

@@ -21,17 +21,17 @@ the call's start and done. If the simulated two-stream schedule is not faster
 than the in-order one, the in-order schedule is returned. Linear in the
 number of equations, plus two simulations.
 """
+
 from __future__ import annotations
 
 import bisect
-
 import dataclasses
 from collections.abc import Sequence
 
-from passes import _compat
-from passes.cost import MATMUL_PRIMS, CostModel, estimate
-from passes.ir import Action, Call, Kind, Schedule, Split, Unit, UnitKind
-from passes.simulate import Timeline, simulate
+from ooojax.passes import _compat
+from ooojax.passes.cost import MATMUL_PRIMS, CostModel, estimate
+from ooojax.passes.ir import Action, Call, Kind, Schedule, Split, Unit, UnitKind
+from ooojax.passes.simulate import Timeline, simulate
 
 
 def build_units(split: Split, cost: CostModel) -> tuple[Unit, ...]:
@@ -130,8 +130,8 @@ def is_heavy(eqn) -> bool:
 # An anchor must surely stay a kernel of its own: XLA rewrites small matmuls
 # (split-K into a batched dot plus a reduction, fused into a neighbour), and a
 # barrier on a value that no longer exists is dropped with its window.
-ANCHOR_MIN_FLOPS = 2.0 ** 23
-ANCHOR_MIN_ELEMS = 2 ** 14
+ANCHOR_MIN_FLOPS = 2.0**23
+ANCHOR_MIN_ELEMS = 2**14
 
 
 def _anchorable(eqn, c=None) -> bool:
@@ -190,8 +190,9 @@ def _admit(units: Sequence[Unit], heavy: dict, sync: float) -> set[str]:
   return side
 
 
-def plan_calls(streams, units: Sequence[Unit], timeline: Timeline | None = None,
-               heavy: dict | None = None) -> tuple[Call, ...]:
+def plan_calls(
+  streams, units: Sequence[Unit], timeline: Timeline | None = None, heavy: dict | None = None
+) -> tuple[Call, ...]:
   """Groups side-stream actions into calls and picks each call's anchor.
 
   Side units issued after the same stream-0 unit share a call. With a
@@ -263,8 +264,9 @@ def schedule(split: Split, cost: CostModel, streams: int = 2) -> Schedule:
   return Schedule(best, _syncs(best, units), units, t_best, t_base, spec.name, calls)
 
 
-def replace_streams(sched: Schedule, streams: Sequence[Sequence[Action]],
-                    sync: float = 0.0) -> Schedule:
+def replace_streams(
+  sched: Schedule, streams: Sequence[Sequence[Action]], sync: float = 0.0
+) -> Schedule:
   """A hand-edited schedule (e.g. parsed from text), re-simulated.
 
   Its calls group side units by issue point, with no anchors (the hand edit
@@ -274,8 +276,12 @@ def replace_streams(sched: Schedule, streams: Sequence[Sequence[Action]],
   names = sorted(a.unit for s in streams for a in s)
   want = sorted(u.name for u in sched.units)
   if names != want:
-    raise ValueError(f"schedule must run every unit exactly once; got {names}, "
-                     f"expected {want}")
+    raise ValueError(f"schedule must run every unit exactly once; got {names}, expected {want}")
   t = simulate(streams, sched.units, sync).makespan
-  return dataclasses.replace(sched, streams=streams, syncs=_syncs(streams, sched.units),
-                             makespan=t, calls=plan_calls(streams, sched.units))
+  return dataclasses.replace(
+    sched,
+    streams=streams,
+    syncs=_syncs(streams, sched.units),
+    makespan=t,
+    calls=plan_calls(streams, sched.units),
+  )

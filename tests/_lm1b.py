@@ -5,6 +5,7 @@ a padding weight; sinusoidal positions, a Python loop of decoder blocks, a
 padding-and-causal mask every block reads, dropout after the embedding and in
 every block (linen `rngs={"dropout": key}`), and a metrics dict as aux.
 """
+
 from __future__ import annotations
 
 import flax.linen as nn
@@ -29,8 +30,9 @@ class _Block(nn.Module):
   @nn.compact
   def __call__(self, x, mask, train):
     h = nn.LayerNorm()(x)
-    h = nn.MultiHeadDotProductAttention(self.heads, qkv_features=self.dim,
-                                        deterministic=True)(h, mask=mask)
+    h = nn.MultiHeadDotProductAttention(self.heads, qkv_features=self.dim, deterministic=True)(
+      h, mask=mask
+    )
     x = x + nn.Dropout(self.rate)(h, deterministic=not train)
     h = nn.Dense(self.dim)(nn.relu(nn.Dense(2 * self.dim)(nn.LayerNorm()(x))))
     return x + nn.Dropout(self.rate)(h, deterministic=not train)
@@ -47,8 +49,9 @@ class TransformerLM(nn.Module):
   def __call__(self, inputs, train: bool = True):
     # shift right: predict token t from tokens < t (0 is padding and BOS)
     x = jnp.pad(inputs, ((0, 0), (1, 0)))[:, :-1]
-    mask = nn.combine_masks(nn.make_attention_mask(inputs > 0, inputs > 0),
-                            nn.make_causal_mask(inputs))
+    mask = nn.combine_masks(
+      nn.make_attention_mask(inputs > 0, inputs > 0), nn.make_causal_mask(inputs)
+    )
     embed = nn.Embed(self.vocab, self.dim)
     y = embed(x) + _sinusoid(inputs.shape[1], self.dim)
     y = nn.Dropout(self.rate)(y, deterministic=not train)
@@ -61,7 +64,7 @@ def make(layers=4, rate=0.1, batch=8, length=6):
   """`(model, loss, params, tokens)`; `loss(params, tokens, key) -> (loss, metrics)`."""
   model = TransformerLM(layers=layers, rate=rate)
   tokens = jax.random.randint(jax.random.key(0), (batch, length), 0, model.vocab)
-  tokens = tokens.at[::3, -2:].set(0)                       # some padding
+  tokens = tokens.at[::3, -2:].set(0)  # some padding
   params = model.init(jax.random.key(1), tokens[:1], train=False)["params"]
 
   def loss(params, tokens, key):
@@ -71,7 +74,6 @@ def make(layers=4, rate=0.1, batch=8, length=6):
     nll = -jnp.sum(onehot * jax.nn.log_softmax(logits), -1) * weights
     acc = jnp.sum((jnp.argmax(logits, -1) == tokens) * weights)
     loss = jnp.sum(nll) / jnp.sum(weights)
-    return loss, {"loss": loss, "accuracy": acc / jnp.sum(weights),
-                  "tokens": jnp.sum(tokens > 0)}
+    return loss, {"loss": loss, "accuracy": acc / jnp.sum(weights), "tokens": jnp.sum(tokens > 0)}
 
   return model, loss, params, tokens

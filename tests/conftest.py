@@ -1,4 +1,18 @@
 import os
+import shutil
+import tempfile
+
+# One XLA compile per distinct program in a run: the xdist workers and the
+# processes tests start (notebook kernels, gpu.sh's dry run, multi-process
+# workers) inherit this environment and share a persistent compilation cache,
+# new and empty for each run (on 2 cores most of a test's time is XLA compiling
+# the same reference or stage program another test compiled already). Op names
+# and source locations are part of the key: tests read them from compiled HLO.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="ooojax-tests-xla-cache-")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY", "true")
 
 # Fake CPU devices for the multi-device modes; must precede the jax import.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -12,13 +26,13 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-
 # Tests that read XLA:CPU's compiled HLO (control-predecessors, `call(` rather
 # than `call-start(`) or compile for a compile-only GPU beside a CPU host hold
 # on the CPU backend only; on a GPU machine (benchmarks/gpu.sh) they skip.
 cpu_backend_only = pytest.mark.skipif(
-    jax.default_backend() != "cpu",
-    reason=f"reads XLA:CPU's compiled HLO; the default backend here is {jax.default_backend()}")
+  jax.default_backend() != "cpu",
+  reason=f"reads XLA:CPU's compiled HLO; the default backend here is {jax.default_backend()}",
+)
 
 
 def assert_trees_close(a, b, rtol=1e-5, atol_scale=1e-5):
@@ -38,3 +52,9 @@ def assert_trees_close(a, b, rtol=1e-5, atol_scale=1e-5):
 @pytest.fixture
 def close():
   return assert_trees_close
+
+
+def pytest_unconfigure(config):
+  # the process that made the run's cache removes it (xdist: the controller)
+  if _OWN_CACHE and not hasattr(config, "workerinput"):
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)

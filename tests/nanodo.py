@@ -9,6 +9,7 @@ next-token loss closing over the batch, the same `_train_step` under
 data loading, checkpoints, learning-rate schedules. `value_and_grad` is a
 parameter so the tests can swap in ooojax's and nothing else.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,35 +19,38 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import linen as nn
-from flax import struct
+from flax import linen as nn, struct
 from flax.training.train_state import TrainState
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 PAD_ID = 0
 
 
 @dataclasses.dataclass
 class DoConfig:
-  D: int    # model dim
-  H: int    # heads
-  L: int    # context length
-  N: int    # blocks
-  V: int    # vocab
-  F: int    # MLP inner dim
+  D: int  # model dim
+  H: int  # heads
+  L: int  # context length
+  N: int  # blocks
+  V: int  # vocab
+  F: int  # MLP inner dim
   kernel_init: nn.initializers.Initializer = nn.initializers.xavier_uniform()
   embed_init: nn.initializers.Initializer = nn.initializers.variance_scaling(
-      1.0, "fan_in", "normal", out_axis=0)
+    1.0, "fan_in", "normal", out_axis=0
+  )
   dtype: jnp.dtype = jnp.float32
   fsdp_enabled: bool = True
   remat: bool = False
 
 
 # FSDP: one dimension of each kernel split over "data" (nanodo's fsdp.py)
-_FSDP = {"embedding": (None, "data"), "attn_in_proj": ("data", None, None),
-         "attn_out_proj": (None, None, "data"), "mlp_kernel": ("data", None),
-         "head": ("data", None)}
+_FSDP = {
+  "embedding": (None, "data"),
+  "attn_in_proj": ("data", None, None),
+  "attn_out_proj": (None, None, "data"),
+  "mlp_kernel": ("data", None),
+  "head": ("data", None),
+}
 
 
 def fsdp_init(kind: str, cfg: DoConfig):
@@ -59,8 +63,9 @@ class Mlp(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    dense = functools.partial(nn.Dense, kernel_init=fsdp_init("mlp_kernel", self.cfg),
-                              use_bias=False, dtype=self.cfg.dtype)
+    dense = functools.partial(
+      nn.Dense, kernel_init=fsdp_init("mlp_kernel", self.cfg), use_bias=False, dtype=self.cfg.dtype
+    )
     return dense(self.cfg.D)(jax.nn.gelu(dense(self.cfg.F)(x)))
 
 
@@ -71,20 +76,30 @@ class CausalAttn(nn.Module):
   def __call__(self, x):
     cfg = self.cfg
     dh = cfg.D // cfg.H
-    proj = functools.partial(nn.DenseGeneral, axis=-1, features=(cfg.H, dh),
-                             kernel_init=fsdp_init("attn_in_proj", cfg), use_bias=False,
-                             dtype=cfg.dtype)
+    proj = functools.partial(
+      nn.DenseGeneral,
+      axis=-1,
+      features=(cfg.H, dh),
+      kernel_init=fsdp_init("attn_in_proj", cfg),
+      use_bias=False,
+      dtype=cfg.dtype,
+    )
     q, k, v = proj(name="query")(x), proj(name="key")(x), proj(name="value")(x)
-    q /= dh ** 0.5
+    q /= dh**0.5
     att = jnp.einsum("...qhd,...khd->...hqk", q, k).astype(jnp.float32)
     length = x.shape[1]
     causal = jnp.tril(jnp.ones((1, 1, length, length), dtype=jnp.bool_))
     att = jnp.where(causal, att, jnp.finfo(cfg.dtype).min)
     att = jax.nn.softmax(att, axis=-1).astype(cfg.dtype)
     out = jnp.einsum("...hqk,...khd->...qhd", att, v)
-    return nn.DenseGeneral(features=cfg.D, name="attn_out_proj", axis=(-2, -1),
-                           kernel_init=fsdp_init("attn_out_proj", cfg), use_bias=False,
-                           dtype=cfg.dtype)(out)
+    return nn.DenseGeneral(
+      features=cfg.D,
+      name="attn_out_proj",
+      axis=(-2, -1),
+      kernel_init=fsdp_init("attn_out_proj", cfg),
+      use_bias=False,
+      dtype=cfg.dtype,
+    )(out)
 
 
 class TBlock(nn.Module):
@@ -133,6 +148,7 @@ def get_in_out(in_BxL, pad_id: int = PAD_ID):
 
 def get_default_loss_fn(in_BxL, apply_fn, c):
   """nanodo's loss factory: the loss closes over the batch."""
+
   def loss_fn(params):
     x, y, weights = get_in_out(in_BxL)
     logits, state = apply_fn({"params": params}, x, mutable=())
@@ -140,6 +156,7 @@ def get_default_loss_fn(in_BxL, apply_fn, c):
     ntokens = weights.sum()
     mean_loss = jnp.sum(losses * weights) / ntokens
     return mean_loss, LossAuxData(ntokens=ntokens, state=state, log_perplexity=mean_loss)
+
   return loss_fn
 
 
@@ -151,8 +168,9 @@ def _train_step(state, in_BxL, c, mesh=None, value_and_grad=jax.value_and_grad):
   (loss, aux), grads = grad_fn(state.params)
   updates, new_opt_state = state.tx.update(grads, state.opt_state, state.params)
   new_params = optax.apply_updates(state.params, updates)
-  new_state = state.replace(step=state.opt_state.gradient_step + 1, params=new_params,
-                            opt_state=new_opt_state)
+  new_state = state.replace(
+    step=state.opt_state.gradient_step + 1, params=new_params, opt_state=new_opt_state
+  )
   return new_state, {"loss": loss, "ntokens": aux.ntokens}
 
 
@@ -167,8 +185,7 @@ def init_train_state(cfg: DoConfig, mesh: Mesh, seed: int = 0):
 
   def init(rng, inputs):
     params = module.init(rng, inputs)
-    return TrainState.create(apply_fn=module.apply, params=params["params"],
-                             tx=get_optimizer())
+    return TrainState.create(apply_fn=module.apply, params=params["params"], tx=get_optimizer())
 
   abstract = jax.eval_shape(init, jax.random.PRNGKey(seed), inputs)
   shardings = nn.get_sharding(abstract, mesh)
@@ -178,9 +195,11 @@ def init_train_state(cfg: DoConfig, mesh: Mesh, seed: int = 0):
 
 def make_step(shardings, mesh, c=None, value_and_grad=jax.value_and_grad):
   """nanodo's `Trainer.step_fn` (donation left out: the tests reuse their inputs)."""
-  return jax.jit(functools.partial(_train_step, c=c, mesh=mesh, value_and_grad=value_and_grad),
-                 in_shardings=(shardings, NamedSharding(mesh, P())),
-                 out_shardings=(shardings, NamedSharding(mesh, P())))
+  return jax.jit(
+    functools.partial(_train_step, c=c, mesh=mesh, value_and_grad=value_and_grad),
+    in_shardings=(shardings, NamedSharding(mesh, P())),
+    out_shardings=(shardings, NamedSharding(mesh, P())),
+  )
 
 
 def mesh(n: int) -> Mesh:

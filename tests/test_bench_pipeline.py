@@ -1,4 +1,5 @@
 """benchmarks/pipeline.py: the simulated paper-scale table (cost model only)."""
+
 import math
 import re
 
@@ -28,7 +29,7 @@ def test_paper_scale_table_has_a_finite_cell_for_every_runnable_schedule():
 
 def test_link_true_paper_table_keeps_ooo_at_least_the_best_of_gpipe_and_1f1b():
   lines, rows = pipeline.table_paper_link(stages=(4,), links=("10GbE",), micro_per_stage=(2,))
-  assert len(rows) == 2 * 2   # modes x models
+  assert len(rows) == 2 * 2  # modes x models
   assert all(r[6] >= 0.98 and r[5] >= 0.98 and 0 < r[7] <= 1 + 1e-9 for r in rows)
   table = [l for l in lines if l.startswith("| BERT-")]
   assert len(table) == 4 and all("1.41-1.99x" in l for l in table)

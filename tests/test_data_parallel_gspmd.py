@@ -3,14 +3,14 @@
 The reference everywhere is `jax.value_and_grad` of the full-batch mean loss
 (nanodo: the authors' own train step and optax loop).
 """
+
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import ooojax as ooo
 from tests import nanodo as nd
@@ -26,12 +26,14 @@ def _mlp():
 
   def loss(p, x, y):
     return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
+
   return loss, params, x, y
 
 
 def _mesh(axis_type=AxisType.Auto, shape=(N,), names=("data",)):
-  return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape),
-                       devices=jax.devices()[:int(np.prod(shape))])
+  return jax.make_mesh(
+    shape, names, axis_types=(axis_type,) * len(shape), devices=jax.devices()[: int(np.prod(shape))]
+  )
 
 
 # --- finding the data axis ------------------------------------------------------
@@ -43,6 +45,7 @@ def test_auto_axes_batch_constrained_in_the_step(close):
   def step(p, x, y):  # the batch's sharding shows in the constraint that made it
     x, y = (jax.lax.with_sharding_constraint(v, data) for v in (x, y))
     return DP(loss)(p, x, y)
+
   close(jax.jit(step)(params, x, y), jax.value_and_grad(loss)(params, x, y))
 
 
@@ -54,13 +57,15 @@ def test_auto_axes_closed_over_batch_and_axis_name(close):
   def step(p, x, y):  # nanodo's shape: the loss closes over its (constrained) batch
     x, y = (jax.lax.with_sharding_constraint(v, NamedSharding(mesh, P("data"))) for v in (x, y))
     return DP(lambda p: loss(p, x, y))(p)
+
   close(jax.jit(step)(params, x, y), ref)
   # nothing shows a sharding: axis_name= and a context mesh; the non-differentiated
   # arguments are the batch
   shard = (NamedSharding(mesh, P()), NamedSharding(mesh, P("data")), NamedSharding(mesh, P("data")))
   with jax.set_mesh(mesh):
     out = jax.jit(lambda p, x, y: DP(loss, axis_name="data")(p, x, y), in_shardings=shard)(
-        params, x, y)
+      params, x, y
+    )
   close(out, ref)
 
 
@@ -89,6 +94,7 @@ def test_auto_axes_fsdp_reduce_scatters_gradients(close):
     p = jax.lax.with_sharding_constraint(p, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
     x, y = (jax.lax.with_sharding_constraint(v, NamedSharding(mesh, P("data"))) for v in (x, y))
     return DP(loss)(p, x, y)
+
   f = jax.jit(step)
   close(f(params, x, y), jax.value_and_grad(loss)(params, x, y))
   hlo = f.lower(params, x, y).compile().as_text()
@@ -104,6 +110,7 @@ def test_other_mesh_axes_are_left_to_the_partitioner(close):
     p = jax.lax.with_sharding_constraint(p, NamedSharding(mesh, P(None, "model")))
     x, y = (jax.lax.with_sharding_constraint(v, NamedSharding(mesh, P("data"))) for v in (x, y))
     return DP(loss)(p, x, y)
+
   close(jax.jit(step)(params, x, y), jax.value_and_grad(loss)(params, x, y))
 
 
@@ -113,12 +120,17 @@ def test_aux_is_combined_over_shards(close):
 
   def with_aux(p, x, y):
     err = (jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2
-    return err.mean(), {"rows": err.mean(1), "count": jnp.sum(jnp.ones(x.shape[0])),
-                        "n": x.shape[0] + jnp.zeros((), jnp.int32), "mean": err.mean()}
+    return err.mean(), {
+      "rows": err.mean(1),
+      "count": jnp.sum(jnp.ones(x.shape[0])),
+      "n": x.shape[0] + jnp.zeros((), jnp.int32),
+      "mean": err.mean(),
+    }
 
   def step(p, x, y):
     x, y = (jax.lax.with_sharding_constraint(v, NamedSharding(mesh, P("data"))) for v in (x, y))
     return DP(with_aux, has_aux=True)(p, x, y)
+
   (v, aux), g = jax.jit(step)(params, x, y)
   (rv, raux), rg = jax.value_and_grad(with_aux, has_aux=True)(params, x, y)
   close((v, g), (rv, rg))
@@ -130,8 +142,11 @@ def test_errors_name_axis_name_and_the_mesh_axes():
   mesh = _mesh(shape=(2, 2), names=("data", "model"))
   rep = NamedSharding(mesh, P())
   with jax.set_mesh(mesh):
-    with pytest.raises(ValueError, match=r"axis_name='batch' is not an axis of the mesh "
-                                         r"\(its axes: \('data', 'model'\)\)"):
+    with pytest.raises(
+      ValueError,
+      match=r"axis_name='batch' is not an axis of the mesh "
+      r"\(its axes: \('data', 'model'\)\)",
+    ):
       jax.jit(DP(loss, axis_name="batch"))(params, x, y)
     # nothing shows which axis the batch is split over
     with pytest.raises(ValueError, match=r"axis_name=.*\('data', 'model'\)"):
@@ -141,8 +156,10 @@ def test_errors_name_axis_name_and_the_mesh_axes():
     x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("data")))
     box = type("Box", (), {})()
     box.x = x
-    return DP(lambda p, y: loss(p, box.x, y))(p, jax.lax.with_sharding_constraint(
-        y, NamedSharding(mesh, P("data"))))
+    return DP(lambda p, y: loss(p, box.x, y))(
+      p, jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P("data")))
+    )
+
   with pytest.raises(ValueError, match="pass it as an argument"):
     jax.jit(step)(params, x, y)
 
@@ -196,11 +213,13 @@ def test_make_train_step_takes_train_state_and_aux(close):
 
   from ooojax import data_parallel as dp
   from tests.models import tanh_mlp
+
   params, loss, xs = tanh_mlp(3)
   tx = optax.adam(1e-2)
 
   def with_aux(p, x):
     return loss(p, x), {"mean_x": jnp.mean(x), "rows": jnp.sum(x, 1)}
+
   ref_p, ref_o = params, tx.init(params)
   ref_aux = []
   for x in xs:  # the plain loop
@@ -225,8 +244,10 @@ def test_make_train_step_takes_nnx_graphdef_and_params(close):
   from flax import nnx
 
   from ooojax import data_parallel as dp
-  model = nnx.Sequential(nnx.Linear(6, 8, rngs=nnx.Rngs(0)), nnx.tanh,
-                         nnx.Linear(8, 3, rngs=nnx.Rngs(1)))
+
+  model = nnx.Sequential(
+    nnx.Linear(6, 8, rngs=nnx.Rngs(0)), nnx.tanh, nnx.Linear(8, 3, rngs=nnx.Rngs(1))
+  )
   graphdef, params = nnx.split(model, nnx.Param)
   xs = [jax.random.normal(jax.random.PRNGKey(i), (2 * N, 6)) for i in range(3)]
   loss = lambda m, x: jnp.mean(m(x) ** 2)

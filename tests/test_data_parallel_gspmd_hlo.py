@@ -4,18 +4,22 @@ nanodo's train step (`tests/nanodo.py`) under its own sharded jit, with
 `jax.value_and_grad` (the authors') or `ooo.value_and_grad(mode="data_parallel")`.
 No GPU runs: the schedule is read from the compiled HLO (`ooojax.gpu_hlo`).
 """
+
 import pytest
 
 from ooojax import gpu_hlo
 
-pytestmark = pytest.mark.skipif(gpu_hlo.unavailable_reason() is not None,
-                                reason=f"compile-only H100: {gpu_hlo.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(
+  gpu_hlo.unavailable_reason() is not None,
+  reason=f"compile-only H100: {gpu_hlo.unavailable_reason()}",
+)
 
 SIZES = dict(D=256, H=4, L=64, N=2, V=512, F=1024)
 
 
 def _counts(fsdp, variant):
   from benchmarks.dp_gspmd import h100_counts
+
   return h100_counts(fsdp, variant, 8, SIZES)
 
 

@@ -3,6 +3,7 @@ collectives are the tick loop's activation-sized transfers and, outside it, the
 loss's and the tied weights' reductions (2 forced CPU devices, one per stage, as
 the 2-process run places them). Interleaved and ZB-V take their stage stacks in
 device order (`layout="device"`; `make_train_step` keeps its state so)."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,10 +12,10 @@ import pytest
 
 import ooojax as ooo
 from benchmarks.pipeline_bytes import traffic
-from passes.pipeline.plan import F
-from passes.pipeline.program import program
+from ooojax.passes.pipeline.plan import F
+from ooojax.passes.pipeline.program import program
 from tests.conftest import assert_trees_close
-from tests.test_pipeline import _jit, _mesh, _mlp, _reference, _stack, Layer
+from tests.test_pipeline import Layer, _jit, _mesh, _mlp, _reference, _stack
 
 SCHEDULES = ("gpipe", "1f1b", "ooo", "zb-h1", "zb-h2", "interleaved", "zb-v")
 M = 4
@@ -23,8 +24,12 @@ M = 4
 def _tied(vstages):
   vocab, dim = 11, 8
   layer = Layer()
-  params = _stack([layer.init(k, jnp.zeros((1, dim)))["params"]
-                   for k in jax.random.split(jax.random.key(0), vstages)])
+  params = _stack(
+    [
+      layer.init(k, jnp.zeros((1, dim)))["params"]
+      for k in jax.random.split(jax.random.key(0), vstages)
+    ]
+  )
   shared = {"emb": jax.random.normal(jax.random.key(3), (vocab, dim)) * 0.3}
   input_fn = lambda tok, sh: sh["emb"][tok]  # noqa: E731
 
@@ -53,14 +58,22 @@ def _assert_only_activations(text, plan, act_shape, reduced_shapes):
   assert loop and all(c.op == "collective-permute" for c in loop), loop
   assert {s for c in loop for s in c.shapes} == {act_shape}, loop
   out = [c for c in tr.collectives if not c.in_loop]
-  assert all(c.op == "all-reduce" for c in out), out       # no weight moves, no gather
+  assert all(c.op == "all-reduce" for c in out), out  # no weight moves, no gather
   got = {s for c in out for s in c.shapes}
   assert got <= set(reduced_shapes), (got, reduced_shapes)
-  if plan is not None:   # each lag-0 transfer runs at its pattern's ticks only
-    sends = int(sum(len(p) * k for ring in ("up", "dn") for p, k in zip(
-        plan.patterns.get(ring, ()), np.bincount(plan.rows[:, 0, F[f"{ring}_pat"]],
-                                                 minlength=len(plan.patterns.get(ring, ())))
-    )))
+  if plan is not None:  # each lag-0 transfer runs at its pattern's ticks only
+    sends = int(
+      sum(
+        len(p) * k
+        for ring in ("up", "dn")
+        for p, k in zip(
+          plan.patterns.get(ring, ()),
+          np.bincount(
+            plan.rows[:, 0, F[f"{ring}_pat"]], minlength=len(plan.patterns.get(ring, ()))
+          ),
+        )
+      )
+    )
     act = int(np.prod([int(d) for d in act_shape.split("[")[1][:-1].split(",")])) * 4
     assert tr.loop == sends * act, (tr.loop, sends, act)
 
@@ -73,9 +86,17 @@ def test_compiled_step_moves_only_activations(name):
   mesh = _mesh(2)
   stage = _sharded(mesh, _by_device(sched, params), jax.P("stage"))
   rep = _sharded(mesh, (shared, (tokens, labels)), jax.P())
-  step = _jit(ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=mesh, axis_name="stage",
-                                             schedule=sched, input_fn=input_fn,
-                                             layout="device"))
+  step = _jit(
+    ooo.pipeline.value_and_grad(
+      stage_fn,
+      loss_fn,
+      mesh=mesh,
+      axis_name="stage",
+      schedule=sched,
+      input_fn=input_fn,
+      layout="device",
+    )
+  )
   text = step.lower(stage, rep[1], rep[0]).compile().as_text()
   prog = program(stage_fn, loss_fn, sched, params, (tokens, labels), shared, input_fn)
   _assert_only_activations(text, prog.plan, "f32[2,8]", {"f32[]", "f32[11,8]"})
@@ -87,8 +108,9 @@ def test_virtual_layout_moves_weights():
   sched = ooo.pipeline.schedule("interleaved", stages=2, microbatches=M)
   stage_fn, loss_fn, params, x, t = _mlp(sched.virtual_stages)
   mesh = _mesh(2)
-  step = _jit(ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=mesh, axis_name="stage",
-                                             schedule=sched))
+  step = _jit(
+    ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=mesh, axis_name="stage", schedule=sched)
+  )
   text = step.lower(_sharded(mesh, params, jax.P("stage")), (x, t)).compile().as_text()
   out = [c for c in traffic(text).collectives if not c.in_loop]
   assert {c.op for c in out} >= {"collective-permute", "all-gather"}
@@ -99,14 +121,21 @@ def test_device_layout_grads_equal_jax_grad(name):
   sched = ooo.pipeline.schedule(name, stages=2, microbatches=M)
   stage_fn, loss_fn, input_fn, params, shared, tokens, labels = _tied(sched.virtual_stages)
   mesh = _mesh(2)
-  step = ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=mesh, axis_name="stage",
-                                     schedule=sched, input_fn=input_fn, layout="device")
-  loss, (gp, gsh) = _jit(step)(_sharded(mesh, _by_device(sched, params), jax.P("stage")),
-                               (tokens, labels), shared)
-  ref_loss, (rp, rsh) = _reference(stage_fn, loss_fn, params, tokens, labels, input_fn,
-                                   shared)
+  step = ooo.pipeline.value_and_grad(
+    stage_fn,
+    loss_fn,
+    mesh=mesh,
+    axis_name="stage",
+    schedule=sched,
+    input_fn=input_fn,
+    layout="device",
+  )
+  loss, (gp, gsh) = _jit(step)(
+    _sharded(mesh, _by_device(sched, params), jax.P("stage")), (tokens, labels), shared
+  )
+  ref_loss, (rp, rsh) = _reference(stage_fn, loss_fn, params, tokens, labels, input_fn, shared)
   assert_trees_close(loss, ref_loss)
-  assert_trees_close(gp, _by_device(sched, rp))     # grads in the same (device) order
+  assert_trees_close(gp, _by_device(sched, rp))  # grads in the same (device) order
   assert_trees_close(gsh, rsh)
 
 
@@ -118,8 +147,11 @@ def test_device_layout_train_follows_optax_loop(name, steps):
   k = jax.random.split(jax.random.key(3), 2)
   xs, ts = jax.random.normal(k[0], (steps, 8, 8)), jax.random.normal(k[1], (steps, 8, 8))
   mesh = _mesh(2)
-  run = _jit(ooo.pipeline.train(stage_fn, loss_fn, opt, mesh=mesh, axis_name="stage",
-                                   schedule=sched, layout="device"))
+  run = _jit(
+    ooo.pipeline.train(
+      stage_fn, loss_fn, opt, mesh=mesh, axis_name="stage", schedule=sched, layout="device"
+    )
+  )
   p0 = _sharded(mesh, _by_device(sched, params), jax.P("stage"))
   o0 = jax.vmap(opt.init)(p0)
   p, _, losses = run(p0, o0, (xs, ts))
@@ -144,14 +176,15 @@ def assert_train_step_moves_only_activations(step, state, *batch):
   stack crosses, and nothing is gathered. Called by the train-step tests on the
   programs they compile anyway."""
   tr = traffic(step.lower(state, *batch).compile().as_text())
-  acts = {s for c in tr.collectives if c.in_loop and c.op == "collective-permute"
-          for s in c.shapes}
-  assert len(acts) == 1, acts          # one activation shape, whatever the tick
+  acts = {s for c in tr.collectives if c.in_loop and c.op == "collective-permute" for s in c.shapes}
+  assert len(acts) == 1, acts  # one activation shape, whatever the tick
   assert {c.op for c in tr.collectives} <= {"collective-permute", "all-reduce"}, tr
   assert not [c for c in tr.collectives if c.op == "collective-permute" and not c.in_loop]
-  shared = {f"{np.dtype(x.dtype).name.replace('float', 'f')}[{','.join(map(str, x.shape))}]"
-            for x in state.params.shared}
-  steps = getattr(step, "steps", 1)     # a tiled step's losses: (steps,)
+  shared = {
+    f"{np.dtype(x.dtype).name.replace('float', 'f')}[{','.join(map(str, x.shape))}]"
+    for x in state.params.shared
+  }
+  steps = getattr(step, "steps", 1)  # a tiled step's losses: (steps,)
   reduced = {s for c in tr.collectives if c.op == "all-reduce" for s in c.shapes}
   assert reduced <= shared | {"f32[]", f"f32[{steps}]"}, (reduced, shared)
 
@@ -160,10 +193,17 @@ def test_train_step_value_and_grad_keeps_the_state_layout():
   # the automatic form's gradient without the update: in the state's layout (device
   # order, sharded by stage), equal to jax.value_and_grad of the microbatch mean
   from tests.test_pipeline_auto import _gpt
+
   loss, params, (tokens,) = _gpt()
-  step = ooo.pipeline.make_train_step(loss, optax.sgd(0.1), mesh=_mesh(2), axis_name="stage",
-                                      schedule="zb-v", microbatches=2,
-                                      compiler_options={"xla_backend_optimization_level": 0})
+  step = ooo.pipeline.make_train_step(
+    loss,
+    optax.sgd(0.1),
+    mesh=_mesh(2),
+    axis_name="stage",
+    schedule="zb-v",
+    microbatches=2,
+    compiler_options={"xla_backend_optimization_level": 0},
+  )
   state = step.init(params, tokens)
   l, g = step.value_and_grad(state, tokens)
   for a, b in zip(g.stacked, state.params.stacked):
@@ -171,6 +211,7 @@ def test_train_step_value_and_grad_keeps_the_state_layout():
 
   def mean(p, tok):
     return sum(loss(p, t) for t in tok.reshape(2, -1, *tok.shape[1:])) / 2
+
   ref_l, ref_g = _jit(jax.value_and_grad(mean))(params, tokens)
   assert_trees_close(l, ref_l)
   assert_trees_close(step.params(g), ref_g)
@@ -178,19 +219,24 @@ def test_train_step_value_and_grad_keeps_the_state_layout():
   assert {c.op for c in tr.collectives} <= {"collective-permute", "all-reduce"}
   assert all(c.in_loop for c in tr.collectives if c.op == "collective-permute")
   with pytest.raises(TypeError, match="steps=1"):
-    ooo.pipeline.make_train_step(loss, optax.sgd(0.1), mesh=_mesh(2), axis_name="stage",
-                                 schedule="zb-v", microbatches=2, steps=2).value_and_grad(
-                                     state, tokens)
+    ooo.pipeline.make_train_step(
+      loss,
+      optax.sgd(0.1),
+      mesh=_mesh(2),
+      axis_name="stage",
+      schedule="zb-v",
+      microbatches=2,
+      steps=2,
+    ).value_and_grad(state, tokens)
 
 
 def test_layout_errors():
   stage_fn, loss_fn, _, _, _ = _mlp(2)
   with pytest.raises(ValueError, match="layout must be 'virtual'.*or 'device'"):
-    ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=_mesh(2), axis_name="stage",
-                                layout="stage")
+    ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=_mesh(2), axis_name="stage", layout="stage")
   with pytest.raises(TypeError, match="layout belongs to the explicit form"):
-    ooo.pipeline.value_and_grad(lambda p, x: 0.0, mesh=_mesh(2), axis_name="stage",
-                                layout="device")
+    ooo.pipeline.value_and_grad(lambda p, x: 0.0, mesh=_mesh(2), axis_name="stage", layout="device")
   with pytest.raises(ValueError, match="layout must be"):
-    ooo.pipeline.train(stage_fn, loss_fn, optax.sgd(0.1), mesh=_mesh(2), axis_name="stage",
-                       layout="devices")
+    ooo.pipeline.train(
+      stage_fn, loss_fn, optax.sgd(0.1), mesh=_mesh(2), axis_name="stage", layout="devices"
+    )

@@ -1,16 +1,17 @@
 """The link-true pipeline simulator (passes.pipeline.link) on cases worked by hand, and
 `ooo` planned on the link (passes.pipeline.depth): its depth choice across link costs,
 and its tables through the executor equal jax.grad."""
+
 import pytest
 
 import ooojax as ooo
-from passes.pipeline.depth import plan_ooo
-from passes.pipeline.generate import generate
-from passes.pipeline.link import LinkModel, simulate_link
+from ooojax.passes.pipeline.depth import plan_ooo
+from ooojax.passes.pipeline.generate import generate
+from ooojax.passes.pipeline.link import LinkModel, simulate_link
 from tests.conftest import assert_trees_close
 from tests.test_pipeline import _jit, _mesh, _mlp, _reference
 
-COSTS = {"F": 1.0, "B": 0.5, "W": 0.5}   # BW = 1
+COSTS = {"F": 1.0, "B": 0.5, "W": 0.5}  # BW = 1
 
 
 def test_transfers_queue_on_the_link():
@@ -25,7 +26,11 @@ def test_transfers_queue_on_the_link():
   tl = simulate_link(g, COSTS, slow, "overlap")
   assert tl.makespan == 20.0
   assert [(t.start, t.end) for t in tl.transfers if t.kind == "F"] == [
-      (1.0, 3.0), (3.0, 5.0), (5.0, 7.0), (7.0, 9.0)]
+    (1.0, 3.0),
+    (3.0, 5.0),
+    (5.0, 7.0),
+    (7.0, 9.0),
+  ]
   assert g.simulate(COSTS, 2.0).makespan == 14.0
   # a free link: the table's own step
   assert simulate_link(g, COSTS, LinkModel(), "overlap").makespan == g.simulate(COSTS).makespan
@@ -38,8 +43,9 @@ def test_executor_replay_by_hand():
   F1 ends 2 on s0, F0 ends 3 on s1: they meet at 3, s1 has F1 at 4, runs it to 5,
   BW0 to 6, sends; s0 (waiting since 3) has it at 7, BW0 to 8; s1's BW1 (6..7)
   meets it at 8, s0 has the gradient at 9 and ends BW1 at 10."""
-  tl = simulate_link(generate("gpipe", 2, 2), COSTS, LinkModel(bandwidth=1.0, nbytes=1.0),
-                     "executor")
+  tl = simulate_link(
+    generate("gpipe", 2, 2), COSTS, LinkModel(bandwidth=1.0, nbytes=1.0), "executor"
+  )
   assert tl.makespan == 10.0
   # free transfers, no tick cost: the table's own step
   f = generate("1f1b", 4, 8)
@@ -55,15 +61,16 @@ def test_both_directions_share_a_shaped_loopback():
   qdisc on lo): both leave together and end together after 2."""
   f = generate("1f1b", 2, 4)
   for duplex, span in ((True, 1.0), (False, 2.0)):
-    tl = simulate_link(f, COSTS, LinkModel(bandwidth=1.0, nbytes=1.0, duplex=duplex),
-                       "executor")
+    tl = simulate_link(f, COSTS, LinkModel(bandwidth=1.0, nbytes=1.0, duplex=duplex), "executor")
     starts = {}
     for t in tl.transfers:
       starts.setdefault(t.start, []).append(t)
     together = [ts for ts in starts.values() if len(ts) == 2]
     assert together and all(t.end - t.start == span for ts in together for t in ts)
-  assert simulate_link(f, COSTS, LinkModel(bandwidth=1.0, nbytes=1.0, duplex=False),
-                       "executor").makespan == 18.0
+  assert (
+    simulate_link(f, COSTS, LinkModel(bandwidth=1.0, nbytes=1.0, duplex=False), "executor").makespan
+    == 18.0
+  )
 
 
 @pytest.mark.parametrize("mode", ["overlap", "executor"])
@@ -79,7 +86,7 @@ def test_depth_choice_across_link_costs(mode):
     assert max(sched.peak_activations()) <= M and sched.name == "ooo"
     assert c.step == pytest.approx(simulate_link(sched, COSTS, lk, mode).makespan)
     extras[wire] = c.extra if c.form == "ooo" else (M if c.form == "gpipe" else 0)
-  assert max(extras[w] for w in (1.0, 2.0, 4.0)) > 0   # deeper than 1F1B's S - s
+  assert max(extras[w] for w in (1.0, 2.0, 4.0)) > 0  # deeper than 1F1B's S - s
   # within 1F1B's memory (budget S) it still is never slower than 1F1B
   lk = LinkModel(bandwidth=1.0, nbytes=2.0)
   sched, c = plan_ooo(S, M, COSTS, lk, budget=S, mode=mode)
@@ -92,14 +99,16 @@ def test_planned_tables_match_jax_grad():
   """Two depths the planner picks (a free and a slow link) run through the executor
   and equal jax.value_and_grad of the unpipelined model."""
   plan = lambda w: ooo.pipeline.schedule(  # noqa: E731
-      "ooo", 2, 4, link=LinkModel(bandwidth=1.0, nbytes=w), costs=COSTS, mode="overlap")
+    "ooo", 2, 4, link=LinkModel(bandwidth=1.0, nbytes=w), costs=COSTS, mode="overlap"
+  )
   tables = {max(t.peak_activations()): t for t in (plan(0.0), plan(0.5))}
-  assert len(tables) == 2   # two different depths
+  assert len(tables) == 2  # two different depths
   stage_fn, loss_fn, params, x, t = _mlp(2)
   ref_loss, ref_grads = _reference(stage_fn, loss_fn, params, x, t)
   for sched in tables.values():
-    step = ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=_mesh(2), axis_name="stage",
-                                       schedule=sched)
+    step = ooo.pipeline.value_and_grad(
+      stage_fn, loss_fn, mesh=_mesh(2), axis_name="stage", schedule=sched
+    )
     loss, grads = _jit(step)(params, (x, t))
     assert_trees_close(loss, ref_loss)
     assert_trees_close(grads, ref_grads)
@@ -107,10 +116,9 @@ def test_planned_tables_match_jax_grad():
 
 def test_explain_shows_the_planned_depth():
   from ooojax.models import mlp_stack
-  stage_fn, loss_fn, params, batch = mlp_stack.make(4, layers=4, dim=256, hidden=1024,
-                                                    batch=32)
-  r = ooo.pipeline.explain(stage_fn, loss_fn, "ooo", params, batch, microbatches=8,
-                           link="10GbE")
+
+  stage_fn, loss_fn, params, batch = mlp_stack.make(4, layers=4, dim=256, hidden=1024, batch=32)
+  r = ooo.pipeline.explain(stage_fn, loss_fn, "ooo", params, batch, microbatches=8, link="10GbE")
   d = r.depth
   assert d is not None and d.step <= min(d.gpipe, d.one_f_one_b) * (1 + 1e-9)
   assert r.schedule.peak_activations() == d.peak and max(d.peak) <= 8
@@ -118,4 +126,3 @@ def test_explain_shows_the_planned_depth():
   assert "in-flight depth" in text and "GPipe" in text and "1F1B" in text
   with pytest.raises(ValueError, match="ooo"):
     ooo.pipeline.schedule("gpipe", 2, 4, link=LinkModel())
-

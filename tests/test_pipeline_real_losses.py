@@ -5,6 +5,7 @@ Reference (`_loop`): the loss run microbatch by microbatch, microbatch m with th
 key `fold_in(key, m)`, its loss and floating aux averaged (`jax.value_and_grad` of
 that mean), integer aux stacked.
 """
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -22,11 +23,16 @@ M = 4
 
 def _loop(loss, microbatches=M):
   """`(params, *batch) -> ((loss, aux), grads)`: the microbatch loop, scalar keys folded."""
+
   def mean(p, *batch):
     outs = []
     for m in range(microbatches):
-      part = [jax.random.fold_in(b, m) if ooo.pipeline.is_key(b) else
-              b.reshape(microbatches, -1, *b.shape[1:])[m] for b in batch]
+      part = [
+        jax.random.fold_in(b, m)
+        if ooo.pipeline.is_key(b)
+        else b.reshape(microbatches, -1, *b.shape[1:])[m]
+        for b in batch
+      ]
       outs.append(loss(p, *part))
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[o[1] for o in outs])
     return sum(o[0] for o in outs) / microbatches, stacked
@@ -34,6 +40,7 @@ def _loop(loss, microbatches=M):
   def run(p, *batch):
     (l, aux), g = jax.value_and_grad(mean, has_aux=True)(p, *batch)
     return (l, ooo.pipeline.mean_aux(aux)), g
+
   return run
 
 
@@ -48,12 +55,13 @@ def test_dropout_and_metrics_equal_the_microbatch_loop(lm):
   # two chunks per device in a V, so the stage index matters); 1f1b and zb-h2 below
   _, loss, params, tokens = lm
   key = jax.random.key(7)
-  step = ooo.pipeline.value_and_grad(loss, mesh=_mesh(2), axis_name="stage",
-                                     schedule="zb-v", microbatches=M, has_aux=True)
+  step = ooo.pipeline.value_and_grad(
+    loss, mesh=_mesh(2), axis_name="stage", schedule="zb-v", microbatches=M, has_aux=True
+  )
   got = _jit(step)(params, tokens, key)
   want = _jit(_loop(loss))(params, tokens, key)
   assert_trees_close(got, want)
-  assert got[0][1]["tokens"].shape == (M,)          # integer aux: stacked per microbatch
+  assert got[0][1]["tokens"].shape == (M,)  # integer aux: stacked per microbatch
   # the bits really differ per microbatch: the same key for all gives another loss
   same = _jit(step)(params, tokens, jax.random.key(8))
   assert abs(float(same[0][0]) - float(got[0][0])) > 1e-4
@@ -91,14 +99,20 @@ def test_nnx_rngs_dropout_and_the_users_aux_reduce():
     return mse, {"mse": mse, "big": jnp.sum(jnp.abs(out) > 0.5)}
 
   ks = jax.random.split(jax.random.key(0), 2)
-  batch = (jax.random.normal(ks[0], (8, 3)), jax.random.normal(ks[1], (8, 2)),
-           jax.random.key(5))
-  step = ooo.pipeline.value_and_grad(loss, mesh=_mesh(2), axis_name="stage",
-                                     schedule="interleaved", microbatches=M, has_aux=True)
+  batch = (jax.random.normal(ks[0], (8, 3)), jax.random.normal(ks[1], (8, 2)), jax.random.key(5))
+  step = ooo.pipeline.value_and_grad(
+    loss, mesh=_mesh(2), axis_name="stage", schedule="interleaved", microbatches=M, has_aux=True
+  )
   assert_trees_close(_jit(step)(*(params,) + batch), _jit(_loop(loss))(params, *batch))
   total = ooo.pipeline.value_and_grad(
-      loss, mesh=_mesh(2), axis_name="stage", schedule="interleaved", microbatches=M,
-      has_aux=True, aux_reduce=lambda a: {"mse": a["mse"], "big": a["big"].sum()})
+    loss,
+    mesh=_mesh(2),
+    axis_name="stage",
+    schedule="interleaved",
+    microbatches=M,
+    has_aux=True,
+    aux_reduce=lambda a: {"mse": a["mse"], "big": a["big"].sum()},
+  )
   (_, aux), _ = _jit(total)(params, *batch)
   want = _jit(_loop(loss))(params, *batch)[0][1]
   assert aux["mse"].shape == (M,) and int(aux["big"]) == int(want["big"].sum())
@@ -121,12 +135,21 @@ def test_dropout_lm_trains_as_pipeline_steps(lm, schedule, steps):
   # ZB-H2 the three steps as one table tiled over steps
   _, loss, params, tokens = lm
   opt = optax.adam(1e-2, eps=1e-4)
-  batches = [(jnp.roll(tokens, t, axis=0), jax.random.fold_in(jax.random.key(3), t))
-             for t in range(3)]
+  batches = [
+    (jnp.roll(tokens, t, axis=0), jax.random.fold_in(jax.random.key(3), t)) for t in range(3)
+  ]
   ref = _reference_steps(loss, opt, params, batches)
-  step = ooo.pipeline.make_train_step(loss, opt, mesh=_mesh(4), axis_name="stage",
-                                      schedule=schedule, microbatches=M, has_aux=True,
-                                      steps=steps, compiler_options=O0)
+  step = ooo.pipeline.make_train_step(
+    loss,
+    opt,
+    mesh=_mesh(4),
+    axis_name="stage",
+    schedule=schedule,
+    microbatches=M,
+    has_aux=True,
+    steps=steps,
+    compiler_options=O0,
+  )
   if steps == 1:
     state = step.init(params, *batches[0])
     for t, b in enumerate(batches):
@@ -147,18 +170,29 @@ def test_explain_tiled_on_a_causal_lm_every_schedule():
   # batch would not broadcast against the equations traced at a microbatch's)
   _, loss, params, tokens = _lm1b.make(layers=8, batch=16)
   for schedule in ooo.pipeline.SCHEDULES:
-    r = ooo.pipeline.explain(loss, params, tokens, jax.random.key(0), stages=4,
-                             schedule=schedule, microbatches=8, steps=2, has_aux=True)
+    r = ooo.pipeline.explain(
+      loss,
+      params,
+      tokens,
+      jax.random.key(0),
+      stages=4,
+      schedule=schedule,
+      microbatches=8,
+      steps=2,
+      has_aux=True,
+    )
     assert r.steady_state().steps == 2 and r.cut.layers == 8, schedule
 
 
 def test_masked_optimizer_names_the_layout():
   # a weight-decay mask in the user's tree: make_train_step's optimizer sees StageParams
   from tests.test_pipeline_auto import _mlp
+
   loss, params, batch = _mlp()
   opt = optax.masked(optax.add_decayed_weights(0.1), jax.tree.map(lambda x: x.ndim > 1, params))
-  step = ooo.pipeline.make_train_step(loss, opt, mesh=_mesh(2), axis_name="stage",
-                                      schedule="1f1b", microbatches=2)
+  step = ooo.pipeline.make_train_step(
+    loss, opt, mesh=_mesh(2), axis_name="stage", schedule="1f1b", microbatches=2
+  )
   with pytest.raises(ValueError, match="sees StageParams"):
     step.init(params, *batch)
 
@@ -166,6 +200,7 @@ def test_masked_optimizer_names_the_layout():
 def test_scanned_dropout_keys_refused():
   # nn.scan splits the dropout key per layer and scans over the keys: refused, naming it
   import flax.linen as nn
+
   from tests.test_pipeline_auto import _raises
 
   class Body(nn.Module):
@@ -176,8 +211,9 @@ def test_scanned_dropout_keys_refused():
   class Net(nn.Module):
     @nn.compact
     def __call__(self, x):
-      scan = nn.scan(Body, variable_axes={"params": 0},
-                     split_rngs={"params": True, "dropout": True}, length=4)
+      scan = nn.scan(
+        Body, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True}, length=4
+      )
       return scan()(x, None)[0]
 
   model, x = Net(), jnp.ones((8, 4))
@@ -185,4 +221,5 @@ def test_scanned_dropout_keys_refused():
 
   def loss(p, x, key):
     return jnp.mean(model.apply({"params": p}, x, rngs={"dropout": key}) ** 2)
+
   _raises(loss, params, (x, jax.random.key(1)), "per-layer keys split from a key")

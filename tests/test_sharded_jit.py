@@ -5,6 +5,7 @@ SPMD partitioning, on 4 CPU devices and on compile-only H100 x8.
 
 Each case equals `jax.value_and_grad` under the same sharded jit.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,13 +22,15 @@ ORDERINGS = ("auto", "barriers", "none")
 
 
 def _mesh(types, shape=(2, 2), names=("batch", "model")):
-  return jax.make_mesh(shape, names, axis_types=(types,) * len(names),
-                       devices=jax.devices()[:int(np.prod(shape))])
+  return jax.make_mesh(
+    shape, names, axis_types=(types,) * len(names), devices=jax.devices()[: int(np.prod(shape))]
+  )
 
 
 def _mlp(at):
   """A 4-layer tanh MLP whose loss reads its input's sharding (explicit) or
   pins its activations (auto), as flax's nnx examples do."""
+
   def loss(ws, x):
     for w in ws:
       y = jnp.tanh(x @ w)
@@ -35,15 +38,21 @@ def _mlp(at):
         x = jax.sharding.reshard(y, jax.typeof(x).sharding)
       else:
         x = jax.lax.with_sharding_constraint(y, P("batch", None))
-    return jnp.mean(x ** 2)
+    return jnp.mean(x**2)
+
   return loss
 
 
 def _args(mesh, param_spec=P()):
-  ws = [jax.device_put(jax.random.normal(jax.random.key(i), (16, 16)) * 0.3,
-                       NamedSharding(mesh, param_spec)) for i in range(4)]
-  x = jax.device_put(jax.random.normal(jax.random.key(9), (8, 16)),
-                     NamedSharding(mesh, P("batch", None)))
+  ws = [
+    jax.device_put(
+      jax.random.normal(jax.random.key(i), (16, 16)) * 0.3, NamedSharding(mesh, param_spec)
+    )
+    for i in range(4)
+  ]
+  x = jax.device_put(
+    jax.random.normal(jax.random.key(9), (8, 16)), NamedSharding(mesh, P("batch", None))
+  )
   return ws, x
 
 
@@ -54,8 +63,9 @@ def _same(got, want, close):
 
 
 # --- explicit sharding: typeof / reshard ---------------------------------------------
-@pytest.mark.parametrize("mode,ordering", [("in_order", "auto"), ("single_gpu", "auto"),
-                                           ("single_gpu", "barriers")])
+@pytest.mark.parametrize(
+  "mode,ordering", [("in_order", "auto"), ("single_gpu", "auto"), ("single_gpu", "barriers")]
+)
 def test_explicit_typeof_reshard_jit(mode, ordering, close):
   mesh = _mesh(EXPLICIT)
   loss = _mlp(EXPLICIT)
@@ -88,8 +98,11 @@ def test_data_parallel_in_shard_map_over_part_of_the_mesh(at, close):
     def f(ws, x):
       l, gr = g(ws, x)
       return jax.lax.pmean(l, "batch"), gr
-    return jax.jit(jax.shard_map(f, in_specs=(P(), P("batch")), out_specs=(P(), P()),
-                                 axis_names={"batch"}))
+
+    return jax.jit(
+      jax.shard_map(f, in_specs=(P(), P("batch")), out_specs=(P(), P()), axis_names={"batch"})
+    )
+
   with jax.set_mesh(mesh):
     ws, x = _args(mesh)
     want = jax.jit(jax.value_and_grad(loss))(ws, x)
@@ -102,13 +115,16 @@ def _mlp_model_axis():
   def loss(ws, x):
     for w in ws:
       x = jax.lax.with_sharding_constraint(jnp.tanh(x @ w), P(None, "model"))
-    return jnp.mean(x ** 2)
+    return jnp.mean(x**2)
+
   return loss
 
 
 # --- GSPMD: auto axes, sharded parameters ----------------------------------------------
-@pytest.mark.parametrize("mode,ordering", [("in_order", "auto"), *[("single_gpu", o) for o in
-                                                                  (*ORDERINGS, "control_deps")]])
+@pytest.mark.parametrize(
+  "mode,ordering",
+  [("in_order", "auto"), *[("single_gpu", o) for o in (*ORDERINGS, "control_deps")]],
+)
 def test_gspmd_sharded_params(mode, ordering, close):
   """Parameters sharded on the model axis, batch on the data axis (Auto):
   ooojax's stream calls, barriers and control edges go through the SPMD
@@ -126,7 +142,8 @@ def _deep(n=6, d=256, batch=64):
   def loss(ws, x):
     for w in ws:
       x = jnp.tanh(x @ w)
-    return jnp.mean(x ** 2)
+    return jnp.mean(x**2)
+
   ws = [jax.random.normal(jax.random.key(i), (d, d)) * 0.1 for i in range(n)]
   return loss, ws, jnp.ones((batch, d))
 
@@ -150,7 +167,7 @@ def test_control_edges_only_where_they_partition():
   # stream, so partitioned modules get the calls inline, the barriers kept
   assert "optimization_barrier" in text and "_xla_stream_annotation" not in text
   hlo = lowered.compile().as_text()
-  assert "all-reduce" in hlo    # partitioned: the replicated weights' gradients are reduced
+  assert "all-reduce" in hlo  # partitioned: the replicated weights' gradients are reduced
   np.testing.assert_allclose(f(ws, xs)[0], jax.value_and_grad(loss)(ws, x)[0], rtol=1e-6)
 
 
@@ -158,9 +175,15 @@ GPU = gpu_hlo.unavailable_reason()
 
 
 @pytest.mark.skipif(GPU is not None, reason=f"compile-only GPU: {GPU}")
-@pytest.mark.parametrize("mode,ordering", [("in_order", "auto"), ("single_gpu", "auto"),
-                                           ("single_gpu", "control_deps"),
-                                           ("single_gpu", "none")])
+@pytest.mark.parametrize(
+  "mode,ordering",
+  [
+    ("in_order", "auto"),
+    ("single_gpu", "auto"),
+    ("single_gpu", "control_deps"),
+    ("single_gpu", "none"),
+  ],
+)
 def test_h100x8_gspmd_partitions(mode, ordering):
   """Compile-only H100 x8, (4 data) x (2 model): every ordering partitions and
   each device holds its weight shard. The dW calls, which hold the
@@ -168,12 +191,17 @@ def test_h100x8_gspmd_partitions(mode, ordering):
   collective inside a side-stream call: "No ExecutionStreamId found")."""
   m = gpu_hlo.mesh("H100", (4, 2), ("batch", "model"))
   loss, ws, x = _deep(4, 256)
-  ws = [jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(
-      m, P(None, "model") if i % 2 == 0 else P("model", None))) for i, w in enumerate(ws)]
+  ws = [
+    jax.ShapeDtypeStruct(
+      w.shape,
+      w.dtype,
+      sharding=NamedSharding(m, P(None, "model") if i % 2 == 0 else P("model", None)),
+    )
+    for i, w in enumerate(ws)
+  ]
   x = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=NamedSharding(m, P("batch")))
-  hlo = gpu_hlo.compile_text(ooo.value_and_grad(loss, mode=mode, ordering=ordering), ws, x,
-                             mesh=m)
-  assert "f32[256,128]" in hlo and "f32[128,256]" in hlo      # the per-device weight shards
+  hlo = gpu_hlo.compile_text(ooo.value_and_grad(loss, mode=mode, ordering=ordering), ws, x, mesh=m)
+  assert "f32[256,128]" in hlo and "f32[128,256]" in hlo  # the per-device weight shards
   assert "all-reduce" in hlo and "_xla_stream_annotation" not in hlo
 
 
@@ -183,8 +211,13 @@ def test_h100x8_manual_shard_map_keeps_stream_calls():
   on the side stream (async call-start / call-done pairs)."""
   m = gpu_hlo.mesh("H100", 8, ("batch",))
   loss, ws, x = _deep(4, 256)
-  f = jax.shard_map(ooo.value_and_grad(loss, mode="single_gpu"), mesh=m,
-                    in_specs=(P(), P("batch")), out_specs=P(), check_vma=False)
+  f = jax.shard_map(
+    ooo.value_and_grad(loss, mode="single_gpu"),
+    mesh=m,
+    in_specs=(P(), P("batch")),
+    out_specs=P(),
+    check_vma=False,
+  )
   x = jax.ShapeDtypeStruct((8 * 64, 256), jnp.float32, sharding=NamedSharding(m, P("batch")))
   hlo = gpu_hlo.compile_text(f, ws, x, mesh=m)
   assert hlo.count("call-start") >= 2 and "_xla_stream_annotation" in hlo
@@ -193,6 +226,7 @@ def test_h100x8_manual_shard_map_keeps_stream_calls():
 # --- explain takes what users hold -----------------------------------------------------
 def test_grad_of_an_nnx_module_says_what_to_do():
   from flax import nnx
+
   model = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=0))
   model.w = nnx.Param(jnp.ones(3))
   with pytest.raises(TypeError, match="uint32|key") as e:
@@ -202,6 +236,7 @@ def test_grad_of_an_nnx_module_says_what_to_do():
 
 def test_explain_resnet_sync_bn_names_its_mesh_axis():
   from ooojax.models import features
+
   c = features.resnet18_sync_bn(batch=4, hw=8, width=4)
   with pytest.raises(NameError, match="batch") as e:
     ooo.explain(c.loss, *c.args, has_aux=True)
@@ -210,8 +245,9 @@ def test_explain_resnet_sync_bn_names_its_mesh_axis():
   assert r.counts["DW"] > 0
   with pytest.raises(ValueError, match="mesh="):
     ooo.explain(c.loss, *c.args, has_aux=True, axis_name="batch")
-  d = ooo.explain(c.loss, *c.args, has_aux=True, mode="data_parallel", axis_name="batch",
-                  axis_size=4, first_k=4)
+  d = ooo.explain(
+    c.loss, *c.args, has_aux=True, mode="data_parallel", axis_name="batch", axis_size=4, first_k=4
+  )
   text = repr(d)
   assert "a bucket is a group of gradient leaves" in text
   # first-k is named by its conv layers; BatchNorm goes along, not as a "first layer"
@@ -232,9 +268,13 @@ def _minigpt(mesh, vocab=64, seq=8, d=32, heads=2, blocks=2):
     def __init__(self, rngs):
       init = nnx.initializers.xavier_uniform()
       self.attn = nnx.MultiHeadAttention(
-          num_heads=heads, in_features=d, decode=False,
-          kernel_init=part(init, None, "model"), bias_init=part(nnx.initializers.zeros_init(),
-                                                                "model"), rngs=rngs)
+        num_heads=heads,
+        in_features=d,
+        decode=False,
+        kernel_init=part(init, None, "model"),
+        bias_init=part(nnx.initializers.zeros_init(), "model"),
+        rngs=rngs,
+      )
       self.ln1 = nnx.LayerNorm(d, rngs=rngs)
       self.ln2 = nnx.LayerNorm(d, rngs=rngs)
       self.ff1 = nnx.Linear(d, 2 * d, kernel_init=part(init, None, "model"), rngs=rngs)
@@ -247,7 +287,7 @@ def _minigpt(mesh, vocab=64, seq=8, d=32, heads=2, blocks=2):
       x = self.ln1(x + self.drop(a, deterministic=not training))
       h = nnx.relu(self.ff1(x))
       h = self.ff2(h, out_sharding=P("batch", None, None))
-      h = jax.sharding.reshard(h, jax.typeof(x).sharding)   # as flax's MiniGPT does
+      h = jax.sharding.reshard(h, jax.typeof(x).sharding)  # as flax's MiniGPT does
       return self.ln2(x + self.drop(h, deterministic=not training))
 
   class MiniGPT(nnx.Module):
@@ -255,12 +295,15 @@ def _minigpt(mesh, vocab=64, seq=8, d=32, heads=2, blocks=2):
       self.tok = nnx.Embed(vocab, d, rngs=rngs)
       self.pos = nnx.Embed(seq, d, rngs=rngs)
       self.blocks = nnx.List([Block(rngs) for _ in range(blocks)])
-      self.head = nnx.Linear(d, vocab, kernel_init=part(nnx.initializers.xavier_uniform(),
-                                                        None, "model"), rngs=rngs)
+      self.head = nnx.Linear(
+        d, vocab, kernel_init=part(nnx.initializers.xavier_uniform(), None, "model"), rngs=rngs
+      )
 
     def __call__(self, tokens, training=False):
-      x = (self.tok(tokens, out_sharding=P("batch", None, None))
-           + self.pos(jnp.arange(tokens.shape[1]))[None])
+      x = (
+        self.tok(tokens, out_sharding=P("batch", None, None))
+        + self.pos(jnp.arange(tokens.shape[1]))[None]
+      )
       for b in self.blocks:
         x = b(x, training)
       return self.head(x, out_sharding=P("batch", None, None))
@@ -275,6 +318,7 @@ def _nnx_loop(vg, model, tokens, steps=5):
   """The authors' functional loop: split, value_and_grad over the params with
   the RNG state as aux, optax adam, `steps` jitted steps."""
   from flax import nnx
+
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   opt = optax.adam(1e-2)
   opt_state = opt.init(params)
@@ -322,6 +366,7 @@ def test_nnx_minigpt_explicit_sharding_five_adam_steps(mode, minigpt_reference):
 
 def test_explain_nnx_module_and_graphdef_state():
   from flax import nnx
+
   mesh = _mesh(EXPLICIT)
   with jax.set_mesh(mesh):
     model, tokens = _minigpt(mesh, blocks=1)
@@ -329,18 +374,21 @@ def test_explain_nnx_module_and_graphdef_state():
     def loss(m, tokens):
       logits = m(tokens[:, :-1], training=True)
       return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
     r = ooo.explain(loss, model, tokens)
     assert any(".blocks[0].ff1.kernel" in p for p in r.clusters)
-    assert not any("rngs" in p for p in r.clusters)     # the RNG state is not differentiated
+    assert not any("rngs" in p for p in r.clusters)  # the RNG state is not differentiated
     graphdef, state = nnx.split(model)
 
     def loss_gs(gs, tokens):
       return loss(nnx.merge(*gs), tokens)
+
     r2 = ooo.explain(loss_gs, (graphdef, state), tokens)
   assert any("['ff1']['kernel']" in p for p in r2.clusters)
   assert not any("rngs" in p for p in r2.clusters)
   # a data-parallel report groups nnx leaves by their module
-  from passes.collectives.plan import layer_of
+  from ooojax.passes.collectives.plan import layer_of
+
   assert layer_of(".blocks[0].ff1.kernel.value") == ".blocks[0].ff1"
   assert layer_of("[1]['blocks'][0]['ff1']['kernel'].value") == "[1]['blocks'][0]['ff1']"
 
@@ -349,14 +397,14 @@ def _small_resnet():
   """flax's ImageNet ResNet with two one-block stages (ResNet-18 has 2-2-2-2):
   conv, synchronised BatchNorm over the pmap axis, basic blocks, dense head."""
   import flax.linen as nn
+
   from ooojax.models import features
 
   class ResNet(nn.Module):
     @nn.compact
     def __call__(self, x):
       x = nn.Conv(4, (3, 3), use_bias=False)(x)
-      x = nn.relu(nn.BatchNorm(use_running_average=False, momentum=0.9,
-                               axis_name=features.AXIS)(x))
+      x = nn.relu(nn.BatchNorm(use_running_average=False, momentum=0.9, axis_name=features.AXIS)(x))
       x = features._BasicBlock(4)(x)
       x = features._BasicBlock(8, 2)(x)
       return nn.Dense(10)(jnp.mean(x, (1, 2)))
@@ -368,10 +416,10 @@ def _small_resnet():
   params, stats = jax.tree.map(lambda a: a[0], (v["params"], v["batch_stats"]))
 
   def loss(params, stats, x, y):
-    logits, upd = model.apply({"params": params, "batch_stats": stats}, x,
-                              mutable=["batch_stats"])
+    logits, upd = model.apply({"params": params, "batch_stats": stats}, x, mutable=["batch_stats"])
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
     return ce, {"batch_stats": upd["batch_stats"]}
+
   return features.Case("resnet", "", loss, params, (stats, x, y), (False, True, True))
 
 
@@ -379,6 +427,7 @@ def test_resnet_sync_bn_under_pmap_five_steps(close):
   """flax's ImageNet-style train step: synchronised BatchNorm under pmap,
   gradients pmean-ed, 5 SGD-momentum steps, batch_stats carried."""
   from ooojax.models import features
+
   c = _small_resnet()
   n = 4
   stats, x, y = c.batch
@@ -392,8 +441,14 @@ def test_resnet_sync_bn_under_pmap_five_steps(close):
         g = jax.lax.pmean(g, features.AXIS)
       upd, opt_state = opt.update(g, opt_state, params)
       return optax.apply_updates(params, upd), aux["batch_stats"], opt_state, loss
-    p_step = jax.pmap(step, axis_name=features.AXIS, in_axes=(None, None, None, 0, 0),
-                      out_axes=(None, None, None, 0), devices=jax.devices()[:n])
+
+    p_step = jax.pmap(
+      step,
+      axis_name=features.AXIS,
+      in_axes=(None, None, None, 0, 0),
+      out_axes=(None, None, None, 0),
+      devices=jax.devices()[:n],
+    )
     params, st, opt_state = c.params, stats, opt.init(c.params)
     losses = []
     for _ in range(5):
@@ -404,6 +459,5 @@ def test_resnet_sync_bn_under_pmap_five_steps(close):
   want = train(jax.value_and_grad(c.loss, has_aux=True), True)
   for mode in ("single_gpu", "data_parallel"):
     kw = {"axis_name": features.AXIS} if mode == "data_parallel" else {}
-    got = train(ooo.value_and_grad(c.loss, has_aux=True, mode=mode, **kw),
-                mode != "data_parallel")
+    got = train(ooo.value_and_grad(c.loss, has_aux=True, mode=mode, **kw), mode != "data_parallel")
     close(got, want, rtol=1e-4, atol_scale=1e-4)

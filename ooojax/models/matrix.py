@@ -23,6 +23,7 @@ Modes:
     microbatch loop in `shard_map` over the data axis (replica d of microbatch
     m: its rows [m, d]), `pmean`-ed.
 """
+
 from __future__ import annotations
 
 import jax
@@ -34,7 +35,7 @@ from ooojax import gpu_hlo
 from ooojax.models.features import AXIS, Case
 
 MODES = ("in_order", "single_gpu", "dp_shard_map", "dp_pmap", "pipeline", "pipeline_auto")
-DEVICES = 4         # data-axis size for the mapped cells
+DEVICES = 4  # data-axis size for the mapped cells
 STAGES = 2
 
 
@@ -52,8 +53,9 @@ def _grad(case: Case, mode: str, **kw):
     return jax.grad(case.loss, has_aux=True)
   if mode.startswith("dp_"):
     return ooo.grad(case.loss, has_aux=True, mode="data_parallel", axis_name=AXIS, **kw)
-  return ooo.grad(case.loss, has_aux=True, mode=mode,
-                  **({"device": "H100"} if mode == "single_gpu" else {}), **kw)
+  return ooo.grad(
+    case.loss, has_aux=True, mode=mode, **({"device": "H100"} if mode == "single_gpu" else {}), **kw
+  )
 
 
 def _per_device(case: Case, mode: str):
@@ -66,6 +68,7 @@ def _per_device(case: Case, mode: str):
     if not mode.startswith("dp_"):
       grads = jax.lax.pmean(grads, AXIS)
     return grads, aux
+
   return f
 
 
@@ -75,8 +78,15 @@ def _specs(case: Case):
 
 def _shard_map(case: Case, mode: str, devices: int):
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), (AXIS,))
-  return _jit(jax.shard_map(_per_device(case, mode), mesh=mesh, in_specs=_specs(case),
-                            out_specs=(P(), P()), check_vma=False))(*case.args)
+  return _jit(
+    jax.shard_map(
+      _per_device(case, mode),
+      mesh=mesh,
+      in_specs=_specs(case),
+      out_specs=(P(), P()),
+      check_vma=False,
+    )
+  )(*case.args)
 
 
 def _pmap(case: Case, mode: str, devices: int):
@@ -84,9 +94,9 @@ def _pmap(case: Case, mode: str, devices: int):
     if split:
       return a.reshape(devices, -1, *a.shape[1:])
     return jax.tree.map(lambda x: jax.numpy.stack([x] * devices), a)
+
   args = [place(case.params, False)] + [place(a, s) for a, s in zip(case.batch, case.split)]
-  out = jax.pmap(_per_device(case, mode), axis_name=AXIS,
-                 devices=jax.devices()[:devices])(*args)
+  out = jax.pmap(_per_device(case, mode), axis_name=AXIS, devices=jax.devices()[:devices])(*args)
   return jax.tree.map(lambda a: a[0], out)
 
 
@@ -103,6 +113,7 @@ def _per_stage(s, stages: int):
     for j in range(per):
       h = s.stage_fn(jax.tree.map(lambda a, j=j: a[j], p), h)
     return h
+
   return stage_fn, params
 
 
@@ -113,8 +124,9 @@ def _pipeline(case: Case, schedule: str):
   mesh = jax.make_mesh((STAGES,), ("stage",), devices=jax.devices()[:STAGES])
   sched = ooo.pipeline.schedule(schedule, STAGES, 2 * STAGES)
   stage_fn, params = _per_stage(s, sched.virtual_stages)
-  step = ooo.pipeline.value_and_grad(stage_fn, s.loss_fn, mesh=mesh, axis_name="stage",
-                                     schedule=sched, input_fn=s.input_fn)
+  step = ooo.pipeline.value_and_grad(
+    stage_fn, s.loss_fn, mesh=mesh, axis_name="stage", schedule=sched, input_fn=s.input_fn
+  )
   got = _jit(step)(params, (s.inputs, s.targets), s.shared)
 
   # the pipeline's model: the mean over microbatches of the unrolled stack's loss
@@ -122,8 +134,11 @@ def _pipeline(case: Case, schedule: str):
 
   def loss(params, *shared):
     total = 0.0
-    for x, t in zip(*(jax.tree.map(lambda a: a.reshape(micro, -1, *a.shape[1:]), b)
-                      for b in (s.inputs, s.targets))):
+    for x, t in zip(
+      *(
+        jax.tree.map(lambda a: a.reshape(micro, -1, *a.shape[1:]), b) for b in (s.inputs, s.targets)
+      )
+    ):
       h = x if s.input_fn is None else s.input_fn(x, *shared)
       for j in range(sched.virtual_stages):
         h = stage_fn(jax.tree.map(lambda a, j=j: a[j], params), h)
@@ -131,8 +146,7 @@ def _pipeline(case: Case, schedule: str):
     return total / micro
 
   extra = () if s.shared is None else (s.shared,)
-  want = _jit(jax.value_and_grad(loss, argnums=tuple(range(1 + len(extra)))))(params,
-                                                                               *extra)
+  want = _jit(jax.value_and_grad(loss, argnums=tuple(range(1 + len(extra)))))(params, *extra)
   if s.shared is None:
     want = (want[0], want[1][0])
   return got, want
@@ -143,12 +157,13 @@ def _pipeline_auto(case: Case, schedule: str):
     return _pipeline_auto_data(case, schedule)
   mesh = jax.make_mesh((STAGES,), ("stage",), devices=jax.devices()[:STAGES])
   sched = ooo.pipeline.schedule(schedule, STAGES, 2 * STAGES)
-  step = ooo.pipeline.value_and_grad(case.loss, mesh=mesh, axis_name="stage", schedule=sched,
-                                     has_aux=True)
+  step = ooo.pipeline.value_and_grad(
+    case.loss, mesh=mesh, axis_name="stage", schedule=sched, has_aux=True
+  )
   (loss, _), grads = _jit(step)(case.params, *case.batch)
   micro = sched.microbatches
 
-  def mean_loss(params):   # batch leaves split on their leading axis, scalars whole
+  def mean_loss(params):  # batch leaves split on their leading axis, scalars whole
     total = 0.0
     for m in range(micro):
       part = jax.tree.map(lambda a: _micro(a, micro, m), case.batch)
@@ -175,13 +190,16 @@ def _pipeline_auto_data(case: Case, schedule: str):
   data = DEVICES // STAGES
   mesh = jax.make_mesh((data, STAGES), (AXIS, "stage"), devices=jax.devices()[:DEVICES])
   sched = ooo.pipeline.schedule(schedule, STAGES, 2 * STAGES)
-  step = ooo.pipeline.value_and_grad(case.loss, mesh=mesh, axis_name="stage", schedule=sched,
-                                     has_aux=True, data_axis=AXIS)
+  step = ooo.pipeline.value_and_grad(
+    case.loss, mesh=mesh, axis_name="stage", schedule=sched, has_aux=True, data_axis=AXIS
+  )
   (loss, _), grads = _jit(step)(case.params, *case.batch)
   micro = sched.microbatches
   # the split leaves as (data, micro, rows, ...): replica d's rows of every microbatch
-  by_replica = [jax.numpy.swapaxes(a.reshape(micro, data, -1, *a.shape[1:]), 0, 1) if s else a
-                for a, s in zip(case.batch, case.split)]
+  by_replica = [
+    jax.numpy.swapaxes(a.reshape(micro, data, -1, *a.shape[1:]), 0, 1) if s else a
+    for a, s in zip(case.batch, case.split)
+  ]
 
   def per_replica(params, *batch):
     def mean_loss(p):
@@ -190,12 +208,19 @@ def _pipeline_auto_data(case: Case, schedule: str):
         part = [b[0, m] if s else _micro(b, micro, m) for b, s in zip(batch, case.split)]
         total = total + case.loss(p, *part)[0]
       return total / micro
+
     return jax.lax.pmean(jax.value_and_grad(mean_loss)(params), AXIS)
 
   dmesh = jax.sharding.Mesh(np.array(jax.devices()[:data]), (AXIS,))
-  want = _jit(jax.shard_map(per_replica, mesh=dmesh,
-                            in_specs=(P(),) + tuple(P(AXIS) if s else P() for s in case.split),
-                            out_specs=P(), check_vma=False))(case.params, *by_replica)
+  want = _jit(
+    jax.shard_map(
+      per_replica,
+      mesh=dmesh,
+      in_specs=(P(),) + tuple(P(AXIS) if s else P() for s in case.split),
+      out_specs=P(),
+      check_vma=False,
+    )
+  )(case.params, *by_replica)
   return (loss, grads), want
 
 
@@ -224,8 +249,14 @@ def h100(case: Case, *, devices: int = DEVICES):
     s = gpu_hlo.schedule(g, *jax.tree.map(sd, case.args))
   else:
     mesh = gpu_hlo.mesh("H100", devices, (AXIS,))
-    fn = jax.jit(jax.shard_map(_per_device(case, "single_gpu"), mesh=mesh,
-                               in_specs=_specs(case), out_specs=(P(), P()),
-                               check_vma=False))
+    fn = jax.jit(
+      jax.shard_map(
+        _per_device(case, "single_gpu"),
+        mesh=mesh,
+        in_specs=_specs(case),
+        out_specs=(P(), P()),
+        check_vma=False,
+      )
+    )
     s = gpu_hlo.schedule(fn, *jax.tree.map(sd, case.args), mesh=mesh)
   return s.heavy_overlap()

@@ -7,7 +7,7 @@ calls `emitter.after_unit(name, env)` after each compute unit, and
 What reaches XLA per bucket: the bucket's gradient leaves flattened into one
 buffer per dtype, one `psum` (one all-reduce), a scale by `1/n` for
 `reduce="mean"`, and a split back. One tie keeps the buckets apart
-and in order (see the README's "Data parallel" section): bucket b+1's inputs
+and in order (see docs/data-parallel.md): bucket b+1's inputs
 pass through a `lax.optimization_barrier` with bucket b's reduced buffer and
 take an exact zero computed from it (`_zero_from`), so all-reduce b+1
 data-depends on all-reduce b. XLA's all-reduce combiners (CPU and GPU) merge
@@ -21,6 +21,7 @@ scan's loop (`passes.collectives.loops`). A bucket whose last dW unit was
 fused into such a loop (an accumulator's W-scan) is issued once its values
 exist.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,9 +31,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from passes import _compat
-from passes.collectives.plan import Bucket, CollectivePlan
-from passes.ir import Kind, Split
+from ooojax.passes import _compat
+from ooojax.passes.collectives.plan import Bucket, CollectivePlan
+from ooojax.passes.ir import Kind, Split
 
 
 def _zero_from(x, dtype):
@@ -74,10 +75,11 @@ def reduce_buffers(vals, axis_name, reduce: str = "mean", scatter=None):
     # lax.concatenate inserts no vma casts (jnp's does): vary as the most varying
     vma = [_compat.varying_axes(vals[j]) for j in idx]
     axes = tuple(sorted(frozenset().union(*vma), key=str))
-    flat = [_compat.to_varying(vals[j], axes) if v != frozenset(axes) else vals[j]
-            for j, v in zip(idx, vma)]
-    flat = [jax.lax.reshape(x, (n,)) if len(s) != 1 else x
-            for x, s, n in zip(flat, shapes, sizes)]
+    flat = [
+      _compat.to_varying(vals[j], axes) if v != frozenset(axes) else vals[j]
+      for j, v in zip(idx, vma)
+    ]
+    flat = [jax.lax.reshape(x, (n,)) if len(s) != 1 else x for x, s, n in zip(flat, shapes, sizes)]
     buf = flat[0] if len(flat) == 1 else jax.lax.concatenate(flat, 0)
     buf = jax.lax.psum(buf, axis_name)
     if reduce == "mean":
@@ -129,8 +131,15 @@ def chain_after(prev_bufs, vals):
 class BucketEmitter:
   """Emits the bucketed reductions of a `CollectivePlan` during `emit`."""
 
-  def __init__(self, plan: CollectivePlan, split: Split, axis_name, reduce: str = "mean",
-               defer: frozenset = frozenset(), scatter=None):
+  def __init__(
+    self,
+    plan: CollectivePlan,
+    split: Split,
+    axis_name,
+    reduce: str = "mean",
+    defer: frozenset = frozenset(),
+    scatter=None,
+  ):
     self.plan = plan
     self.scatter = dict(scatter or {})  # leaf -> dimension it is reduce-scattered over
     self.defer = frozenset(defer)  # leaves returned unreduced (cross-step overlap)
@@ -141,8 +150,8 @@ class BucketEmitter:
     for b in plan.buckets:
       self._by_unit.setdefault(b.after, []).append(b)
     self._reduced: dict[int, Any] = {}
-    self._prev: Any = None       # the last issued bucket's reduced buffers
-    self._grad_vars = split.jaxpr.jaxpr.outvars[split.grad_out_start:]
+    self._prev: Any = None  # the last issued bucket's reduced buffers
+    self._grad_vars = split.jaxpr.jaxpr.outvars[split.grad_out_start :]
     self._issued: set[int] = set()
     # In-loop leaves by gradient variable (a var shared with a deferred leaf stays out).
     by_var: dict = {}
@@ -154,8 +163,10 @@ class BucketEmitter:
     self._loop_vars = {v: ids for v, ids in by_var.items() if set(ids) <= loop}
     self._loop_done: set[int] = set()
     # what `scan_skew.fuse` looks for first: a backward (dX) scan
-    self._may_fuse = any(e.primitive.name == "scan" and k is Kind.DX
-                         for e, k in zip(split.jaxpr.jaxpr.eqns, split.kinds))
+    self._may_fuse = any(
+      e.primitive.name == "scan" and k is Kind.DX
+      for e, k in zip(split.jaxpr.jaxpr.eqns, split.kinds)
+    )
 
   def reads_after(self, unit: str) -> bool:
     """Whether `after_unit(unit, ...)` may read `env` (emission makes its values first)."""
@@ -170,8 +181,7 @@ class BucketEmitter:
     if not self._may_fuse:
       return
     for b in self.plan.buckets:
-      if b.after and b.index not in self._issued and all(
-          self._available(env, i) for i in b.grads):
+      if b.after and b.index not in self._issued and all(self._available(env, i) for i in b.grads):
         self._issue(b, env)
 
   def reduce_ys(self, w_eqns, ys: list, in_loop: bool = True) -> list:
@@ -196,8 +206,9 @@ class BucketEmitter:
     if in_loop:
       reduced, _ = reduce_buffers(vals, self.axis_name, self.reduce)
     else:
-      reduced, self._prev = reduce_buffers(chain_after(self._prev, vals), self.axis_name,
-                                           self.reduce)
+      reduced, self._prev = reduce_buffers(
+        chain_after(self._prev, vals), self.axis_name, self.reduce
+      )
     ys = [list(y) for y in ys]
     for (i, j), r in zip(where, reduced):
       ys[i][j] = r
@@ -209,10 +220,10 @@ class BucketEmitter:
       if b.index not in self._issued:
         self._issue(b, env)
     # In-loop leaves whose loop was not fused as planned: reduce them here.
-    missed = tuple(i for ids in self._loop_vars.values() for i in ids
-                   if i not in self._loop_done)
-    missed += tuple(sorted((getattr(self.plan, "in_loop", frozenset()) - self.defer)
-                           & set(self.scatter)))
+    missed = tuple(i for ids in self._loop_vars.values() for i in ids if i not in self._loop_done)
+    missed += tuple(
+      sorted((getattr(self.plan, "in_loop", frozenset()) - self.defer) & set(self.scatter))
+    )
     if missed:
       self._issue(Bucket(-1, missed, 0, ""), env)
     outs = list(outs)
@@ -240,6 +251,7 @@ class BucketEmitter:
     bucket = dataclasses.replace(bucket, grads=grads)
     vals = [self._value(env, i) for i in bucket.grads]
     vals = chain_after(self._prev, vals)  # this all-reduce after the previous one
-    reduced, self._prev = reduce_buffers(vals, self.axis_name, self.reduce,
-                                         [self.scatter.get(i) for i in bucket.grads])
+    reduced, self._prev = reduce_buffers(
+      vals, self.axis_name, self.reduce, [self.scatter.get(i) for i in bucket.grads]
+    )
     self._reduced.update(zip(bucket.grads, reduced))

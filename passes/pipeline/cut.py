@@ -31,6 +31,7 @@ head) become the executor's `shared` weights. Values of the batch alone that
 the layers read (a padding mask) are side inputs (`passes.pipeline.side`):
 every stage rebuilds them from its microbatch's `Cut.side` batch leaves.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,15 +42,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from passes import _compat, fingerprint
-from passes.pipeline import side as side_pass
-from passes.pipeline.eqns import evaluate as _evaluate, flatten as _flatten
+from ooojax.passes import _compat, fingerprint
+from ooojax.passes.pipeline import side as side_pass
+from ooojax.passes.pipeline.eqns import evaluate as _evaluate, flatten as _flatten
 
 __all__ = ["Cut", "CutError", "cut"]
 
-EXPLICIT = ("; pipeline it with the explicit API instead: ooo.pipeline.value_and_grad("
-            "stage_fn, loss_fn, input_fn=..., mesh=..., axis_name=...) with parameters "
-            "stacked on a stage axis (README, 'Pipeline parallel')")
+EXPLICIT = (
+  "; pipeline it with the explicit API instead: ooo.pipeline.value_and_grad("
+  "stage_fn, loss_fn, input_fn=..., mesh=..., axis_name=...) with parameters "
+  "stacked on a stage axis (docs/pipeline.md)"
+)
 
 
 class CutError(ValueError):
@@ -63,22 +66,23 @@ class Cut:
   Leaf indices refer to the traced function's parameter leaves (`stacked`,
   `shared`) and batch leaves (`inputs`, `targets`).
   """
+
   layers: int
-  scanned: bool                         # one scan: `stacked[0]` leaves carry the layer axis
-  reverse: bool                         # a reverse scan runs layer L-1 first
+  scanned: bool  # one scan: `stacked[0]` leaves carry the layer axis
+  reverse: bool  # a reverse scan runs layer L-1 first
   stacked: tuple[tuple[int, ...], ...]  # per layer (one row when scanned): its leaves
-  shared: tuple[int, ...]               # leaves the prologue or the epilogue read
-  inputs: tuple[int, ...]               # batch leaves the prologue reads
-  targets: tuple[int, ...]              # batch leaves the epilogue reads
-  input_fn: Callable                    # (inputs, shared) -> activation
-  loss_fn: Callable                     # (activation, targets, shared) -> scalar
+  shared: tuple[int, ...]  # leaves the prologue or the epilogue read
+  inputs: tuple[int, ...]  # batch leaves the prologue reads
+  targets: tuple[int, ...]  # batch leaves the epilogue reads
+  input_fn: Callable  # (inputs, shared) -> activation
+  loss_fn: Callable  # (activation, targets, shared) -> scalar
   layer_fn: Callable = dataclasses.field(repr=False)  # (consts, layer_leaves, x) -> x
   consts_fn: Callable = dataclasses.field(repr=False)  # (side) -> the layers' constants
-  side: tuple[int, ...] = ()            # batch leaves every layer reads (a mask's tokens)
+  side: tuple[int, ...] = ()  # batch leaves every layer reads (a mask's tokens)
   # per-layer data that is no parameter: one (layers, ...) array per value a layer
   # folds into the batch key (flax's per-module dropout keys); stage_fn's `first`
   per_layer: tuple = dataclasses.field(default=(), repr=False)
-  n_aux: int = 0                        # aux outputs (`epilogue`)
+  n_aux: int = 0  # aux outputs (`epilogue`)
   epilogue: Callable | None = dataclasses.field(default=None, repr=False)
   # ^ (activation, targets, shared) -> (scalar, aux outputs): the loss and the aux
 
@@ -88,8 +92,9 @@ class Cut:
     largest count); `side` holds the microbatch's `side` batch leaves, `first` the
     index of the stage's first layer in the stack (it picks `per_layer` rows; may
     be traced)."""
+
     def stage(p, x, side=(), first=0):
-      consts = self.consts_fn(side)   # a mask: rebuilt from this microbatch's leaves
+      consts = self.consts_fn(side)  # a mask: rebuilt from this microbatch's leaves
       if self.scanned:  # keep the user's loop: the split pass cuts scans into B/W scans
         p = tuple(a if a.shape[0] == per else a[:per] for a in p)
         return lax.scan(lambda h, ps: (self.layer_fn(consts, ps, h), None), x, p)[0]
@@ -97,6 +102,7 @@ class Cut:
         own = tuple(jnp.asarray(a)[first + j] for a in self.per_layer)
         x = self.layer_fn(consts, tuple(a[j] for a in p), x, *((own,) if own else ()))
       return x
+
     return stage
 
   def stage_params(self, leaves: Sequence[Any], counts: Sequence[int]) -> tuple:
@@ -107,18 +113,20 @@ class Cut:
       if self.reverse:
         cols = [jnp.flip(a, 0) for a in cols]
     else:
-      cols = [jnp.stack([leaves[row[i]] for row in self.stacked])
-              for i in range(len(self.stacked[0]))]
+      cols = [
+        jnp.stack([leaves[row[i]] for row in self.stacked]) for i in range(len(self.stacked[0]))
+      ]
     V, rows = len(counts), max(counts)
     if min(counts) == rows:
       return tuple(a.reshape(V, rows, *a.shape[1:]) for a in cols)
     at = np.cumsum([0, *counts])
-    pad = lambda a, v: jnp.pad(a[at[v]:at[v + 1]],  # noqa: E731
-                               [(0, rows - counts[v])] + [(0, 0)] * (a.ndim - 1))
+    pad = lambda a, v: jnp.pad(
+      a[at[v] : at[v + 1]],  # noqa: E731
+      [(0, rows - counts[v])] + [(0, 0)] * (a.ndim - 1),
+    )
     return tuple(jnp.stack([pad(a, v) for v in range(V)]) for a in cols)
 
-  def grads(self, leaves: Sequence[Any], stage_grads, shared_grads,
-            counts: Sequence[int]) -> list:
+  def grads(self, leaves: Sequence[Any], stage_grads, shared_grads, counts: Sequence[int]) -> list:
     """The gradient of every parameter leaf, in the leaves' order (zeros for unread
     ones): the inverse of `stage_params` (padding rows dropped)."""
     out: list = [None] * len(leaves)
@@ -135,8 +143,8 @@ class Cut:
 
 
 # --- the program's equations ------------------------------------------------------
-_P, _B = 1, 2            # depends on a parameter / on the batch
-_PINNED = 4              # effectful: never recomputed elsewhere
+_P, _B = 1, 2  # depends on a parameter / on the batch
+_PINNED = 4  # effectful: never recomputed elsewhere
 
 
 def _is_var(v) -> bool:
@@ -146,14 +154,14 @@ def _is_var(v) -> bool:
 @dataclasses.dataclass(frozen=True)
 class _Program:
   eqns: list
-  consts: dict            # constvar -> value
-  param_vars: list        # parameter invars
-  batch_vars: list        # batch invars
-  loss: Any               # the scalar output
-  aux: tuple              # the aux outputs (vars or literals)
-  dep: dict               # var -> _P | _B bits
-  producer: dict          # var -> defining equation index
-  lits: frozenset = frozenset()   # constvars that were a fold_in's literal (`_per_layer_data`)
+  consts: dict  # constvar -> value
+  param_vars: list  # parameter invars
+  batch_vars: list  # batch invars
+  loss: Any  # the scalar output
+  aux: tuple  # the aux outputs (vars or literals)
+  dep: dict  # var -> _P | _B bits
+  producer: dict  # var -> defining equation index
+  lits: frozenset = frozenset()  # constvars that were a fold_in's literal (`_per_layer_data`)
 
   def slice(self, roots, stop=()) -> list[int]:
     """Indices of the equations `roots` need, not looking past the `stop` vars."""
@@ -182,7 +190,7 @@ def _per_layer_data(e, dep, consts, lits, eqns, producer):
   data = e.invars[1]
   if isinstance(data, _compat.Literal):
     val = data.val
-  elif dep.get(data, 0) == 0 and data not in consts:   # of constants alone: fold it now
+  elif dep.get(data, 0) == 0 and data not in consts:  # of constants alone: fold it now
     ids = []
     todo = [data]
     while todo:
@@ -219,28 +227,39 @@ def _program(closed, n_params: int, n_aux: int = 0) -> _Program:
       if _is_var(v):
         dep[v], producer[v] = bits, k
   if len(outs) != 1 + n_aux:
-    raise CutError(f"the traced loss returns {len(outs)} values; it must return one scalar"
-                   + (f" and {n_aux} aux leaves" if n_aux else ""))
-  return _Program(eqns, consts, invars[:n_params], invars[n_params:], outs[0],
-                  tuple(outs[1:]), dep, producer, frozenset(lits))
+    raise CutError(
+      f"the traced loss returns {len(outs)} values; it must return one scalar"
+      + (f" and {n_aux} aux leaves" if n_aux else "")
+    )
+  return _Program(
+    eqns,
+    consts,
+    invars[:n_params],
+    invars[n_params:],
+    outs[0],
+    tuple(outs[1:]),
+    dep,
+    producer,
+    frozenset(lits),
+  )
 
 
 # --- the stack -----------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class _Stack:
-  x_in: Any                      # the first layer's input (a var)
-  x_out: Any                     # the last layer's output
-  eqns: frozenset                # the stack's equation indices (not its floating definers)
-  layers: tuple                  # per layer: its parameter invars (one row when scanned)
+  x_in: Any  # the first layer's input (a var)
+  x_out: Any  # the last layer's output
+  eqns: frozenset  # the stack's equation indices (not its floating definers)
+  layers: tuple  # per layer: its parameter invars (one row when scanned)
   scanned: bool
   reverse: bool
-  length: int                    # layers
-  layer_eqns: tuple = ()         # layer 0's equations, in order (loop stacks)
-  layer_ins: tuple = ()          # (x, *layer 0's parameter and constant vars) (loop stacks)
-  layer_out: Any = None          # layer 0's output (loop stacks)
-  body: Any = None               # the scan body (scanned)
-  body_consts: tuple = ()        # the scan's consts (vars computed from constants alone)
-  lits: tuple = ()               # per layer: its values of layer 0's `prog.lits` inputs
+  length: int  # layers
+  layer_eqns: tuple = ()  # layer 0's equations, in order (loop stacks)
+  layer_ins: tuple = ()  # (x, *layer 0's parameter and constant vars) (loop stacks)
+  layer_out: Any = None  # layer 0's output (loop stacks)
+  body: Any = None  # the scan body (scanned)
+  body_consts: tuple = ()  # the scan's consts (vars computed from constants alone)
+  lits: tuple = ()  # per layer: its values of layer 0's `prog.lits` inputs
 
 
 def _scan_stack(prog: _Program) -> _Stack | None:
@@ -261,36 +280,55 @@ def _scan_stack(prog: _Program) -> _Stack | None:
   consts, carry, xs = info.split_in(e.invars)
   where = f"the scan over {info.length} layers"
   other = [v for v in xs if not (_is_var(v) and v in params)]
-  rand = side_pass.check([prog.eqns[k] for k in prog.slice(other) if prog.bits(k) == _B],
-                         other, where)
+  rand = side_pass.check(
+    [prog.eqns[k] for k in prog.slice(other) if prog.bits(k) == _B], other, where
+  )
   if rand:
     raise CutError(rand + EXPLICIT)
   if any(_is_var(v) and side_pass.is_key(v.aval) for v in other):
-    raise CutError(f"{where} scans over per-layer keys split from a key in the batch "
-                   "(nn.scan with split_rngs={'dropout': True}); automatic cutting draws "
-                   "per-layer dropout keys in a Python loop of blocks (each block folds "
-                   "its own constant into the key, as flax does), not over a scan"
-                   + EXPLICIT)
+    raise CutError(
+      f"{where} scans over per-layer keys split from a key in the batch "
+      "(nn.scan with split_rngs={'dropout': True}); automatic cutting draws "
+      "per-layer dropout keys in a Python loop of blocks (each block folds "
+      "its own constant into the key, as flax does), not over a scan" + EXPLICIT
+    )
   if other:
-    raise CutError(f"{where} also scans over {len(other)} per-layer input(s) that are not "
-                   f"parameters ({', '.join(str(v.aval) for v in other)}); automatic "
-                   "cutting scans over parameter leaves only" + EXPLICIT)
+    raise CutError(
+      f"{where} also scans over {len(other)} per-layer input(s) that are not "
+      f"parameters ({', '.join(str(v.aval) for v in other)}); automatic "
+      "cutting scans over parameter leaves only" + EXPLICIT
+    )
   if len(carry) != 1 or not _is_var(carry[0]) or not prog.dep.get(carry[0], 0) & _B:
-    raise CutError(f"{where} carries {len(carry)} value(s) "
-                   f"({', '.join(str(v.aval) for v in carry)}); automatic cutting needs "
-                   "exactly one carry, the activation, computed from the batch" + EXPLICIT)
-  for v in consts:   # values of the batch alone (a mask) are side inputs (`side_pass`)
+    raise CutError(
+      f"{where} carries {len(carry)} value(s) "
+      f"({', '.join(str(v.aval) for v in carry)}); automatic cutting needs "
+      "exactly one carry, the activation, computed from the batch" + EXPLICIT
+    )
+  for v in consts:  # values of the batch alone (a mask) are side inputs (`side_pass`)
     bits = prog.dep.get(v, 0) if _is_var(v) else 0
     if bits & _P and bits & _B:
       raise CutError(side_pass.PARAMS.format(where=where, aval=v.aval) + EXPLICIT)
     if bits & _P:
-      raise CutError(f"{where} reads a parameter in every layer ({v.aval}): weights shared "
-                     "by the layers cannot be split over stages automatically" + EXPLICIT)
+      raise CutError(
+        f"{where} reads a parameter in every layer ({v.aval}): weights shared "
+        "by the layers cannot be split over stages automatically" + EXPLICIT
+      )
     if bits & ~_B:
-      raise CutError(f"{where} reads a value of an effectful equation ({v.aval}); "
-                     "automatic cutting rebuilds side inputs on every stage" + EXPLICIT)
-  return _Stack(carry[0], e.outvars[0], frozenset([best]), (tuple(xs),), True,
-                info.reverse, info.length, body=info.body, body_consts=tuple(consts))
+      raise CutError(
+        f"{where} reads a value of an effectful equation ({v.aval}); "
+        "automatic cutting rebuilds side inputs on every stage" + EXPLICIT
+      )
+  return _Stack(
+    carry[0],
+    e.outvars[0],
+    frozenset([best]),
+    (tuple(xs),),
+    True,
+    info.reverse,
+    info.length,
+    body=info.body,
+    body_consts=tuple(consts),
+  )
 
 
 def _segments(prog: _Program, inputs_live: bool):
@@ -304,8 +342,11 @@ def _segments(prog: _Program, inputs_live: bool):
   loss; a mask every layer reads): such values are recomputed where read, as
   side inputs.
   """
-  data = [k for k in range(len(prog.eqns))
-          if prog.bits(k) & (_B | _PINNED) and (inputs_live or prog.bits(k) != _B)]
+  data = [
+    k
+    for k in range(len(prog.eqns))
+    if prog.bits(k) & (_B | _PINNED) and (inputs_live or prog.bits(k) != _B)
+  ]
   users: dict = {}
   for k in data:
     for v in prog.eqns[k].invars:
@@ -323,7 +364,7 @@ def _segments(prog: _Program, inputs_live: bool):
     for v in prog.eqns[k].invars:
       if _is_var(v) and prog.dep.get(v, 0) & _B and (inputs_live or prog.dep[v] != _B):
         d = pos.get(prog.producer.get(v))
-        first.setdefault(v, i if d is None else d)   # batch inputs: from their first use
+        first.setdefault(v, i if d is None else d)  # batch inputs: from their first use
         last[v] = i
   if _is_var(prog.loss) and prog.producer.get(prog.loss) in pos:
     first.setdefault(prog.loss, pos[prog.producer[prog.loss]])
@@ -336,14 +377,13 @@ def _segments(prog: _Program, inputs_live: bool):
   for v, i in last.items():
     ends.setdefault(i + 1, []).append(v)
   live: set = set()
-  cuts = []                 # (position, the live var or None)
+  cuts = []  # (position, the live var or None)
   for i in range(len(data) + 1):
     live.update(starts.get(i, ()))
     live.difference_update(ends.get(i, ()))
     if len(live) <= 1:
       cuts.append((i, next(iter(live), None)))
-  return [(tuple(data[a:b]), x_in, x_out)
-          for (a, x_in), (b, x_out) in zip(cuts, cuts[1:])]
+  return [(tuple(data[a:b]), x_in, x_out) for (a, x_in), (b, x_out) in zip(cuts, cuts[1:])]
 
 
 def _piece(prog: _Program, ids, x_in, x_out, memo):
@@ -356,11 +396,11 @@ def _piece(prog: _Program, ids, x_in, x_out, memo):
   outer = [v for v in prog.reads(ids) if prog.producer.get(v) not in own]
   acts = [v for v in outer if prog.dep.get(v, 0) & _B and prog.dep[v] != _B]
   sides = [v for v in outer if prog.dep.get(v, 0) == _B]
-  if x_in is None:                     # a raw input read by the first layer
+  if x_in is None:  # a raw input read by the first layer
     x_in = acts[0] if len(acts) == 1 else sides[0] if len(sides) == 1 and not acts else None
   if x_in is None or x_out is None or any(v is not x_in for v in acts):
     return None
-  for v in outer:   # values of parameters and constants, or of the batch, alone
+  for v in outer:  # values of parameters and constants, or of the batch, alone
     if v is not x_in and prog.producer.get(v) is not None:
       pulled.update(prog.slice([v]))
   eqns = sorted(own | pulled)
@@ -370,9 +410,12 @@ def _piece(prog: _Program, ids, x_in, x_out, memo):
       if _is_var(v) and v not in seen and prog.producer.get(v) is None:
         ins.append(v)
         seen.add(v)
-  key = (fingerprint.structure_key([prog.eqns[k] for k in eqns], ins, [x_out], memo),
-         tuple(fingerprint.value_key(prog.consts[v]) for v in ins
-               if v in prog.consts and v not in prog.lits))
+  key = (
+    fingerprint.structure_key([prog.eqns[k] for k in eqns], ins, [x_out], memo),
+    tuple(
+      fingerprint.value_key(prog.consts[v]) for v in ins if v in prog.consts and v not in prog.lits
+    ),
+  )
   return eqns, tuple(ins), key
 
 
@@ -394,12 +437,15 @@ def _runs(prog: _Program, inputs_live: bool, memo: dict):
       same = keys[i] is not None and keys[i] == keys[i + per]
       run[i] = run[i + 1] + 1 if same else 0
     for s in range(S - 2 * per + 1):
-      n = run[s] // per + 1                   # layers: the group at s, repeated
+      n = run[s] // per + 1  # layers: the group at s, repeated
       if n < 2 or (s >= per and run[s - per] >= per):
-        continue      # no repeat, or not the start of a run (one starting earlier covers it)
+        continue  # no repeat, or not the start of a run (one starting earlier covers it)
       x_in, x_out = pieces[s][1][0], segs[s + per - 1][2]
-      if (n_par[s + per] == n_par[s] or x_out is None
-          or (x_in.aval.shape, x_in.aval.dtype) != (x_out.aval.shape, x_out.aval.dtype)):
+      if (
+        n_par[s + per] == n_par[s]
+        or x_out is None
+        or (x_in.aval.shape, x_in.aval.dtype) != (x_out.aval.shape, x_out.aval.dtype)
+      ):
         continue
       cand = (int(size[s + n * per] - size[s]), n)
       if cand > score:
@@ -410,8 +456,9 @@ def _runs(prog: _Program, inputs_live: bool, memo: dict):
 def _loop_stack(prog: _Program) -> _Stack | None:
   """The longest run of a repeated group of pieces with parameters, checked."""
   memo: dict = {}
-  segs, pieces, score, best = max((_runs(prog, live, memo) for live in (True, False)),
-                                  key=lambda r: r[2])
+  segs, pieces, score, best = max(
+    (_runs(prog, live, memo) for live in (True, False)), key=lambda r: r[2]
+  )
   params, batch = set(prog.param_vars), set(prog.batch_vars)
   if best is None:
     return None
@@ -422,26 +469,41 @@ def _loop_stack(prog: _Program) -> _Stack | None:
     a, b = s + j * per, s + (j + 1) * per
     ids = [k for ids, _, _ in segs[a:b] for k in ids]
     all_eqns.update(ids)
-    eqns, ins, key = (_piece(prog, ids, pieces[a][1][0], segs[b - 1][2], memo)
-                      or (None, None, None))
+    eqns, ins, key = _piece(prog, ids, pieces[a][1][0], segs[b - 1][2], memo) or (None, None, None)
     if key is None or (key0 is not None and key != key0):
-      raise CutError(f"layers 0 and {j} of the repeated stack ({n} layers) differ in how "
-                     "they use their parameters" + EXPLICIT)
+      raise CutError(
+        f"layers 0 and {j} of the repeated stack ({n} layers) differ in how "
+        "they use their parameters" + EXPLICIT
+      )
     if j == 0:
       key0, layer_eqns, layer_ins = key, eqns, ins
     if [v for v in ins[1:] if v in batch] != [v for v in layer_ins[1:] if v in batch]:
-      raise CutError(f"layers 0 and {j} of the repeated stack ({n} layers) read different "
-                     "batch leaves besides the activation; automatic cutting rebuilds one "
-                     "side input (a mask) for every layer" + EXPLICIT)
+      raise CutError(
+        f"layers 0 and {j} of the repeated stack ({n} layers) read different "
+        "batch leaves besides the activation; automatic cutting rebuilds one "
+        "side input (a mask) for every layer" + EXPLICIT
+      )
     layers.append(tuple(v for v in ins[1:] if v in params))
     lits.append(tuple(prog.consts[v] for v in ins[1:] if v in prog.lits))
   used = [v for row in layers for v in row]
   if len(set(used)) != len(used):
-    raise CutError(f"the {n} repeated layers share parameter leaves: weights shared by the "
-                   "layers cannot be split over stages automatically" + EXPLICIT)
-  return _Stack(pieces[s][1][0], segs[s + n * per - 1][2], frozenset(all_eqns), tuple(layers),
-                False, False, n, tuple(layer_eqns), layer_ins, segs[s + per - 1][2],
-                lits=tuple(lits) if lits and lits[0] else ())
+    raise CutError(
+      f"the {n} repeated layers share parameter leaves: weights shared by the "
+      "layers cannot be split over stages automatically" + EXPLICIT
+    )
+  return _Stack(
+    pieces[s][1][0],
+    segs[s + n * per - 1][2],
+    frozenset(all_eqns),
+    tuple(layers),
+    False,
+    False,
+    n,
+    tuple(layer_eqns),
+    layer_ins,
+    segs[s + per - 1][2],
+    lits=tuple(lits) if lits and lits[0] else (),
+  )
 
 
 def _pick(prog: _Program) -> _Stack | None:
@@ -454,8 +516,11 @@ def _pick(prog: _Program) -> _Stack | None:
     if loop is None:
       raise
     return loop
-  weight = lambda st: sum(int(np.prod(v.aval.shape))  # noqa: E731
-                          for row in st.layers for v in row)
+  weight = lambda st: sum(
+    int(np.prod(v.aval.shape))  # noqa: E731
+    for row in st.layers
+    for v in row
+  )
   if scan is None or (loop is not None and weight(loop) > weight(scan)):
     return loop
   return scan
@@ -467,13 +532,16 @@ def cut(jaxpr, n_params: int, n_aux: int = 0) -> Cut:
   prog = _program(jaxpr, n_params, n_aux)
   stack = _pick(prog)
   if stack is None:
-    rand = side_pass.check([e for k, e in enumerate(prog.eqns) if prog.bits(k) == _B], (),
-                           "the loss")
-    raise CutError("found no repeated stack of layers in the loss: neither a scan over "
-                   "stacked parameters (nn.scan, nnx.scan, lax.scan) nor a run of "
-                   "identical blocks whose parameters have equal shapes (blocks that also "
-                   "read a per-example value computed from parameters and the batch are "
-                   "not cut either)" + (f"; {rand}" if rand else "") + EXPLICIT)
+    rand = side_pass.check(
+      [e for k, e in enumerate(prog.eqns) if prog.bits(k) == _B], (), "the loss"
+    )
+    raise CutError(
+      "found no repeated stack of layers in the loss: neither a scan over "
+      "stacked parameters (nn.scan, nnx.scan, lax.scan) nor a run of "
+      "identical blocks whose parameters have equal shapes (blocks that also "
+      "read a per-example value computed from parameters and the batch are "
+      "not cut either)" + (f"; {rand}" if rand else "") + EXPLICIT
+    )
   pro = prog.slice([stack.x_in])
   epi = prog.slice([prog.loss], stop=[stack.x_out])
   epi_aux = prog.slice([prog.loss, *prog.aux], stop=[stack.x_out])
@@ -481,22 +549,25 @@ def cut(jaxpr, n_params: int, n_aux: int = 0) -> Cut:
   if inside:
     e = prog.eqns[min(inside)]
     what = "the loss" if stack.eqns.intersection(pro + epi) else "the aux output"
-    raise CutError(f"{what} reads a value from inside the stack ({e.primitive.name} -> "
-                   f"{e.outvars[0].aval}, e.g. per-layer outputs, sown intermediates or "
-                   "mutated batch statistics); only the last layer's output may leave the "
-                   "stack" + EXPLICIT)
+    raise CutError(
+      f"{what} reads a value from inside the stack ({e.primitive.name} -> "
+      f"{e.outvars[0].aval}, e.g. per-layer outputs, sown intermediates or "
+      "mutated batch statistics); only the last layer's output may leave the "
+      "stack" + EXPLICIT
+    )
   index = {v: i for i, v in enumerate(prog.param_vars)}
   b_index = {v: i for i, v in enumerate(prog.batch_vars)}
   stack_params = {v for row in stack.layers for v in row}
-  direct = {v for v in prog.aux if _is_var(v)}   # aux leaves that are inputs themselves
+  direct = {v for v in prog.aux if _is_var(v)}  # aux leaves that are inputs themselves
   outside = (prog.reads(pro) | prog.reads(epi_aux) | direct) & set(prog.param_vars)
   if outside & stack_params:
     v = next(iter(outside & stack_params))
-    raise CutError(f"a parameter of the stack ({v.aval}) is also read outside it; automatic "
-                   "cutting shares only weights outside the stack" + EXPLICIT)
+    raise CutError(
+      f"a parameter of the stack ({v.aval}) is also read outside it; automatic "
+      "cutting shares only weights outside the stack" + EXPLICIT
+    )
   shared = tuple(sorted(index[v] for v in outside))
-  inputs = tuple(sorted(b_index[v] for v in (prog.reads(pro) | {stack.x_in})
-                        if v in b_index))
+  inputs = tuple(sorted(b_index[v] for v in (prog.reads(pro) | {stack.x_in}) if v in b_index))
   targets = tuple(sorted(b_index[v] for v in prog.reads(epi_aux) | direct if v in b_index))
   consts = prog.consts
   pro_eqns = [prog.eqns[k] for k in pro]
@@ -544,6 +615,7 @@ def cut(jaxpr, n_params: int, n_aux: int = 0) -> Cut:
   s_vars = [prog.batch_vars[i] for i in side]
 
   if stack.scanned:
+
     def consts_fn(sd):
       env = dict(consts)
       env.update(zip(s_vars, sd))
@@ -561,7 +633,7 @@ def cut(jaxpr, n_params: int, n_aux: int = 0) -> Cut:
     def consts_fn(sd):
       return sd
 
-    def layer_fn(cs, p, x, own=()):   # own: this layer's `per_layer` values (else layer 0's)
+    def layer_fn(cs, p, x, own=()):  # own: this layer's `per_layer` values (else layer 0's)
       env = dict(consts)
       env.update(zip(s_vars, cs))
       env[stack.layer_ins[0]] = x
@@ -569,8 +641,20 @@ def cut(jaxpr, n_params: int, n_aux: int = 0) -> Cut:
       env.update(zip(l_lits, own))
       return _evaluate(l_eqns, env, [stack.layer_out])[0]
 
-  return Cut(stack.length, stack.scanned, stack.reverse,
-             tuple(tuple(index[v] for v in row) for row in stack.layers), shared, inputs,
-             targets, input_fn, loss_fn, layer_fn, consts_fn, side,
-             tuple(np.stack(col) for col in zip(*stack.lits)) if stack.lits else (), n_aux,
-             epilogue)
+  return Cut(
+    stack.length,
+    stack.scanned,
+    stack.reverse,
+    tuple(tuple(index[v] for v in row) for row in stack.layers),
+    shared,
+    inputs,
+    targets,
+    input_fn,
+    loss_fn,
+    layer_fn,
+    consts_fn,
+    side,
+    tuple(np.stack(col) for col in zip(*stack.lits)) if stack.lits else (),
+    n_aux,
+    epilogue,
+  )

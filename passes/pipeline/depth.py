@@ -19,12 +19,13 @@ smaller memory on a tie. So `ooo` is never slower, in the simulator that
 chose it, than GPipe or 1F1B at the same memory: it becomes either one when
 the link demands it.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
 
-from passes.pipeline.link import LinkModel, simulate_link
+from ooojax.passes.pipeline.link import LinkModel, simulate_link
 
 __all__ = ["DepthChoice", "plan_ooo"]
 
@@ -39,6 +40,7 @@ class DepthChoice:
   stage; `step`: simulated seconds; `gpipe` / `one_f_one_b`: GPipe's and 1F1B's
   simulated step on the same link; `candidates`: (form, extra, step, peak).
   """
+
   form: str
   extra: int
   peak: tuple[int, ...]
@@ -53,12 +55,17 @@ class DepthChoice:
 
   def summary(self, unit: float = 1e-3, unit_name: str = "ms") -> str:
     f = lambda t: f"{t / unit:.3f} {unit_name}"  # noqa: E731
-    how = (f"dX/dW split, {self.extra} beyond 1F1B's S - s in flight" if self.form == "ooo"
-           else f"{self.form}'s table (it wins on this link)")
-    return (f"in-flight depth (planned on the link, {self.mode} replay): {how}; peak "
-            f"activations per stage {max(self.peak)} (budget {self.budget}); step "
-            f"{f(self.step)} vs GPipe {f(self.gpipe)} (peak {self.gpipe_peak}), 1F1B "
-            f"{f(self.one_f_one_b)} (peak {self.one_f_one_b_peak}), simulated")
+    how = (
+      f"dX/dW split, {self.extra} beyond 1F1B's S - s in flight"
+      if self.form == "ooo"
+      else f"{self.form}'s table (it wins on this link)"
+    )
+    return (
+      f"in-flight depth (planned on the link, {self.mode} replay): {how}; peak "
+      f"activations per stage {max(self.peak)} (budget {self.budget}); step "
+      f"{f(self.step)} vs GPipe {f(self.gpipe)} (peak {self.gpipe_peak}), 1F1B "
+      f"{f(self.one_f_one_b)} (peak {self.one_f_one_b_peak}), simulated"
+    )
 
 
 def _extras(S: int, M: int) -> list[int]:
@@ -74,11 +81,17 @@ def _candidates(S: int, M: int, gen_costs, budget: int, lag: int, comm: float = 
   """(form, extra, table) of every candidate, generated as if each transfer took
   `comm` (a delay: the replay on the link then prices the queueing); cached, so
   a sweep over links and modes generates them once per `comm`."""
-  from passes.pipeline.generate import Policy, _greedy, _lower_comms, _place, generate
-  from passes.pipeline.schedule import PipelineSchedule, ScheduleError
+  from ooojax.passes.pipeline.generate import Policy, _greedy, _lower_comms, _place, generate
+  from ooojax.passes.pipeline.schedule import PipelineSchedule, ScheduleError
+
   gc = dict(gen_costs) if gen_costs is not None else None
-  out = [] if comm else [(n, M if n == "gpipe" else 0, generate(n, S, M, lag=lag, costs=gc))
-                         for n in ("gpipe", "1f1b")]
+  out = (
+    []
+    if comm
+    else [
+      (n, M if n == "gpipe" else 0, generate(n, S, M, lag=lag, costs=gc)) for n in ("gpipe", "1f1b")
+    ]
+  )
   seen = set()
   for extra in _extras(S, M):
     lim = tuple(min(S - s + extra, M, budget) for s in range(S))
@@ -91,16 +104,24 @@ def _candidates(S: int, M: int, gen_costs, budget: int, lag: int, comm: float = 
       try:
         orders = _greedy(S, M, 1, pol, "modulo", gc, comm)
         grid = _place(S, M, 1, orders, lag, "modulo")
-        t = PipelineSchedule("ooo", S, M, 1, _lower_comms(S, 1, grid, lag, "modulo"),
-                             pol.limit, lag).validate()
+        t = PipelineSchedule(
+          "ooo", S, M, 1, _lower_comms(S, 1, grid, lag, "modulo"), pol.limit, lag
+        ).validate()
       except ScheduleError:
         continue
       out.append(("ooo", extra, t))
   return tuple(out)
 
 
-def plan_ooo(stages: int, microbatches: int, costs=None, link: LinkModel | None = None,
-             budget: int | None = None, mode: str = "executor", lag: int = 0):
+def plan_ooo(
+  stages: int,
+  microbatches: int,
+  costs=None,
+  link: LinkModel | None = None,
+  budget: int | None = None,
+  mode: str = "executor",
+  lag: int = 0,
+):
   """The `ooo` table with the in-flight depth that is fastest on `link` within `budget`.
 
   Args:
@@ -127,18 +148,34 @@ def plan_ooo(stages: int, microbatches: int, costs=None, link: LinkModel | None 
   sim = lambda t: simulate_link(t, costs, link, mode).makespan  # noqa: E731
   tables = _candidates(S, M, gen, budget, lag)
   comm = link.seconds() if link is not None and gen is not None else 0.0
-  if comm > 0:   # also orders planned with the transfer's delay (the greedy sees it)
+  if comm > 0:  # also orders planned with the transfer's delay (the greedy sees it)
     tables += _candidates(S, M, gen, budget, lag, comm)
-  cands = [(sim(t), max(t.peak_activations()), form, extra, t) for form, extra, t in tables
-           if max(t.peak_activations()) <= budget]
+  cands = [
+    (sim(t), max(t.peak_activations()), form, extra, t)
+    for form, extra, t in tables
+    if max(t.peak_activations()) <= budget
+  ]
   if not cands:
-    raise ValueError(f"no ooo table fits a budget of {budget} activations per stage on "
-                     f"{S} stages; 1F1B needs {S}: raise budget")
-  best = min(c[0] for c in cands)   # ties (to 1e-6): the smaller memory, then ooo's own
-  step, peak, form, extra, table = min((c for c in cands if c[0] <= best * (1 + 1e-6)),
-                                       key=lambda c: (c[1], c[2] != "ooo", c[3]))
+    raise ValueError(
+      f"no ooo table fits a budget of {budget} activations per stage on "
+      f"{S} stages; 1F1B needs {S}: raise budget"
+    )
+  best = min(c[0] for c in cands)  # ties (to 1e-6): the smaller memory, then ooo's own
+  step, peak, form, extra, table = min(
+    (c for c in cands if c[0] <= best * (1 + 1e-6)), key=lambda c: (c[1], c[2] != "ooo", c[3])
+  )
   g, f = (next(t for form, _, t in tables if form == n) for n in ("gpipe", "1f1b"))
-  choice = DepthChoice(form, extra, table.peak_activations(), step, budget, sim(g), sim(f),
-                       max(g.peak_activations()), max(f.peak_activations()), mode,
-                       tuple((c[2], c[3], c[0], c[1]) for c in cands))
+  choice = DepthChoice(
+    form,
+    extra,
+    table.peak_activations(),
+    step,
+    budget,
+    sim(g),
+    sim(f),
+    max(g.peak_activations()),
+    max(f.peak_activations()),
+    mode,
+    tuple((c[2], c[3], c[0], c[1]) for c in cands),
+  )
   return dataclasses.replace(table, name="ooo"), choice

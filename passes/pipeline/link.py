@@ -36,6 +36,7 @@ Two ways a table can run (`mode`):
   producer ends and queues on its link. This is the floor a pipeline reaches
   when the link, not the executor, sets the pace.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,7 +44,7 @@ import heapq
 import math
 from collections.abc import Mapping, Sequence
 
-from passes.pipeline.actions import COMPUTE, UPDATE, Action, ScheduleError, deps
+from ooojax.passes.pipeline.actions import COMPUTE, UPDATE, Action, ScheduleError, deps
 
 __all__ = ["LinkModel", "LinkTimeline", "Transfer", "simulate_link"]
 
@@ -58,6 +59,7 @@ class LinkModel:
   loopback), `blocking_send`: the sender waits for its bytes' wire time too,
   `tick`: seconds every executor tick costs besides its action.
   """
+
   latency: float = 0.0
   bandwidth: float = math.inf
   nbytes: float = 0.0
@@ -79,26 +81,35 @@ class LinkModel:
   def of(cls, link, nbytes: float, **kw) -> LinkModel:
     """From a `passes.simulate.Link` or a preset name ("10GbE", "25GbE", "100GbE",
     "nvlink"), carrying `nbytes` per transfer."""
-    from passes.collectives.plan import get_link
+    from ooojax.passes.collectives.plan import get_link
+
     lk = get_link(link)
     return cls(lk.latency, lk.bandwidth, nbytes, name=lk.name, **kw)
 
   @classmethod
-  def shaped_loopback(cls, gbit: float | None, nbytes: float, latency: float = 0.0,
-                      **kw) -> LinkModel:
+  def shaped_loopback(
+    cls, gbit: float | None, nbytes: float, latency: float = 0.0, **kw
+  ) -> LinkModel:
     """A loopback shaped to `gbit` Gbit/s (None: unshaped, free wire time): one
     resource for both directions."""
     bw = math.inf if gbit is None else gbit * 1e9 / 8
-    return cls(latency, bw, nbytes, duplex=False,
-               name="loopback" + (f" {gbit:g} Gbit/s" if gbit else ""), **kw)
+    return cls(
+      latency,
+      bw,
+      nbytes,
+      duplex=False,
+      name="loopback" + (f" {gbit:g} Gbit/s" if gbit else ""),
+      **kw,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class Transfer:
   """One value crossing devices: leaves at `start`, arrives at `end`."""
+
   src: int
   dst: int
-  kind: str          # "F" (an activation) or "B" (an input gradient); "X": lag 1 filler
+  kind: str  # "F" (an activation) or "B" (an input gradient); "X": lag 1 filler
   microbatch: int
   start: float
   end: float
@@ -107,6 +118,7 @@ class Transfer:
 @dataclasses.dataclass(frozen=True)
 class LinkTimeline:
   """Compute spans and transfers of one replay; `makespan` is the step time."""
+
   spans: tuple[tuple[Action, float, float], ...]
   transfers: tuple[Transfer, ...]
   makespan: float
@@ -134,8 +146,9 @@ def _costs(costs, V: int) -> list[dict]:
   if costs is None or isinstance(costs, Mapping):
     return [{**base, **(costs or {})}] * V
   if len(costs) != V:
-    raise ValueError(f"costs lists {len(costs)} stages; give one mapping or one per "
-                     f"virtual stage ({V})")
+    raise ValueError(
+      f"costs lists {len(costs)} stages; give one mapping or one per virtual stage ({V})"
+    )
   return [{**base, **c} for c in costs]
 
 
@@ -166,15 +179,16 @@ class _Wire:
     return out
 
 
-def simulate_link(sched, costs=None, link: LinkModel | None = None,
-                  mode: str = "executor") -> LinkTimeline:
+def simulate_link(
+  sched, costs=None, link: LinkModel | None = None, mode: str = "executor"
+) -> LinkTimeline:
   """Replays `sched` with per-action `costs` on `link`; see the module doc.
 
   `costs`: `{"F", "B", "W"}` seconds per whole stage (an interleaved chunk
   costs 1 / chunks, BW = B + W), or one such mapping per virtual stage (the
   first stage's F embeds, the last's computes the loss).
 
-  >>> from passes.pipeline.generate import generate
+  >>> from ooojax.passes.pipeline.generate import generate
   >>> lk = LinkModel(latency=0.0, bandwidth=1.0, nbytes=1.0)    # a transfer: 1 unit
   >>> simulate_link(generate("gpipe", 2, 2), None, lk, "overlap").makespan
   11.0
@@ -215,8 +229,15 @@ def _executor(sched, cs, link: LinkModel) -> LinkTimeline:
 
   for t in range(sched.ticks):
     if sched.lag and t and moves:  # lag 1: last tick's outputs on the whole ring first
-      exchange(ring, {(a.stage, _dest(sched, a)): (a.kind[1], a.microbatch)
-                      for s in range(S) for a in sched.grid[s][t - 1] if a.kind[0] == "S"})
+      exchange(
+        ring,
+        {
+          (a.stage, _dest(sched, a)): (a.kind[1], a.microbatch)
+          for s in range(S)
+          for a in sched.grid[s][t - 1]
+          if a.kind[0] == "S"
+        },
+      )
     for s in range(S):
       for a in sched.grid[s][t]:
         if a.kind in COMPUTE or a.kind == UPDATE:
@@ -243,12 +264,12 @@ def _overlap(sched, cs, link: LinkModel) -> LinkTimeline:
   become ready."""
   S, M, v, V = sched.stages, sched.microbatches, sched.chunks, sched.virtual_stages
   orders = sched.orders()
-  fin: dict[tuple, float] = {}       # (kind, vstage, mb, step) -> end
-  arrive: dict[tuple, float] = {}    # ((kind, vstage, mb, step), dst stage) -> arrival
+  fin: dict[tuple, float] = {}  # (kind, vstage, mb, step) -> end
+  arrive: dict[tuple, float] = {}  # ((kind, vstage, mb, step), dst stage) -> arrival
   pos, free = [0] * S, [0.0] * S
   wire = _Wire(link)
   spans, transfers = [], []
-  pending: list = []                 # heap of (ready, seq, key, src, dst)
+  pending: list = []  # heap of (ready, seq, key, src, dst)
   seq = 0
   remaining = sum(len(o) for o in orders)
 
@@ -278,7 +299,7 @@ def _overlap(sched, cs, link: LinkModel) -> LinkTimeline:
           best = (t, s)
     if pending and (best is None or pending[0][0] <= best[0]):
       ready, _, key, src, dst = heapq.heappop(pending)
-      (b, e), = wire.send(ready, [(src, dst)]).values()
+      ((b, e),) = wire.send(ready, [(src, dst)]).values()
       arrive[(key, dst)] = e + link.latency
       transfers.append(Transfer(src, dst, key[0], key[2], b, e + link.latency))
       continue
@@ -300,8 +321,7 @@ def _overlap(sched, cs, link: LinkModel) -> LinkTimeline:
       fin[("W", vs, a.microbatch, a.step)] = end
     tvs = vs + 1 if kind == "F" else vs - 1 if kind == "B" else None
     if tvs is not None and 0 <= tvs < V and sched.place(tvs)[0] != s:
-      heapq.heappush(pending, (end, seq, (kind, vs, a.microbatch, a.step), s,
-                               sched.place(tvs)[0]))
+      heapq.heappush(pending, (end, seq, (kind, vs, a.microbatch, a.step), s, sched.place(tvs)[0]))
       seq += 1
   makespan = max([e for _, _, e in spans] + [x.end for x in transfers] + [0.0])
   return LinkTimeline(tuple(spans), tuple(transfers), makespan, S, "overlap")

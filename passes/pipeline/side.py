@@ -23,13 +23,14 @@ Random bits drawn from a typed key of the batch (dropout) are side values like
 any other: microbatch m's key is `fold_in(key, m)` (`ooojax.pipeline`), so the
 pipeline equals the loss run microbatch by microbatch with those keys.
 """
+
 from __future__ import annotations
 
 import jax
 import numpy as np
 
-from passes import _compat
-from passes.pipeline.eqns import evaluate as _evaluate
+from ooojax.passes import _compat
+from ooojax.passes.pipeline.eqns import evaluate as _evaluate
 
 __all__ = ["PARAMS", "RANDOM", "check", "evaluate_now", "is_key", "per_layer_constant"]
 
@@ -37,15 +38,19 @@ __all__ = ["PARAMS", "RANDOM", "check", "evaluate_now", "is_key", "per_layer_con
 # index into them.
 _RANDOM_PRIMS = frozenset({"random_seed", "random_wrap", "threefry2x32"})
 
-PARAMS = ("{where} reads a per-example value computed from parameters too ({aval}, e.g. "
-          "a learned bias indexed by positions); a side input (a mask, positions, "
-          "segment ids) is rebuilt on every stage from its microbatch's batch leaves, so "
-          "it must depend on the batch alone: compute it from the batch only, or move the "
-          "parameter into the layers")
-RANDOM = ("{where} reads random bits of a key made from integers of the batch ({what}); "
-          "the pipeline gives microbatch m the key fold_in(key, m) of each typed key in "
-          "the batch (jax.random.key), which it cannot do to a seed or raw key data: "
-          "pass a typed key (jax.random.key(seed)) in the batch instead")
+PARAMS = (
+  "{where} reads a per-example value computed from parameters too ({aval}, e.g. "
+  "a learned bias indexed by positions); a side input (a mask, positions, "
+  "segment ids) is rebuilt on every stage from its microbatch's batch leaves, so "
+  "it must depend on the batch alone: compute it from the batch only, or move the "
+  "parameter into the layers"
+)
+RANDOM = (
+  "{where} reads random bits of a key made from integers of the batch ({what}); "
+  "the pipeline gives microbatch m the key fold_in(key, m) of each typed key in "
+  "the batch (jax.random.key), which it cannot do to a seed or raw key data: "
+  "pass a typed key (jax.random.key(seed)) in the batch instead"
+)
 
 
 def is_key(aval) -> bool:
@@ -56,7 +61,7 @@ def is_key(aval) -> bool:
 def check(eqns, side_vars, where: str) -> str | None:
   """Why the side values `side_vars` (computed by `eqns` from the batch alone)
   cannot be rebuilt per microbatch, or None if they can."""
-  del side_vars   # typed keys are fine: each microbatch gets its own
+  del side_vars  # typed keys are fine: each microbatch gets its own
   for e in eqns:
     if e.primitive.name in _RANDOM_PRIMS:
       return RANDOM.format(where=where, what=f"{e.primitive.name} -> {e.outvars[0].aval}")
