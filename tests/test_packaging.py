@@ -65,7 +65,7 @@ def test_nothing_imports_a_top_level_passes():
 
 
 def test_the_check_sees_a_top_level_import():
-  assert _top_level_passes("from ooojax.passes.split import split\nimport passes") == [1, 2]
+  assert _top_level_passes("from passes.split import split\nimport passes") == [1, 2]
   assert not _top_level_passes("from ooojax.passes import cost\nfrom . import passes")
 
 
