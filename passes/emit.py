@@ -249,6 +249,7 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
   for c in calls_of(sched, units):
     calls_after.setdefault(c.after, []).append(c)
   anchors: dict[int, Anchor] = {}
+  done: dict = {}  # unit name -> its call's tied buffers (`Call.wait`)
   side_outs: list = []
   life = _Lifetimes(jaxpr, env, dead, consume)
   if late is not None:
@@ -278,11 +279,12 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
         continue
       # the call runs beside the next segment: it shares that segment's group
       pinned = barriers and c.anchor >= 0
+      wait = next((done[w] for w in c.wait if w in done), ()) if barriers else ()
       with jax.named_scope(f"ooo_{label}"), meta(group + 1):
-        ins, outs, flat, unpack = on_stream(jaxpr, eqn_ids, env, c.stream, life, pinned)
+        ins, outs, flat, unpack = on_stream(jaxpr, eqn_ids, env, c.stream, life, pinned, wait)
       if pinned and outs:
-        hook = anchors.setdefault(c.anchor, Anchor(env))
-        hook.calls.append((ins, outs, flat, unpack))
+        hook = anchors.setdefault(c.anchor, Anchor(env, done))
+        hook.calls.append((ins, outs, flat, unpack, c.units))
       if flat:
         side_outs.append(flat[0])
         if life.stager.ok and edges:

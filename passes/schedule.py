@@ -28,7 +28,7 @@ import bisect
 import dataclasses
 from collections.abc import Sequence
 
-from passes import _compat
+from passes import _compat, slots
 from passes.cost import MATMUL_PRIMS, CostModel, estimate
 from passes.ir import Action, Call, Kind, Schedule, Split, Unit, UnitKind
 from passes.simulate import Timeline, simulate
@@ -191,13 +191,17 @@ def _admit(units: Sequence[Unit], heavy: dict, sync: float) -> set[str]:
 
 
 def plan_calls(streams, units: Sequence[Unit], timeline: Timeline | None = None,
-               heavy: dict | None = None) -> tuple[Call, ...]:
+               heavy: dict | None = None, heavy_side: set[str] | None = None,
+               eqn_unit: dict[int, int] | None = None) -> tuple[Call, ...]:
   """Groups side-stream actions into calls and picks each call's anchor.
 
   Side units issued after the same stream-0 unit share a call. With a
   `timeline` and the `heavy` equations of each dX unit, the anchor is the
   first heavy stream-0 equation expected to end after the call does (else
-  the last heavy one after its issue point); without them, no anchor.
+  the last heavy one after its issue point); without them, no anchor. With
+  `heavy_side` (the side units holding a conv or matmul) and `eqn_unit`
+  (stream-0 equation -> position of its unit), the calls are then fitted to
+  the two XLA:GPU keeps in flight (`passes.slots.fit`).
   """
   if len(streams) < 2:
     return ()
@@ -232,6 +236,10 @@ def plan_calls(streams, units: Sequence[Unit], timeline: Timeline | None = None,
         anchor = cands[min(j, len(cands) - 1)][1]
       calls.append(Call(tuple(group), s_idx, after, anchor))
       group = []
+  if heavy_side is not None and eqn_unit is not None and spans:
+    marks_at = [(pos_of, k) for pos_of, name in enumerate(main)
+                for _, k in (heavy or {}).get(name, ())]
+    calls = list(slots.fit(calls, main, eqn_unit, marks_at, heavy_side))
   return tuple(calls)
 
 
@@ -258,7 +266,12 @@ def schedule(split: Split, cost: CostModel, streams: int = 2) -> Schedule:
       tl = simulate(cand, units, spec.sync)
       if tl.makespan < t_base:
         best, t_best = cand, tl.makespan
-        calls = plan_calls(cand, units, tl, heavy)
+        heavy_side = {u.name for u in units if u.kind is UnitKind.DW
+                      and any(is_heavy(split.jaxpr.jaxpr.eqns[k]) for k in u.eqns)}
+        main = [a.unit for a in cand[0]]
+        by = {u.name: u for u in units}
+        eqn_unit = {k: i for i, n in enumerate(main) for k in by[n].eqns}
+        calls = plan_calls(cand, units, tl, heavy, heavy_side, eqn_unit)
   best = tuple(s for s in best if s) or ((),)
   return Schedule(best, _syncs(best, units), units, t_best, t_base, spec.name, calls)
 

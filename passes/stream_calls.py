@@ -76,7 +76,7 @@ def _out_positions(jaxpr) -> dict:
 
 
 def on_stream(jaxpr, eqn_ids, env, stream: int, life,
-               pinned: bool = False) -> tuple[list, list, list, Any]:
+              pinned: bool = False, wait: Sequence[Any] = ()) -> tuple[list, list, list, Any]:
   """Binds the equations as one stream-annotated call.
 
   The call returns one flat buffer per dtype (its outputs flattened and
@@ -86,6 +86,9 @@ def on_stream(jaxpr, eqn_ids, env, stream: int, life,
   before its first user, and the element reads of a multi-output done are
   users that the memory scheduler places early; a single output's first user
   is whatever the emitter ties it to.
+
+  `wait`: outputs of an earlier call (as `Anchor` tied them); the inputs are
+  tied to them, so this call starts after that one's done (`passes.slots`).
 
   Returns (the call's operands, output vars, the flat buffers, unpack)
   where `unpack(buffers)` gives the outputs in their shapes; `env` gets
@@ -100,7 +103,12 @@ def on_stream(jaxpr, eqn_ids, env, stream: int, life,
   if site is None:
     site = life.sites[key] = StreamCall(eqns, ins, outs, stream, life.stacks)
   if life.stager.ok:  # as equations, staged with the rest (see `_Lifetimes`)
-    flat = site.pack.staged([life.subst.get(v, v) for v in ins], life)
+    in_vars = [life.subst.get(v, v) for v in ins]
+    if wait and in_vars:
+      b, tied = stage.barrier_eqn([*in_vars, *wait])
+      life.add([b])
+      in_vars = tied[:len(in_vars)]
+    flat = site.pack.staged(in_vars, life)
     life.take(eqn_ids)
     if pinned:
       # Its anchor reads these later, maybe after a flush (an equation the stager
@@ -113,7 +121,10 @@ def on_stream(jaxpr, eqn_ids, env, stream: int, life,
       life.alias(outs, vals)
       return vals
   else:
-    flat = site.pack([env[v] for v in ins], life.stacks)
+    vals = [env[v] for v in ins]
+    if wait and vals:
+      vals, _ = lax.optimization_barrier((vals, list(wait)))
+    flat = site.pack(vals, life.stacks)
     life.done(eqn_ids)
 
     def unpack(bufs):
@@ -236,9 +247,11 @@ class Anchor:
   its output, so the calls' dones cannot be scheduled before it.
   """
 
-  def __init__(self, env):
+  def __init__(self, env, done: dict | None = None):
     self.env = env
-    self.calls: list = []  # (input values, output vars, flat buffers, unpack)
+    self.calls: list = []  # (input values, output vars, flat buffers, unpack, units)
+    # unit name -> its call's tied buffers, for a later call's `wait` (vars when staged)
+    self.done = {} if done is None else done
 
   def stage(self, eqn, life) -> None:
     """`before`, the equation and `after` as equations pending in `life` (vars, not values)."""
@@ -255,11 +268,16 @@ class Anchor:
       life.keep(out)           # readers may come after a flush (an unstageable equation)
     it = iter(t3[:-1])
     for c in self.calls:
-      c[3]([next(it) for _ in c[2]])
+      bufs = [next(it) for _ in c[2]]
+      c[3](bufs)
+      for v in bufs:  # a waiting call may read them after a flush
+        life.keep(v)
+      self.done.update(dict.fromkeys(c[4], bufs))
 
   def unpin(self, life) -> None:  # pragma: no cover - see `passes.emit._run_eqns`
     for c in self.calls:
       c[3](c[2])
+      self.done.update(dict.fromkeys(c[4], c[2]))
 
   def before(self, invals):
     ins = [x for c in self.calls for x in c[0]]
@@ -274,8 +292,9 @@ class Anchor:
     # only user is the barrier (e.g. a layout bitcast of the anchor made for
     # it); two barriers make two users, so the anchor stays in both.
     tied, _ = jax.lax.optimization_barrier((tied, outs[0]))
-    for (_, out_vars, _, unpack), flat in zip(self.calls, tied):
+    for (_, out_vars, _, unpack, names), flat in zip(self.calls, tied):
       self.env.update(zip(out_vars, unpack(flat)))
+      self.done.update(dict.fromkeys(names, list(flat)))
 
 
 @dataclasses.dataclass(frozen=True)
