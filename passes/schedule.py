@@ -192,7 +192,8 @@ def _admit(units: Sequence[Unit], heavy: dict, sync: float) -> set[str]:
 
 def plan_calls(streams, units: Sequence[Unit], timeline: Timeline | None = None,
                heavy: dict | None = None, heavy_side: set[str] | None = None,
-               eqn_unit: dict[int, int] | None = None) -> tuple[Call, ...]:
+               eqn_unit: dict[int, int] | None = None,
+               main_heavy: dict | None = None) -> tuple[Call, ...]:
   """Groups side-stream actions into calls and picks each call's anchor.
 
   Side units issued after the same stream-0 unit share a call. With a
@@ -237,8 +238,9 @@ def plan_calls(streams, units: Sequence[Unit], timeline: Timeline | None = None,
       calls.append(Call(tuple(group), s_idx, after, anchor))
       group = []
   if heavy_side is not None and eqn_unit is not None and spans:
+    every = {**(main_heavy or {}), **(heavy or {})}
     marks_at = [(pos_of, k) for pos_of, name in enumerate(main)
-                for _, k in (heavy or {}).get(name, ())]
+                for _, k in every.get(name, ())]
     calls = list(slots.fit(calls, main, eqn_unit, marks_at, heavy_side))
   return tuple(calls)
 
@@ -271,7 +273,13 @@ def schedule(split: Split, cost: CostModel, streams: int = 2) -> Schedule:
         main = [a.unit for a in cand[0]]
         by = {u.name: u for u in units}
         eqn_unit = {k: i for i, n in enumerate(main) for k in by[n].eqns}
-        calls = plan_calls(cand, units, tl, heavy, heavy_side, eqn_unit)
+        eqns = split.jaxpr.jaxpr.eqns
+        # a conv's or matmul's filter gradient stays a kernel of its own however
+        # small its output (the first layer's), so ANCHOR_MIN_ELEMS does not apply
+        main_heavy = {n: [(1.0, k) for k in by[n].eqns if is_heavy(eqns[k])
+                          and estimate(eqns[k]).flops >= ANCHOR_MIN_FLOPS]
+                      for n in main if by[n].kind is UnitKind.DW}
+        calls = plan_calls(cand, units, tl, heavy, heavy_side, eqn_unit, main_heavy)
   best = tuple(s for s in best if s) or ((),)
   return Schedule(best, _syncs(best, units), units, t_best, t_base, spec.name, calls)
 

@@ -239,6 +239,10 @@ def calls_of(sched: Schedule, units) -> tuple[Call, ...]:
                for s in sched.streams[1:] for a in s)
 
 
+import os
+_CLOSE = not os.environ.get("OOO_OPEN")
+
+
 class Anchor:
   """The calls whose window closes at one main-stream equation.
 
@@ -264,6 +268,8 @@ class Anchor:
     b2, t2 = stage.barrier_eqn([*flats, out])
     b3, t3 = stage.barrier_eqn([*t2[:-1], out])  # chained: see `after`
     life.add([b1, anchor, b2, b3])
+    if _CLOSE:
+      life.alias([out], [t3[-1]])
     if life.uses.get(out, 0):  # the barriers' two reads are not the program's: its
       life.keep(out)           # readers may come after a flush (an unstageable equation)
     it = iter(t3[:-1])
@@ -291,7 +297,9 @@ class Anchor:
     # Again, chained: XLA's simplifier drops an unused barrier element whose
     # only user is the barrier (e.g. a layout bitcast of the anchor made for
     # it); two barriers make two users, so the anchor stays in both.
-    tied, _ = jax.lax.optimization_barrier((tied, outs[0]))
+    tied, tied_out = jax.lax.optimization_barrier((tied, outs[0]))
+    if _CLOSE:
+      outs[0] = tied_out
     for (_, out_vars, _, unpack, names), flat in zip(self.calls, tied):
       self.env.update(zip(out_vars, unpack(flat)))
       self.done.update(dict.fromkeys(names, list(flat)))

@@ -104,12 +104,18 @@ def test_schedule_merges_calls_and_anchors_on_later_dx_work():
   assert len(s.calls) < len(side)  # a conv's dW and its bias's share one call
   main = [a.unit for a in s.streams[0]]
   eqns = r.split.jaxpr.jaxpr.eqns
-  for c in s.calls:
-    assert all(units[u].deps[0] == c.after for u in c.units)
+  for k, c in enumerate(s.calls):
+    # issued once every unit's input exists: after the last segment feeding it
+    assert all(main.index(units[u].deps[0]) <= main.index(c.after) for u in c.units)
     # the anchor is a conv/matmul of the dX chain issued after the call
     owner = next(u for u in main if c.anchor in units[u].eqns)
     assert units[owner].kind is UnitKind.DX and main.index(owner) > main.index(c.after)
     assert eqns[c.anchor].primitive.name in ("conv_general_dilated", "dot_general")
+    # every call holds a conv/GEMM (light ones folded in), and at most two are in
+    # flight: call k starts after call k - 2's done (passes.slots)
+    assert any(eqns[i].primitive.name in ("conv_general_dilated", "dot_general")
+               for u in c.units for i in units[u].eqns)
+    assert c.wait == (s.calls[k - 2].units if k >= 2 else ())
   # the first layer's kernel gradient has no dX work left to hide behind
   first = next(u for u in s.units if u.label == "['Conv_0']['kernel']")
   assert first.name in main
