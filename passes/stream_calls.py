@@ -7,16 +7,17 @@ equations.
   for a GPU side stream (`StreamCall`, traced once per distinct cluster and
   copied to every equal one); `side_call` does the same for a whole jaxpr.
 * `Anchor` ties the calls whose window closes at one main-stream equation to
-  that equation with `lax.optimization_barrier` (XLA:GPU never moves such a
-  call, so data is the only thing that bounds its window).
+  that equation with `lax.optimization_barrier`, on both sides: data is what
+  bounds each window (jax 0.11's XLA:GPU never moves such a call; 0.12's
+  latency-hiding scheduler places it within these bounds, see `passes.slots`).
 * `LateLeaves` / `Late`: input leaves bound mid-emission, after a forward
   equation (the single-GPU deferred-dW step binds the deferred parameters
   this way, see `ooojax.single_gpu`).
 
 The hooks (`Anchor`, `Late`) share one interface that `passes.emit` calls:
 `stage(eqn, life)` under a staging trace, else `before(invals)` /
-`after(outs)` around binding the equation; `unpin(life)` for an anchor that
-cannot be staged.
+`after(outs) -> outs` around binding the equation; `unpin(life)` for an
+anchor that cannot be staged.
 """
 from __future__ import annotations
 
@@ -239,16 +240,15 @@ def calls_of(sched: Schedule, units) -> tuple[Call, ...]:
                for s in sched.streams[1:] for a in s)
 
 
-import os
-_CLOSE = not os.environ.get("OOO_OPEN")
-
-
 class Anchor:
   """The calls whose window closes at one main-stream equation.
 
   `before` ties the calls' inputs to the equation's inputs, so the equation
   cannot run before the calls start; `after` ties the calls' flat outputs to
-  its output, so the calls' dones cannot be scheduled before it.
+  its output, so the calls' dones cannot be scheduled before it, and returns
+  the tied copy of the output for its readers, so the dones cannot be
+  scheduled after them either. `done` collects each call's tied buffers by
+  unit name, for a later call that waits for it (`Call.wait`).
   """
 
   def __init__(self, env, done: dict | None = None):
@@ -268,8 +268,7 @@ class Anchor:
     b2, t2 = stage.barrier_eqn([*flats, out])
     b3, t3 = stage.barrier_eqn([*t2[:-1], out])  # chained: see `after`
     life.add([b1, anchor, b2, b3])
-    if _CLOSE:
-      life.alias([out], [t3[-1]])
+    life.alias([out], [t3[-1]])  # readers read the tied copy: see `after`
     if life.uses.get(out, 0):  # the barriers' two reads are not the program's: its
       life.keep(out)           # readers may come after a flush (an unstageable equation)
     it = iter(t3[:-1])
@@ -297,12 +296,15 @@ class Anchor:
     # Again, chained: XLA's simplifier drops an unused barrier element whose
     # only user is the barrier (e.g. a layout bitcast of the anchor made for
     # it); two barriers make two users, so the anchor stays in both.
-    tied, tied_out = jax.lax.optimization_barrier((tied, outs[0]))
-    if _CLOSE:
-      outs[0] = tied_out
+    tied, out = jax.lax.optimization_barrier((tied, outs[0]))
     for (_, out_vars, _, unpack, names), flat in zip(self.calls, tied):
       self.env.update(zip(out_vars, unpack(flat)))
       self.done.update(dict.fromkeys(names, list(flat)))
+    # The equation's readers read the tied copy, so the dones come before them
+    # too: the window closes at the anchor. Left open, XLA:GPU's latency-hiding
+    # scheduler (jax >= 0.12) stretches a done down to the next call that waits
+    # for it, and then places that call's start after its own anchor.
+    return [out, *outs[1:]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,3 +352,4 @@ class Late:
 
   def after(self, outs):
     self.bind(outs[0])
+    return outs
