@@ -17,7 +17,9 @@ Side units issued after the same segment form one asynchronous `Call` (one
 sync pays for a conv's dW and its bias's). Each call's window is chosen from
 the simulated timeline: its done is tied to the first heavy stream-0 equation
 expected to end after the call does, so XLA keeps that much dX work between
-the call's start and done. If the simulated two-stream schedule is not faster
+the call's start and done. The calls are then fitted to the two that XLA:GPU
+keeps in flight (`passes.slots`: light calls folded into heavy ones, call k
+started after call k-2's done). If the simulated two-stream schedule is not faster
 than the in-order one, the in-order schedule is returned. Linear in the
 number of equations, plus two simulations.
 """
