@@ -22,6 +22,8 @@ to choose:
    issued after the awaited anchor's unit and re-anchored on the first heavy
    equation of a later unit (none left: no anchor).
 
+The emitter closes each window at its anchor (`passes.stream_calls.Anchor`):
+left open, the scheduler stretches a done down to the call that waits for it.
 On jax 0.11.2 the pairs are on the caller's thread and nothing moves them; the
 same plan holds there (the waits only start a call later). Linear in the
 number of calls.
@@ -75,8 +77,9 @@ def fold_light(calls: Sequence[Call], heavy: Sequence[bool],
   return tuple(out)
 
 
-def fit(calls: Sequence[Call], main: Sequence[str], eqn_unit: Mapping[int, int], marks: Sequence[tuple[int, int]],
-        heavy_units: set[str], slots: int = SLOTS) -> tuple[Call, ...]:
+def fit(calls: Sequence[Call], main: Sequence[str], eqn_unit: Mapping[int, int],
+        marks: Sequence[tuple[int, int]], heavy_units: set[str],
+        slots: int = SLOTS) -> tuple[Call, ...]:
   """The calls fitted to `slots` in flight (see the module docstring).
 
   Args:
