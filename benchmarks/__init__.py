@@ -1,4 +1,5 @@
 """ooojax benchmarks (`python -m benchmarks.<name>`); results in RESULTS.md."""
+
 # Before any benchmark imports jax: on a host with the CUDA plugin and no GPU,
 # start jax on CPU quietly (as `import ooojax` does), so compile-only GPU
 # compiles work and no plugin error is printed.

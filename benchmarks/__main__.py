@@ -10,6 +10,7 @@ plot next to it.
   python -m benchmarks                          # CPU-sized zoo (tiny shapes)
   python -m benchmarks --full --batches 32 64   # full-size models (GPU)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,9 +21,9 @@ import numpy as np
 
 import ooojax as ooo
 from benchmarks import _report
-from ooojax.models import ZOO
 from benchmarks.step_time import _sgd_step
 from ooojax._calibrate import time_fn
+from ooojax.models import ZOO
 
 DEFAULT = ["mobilenet_v3_small", "densenet121", "resnet50", "bert"]
 
@@ -41,12 +42,19 @@ def row(name: str, batch: int | None, full: bool, mode: str, rounds: int, iters:
     to.append(time_fn(ours, args, iters))
   report = ooo.explain(loss_fn, *args, mode="single_gpu", **kw)
   measured = ooo.calibrate(loss_fn, *args, reps=5, **kw)
-  pred = ooo.explain(loss_fn, *args, mode="in_order", measured=measured,
-                     **kw).schedule.in_order_makespan
+  pred = ooo.explain(
+    loss_fn, *args, mode="in_order", measured=measured, **kw
+  ).schedule.in_order_makespan
   real = time_fn(jax.jit(jax.grad(loss_fn, **kw)), args, 10)
-  return dict(model=name, batch=sizes.get("batch"), base=float(np.median(tb)),
-              ours=float(np.median(to)), sim=report.schedule.predicted_speedup,
-              spec=report.schedule.device, err=(pred - real) / real)
+  return dict(
+    model=name,
+    batch=sizes.get("batch"),
+    base=float(np.median(tb)),
+    ours=float(np.median(to)),
+    sim=report.schedule.predicted_speedup,
+    spec=report.schedule.device,
+    err=(pred - real) / real,
+  )
 
 
 def main(argv=None):
@@ -66,24 +74,28 @@ def main(argv=None):
     rows.append(row(m, b, a.full, a.mode, a.rounds, a.iters))
   device = jax.devices()[0].device_kind
   lines = _report.header(f"Suite ({'full' if a.full else 'tiny'} sizes, mode={a.mode})") + [
-      f"Measured step times on {device}, baseline and ooojax alternating, median of "
-      f"{a.rounds} x {a.iters}. 'simulated ratio' is the cost model's predicted "
-      "in-order / scheduled makespan for the two-stream schedule on the spec named "
-      "(not measured); 'simulator error' compares the calibrated in-order prediction "
-      "with the measured `jit(jax.grad)` time.",
-      "",
-      "| model | batch | device | baseline ms | ooojax ms | ratio | simulated ratio (spec) | simulator error |",
-      "|---|---|---|---|---|---|---|---|",
+    f"Measured step times on {device}, baseline and ooojax alternating, median of "
+    f"{a.rounds} x {a.iters}. 'simulated ratio' is the cost model's predicted "
+    "in-order / scheduled makespan for the two-stream schedule on the spec named "
+    "(not measured); 'simulator error' compares the calibrated in-order prediction "
+    "with the measured `jit(jax.grad)` time.",
+    "",
+    "| model | batch | device | baseline ms | ooojax ms | ratio | simulated ratio (spec) | simulator error |",
+    "|---|---|---|---|---|---|---|---|",
   ]
   for r in rows:
-    lines.append(f"| {r['model']} | {r['batch']} | {device} | {r['base'] * 1e3:.2f} | "
-                 f"{r['ours'] * 1e3:.2f} | {r['base'] / r['ours']:.3f}x | "
-                 f"{r['sim']:.3f}x ({r['spec']}) | {100 * r['err']:+.0f}% |")
+    lines.append(
+      f"| {r['model']} | {r['batch']} | {device} | {r['base'] * 1e3:.2f} | "
+      f"{r['ours'] * 1e3:.2f} | {r['base'] / r['ours']:.3f}x | "
+      f"{r['sim']:.3f}x ({r['spec']}) | {100 * r['err']:+.0f}% |"
+    )
   _report.emit(lines, a.write)
   if a.write:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(8, 3))
     names = [f"{r['model']}\nb{r['batch']}" for r in rows]
     xs = np.arange(len(rows))

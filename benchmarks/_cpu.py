@@ -16,6 +16,7 @@ The remedy is the one for any layout bias: measure each side over a uniform
 grid of offsets covering one chunk (`offset_grid`, `at_stack_offset`) and
 report user and system time apart (`cpu_times`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,8 +42,7 @@ def cpu_times(fn: Callable[[], Any]) -> tuple[Any, CpuTimes]:
   a = resource.getrusage(resource.RUSAGE_SELF)
   out = fn()
   b = resource.getrusage(resource.RUSAGE_SELF)
-  return out, CpuTimes(b.ru_utime - a.ru_utime, b.ru_stime - a.ru_stime,
-                       b.ru_minflt - a.ru_minflt)
+  return out, CpuTimes(b.ru_utime - a.ru_utime, b.ru_stime - a.ru_stime, b.ru_minflt - a.ru_minflt)
 
 
 @functools.cache

@@ -6,6 +6,7 @@ stage runs `layers / stages` consecutive blocks, so the parameters are stacked
 `{"w1": (V, L/V, D, H), "w2": (V, L/V, H, D)}`. Plain numpy in, so the stage
 workers, the unpipelined baseline and the test build bit-identical inputs.
 """
+
 from __future__ import annotations
 
 import jax
@@ -36,8 +37,10 @@ def accumulated(micro: int):
     def one(acc, mb):
       return jax.tree.map(jnp.add, acc, vg(params, mb)), None
 
-    zero = jax.tree.map(jnp.zeros_like, jax.eval_shape(vg, params, jax.tree.map(
-        lambda a: a[:a.shape[0] // micro], batch)))
+    zero = jax.tree.map(
+      jnp.zeros_like,
+      jax.eval_shape(vg, params, jax.tree.map(lambda a: a[: a.shape[0] // micro], batch)),
+    )
     (loss, grads), _ = jax.lax.scan(one, zero, jax.tree.map(split, batch))
     return loss / micro, jax.tree.map(lambda g: g / micro, grads)
 
@@ -50,12 +53,15 @@ def make_params(vstages: int, layers: int, dim: int, hidden: int, seed: int = 0)
   rng = np.random.default_rng(seed)
   k = layers // vstages
   # w2 scaled down so the residual stream stays O(1) through the stack.
-  return {"w1": (rng.standard_normal((vstages, k, dim, hidden)) / dim ** 0.5).astype(np.float32),
-          "w2": (rng.standard_normal((vstages, k, hidden, dim)) * 0.5 / hidden ** 0.5
-                 ).astype(np.float32)}
+  return {
+    "w1": (rng.standard_normal((vstages, k, dim, hidden)) / dim**0.5).astype(np.float32),
+    "w2": (rng.standard_normal((vstages, k, hidden, dim)) * 0.5 / hidden**0.5).astype(np.float32),
+  }
 
 
 def make_batch(batch: int, dim: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
   rng = np.random.default_rng(seed)
-  return (rng.standard_normal((batch, dim)).astype(np.float32),
-          rng.standard_normal((batch, dim)).astype(np.float32))
+  return (
+    rng.standard_normal((batch, dim)).astype(np.float32),
+    rng.standard_normal((batch, dim)).astype(np.float32),
+  )

@@ -14,6 +14,7 @@ With tiled (an int n >= 2), the pipeline processes time training instead
 (`_tiled`): n calls of `ooo.pipeline.train(..., steps=1)` against one call of
 the n-step tiled program, per schedule and microbatch count.
 """
+
 import json
 import os
 import sys
@@ -65,8 +66,9 @@ def _gathered(results) -> dict:
 def _baseline():
   """One core: the unpipelined step, and the same model accumulated over each
   microbatch count (the pipeline's kernels without a pipeline), alternating."""
-  params = jax.tree.map(jax.numpy.asarray,
-                        model.make_params(1, cfg["layers"], cfg["dim"], cfg["hidden"]))
+  params = jax.tree.map(
+    jax.numpy.asarray, model.make_params(1, cfg["layers"], cfg["dim"], cfg["hidden"])
+  )
   batch = tuple(map(jax.numpy.asarray, model.make_batch(cfg["batch"], cfg["dim"])))
   steps = {"baseline": jax.jit(jax.value_and_grad(model.flat_loss))}
   steps.update({f"accum/{m}": jax.jit(model.accumulated(m)) for m in cfg["microbatches"]})
@@ -85,8 +87,10 @@ def _baseline():
 def _pipeline():
   devs = jax.devices()
   if len(devs) != nproc:
-    raise RuntimeError(f"expected one device per process ({nproc}), got {len(devs)}: "
-                       "set XLA_FLAGS=--xla_force_host_platform_device_count=1")
+    raise RuntimeError(
+      f"expected one device per process ({nproc}), got {len(devs)}: "
+      "set XLA_FLAGS=--xla_force_host_platform_device_count=1"
+    )
   mesh = jax.sharding.Mesh(np.array(devs), ("stage",))
   rep = NamedSharding(mesh, P())
   x, t = model.make_batch(cfg["batch"], cfg["dim"])
@@ -101,23 +105,39 @@ def _pipeline():
         full = model.make_params(v, cfg["layers"], cfg["dim"], cfg["hidden"])
         # Stage params sharded on the stage axis: this process holds its rows.
         per = v // nproc
-        params = {k: jax.make_array_from_process_local_data(
-            NamedSharding(mesh, P("stage")), a[pid * per:(pid + 1) * per], a.shape)
-            for k, a in full.items()}
-        step = jax.jit(ooo.pipeline.value_and_grad(model.stage_fn, model.loss_fn, mesh=mesh,
-                                                   axis_name="stage", schedule=sched))
+        params = {
+          k: jax.make_array_from_process_local_data(
+            NamedSharding(mesh, P("stage")), a[pid * per : (pid + 1) * per], a.shape
+          )
+          for k, a in full.items()
+        }
+        step = jax.jit(
+          ooo.pipeline.value_and_grad(
+            model.stage_fn, model.loss_fn, mesh=mesh, axis_name="stage", schedule=sched
+          )
+        )
         t0 = time.perf_counter()
         for _ in range(max(1, cfg["warmup"])):
           res = jax.block_until_ready(step(params, batch))
-        out[key] = {"schedule": name, "microbatches": m, "ms": [],
-                    "compile_s": time.perf_counter() - t0,
-                    "bubble": sched.bubble_fraction(), "ticks": sched.ticks}
+        out[key] = {
+          "schedule": name,
+          "microbatches": m,
+          "ms": [],
+          "compile_s": time.perf_counter() - t0,
+          "bubble": sched.bubble_fraction(),
+          "ticks": sched.ticks,
+        }
         runs[key] = (step, params, res)
       except Exception as e:  # noqa: BLE001 - a schedule that cannot run is a result
-        out[key] = {"schedule": name, "microbatches": m,
-                    "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
-      print(f"[{pid}] {key}: {out[key].get('error') or 'compiled, %.1f s' % out[key]['compile_s']}",
-            flush=True)
+        out[key] = {
+          "schedule": name,
+          "microbatches": m,
+          "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}",
+        }
+      print(
+        f"[{pid}] {key}: {out[key].get('error') or 'compiled, %.1f s' % out[key]['compile_s']}",
+        flush=True,
+      )
   if cfg.get("check"):
     # Gradients are sharded over the processes: gather them so process 0 saves all.
     return _gathered({key: (loss, grads) for key, (_, _, (loss, grads)) in runs.items()})
@@ -134,6 +154,7 @@ def _tiled():
   `tiled` one call of the table tiled over n steps (step t + 1's warm-up under
   step t's drain). Both time n steps from the same state; rounds alternate."""
   import optax
+
   n = int(cfg["tiled"])
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("stage",))
   rep, stage = NamedSharding(mesh, P()), NamedSharding(mesh, P("stage"))
@@ -150,14 +171,17 @@ def _tiled():
         v = ooo.pipeline.schedule(name, stages=nproc, microbatches=m).virtual_stages
         full = model.make_params(v, cfg["layers"], cfg["dim"], cfg["hidden"])
         per = v // nproc
-        local = lambda a: jax.make_array_from_process_local_data(  # noqa: E731
-            stage, a[pid * per:(pid + 1) * per], a.shape)
+        local = (
+          lambda a: jax.make_array_from_process_local_data(  # noqa: E731
+            stage, a[pid * per : (pid + 1) * per], a.shape
+          )
+        )
         params = {k: local(a) for k, a in full.items()}
         state = jax.jit(jax.vmap(opt.init), out_shardings=stage)(params)
         kw = dict(mesh=mesh, axis_name="stage", schedule=name, microbatches=m)
         one = jax.jit(ooo.pipeline.train(model.stage_fn, model.loss_fn, opt, steps=1, **kw))
         many = jax.jit(ooo.pipeline.train(model.stage_fn, model.loss_fn, opt, steps=n, **kw))
-        slices = [jax.tree.map(lambda b, k=k: b[k:k + 1], batches) for k in range(n)]
+        slices = [jax.tree.map(lambda b, k=k: b[k : k + 1], batches) for k in range(n)]
 
         def ones(p, o, one=one, slices=slices):
           losses = []
@@ -169,26 +193,40 @@ def _tiled():
         t0 = time.perf_counter()
         res = {}
         for _ in range(max(1, cfg["warmup"])):
-          res = {"one": jax.block_until_ready(ones(params, state)),
-                 "tiled": jax.block_until_ready(many(params, state, batches))}
-        for k, (fn, args) in {"one": (ones, (params, state)),
-                              "tiled": (many, (params, state, batches))}.items():
-          out[f"{key}/{k}"] = {"schedule": name, "microbatches": m, "how": k, "ms": [],
-                               "steps": n, "compile_s": time.perf_counter() - t0}
+          res = {
+            "one": jax.block_until_ready(ones(params, state)),
+            "tiled": jax.block_until_ready(many(params, state, batches)),
+          }
+        for k, (fn, args) in {
+          "one": (ones, (params, state)),
+          "tiled": (many, (params, state, batches)),
+        }.items():
+          out[f"{key}/{k}"] = {
+            "schedule": name,
+            "microbatches": m,
+            "how": k,
+            "ms": [],
+            "steps": n,
+            "compile_s": time.perf_counter() - t0,
+          }
           runs[f"{key}/{k}"] = (fn, args, res[k])
         sched = ooo.pipeline.schedule(name, stages=nproc, microbatches=m)
         st = sched.steady_state(steps=n) if n >= 2 else None
         out[f"{key}/one"]["bubble"] = sched.bubble_fraction()
         out[f"{key}/tiled"]["bubble"] = st.bubble if st else sched.bubble_fraction()
       except Exception as e:  # noqa: BLE001 - a schedule that cannot run is a result
-        out[f"{key}/one"] = {"schedule": name, "microbatches": m, "how": "one",
-                             "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+        out[f"{key}/one"] = {
+          "schedule": name,
+          "microbatches": m,
+          "how": "one",
+          "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}",
+        }
       print(f"[{pid}] {key}: {out[f'{key}/one'].get('error') or 'compiled'}", flush=True)
   if cfg.get("check"):
     return _gathered({key: (losses, p) for key, (_, _, (p, _, losses)) in runs.items()})
   for _ in range(cfg["rounds"]):
     for key, (fn, args, _) in runs.items():
-      out[key]["ms"].append(_time_once(fn, *args) * 1e3 / n)   # per step
+      out[key]["ms"].append(_time_once(fn, *args) * 1e3 / n)  # per step
   return out
 
 

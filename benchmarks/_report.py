@@ -1,4 +1,5 @@
 """Shared header and output for benchmark tables (device, versions, date, commit)."""
+
 from __future__ import annotations
 
 import datetime
@@ -10,14 +11,22 @@ import jax
 
 def header(title: str) -> list[str]:
   try:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, check=False).stdout.strip() or "?"
+    commit = (
+      subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+      ).stdout.strip()
+      or "?"
+    )
   except OSError:
     commit = "?"
   import jaxlib
-  return [f"### {title} ({datetime.date.today()}, {jax.devices()[0].device_kind}, "
-          f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
-          f"Python {platform.python_version()}, commit {commit})", ""]
+
+  return [
+    f"### {title} ({datetime.date.today()}, {jax.devices()[0].device_kind}, "
+    f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
+    f"Python {platform.python_version()}, commit {commit})",
+    "",
+  ]
 
 
 def emit(lines: list[str], write: bool, path: str = "benchmarks/RESULTS.md") -> None:
@@ -34,6 +43,7 @@ def compile_then_alternate(fns: dict, args, rounds: int, iters: int):
   import time
 
   from ooojax._calibrate import time_fn
+
   fns, failed = dict(fns), {}
   for name, f in list(fns.items()):
     try:

@@ -8,6 +8,7 @@ benchmarks/RESULTS.md.
 
   python -m benchmarks.eager [--reps 10] [--write]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,6 +35,7 @@ def _time(fn, reps: int) -> float:
 
 def measure(case: str, reps: int) -> dict:
   from tests import models
+
   loss, args = getattr(models, case)()
   has_aux = case == "cnn_case"
   jg = jax.grad(loss, has_aux=has_aux)
@@ -53,16 +55,18 @@ def main(argv=None):
   a = ap.parse_args(argv)
   rows = [measure(c, a.reps) for c in CASES]
   lines = _report.header("Eager per-call cost") + [
-      f"Eager (no jit) gradient calls on tests/models.py, median of {a.reps} after one warm-up; "
-      "ooo.grad in `in_order` mode re-traces every call and reuses the cached split and "
-      "schedule (trace + fingerprint = the re-trace column).",
-      "",
-      "| model | jaxpr eqns | jax.grad ms | ooo.grad ms | ratio | ooo re-trace ms |",
-      "|---|---|---|---|---|---|",
+    f"Eager (no jit) gradient calls on tests/models.py, median of {a.reps} after one warm-up; "
+    "ooo.grad in `in_order` mode re-traces every call and reuses the cached split and "
+    "schedule (trace + fingerprint = the re-trace column).",
+    "",
+    "| model | jaxpr eqns | jax.grad ms | ooo.grad ms | ratio | ooo re-trace ms |",
+    "|---|---|---|---|---|---|",
   ]
   for r in rows:
-    lines.append(f"| {r['case']} | {r['eqns']} | {1e3 * r['jax']:.1f} | {1e3 * r['ooo']:.1f} | "
-                 f"{r['ooo'] / r['jax']:.2f}x | {1e3 * r['plan']:.1f} |")
+    lines.append(
+      f"| {r['case']} | {r['eqns']} | {1e3 * r['jax']:.1f} | {1e3 * r['ooo']:.1f} | "
+      f"{r['ooo'] / r['jax']:.2f}x | {1e3 * r['plan']:.1f} |"
+    )
   _report.emit(lines, a.write)
 
 

@@ -10,6 +10,7 @@ calls on stream 1.
 
   python -m benchmarks.matrix [--cases a,b] [--no-h100] [--write]
 """
+
 from __future__ import annotations
 
 import os
@@ -92,19 +93,23 @@ def main(argv=None):
       row.append(h100(name))
     rows.append((name, case.features, row))
     print(f"{name}: {row} ({time.perf_counter() - t0:.0f} s)", flush=True)
-  lines = header("Model matrix (benchmarks/matrix.py): gradients vs jax.grad, "
-                 "H100 overlap compile-only")
+  lines = header(
+    "Model matrix (benchmarks/matrix.py): gradients vs jax.grad, H100 overlap compile-only"
+  )
   lines += [f"| case | features | {' | '.join(cols)} |", "|" + "---|" * (len(cols) + 2)]
   lines += [f"| {n} | {f} | {' | '.join(r)} |" for n, f, r in rows]
-  lines += ["", "Cells at the matrix's test sizes, float32 tolerance (bf16: 2e-2). "
-            "in_order / single_gpu: `ooo.grad` (single_gpu with the H100 cost model, so "
-            "dW clusters take the pinned stream-1 path on CPU too), under `jax.shard_map` "
-            f"over {matrix.DEVICES} devices where the loss names the data axis; dp_*: "
-            "`mode=\"data_parallel\"` against `pmean(jax.grad)`; pipeline: "
-            f"`ooo.pipeline.value_and_grad` on {matrix.STAGES} stages, 4 microbatches, "
-            "1F1B, against the unrolled stack averaged over the microbatches; "
-            "pipeline_auto: the same from the unmodified loss (`value_and_grad(loss_fn, "
-            "...)`, stages cut by ooojax), against the loss averaged over the microbatches."]
+  lines += [
+    "",
+    "Cells at the matrix's test sizes, float32 tolerance (bf16: 2e-2). "
+    "in_order / single_gpu: `ooo.grad` (single_gpu with the H100 cost model, so "
+    "dW clusters take the pinned stream-1 path on CPU too), under `jax.shard_map` "
+    f"over {matrix.DEVICES} devices where the loss names the data axis; dp_*: "
+    '`mode="data_parallel"` against `pmean(jax.grad)`; pipeline: '
+    f"`ooo.pipeline.value_and_grad` on {matrix.STAGES} stages, 4 microbatches, "
+    "1F1B, against the unrolled stack averaged over the microbatches; "
+    "pipeline_auto: the same from the unmodified loss (`value_and_grad(loss_fn, "
+    "...)`, stages cut by ooojax), against the loss averaged over the microbatches.",
+  ]
   emit(lines, a.write)
 
 

@@ -13,6 +13,7 @@ arguments (no parameters are allocated), and also reports the peak Python-heap
 memory (tracemalloc) of one lowering. Its rounds sweep the caller's offset on
 CPython's data stack (`benchmarks/_cpu.py`), so use at least 8 of them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,14 @@ def measure(depth: int, reps: int, mode: str) -> dict:
   plan, _ = vg.plan(args, {})
   t_plan = time.perf_counter() - t0
   n_eqns = len(plan.split.jaxpr.jaxpr.eqns)
-  return dict(depth=depth, mode=mode, eqns=n_eqns, base=float(np.median(tb)),
-              ours=float(np.median(to)), plan=t_plan)
+  return dict(
+    depth=depth,
+    mode=mode,
+    eqns=n_eqns,
+    base=float(np.median(tb)),
+    ours=float(np.median(to)),
+    plan=t_plan,
+  )
 
 
 def _peak_lower_mb(make_grad, loss_fn, args) -> float:
@@ -77,13 +84,15 @@ def _peak_lower_mb(make_grad, loss_fn, args) -> float:
 
 def _lm(layers: int, modes):
   """(loss_fn, abstract args, {name: make_grad}) for the GPT-style LM, caches warmed."""
-  from ooojax.models.transformer import Stack
   import optax
+
+  from ooojax.models.transformer import Stack
+
   model = Stack(layers, 768, 12, 50257, causal=True)
   tokens = jax.ShapeDtypeStruct((8, 128), np.int32)
-  params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
-                                             jax.numpy.zeros((8, 128), np.int32),
-                                             train=False))
+  params = jax.eval_shape(
+    lambda: model.init(jax.random.PRNGKey(0), jax.numpy.zeros((8, 128), np.int32), train=False)
+  )
   rng = jax.eval_shape(lambda: jax.random.PRNGKey(2))
   args = (params, tokens, rng)
 
@@ -96,8 +105,11 @@ def _lm(layers: int, modes):
   for m in modes:
     if m == "data_parallel":  # both inside shard_map over a 1-device mesh, vma checked
       impls["jax_dp"] = _in_shard_map(lambda f: _pmean_of(jax.value_and_grad(f)))
-      impls[m] = _in_shard_map(lambda f: _pmean_value(ooo.value_and_grad(
-          f, mode="data_parallel", axis_name="d", device="H100")))
+      impls[m] = _in_shard_map(
+        lambda f: _pmean_value(
+          ooo.value_and_grad(f, mode="data_parallel", axis_name="d", device="H100")
+        )
+      )
     else:
       impls[m] = lambda f, m=m: ooo.value_and_grad(f, mode=m, device="H100")
   for mk in impls.values():  # warm caches of jnp / flax internals
@@ -132,10 +144,19 @@ def measure_lm(layers: int, reps: int, modes) -> list[dict]:
   def count(*a):  # under a trace: the arguments are abstract
     cell["n"] = len(vg.plan(a, {})[0].split.jaxpr.jaxpr.eqns)
     return 0
+
   jax.jit(count).trace(*args)
-  return [dict(layers=layers, mode=m, eqns=cell["n"], mem_base=mem[base_of(m)], mem_ours=mem[m],
-               **_summary(*cost[m], rng))
-          for m in modes]
+  return [
+    dict(
+      layers=layers,
+      mode=m,
+      eqns=cell["n"],
+      mem_base=mem[base_of(m)],
+      mem_ours=mem[m],
+      **_summary(*cost[m], rng),
+    )
+    for m in modes
+  ]
 
 
 def _lower_cpu(make_grad, loss_fn, args, slots: int) -> _cpu.CpuTimes:
@@ -152,20 +173,28 @@ def _summary(base: list, ours: list, rng) -> dict:
   boot = rng.integers(0, len(tb), size=(2000, len(tb)))
   ratios = to[boot].mean(axis=1) / tb[boot].mean(axis=1)
   user = np.array([o.user / b.user for b, o in zip(base, ours)])
-  return dict(base=float(tb.mean()), ours=float(to.mean()), ratio=float(to.mean() / tb.mean()),
-              lo=float(np.percentile(ratios, 5)), hi=float(np.percentile(ratios, 95)),
-              user=float(np.median(user)), user_q1=float(np.percentile(user, 25)),
-              user_q3=float(np.percentile(user, 75)),
-              sys_base=float(np.mean([c.sys for c in base])),
-              sys_ours=float(np.mean([c.sys for c in ours])))
+  return dict(
+    base=float(tb.mean()),
+    ours=float(to.mean()),
+    ratio=float(to.mean() / tb.mean()),
+    lo=float(np.percentile(ratios, 5)),
+    hi=float(np.percentile(ratios, 95)),
+    user=float(np.median(user)),
+    user_q1=float(np.percentile(user, 25)),
+    user_q3=float(np.percentile(user, 75)),
+    sys_base=float(np.mean([c.sys for c in base])),
+    sys_ours=float(np.mean([c.sys for c in ours])),
+  )
 
 
 def sweep_lm(layers: int, modes, n: int) -> list[str]:
   """One lowering of each function at each of n offsets over a data-stack chunk:
   the evidence that the offset, not the function, moves the system time."""
   loss_fn, args, impls = _lm(layers, modes)
-  lines = [f"| stack offset (slots) | " + " | ".join(f"{k}: user / sys s, faults" for k in impls) + " |",
-           "|---" * (len(impls) + 1) + "|"]
+  lines = [
+    "| stack offset (slots) | " + " | ".join(f"{k}: user / sys s, faults" for k in impls) + " |",
+    "|---" * (len(impls) + 1) + "|",
+  ]
   for slots in _cpu.offset_grid(n):
     cells = []
     for mk in impls.values():
@@ -184,6 +213,7 @@ def _pmean_value(vg):  # ooo's gradient is already the mean; the value is per de
   def f(*a):
     v, g = vg(*a)
     return jax.lax.pmean(v, "d"), g
+
   return f
 
 
@@ -194,10 +224,12 @@ def _in_shard_map(make_grad):
   data parallelism, whose gradient program varies over "d".
   """
   from jax.sharding import Mesh, PartitionSpec as P
+
   mesh = Mesh(np.array(jax.devices()[:1]), ("d",))
 
   def make(f):
     return jax.shard_map(make_grad(f), mesh=mesh, in_specs=(P(), P("d"), P()), out_specs=P())
+
   return make
 
 
@@ -205,63 +237,78 @@ def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--depths", type=int, nargs="*", default=[26, 50, 101])
   ap.add_argument("--lm", type=int, nargs="*", default=[], help="LM layer counts, e.g. 12 48")
-  ap.add_argument("--reps", type=int, default=None,
-                  help="rounds (default 3 for ResNet, 16 for --lm: one per stack offset)")
+  ap.add_argument(
+    "--reps",
+    type=int,
+    default=None,
+    help="rounds (default 3 for ResNet, 16 for --lm: one per stack offset)",
+  )
   ap.add_argument("--modes", nargs="+", default=["single_gpu", "in_order"])
-  ap.add_argument("--stack-sweep", type=int, metavar="N", default=0,
-                  help="with --lm: lower each function once at each of N stack offsets and "
-                       "print user / system time and page faults per offset")
+  ap.add_argument(
+    "--stack-sweep",
+    type=int,
+    metavar="N",
+    default=0,
+    help="with --lm: lower each function once at each of N stack offsets and "
+    "print user / system time and page faults per offset",
+  )
   ap.add_argument("--write", action="store_true")
   a = ap.parse_args(argv)
   if a.stack_sweep:
     for n in a.lm:
       lines = _report.header(f"Lowering CPU time by stack offset, GPT {n} layers") + [
-          "One `jax.jit(...).lower` of each function per offset (pointer-sized slots added "
-          "below the caller, `benchmarks/_cpu.py`), in one process, in this order; faults = "
-          "minor page faults during the lowering.", ""]
+        "One `jax.jit(...).lower` of each function per offset (pointer-sized slots added "
+        "below the caller, `benchmarks/_cpu.py`), in one process, in this order; faults = "
+        "minor page faults during the lowering.",
+        "",
+      ]
       _report.emit(lines + sweep_lm(n, a.modes, a.stack_sweep), a.write)
     return
   lines = _report.header("Frontend overhead")
   if a.depths:
     rows = [measure(d, a.reps or 3, m) for d in a.depths for m in a.modes]
     lines += [
-        "Lower time (trace + split + schedule + emit + MLIR) under `jax.jit(...).lower`, "
-        f"ResNet at batch 2, 64x64 images, median of {a.reps or 3}, alternating in one process.",
-        "",
-        "| model | mode | jaxpr eqns | jax.grad lower s | ooo.grad lower s | ratio | split+schedule s | µs/eqn (ooo) |",
-        "|---|---|---|---|---|---|---|---|",
+      "Lower time (trace + split + schedule + emit + MLIR) under `jax.jit(...).lower`, "
+      f"ResNet at batch 2, 64x64 images, median of {a.reps or 3}, alternating in one process.",
+      "",
+      "| model | mode | jaxpr eqns | jax.grad lower s | ooo.grad lower s | ratio | split+schedule s | µs/eqn (ooo) |",
+      "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-      lines.append(f"| ResNet-{r['depth']} | {r['mode']} | {r['eqns']} | {r['base']:.3f} | "
-                   f"{r['ours']:.3f} | {r['ours'] / r['base']:.2f}x | {r['plan']:.3f} | "
-                   f"{1e6 * r['ours'] / r['eqns']:.0f} |")
+      lines.append(
+        f"| ResNet-{r['depth']} | {r['mode']} | {r['eqns']} | {r['base']:.3f} | "
+        f"{r['ours']:.3f} | {r['ours'] / r['base']:.2f}x | {r['plan']:.3f} | "
+        f"{1e6 * r['ours'] / r['eqns']:.0f} |"
+      )
     lines.append("")
   if a.lm:
     a.reps = a.reps or 16
     rows = [r for n in a.lm for r in measure_lm(n, a.reps, a.modes)]
     lines += [
-        "CPU time (user + system, this process) of `jax.jit(...).lower` of `value_and_grad` on abstract arguments, "
-        "GPT-style flax LM (d 768, 12 heads, vocab 50257, seq 128, batch 8), "
-        f"{a.reps} rounds in one process, each mode lowered right beside its baseline (the pair's "
-        "order alternating by round, the modes' order shuffled), each round at its own offset on "
-        f"CPython's data stack (a grid of {a.reps} over one 16 KiB chunk, both sides of a pair at the same "
-        "offset: `benchmarks/_cpu.py` says why). \"CPU s\" = mean over the rounds; \"overhead\" = ratio of "
-        "those means, with a 90% bootstrap interval over rounds; \"user\" = median of the pairs' user-time "
-        "ratios (quartiles), which the stack offset does not move; \"sys s\" = mean system time (data-stack "
-        "page faults, mostly); peak memory = Python-heap peak (tracemalloc) of one more lowering. "
-        "data_parallel: both sides under `jax.shard_map` on a 1-device mesh, batch split over its axis, "
-        "parameters replicated, vma checked; the baseline `pmean(jax.value_and_grad)`.",
-        "",
-        "| model | mode | jaxpr eqns | jax CPU s | ooo CPU s | overhead (90% interval) | overhead, user (quartiles) | sys s jax / ooo | jax peak MB | ooo peak MB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+      "CPU time (user + system, this process) of `jax.jit(...).lower` of `value_and_grad` on abstract arguments, "
+      "GPT-style flax LM (d 768, 12 heads, vocab 50257, seq 128, batch 8), "
+      f"{a.reps} rounds in one process, each mode lowered right beside its baseline (the pair's "
+      "order alternating by round, the modes' order shuffled), each round at its own offset on "
+      f"CPython's data stack (a grid of {a.reps} over one 16 KiB chunk, both sides of a pair at the same "
+      'offset: `benchmarks/_cpu.py` says why). "CPU s" = mean over the rounds; "overhead" = ratio of '
+      'those means, with a 90% bootstrap interval over rounds; "user" = median of the pairs\' user-time '
+      'ratios (quartiles), which the stack offset does not move; "sys s" = mean system time (data-stack '
+      "page faults, mostly); peak memory = Python-heap peak (tracemalloc) of one more lowering. "
+      "data_parallel: both sides under `jax.shard_map` on a 1-device mesh, batch split over its axis, "
+      "parameters replicated, vma checked; the baseline `pmean(jax.value_and_grad)`.",
+      "",
+      "| model | mode | jaxpr eqns | jax CPU s | ooo CPU s | overhead (90% interval) | overhead, user (quartiles) | sys s jax / ooo | jax peak MB | ooo peak MB |",
+      "|---|---|---|---|---|---|---|---|---|---|",
     ]
     pct = lambda x: f"{100 * (x - 1):+.0f}%"  # noqa: E731
     for r in rows:
-      lines.append(f"| GPT {r['layers']} layers | {r['mode']} | {r['eqns']} | {r['base']:.3f} | "
-                   f"{r['ours']:.3f} | {pct(r['ratio'])} ({pct(r['lo'])}..{pct(r['hi'])}) | "
-                   f"{pct(r['user'])} ({pct(r['user_q1'])}..{pct(r['user_q3'])}) | "
-                   f"{r['sys_base']:.2f} / {r['sys_ours']:.2f} | "
-                   f"{r['mem_base']:.0f} | {r['mem_ours']:.0f} ({pct(r['mem_ours'] / r['mem_base'])}) |")
+      lines.append(
+        f"| GPT {r['layers']} layers | {r['mode']} | {r['eqns']} | {r['base']:.3f} | "
+        f"{r['ours']:.3f} | {pct(r['ratio'])} ({pct(r['lo'])}..{pct(r['hi'])}) | "
+        f"{pct(r['user'])} ({pct(r['user_q1'])}..{pct(r['user_q3'])}) | "
+        f"{r['sys_base']:.2f} / {r['sys_ours']:.2f} | "
+        f"{r['mem_base']:.0f} | {r['mem_ours']:.0f} ({pct(r['mem_ours'] / r['mem_base'])}) |"
+      )
   _report.emit(lines, a.write)
 
 

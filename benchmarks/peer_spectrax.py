@@ -24,6 +24,7 @@ while ooojax needs jax >= 0.11.2; it imports only jax, numpy, spectrax and stdli
 
   /tmp/vpeer/bin/python benchmarks/peer_spectrax.py --microbatches 8 16 --rounds 7 --out result.json
 """
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,9 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
   sys.path.pop(0)
 
 # Four host devices and CPU only must be fixed before jax is imported.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=4").strip()
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 # SpectraX logs every compile and per-step schedule stats at INFO; keep stdout readable.
 os.environ.setdefault("LOGGING_LEVEL_ED", "WARNING")
@@ -55,16 +57,27 @@ import spectrax as spx  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 from spectrax import nn  # noqa: E402
 from spectrax.nn import PipelineSequential  # noqa: E402
-from spectrax.runtime import schedules as sched  # noqa: E402
-from spectrax.runtime import sxcall  # noqa: E402
+from spectrax.runtime import (
+  schedules as sched,  # noqa: E402
+  sxcall,  # noqa: E402
+)
 from spectrax.runtime.spmd import pipeline_step  # noqa: E402
 from spectrax.runtime.types import MpMdMesh  # noqa: E402
 
 STAGES, BLOCKS = 4, 8
 # Every schedule SpectraX exports; virtual-stage ones take virtual_stages=2 (as in
 # SpectraX's examples/07_mpmd/06_all_schedulers.py and benchmarks/train_pipeline.py).
-SCHEDULES = ("GPipe", "Std1F1B", "Eager1F1B", "ZeroBubbleH1", "InterleavedH1",
-             "InterleavedGPipe", "Interleaved1F1BPlusOne", "KimiK2", "DualPipeV")
+SCHEDULES = (
+  "GPipe",
+  "Std1F1B",
+  "Eager1F1B",
+  "ZeroBubbleH1",
+  "InterleavedH1",
+  "InterleavedGPipe",
+  "Interleaved1F1BPlusOne",
+  "KimiK2",
+  "DualPipeV",
+)
 SPMD = "spmd-pipeline_step"
 
 
@@ -115,8 +128,13 @@ class Stage(spx.Module):
 
 def init_data(d: int, h: int, batch: int):
   rng = np.random.default_rng(0)
-  weights = [(rng.standard_normal((d, h), np.float32) / np.sqrt(d),
-              rng.standard_normal((h, d), np.float32) / np.sqrt(h)) for _ in range(BLOCKS)]
+  weights = [
+    (
+      rng.standard_normal((d, h), np.float32) / np.sqrt(d),
+      rng.standard_normal((h, d), np.float32) / np.sqrt(h),
+    )
+    for _ in range(BLOCKS)
+  ]
   x = rng.standard_normal((batch, d), np.float32)
   y = rng.standard_normal((batch, d), np.float32)
   return weights, x, y
@@ -164,8 +182,9 @@ def mpmd_variant(name, m, weights, x, y, devices, mesh) -> tuple[Variant, int]:
   stages = []
   for lg in range(n_logical):
     with jax.default_device(devices[owner[lg]]):
-      stages.append(Stage([tuple(jnp.asarray(a) for a in w)
-                           for w in weights[lg * per:(lg + 1) * per]]))
+      stages.append(
+        Stage([tuple(jnp.asarray(a) for a in w) for w in weights[lg * per : (lg + 1) * per]])
+      )
   model = PipelineSequential(*stages)
   xs = jax.device_put(x, devices[owner[0]])
   ys = jax.device_put(y, devices[s.terminal_loc(STAGES)[0]])
@@ -178,9 +197,12 @@ def mpmd_variant(name, m, weights, x, y, devices, mesh) -> tuple[Variant, int]:
 
 def spmd_variant(m, weights, x, y, devices) -> tuple[Variant, int]:
   per = BLOCKS // STAGES
-  model = PipelineSequential(*[Stage([tuple(jnp.asarray(a) for a in w)
-                                      for w in weights[i * per:(i + 1) * per]])
-                               for i in range(STAGES)])
+  model = PipelineSequential(
+    *[
+      Stage([tuple(jnp.asarray(a) for a in w) for w in weights[i * per : (i + 1) * per]])
+      for i in range(STAGES)
+    ]
+  )
   mesh = Mesh(devices, ("pp",))
   s = sched.GPipe(microbatches=m)  # only .microbatches is read by the SPMD runtime
   xs, ys = jnp.asarray(x), jnp.asarray(y)
@@ -210,13 +232,20 @@ def timed(fn):
 def compare(out, ref) -> dict:
   """Loss and max gradient error against the unpipelined run (float32 tolerance)."""
   (loss, grads), (rloss, rgrads) = out, ref
-  gerr = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-             for p, q in zip(grads, rgrads) for a, b in zip(p, q))
+  gerr = max(
+    float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+    for p, q in zip(grads, rgrads)
+    for a, b in zip(p, q)
+  )
   gscale = max(float(np.max(np.abs(np.asarray(b)))) for q in rgrads for b in q)
   lerr = abs(float(loss) - float(rloss))
-  return {"loss": float(loss), "loss_abs_err": lerr, "grad_max_abs_err": gerr,
-          "grad_rel_err": gerr / gscale,
-          "ok": bool(lerr <= 1e-5 * abs(float(rloss)) + 1e-6 and gerr <= 1e-4 * gscale)}
+  return {
+    "loss": float(loss),
+    "loss_abs_err": lerr,
+    "grad_max_abs_err": gerr,
+    "grad_rel_err": gerr / gscale,
+    "ok": bool(lerr <= 1e-5 * abs(float(rloss)) + 1e-6 and gerr <= 1e-4 * gscale),
+  }
 
 
 def warm_up(variants, per_stage, base) -> tuple[dict, list[Variant]]:
@@ -236,9 +265,12 @@ def warm_up(variants, per_stage, base) -> tuple[dict, list[Variant]]:
     v.compile_s = ms / 1e3
     checks[key] = compare((out[0], grads_by_block(out[1], per)), ref)
     c = checks[key]
-    print(f"  {key:34s} compile {v.compile_s:6.1f} s  loss {c['loss']:.7f}  "
-          f"|dloss| {c['loss_abs_err']:.1e}  grad rel err {c['grad_rel_err']:.1e}  "
-          f"{'ok' if c['ok'] else 'MISMATCH'}", flush=True)
+    print(
+      f"  {key:34s} compile {v.compile_s:6.1f} s  loss {c['loss']:.7f}  "
+      f"|dloss| {c['loss_abs_err']:.1e}  grad rel err {c['grad_rel_err']:.1e}  "
+      f"{'ok' if c['ok'] else 'MISMATCH'}",
+      flush=True,
+    )
     kept.append(v)
   return checks, kept
 
@@ -259,8 +291,11 @@ def build(args, weights, x, y):
   variants, per_stage = [], []
   for m in args.microbatches:
     for name in args.schedules:
-      v, per = (spmd_variant(m, weights, x, y, devices) if name == SPMD
-                else mpmd_variant(name, m, weights, x, y, devices, mesh))
+      v, per = (
+        spmd_variant(m, weights, x, y, devices)
+        if name == SPMD
+        else mpmd_variant(name, m, weights, x, y, devices, mesh)
+      )
       variants.append(v)
       per_stage.append(per)
   return variants, per_stage, baseline_variant(weights, x, y, devices[0])
@@ -268,19 +303,38 @@ def build(args, weights, x, y):
 
 def report(variants, base, checks, args) -> dict:
   base_ms = statistics.median(base.times_ms)
-  rows = [{"schedule": v.schedule, "microbatches": v.microbatches,
-           "runtime": "spmd" if v.schedule == SPMD else "mpmd",
-           "virtual_stages": v.virtual_stages,
-           "ms": statistics.median(v.times_ms), "ms_all": v.times_ms,
-           "compile_s": v.compile_s, "unpipelined_ms": base_ms} for v in variants]
+  rows = [
+    {
+      "schedule": v.schedule,
+      "microbatches": v.microbatches,
+      "runtime": "spmd" if v.schedule == SPMD else "mpmd",
+      "virtual_stages": v.virtual_stages,
+      "ms": statistics.median(v.times_ms),
+      "ms_all": v.times_ms,
+      "compile_s": v.compile_s,
+      "unpipelined_ms": base_ms,
+    }
+    for v in variants
+  ]
   dev = jax.devices()
-  return {"jax": jax.__version__, "spectrax": spx.__version__,
-          "device": f"{len(dev)} forced host {dev[0].platform} devices "
-                    f"({os.cpu_count()} cores shared)",
-          "config": {"blocks": BLOCKS, "stages": STAGES, "d": args.d, "hidden": args.hidden,
-                     "batch": args.batch, "rounds": args.rounds, "dtype": "float32"},
-          "unpipelined_ms": base_ms, "unpipelined_ms_all": base.times_ms,
-          "rows": rows, "checks": checks}
+  return {
+    "jax": jax.__version__,
+    "spectrax": spx.__version__,
+    "device": f"{len(dev)} forced host {dev[0].platform} devices ({os.cpu_count()} cores shared)",
+    "config": {
+      "blocks": BLOCKS,
+      "stages": STAGES,
+      "d": args.d,
+      "hidden": args.hidden,
+      "batch": args.batch,
+      "rounds": args.rounds,
+      "dtype": "float32",
+    },
+    "unpipelined_ms": base_ms,
+    "unpipelined_ms_all": base.times_ms,
+    "rows": rows,
+    "checks": checks,
+  }
 
 
 def print_table(res) -> None:
@@ -288,8 +342,10 @@ def print_table(res) -> None:
   print(f"unpipelined jit(value_and_grad): {res['unpipelined_ms']:.1f} ms")
   print(f"{'schedule':24s} {'m':>3s} {'V':>2s} {'ms':>8s} {'x unpipelined':>14s}")
   for r in res["rows"]:
-    print(f"{r['schedule']:24s} {r['microbatches']:3d} {r['virtual_stages']:2d} "
-          f"{r['ms']:8.1f} {r['ms'] / r['unpipelined_ms']:14.2f}")
+    print(
+      f"{r['schedule']:24s} {r['microbatches']:3d} {r['virtual_stages']:2d} "
+      f"{r['ms']:8.1f} {r['ms'] / r['unpipelined_ms']:14.2f}"
+    )
 
 
 def main(argv=None) -> int:
@@ -297,8 +353,12 @@ def main(argv=None) -> int:
   p.add_argument("--microbatches", type=int, nargs="+", default=[8, 16])
   p.add_argument("--rounds", type=int, default=7)
   p.add_argument("--out", default=None, help="write the JSON result here")
-  p.add_argument("--schedules", nargs="+", default=[*SCHEDULES, SPMD],
-                 help="subset to run (default: all SpectraX schedules + SPMD pipeline_step)")
+  p.add_argument(
+    "--schedules",
+    nargs="+",
+    default=[*SCHEDULES, SPMD],
+    help="subset to run (default: all SpectraX schedules + SPMD pipeline_step)",
+  )
   # Smaller shapes only for quick development runs; the comparison uses the defaults.
   p.add_argument("--d", type=int, default=256)
   p.add_argument("--hidden", type=int, default=1024)

@@ -23,6 +23,7 @@ calls of the one-step program (`steps=1`) against one call of the table tiled
 over N steps (`steps=N`: step t + 1's warm-up under step t's drain), per step,
 rounds alternating, medians; no unpipelined baseline.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,6 +43,8 @@ from benchmarks import _report
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "benchmarks", "_pipeline_mp_worker.py")
 SCHEDULES = ("gpipe", "1f1b", "ooo", "zb-h1", "zb-h2", "interleaved", "zb-v")
+
+
 # tbf: the bucket holds one timer tick (1 ms) of the rate and at least a few
 # packets: a larger bucket lets a whole activation through at loopback speed
 # (a 1 MB bucket did: 0.1 Gbit/s changed nothing). The loopback's MTU drops to
@@ -59,8 +62,11 @@ def free_port() -> int:
 
 def worker_env() -> dict:
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
-             PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])))
+  env.update(
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])),
+  )
   return env
 
 
@@ -89,20 +95,32 @@ def run_workers(cfg: dict, n: int, cores=None, timeout: float = 3600) -> None:
   """Runs `n` stage processes (process i pinned to cores[i]) on a fresh port."""
   port = free_port()
   cores = list(cores) if cores is not None else list(range(n))
-  procs = [subprocess.Popen(
-      _pinned(cores[i % len(cores)], {**cfg, "mode": "pipeline", "process_id": i,
-                                      "num_processes": n, "port": port}),
-      env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-      for i in range(n)]
+  procs = [
+    subprocess.Popen(
+      _pinned(
+        cores[i % len(cores)],
+        {**cfg, "mode": "pipeline", "process_id": i, "num_processes": n, "port": port},
+      ),
+      env=worker_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(n)
+  ]
   _wait(procs, timeout)
 
 
 def run_baseline(cfg: dict, core: int = 0, timeout: float = 3600) -> dict:
   with tempfile.TemporaryDirectory() as d:
     out = os.path.join(d, "base.json")
-    p = subprocess.Popen(_pinned(core, {**cfg, "mode": "baseline", "out": out}),
-                         env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True)
+    p = subprocess.Popen(
+      _pinned(core, {**cfg, "mode": "baseline", "out": out}),
+      env=worker_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
     _wait([p], timeout)
     with open(out) as f:
       return json.load(f)
@@ -112,14 +130,25 @@ def run_shaped(cfg: dict, n: int, cores, gbit: float, timeout: float = 3600) -> 
   """`run_workers` inside a new network namespace whose loopback is shaped to `gbit`."""
   missing = [t for t in ("unshare", "tc", "ip") if shutil.which(t) is None]
   if missing or os.geteuid() != 0:
-    raise RuntimeError(f"--link-gbit needs root and unshare/tc/ip (missing: {missing}, "
-                       f"uid {os.geteuid()})")
-  script = (f"ip link set lo mtu 1500 up && tc qdisc add dev lo root {tbf(gbit)} "
-            '&& exec "$@"')
-  inner = [sys.executable, "-m", "benchmarks.pipeline_mp", "--_spawn",
-           json.dumps({"cfg": cfg, "n": n, "cores": list(cores), "timeout": timeout})]
-  p = subprocess.run(["unshare", "-n", "sh", "-c", script, "sh", *inner], cwd=ROOT,
-                     env=worker_env(), capture_output=True, text=True, timeout=timeout + 60)
+    raise RuntimeError(
+      f"--link-gbit needs root and unshare/tc/ip (missing: {missing}, uid {os.geteuid()})"
+    )
+  script = f'ip link set lo mtu 1500 up && tc qdisc add dev lo root {tbf(gbit)} && exec "$@"'
+  inner = [
+    sys.executable,
+    "-m",
+    "benchmarks.pipeline_mp",
+    "--_spawn",
+    json.dumps({"cfg": cfg, "n": n, "cores": list(cores), "timeout": timeout}),
+  ]
+  p = subprocess.run(
+    ["unshare", "-n", "sh", "-c", script, "sh", *inner],
+    cwd=ROOT,
+    env=worker_env(),
+    capture_output=True,
+    text=True,
+    timeout=timeout + 60,
+  )
   if p.returncode != 0:
     raise RuntimeError(f"shaped run failed ({p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}")
 
@@ -139,13 +168,16 @@ def measure(cfg: dict, n: int, cores, gbit: float | None) -> dict:
 def table(results: dict, base: dict, n: int, link: str) -> list[str]:
   med = lambda k: float(np.median(base[k]["ms"]))  # noqa: E731
   b = med("baseline")
-  lines = [f"Link: {link}. One core: unpipelined jax.value_and_grad {b:.1f} ms; the same "
-           "model accumulated over the microbatches (the pipeline's kernels) " + ", ".join(
-               f"{med(k):.1f} ms at {k.split('/')[1]}" for k in base if k.startswith("accum/"))
-           + f" (medians of {len(base['baseline']['ms'])}).", "",
-           f"| schedule | microbatches | step (ms), median [min-max] | x 1 core, unpipelined | "
-           f"x 1 core, same microbatches | ideal {n}(1 - bubble) | same microbatches / ideal |",
-           "|---|---|---|---|---|---|---|"]
+  lines = [
+    f"Link: {link}. One core: unpipelined jax.value_and_grad {b:.1f} ms; the same "
+    "model accumulated over the microbatches (the pipeline's kernels) "
+    + ", ".join(f"{med(k):.1f} ms at {k.split('/')[1]}" for k in base if k.startswith("accum/"))
+    + f" (medians of {len(base['baseline']['ms'])}).",
+    "",
+    f"| schedule | microbatches | step (ms), median [min-max] | x 1 core, unpipelined | "
+    f"x 1 core, same microbatches | ideal {n}(1 - bubble) | same microbatches / ideal |",
+    "|---|---|---|---|---|---|---|",
+  ]
   for r in results.values():
     if "error" in r:
       lines.append(f"| {r['schedule']} | {r['microbatches']} | failed: {r['error']} | | | | |")
@@ -153,33 +185,48 @@ def table(results: dict, base: dict, n: int, link: str) -> list[str]:
     ms = float(np.median(r["ms"]))
     ideal = n * (1 - r["bubble"])
     acc = med(f"accum/{r['microbatches']}")
-    lines.append(f"| {r['schedule']} | {r['microbatches']} | {ms:.1f} [{min(r['ms']):.1f}-"
-                 f"{max(r['ms']):.1f}] | {b / ms:.2f}x | {acc / ms:.2f}x | {ideal:.2f}x | "
-                 f"{acc / ms / ideal:.2f} |")
+    lines.append(
+      f"| {r['schedule']} | {r['microbatches']} | {ms:.1f} [{min(r['ms']):.1f}-"
+      f"{max(r['ms']):.1f}] | {b / ms:.2f}x | {acc / ms:.2f}x | {ideal:.2f}x | "
+      f"{acc / ms / ideal:.2f} |"
+    )
   return lines
 
 
 def verdict(results: dict, link: str) -> list[str]:
   """Whether ooo beats gpipe and 1f1b at each microbatch count."""
   out = []
-  med = {(r["schedule"], r["microbatches"]): float(np.median(r["ms"]))
-         for r in results.values() if "error" not in r}
+  med = {
+    (r["schedule"], r["microbatches"]): float(np.median(r["ms"]))
+    for r in results.values()
+    if "error" not in r
+  }
   for m in sorted({k[1] for k in med}):
     if ("ooo", m) not in med:
       continue
-    vs = [f"{other} {med[(other, m)] / med[('ooo', m)]:.2f}x"
-          for other in ("gpipe", "1f1b") if (other, m) in med]
-    out.append(f"- {link}, {m} microbatches: ooo's speedup over " + ", ".join(vs)
-               + " (> 1: ooo faster).")
+    vs = [
+      f"{other} {med[(other, m)] / med[('ooo', m)]:.2f}x"
+      for other in ("gpipe", "1f1b")
+      if (other, m) in med
+    ]
+    out.append(
+      f"- {link}, {m} microbatches: ooo's speedup over " + ", ".join(vs) + " (> 1: ooo faster)."
+    )
   return out
 
 
 def tiled_table(res: dict, n: int, link: str) -> list[str]:
-  lines = [f"Link: {link}. Per training step (ms), {n} steps: {n} calls of the one-step "
-           f"train program vs one call of the program tiled over {n} steps.", "",
-           "| schedule | microbatches | steps=1, x" + str(n) + " calls | steps=" + str(n) +
-           ", one call | tiled speedup | simulated bubble, one step / tiled |",
-           "|---|---|---|---|---|---|"]
+  lines = [
+    f"Link: {link}. Per training step (ms), {n} steps: {n} calls of the one-step "
+    f"train program vs one call of the program tiled over {n} steps.",
+    "",
+    "| schedule | microbatches | steps=1, x"
+    + str(n)
+    + " calls | steps="
+    + str(n)
+    + ", one call | tiled speedup | simulated bubble, one step / tiled |",
+    "|---|---|---|---|---|---|",
+  ]
   for key in sorted({k.rsplit("/", 1)[0] for k in res}):
     one, til = res.get(f"{key}/one", {}), res.get(f"{key}/tiled", {})
     name, m = key.split("/")
@@ -188,8 +235,10 @@ def tiled_table(res: dict, n: int, link: str) -> list[str]:
       continue
     a, b = float(np.median(one["ms"])), float(np.median(til["ms"]))
     span = lambda r: f"[{min(r['ms']):.1f}-{max(r['ms']):.1f}]"  # noqa: E731
-    lines.append(f"| {name} | {m} | {a:.1f} {span(one)} | {b:.1f} {span(til)} | "
-                 f"{a / b:.2f}x | {one['bubble']:.3f} / {til['bubble']:.3f} |")
+    lines.append(
+      f"| {name} | {m} | {a:.1f} {span(one)} | {b:.1f} {span(til)} | "
+      f"{a / b:.2f}x | {one['bubble']:.3f} / {til['bubble']:.3f} |"
+    )
   return lines
 
 
@@ -213,10 +262,20 @@ def main(argv=None):
   ap.add_argument("--batch", type=int, default=256)
   ap.add_argument("--rounds", type=int, default=7, help="timed steps per schedule (median)")
   ap.add_argument("--warmup", type=int, default=2)
-  ap.add_argument("--link-gbit", type=float, nargs="*", default=[],
-                  help="also run over a loopback shaped to this many Gbit/s")
-  ap.add_argument("--tiled", type=int, default=0, metavar="N",
-                  help="time training: N calls of steps=1 vs one call of steps=N")
+  ap.add_argument(
+    "--link-gbit",
+    type=float,
+    nargs="*",
+    default=[],
+    help="also run over a loopback shaped to this many Gbit/s",
+  )
+  ap.add_argument(
+    "--tiled",
+    type=int,
+    default=0,
+    metavar="N",
+    help="time training: N calls of steps=1 vs one call of steps=N",
+  )
   ap.add_argument("--json", help="save all raw timings here")
   ap.add_argument("--write", action="store_true")
   ap.add_argument("--_spawn", help=argparse.SUPPRESS)  # inside the shaped namespace
@@ -231,8 +290,10 @@ def main(argv=None):
     raise SystemExit(f"--cores names {len(cores)} cores for {n} stages")
   if n > (os.cpu_count() or 1):
     print(f"warning: {n} stages on {os.cpu_count()} cores: stages share cores", flush=True)
-  cfg = {k: getattr(args, k) for k in ("layers", "dim", "hidden", "batch", "rounds", "warmup",
-                                       "schedules", "microbatches")}
+  cfg = {
+    k: getattr(args, k)
+    for k in ("layers", "dim", "hidden", "batch", "rounds", "warmup", "schedules", "microbatches")
+  }
   if args.tiled:
     return _main_tiled(args, cfg, n, cores)
   base = run_baseline(cfg, cores[0])
@@ -243,12 +304,15 @@ def main(argv=None):
   for k, v in run_baseline(cfg, cores[0]).items():
     base[k]["ms"] += v["ms"]
   lines = _report.header("Pipeline schedules, one stage per process (benchmarks/pipeline_mp.py)")
-  lines += [f"**Measured** on {_cpu_name()}: {n} processes, each pinned to its own core with one "
-            f"jax CPU device, jax.distributed + gloo over localhost TCP; model: {args.layers} "
-            f"residual blocks x + gelu(LN(x) W1) W2, D={args.dim}, H={args.hidden}, batch "
-            f"{args.batch}, MSE, float32; {args.rounds} timed rounds alternating over the "
-            f"schedules after {args.warmup} warm-up steps. Ideal = {n} x (1 - bubble fraction) "
-            "of the table with F = B = W (jax " + jax.__version__ + ").", ""]
+  lines += [
+    f"**Measured** on {_cpu_name()}: {n} processes, each pinned to its own core with one "
+    f"jax CPU device, jax.distributed + gloo over localhost TCP; model: {args.layers} "
+    f"residual blocks x + gelu(LN(x) W1) W2, D={args.dim}, H={args.hidden}, batch "
+    f"{args.batch}, MSE, float32; {args.rounds} timed rounds alternating over the "
+    f"schedules after {args.warmup} warm-up steps. Ideal = {n} x (1 - bubble fraction) "
+    "of the table with F = B = W (jax " + jax.__version__ + ").",
+    "",
+  ]
   for link, res in runs.items():
     lines += table(res, base, n, link) + [""] + verdict(res, link) + [""]
   if args.json:
@@ -257,24 +321,27 @@ def main(argv=None):
   _report.emit(lines, args.write)
 
 
-
 def _main_tiled(args, cfg, n, cores):
   if args.tiled < 2:
     raise SystemExit("--tiled N needs N >= 2 steps per call")
-  if args.schedules == list(SCHEDULES):   # not given: the two the issue compares
+  if args.schedules == list(SCHEDULES):  # not given: the two the issue compares
     cfg["schedules"] = ["zb-h2", "1f1b"]
   cfg["tiled"] = args.tiled
   runs = {"unshaped localhost": measure(cfg, n, cores, None)}
   for g in args.link_gbit:
     runs[f"loopback shaped to {g:g} Gbit/s (tbf)"] = measure(cfg, n, cores, g)
-  lines = _report.header("Pipeline training tiled over steps, one stage per process "
-                         "(benchmarks/pipeline_mp.py --tiled)")
-  lines += [f"**Measured** on {_cpu_name()}: {n} processes, each pinned to its own core, "
-            f"jax.distributed + gloo over localhost TCP; model: {args.layers} residual "
-            f"blocks, D={args.dim}, H={args.hidden}, batch {args.batch}, MSE, float32, Adam "
-            f"inside the tick loop; {args.rounds} timed rounds alternating after "
-            f"{args.warmup} warm-up rounds (jax {jax.__version__}). Simulated bubble: "
-            "F = B = W, free update; tiled: over the whole tiled run.", ""]
+  lines = _report.header(
+    "Pipeline training tiled over steps, one stage per process (benchmarks/pipeline_mp.py --tiled)"
+  )
+  lines += [
+    f"**Measured** on {_cpu_name()}: {n} processes, each pinned to its own core, "
+    f"jax.distributed + gloo over localhost TCP; model: {args.layers} residual "
+    f"blocks, D={args.dim}, H={args.hidden}, batch {args.batch}, MSE, float32, Adam "
+    f"inside the tick loop; {args.rounds} timed rounds alternating after "
+    f"{args.warmup} warm-up rounds (jax {jax.__version__}). Simulated bubble: "
+    "F = B = W, free update; tiled: over the whole tiled run.",
+    "",
+  ]
   for link, res in runs.items():
     lines += tiled_table(res, args.tiled, link) + [""]
   if args.json:

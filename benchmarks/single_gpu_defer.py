@@ -8,6 +8,7 @@ of the last dense block). All numbers come from the cost model and simulator.
 
   python -m benchmarks.single_gpu_defer [--models densenet121 resnet50] [--write]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,8 @@ import time
 import ooojax as ooo
 from benchmarks import _report
 from ooojax._hlo_cli import load_model
-from passes import defer
-from passes.cost import CostModel
+from ooojax.passes import defer
+from ooojax.passes.cost import CostModel
 
 
 def _plan(name, device, batch):
@@ -47,15 +48,24 @@ def rows(models, device="H100", batch=32):
     base = defer.steady_state(sp, sched, cm, ())
     auto = defer.steady_state(sp, sched, cm, chosen)
     f0 = sched.unit("F0")
-    row = {"model": name, "batch": batch, "fwd_util": f0.util, "clusters": len(sp.clusters),
-           "in_order_ms": sched.in_order_makespan * 1e3, "single_gpu_ms": base.makespan * 1e3,
-           "deferred": len(chosen), "defer_auto_ms": auto.makespan * 1e3}
+    row = {
+      "model": name,
+      "batch": batch,
+      "fwd_util": f0.util,
+      "clusters": len(sp.clusters),
+      "in_order_ms": sched.in_order_makespan * 1e3,
+      "single_gpu_ms": base.makespan * 1e3,
+      "deferred": len(chosen),
+      "defer_auto_ms": auto.makespan * 1e3,
+    }
     if name == "densenet121":
       pl = paper_leaves(sp)
       row["paper_deferred"] = len(pl)
       row["defer_paper_ms"] = defer.steady_state(sp, sched, cm, pl).makespan * 1e3
-    names = [sp.clusters[[c.grad_out - sp.grad_out_start for c in sp.clusters].index(i)].param
-             for i in chosen]
+    names = [
+      sp.clusters[[c.grad_out - sp.grad_out_start for c in sp.clusters].index(i)].param
+      for i in chosen
+    ]
     row["chosen"] = names
     row["seconds"] = time.perf_counter() - t
     out.append(row)
@@ -63,14 +73,17 @@ def rows(models, device="H100", batch=32):
 
 
 def table(rs) -> str:
-  lines = ["| model | batch | dW clusters | in-order ms | single_gpu ms | deferred (auto) | with deferral ms | speedup vs single_gpu | paper's choice: deferred, ms |",
-           "|---|---|---|---|---|---|---|---|---|"]
+  lines = [
+    "| model | batch | dW clusters | in-order ms | single_gpu ms | deferred (auto) | with deferral ms | speedup vs single_gpu | paper's choice: deferred, ms |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
   for r in rs:
-    paper = (f"{r['paper_deferred']}, {r['defer_paper_ms']:.3f}" if "paper_deferred" in r
-             else "-")
-    lines.append(f"| {r['model']} | {r['batch']} | {r['clusters']} | {r['in_order_ms']:.3f} | "
-                 f"{r['single_gpu_ms']:.3f} | {r['deferred']} | {r['defer_auto_ms']:.3f} | "
-                 f"{r['single_gpu_ms'] / r['defer_auto_ms']:.3f}x | {paper} |")
+    paper = f"{r['paper_deferred']}, {r['defer_paper_ms']:.3f}" if "paper_deferred" in r else "-"
+    lines.append(
+      f"| {r['model']} | {r['batch']} | {r['clusters']} | {r['in_order_ms']:.3f} | "
+      f"{r['single_gpu_ms']:.3f} | {r['deferred']} | {r['defer_auto_ms']:.3f} | "
+      f"{r['single_gpu_ms'] / r['defer_auto_ms']:.3f}x | {paper} |"
+    )
   return "\n".join(lines)
 
 
@@ -84,9 +97,18 @@ def main(argv=None):
   rs = [r for b in a.batch for r in rows(a.models, a.device, b)]
   text = table(rs)
   for r in rs:
-    print(r["model"], r["batch"], f"forward util {r['fwd_util']:.2f}", "auto deferred:", r["chosen"][:8], "..." if len(r["chosen"]) > 8 else "")
-  lines = _report.header("single-GPU next-iteration dW, SIMULATED (cost model and simulator, "
-                         f"{a.device} spec, steady state)")
+    print(
+      r["model"],
+      r["batch"],
+      f"forward util {r['fwd_util']:.2f}",
+      "auto deferred:",
+      r["chosen"][:8],
+      "..." if len(r["chosen"]) > 8 else "",
+    )
+  lines = _report.header(
+    "single-GPU next-iteration dW, SIMULATED (cost model and simulator, "
+    f"{a.device} spec, steady state)"
+  )
   _report.emit([*lines, text], a.write)
 
 

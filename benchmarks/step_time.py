@@ -11,6 +11,7 @@ markdown table; `--write` appends it to benchmarks/RESULTS.md.
   python -m benchmarks.step_time --variants jax.grad "ooo single_gpu" \
       --also-with xla_gpu_enable_latency_hiding_scheduler=false
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,18 +22,18 @@ import optax
 
 import ooojax as ooo
 from benchmarks import _report
-from ooojax.models import ZOO
 from ooojax import demo
 from ooojax._calibrate import time_fn
+from ooojax.models import ZOO
 
 VARIANTS = {
-    "jax.grad": None,
-    "ooo auto": {},
-    "ooo in_order": {"mode": "in_order"},
-    "ooo single_gpu": {"mode": "single_gpu"},  # default ordering: pinned windows
-    "ooo single_gpu (control_deps)": {"mode": "single_gpu", "ordering": "control_deps"},
-    "ooo single_gpu (scheduling_group)": {"mode": "single_gpu", "ordering": "scheduling_group"},
-    "ooo single_gpu (none)": {"mode": "single_gpu", "ordering": "none"},
+  "jax.grad": None,
+  "ooo auto": {},
+  "ooo in_order": {"mode": "in_order"},
+  "ooo single_gpu": {"mode": "single_gpu"},  # default ordering: pinned windows
+  "ooo single_gpu (control_deps)": {"mode": "single_gpu", "ordering": "control_deps"},
+  "ooo single_gpu (scheduling_group)": {"mode": "single_gpu", "ordering": "scheduling_group"},
+  "ooo single_gpu (none)": {"mode": "single_gpu", "ordering": "none"},
 }
 
 
@@ -49,6 +50,7 @@ def _sgd_step(grad_fn, loss_fn, kw, compiler_options=None):
     g = grad_fn(loss_fn, **kw)(*args)
     g = g[0] if kw.get("has_aux") else g
     return jax.tree.map(lambda p, d: p - 0.01 * d, args[0], g)
+
   return jax.jit(step, compiler_options=compiler_options or None)
 
 
@@ -60,9 +62,14 @@ def main(argv=None):
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-  ap.add_argument("--also-with", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
-                  help="also time every variant compiled with these XLA options (repeatable): "
-                  "the single-GPU mechanisms of docs/guides/single-gpu-on-jax-0.12.md")
+  ap.add_argument(
+    "--also-with",
+    action="append",
+    default=[],
+    metavar="NAME=VALUE[,NAME=VALUE]",
+    help="also time every variant compiled with these XLA options (repeatable): "
+    "the single-GPU mechanisms of docs/guides/single-gpu-on-jax-0.12.md",
+  )
   ap.add_argument("--no-sim-check", action="store_true")
   ap.add_argument("--write", action="store_true")
   a = ap.parse_args(argv)
@@ -77,6 +84,7 @@ def main(argv=None):
     loss_fn, args, kw = make(**sizes)
     desc = f"{a.model} ({'tiny' if a.tiny else 'full'} size), batch {sizes['batch']}"
   from ooojax._hlo_cli import parse_kv
+
   option_sets = [("", {})] + [(f" [{o}]", parse_kv(o.split(","))) for o in a.also_with]
   steps = {}
   for suffix, copts in option_sets:
@@ -88,17 +96,17 @@ def main(argv=None):
   med = {k: float(np.median(t)) for k, t in times.items()}
   base = med.get("jax.grad")
   lines = _report.header(f"Step time, {desc}") + [
-      f"Measured: jitted SGD step, median of {a.rounds} rounds x {a.iters} steps, "
-      "variants alternating in one process. Ratio = jax.grad time / variant time "
-      "(>1 means faster than jax.grad; a variant in [XLA options] against jax.grad "
-      "under the same options).",
-      "",
-      "| variant | step ms | ratio vs jax.grad |",
-      "|---|---|---|",
+    f"Measured: jitted SGD step, median of {a.rounds} rounds x {a.iters} steps, "
+    "variants alternating in one process. Ratio = jax.grad time / variant time "
+    "(>1 means faster than jax.grad; a variant in [XLA options] against jax.grad "
+    "under the same options).",
+    "",
+    "| variant | step ms | ratio vs jax.grad |",
+    "|---|---|---|",
   ]
   for k, t in med.items():
     # against jax.grad under the same options
-    b = med.get("jax.grad" + k[len(k.split(" [")[0]):], base)
+    b = med.get("jax.grad" + k[len(k.split(" [")[0]) :], base)
     ratio = f"{b / t:.3f}x" if b else "-"
     lines.append(f"| {k} | {t * 1e3:.2f} | {ratio} |")
   for k, why in failed.items():
@@ -107,13 +115,17 @@ def main(argv=None):
     # Calibrated per-unit timings -> simulated in-order gradient time, against
     # the measured jax.grad gradient computation alone.
     measured = ooo.calibrate(loss_fn, *args, **kw)
-    pred = ooo.explain(loss_fn, *args, mode="in_order", measured=measured,
-                       **kw).schedule.in_order_makespan
+    pred = ooo.explain(
+      loss_fn, *args, mode="in_order", measured=measured, **kw
+    ).schedule.in_order_makespan
     real = time_fn(jax.jit(jax.grad(loss_fn, **kw)), args, 20)
-    lines += ["", f"Simulator check: calibrated in-order prediction (simulated) "
-              f"{pred * 1e3:.2f} ms vs measured `jit(jax.grad)` {real * 1e3:.2f} ms: "
-              f"error {100 * (pred - real) / real:+.0f}% ({len(measured)} units timed "
-              "alone; per-unit timing misses cross-unit fusion)."]
+    lines += [
+      "",
+      f"Simulator check: calibrated in-order prediction (simulated) "
+      f"{pred * 1e3:.2f} ms vs measured `jit(jax.grad)` {real * 1e3:.2f} ms: "
+      f"error {100 * (pred - real) / real:+.0f}% ({len(measured)} units timed "
+      "alone; per-unit timing misses cross-unit fusion).",
+    ]
   _report.emit(lines, a.write)
 
 

@@ -4,16 +4,25 @@
 critical dX chain and out-of-order dW work, schedules it with a cost model and
 emits XLA that carries the schedule.
 """
+
 from ooojax import _platform
 
 _platform.default_to_cpu_without_gpu()  # before jax is imported: see _platform
 
+from ooojax import pipeline  # noqa: E402
 from ooojax._api import MODES, Options, grad, value_and_grad
 from ooojax._calibrate import calibrate
 from ooojax._explain import Report, explain
 from ooojax._explain_dp import DataParallelReport
-from ooojax import pipeline  # noqa: E402
 
-__all__ = ["MODES", "DataParallelReport", "Options", "Report", "calibrate", "explain", "grad",
-           "value_and_grad"]
+__all__ = [
+  "MODES",
+  "DataParallelReport",
+  "Options",
+  "Report",
+  "calibrate",
+  "explain",
+  "grad",
+  "value_and_grad",
+]
 __version__ = "0.1.0"

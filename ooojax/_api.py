@@ -1,4 +1,5 @@
 """`ooo.grad` / `ooo.value_and_grad`: drop-ins for `jax.grad` / `jax.value_and_grad`."""
+
 from __future__ import annotations
 
 import collections
@@ -14,15 +15,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from passes import _compat
-from passes.collectives import plan as _collectives
-from passes.cost import CostModel, DeviceSpec
-from passes.emit import ORDERINGS, emit
-from passes.ir import Schedule, Split
-from passes.schedule import schedule as make_schedule
-from passes.fingerprint import fingerprint
-from passes.split import from_flat, inline_calls, rewrite
 from ooojax import _dp
+from ooojax.passes import _compat
+from ooojax.passes.collectives import plan as _collectives
+from ooojax.passes.cost import CostModel, DeviceSpec
+from ooojax.passes.emit import ORDERINGS, emit
+from ooojax.passes.fingerprint import fingerprint
+from ooojax.passes.ir import Schedule, Split
+from ooojax.passes.schedule import schedule as make_schedule
+from ooojax.passes.split import from_flat, inline_calls, rewrite
 
 MODES = ("auto", "single_gpu", "in_order", "data_parallel")
 
@@ -50,6 +51,7 @@ class Options:
     network preset ("nvlink", "100GbE", "25GbE", "10GbE") or a
     `passes.simulate.Link`.
   """
+
   mode: str = "auto"
   streams: int = 2
   device: str | DeviceSpec | None = None
@@ -68,8 +70,9 @@ class Options:
       raise ValueError(f"streams must be 1 or 2, got {self.streams!r}")
     if self.ordering not in ORDERINGS:
       raise ValueError(f"unknown ordering {self.ordering!r}; allowed: {ORDERINGS}")
-    _collectives.validate_options(self.mode, self.axis_name, self.reduce,
-                                  self.bucket_bytes, self.first_k, self.link)
+    _collectives.validate_options(
+      self.mode, self.axis_name, self.reduce, self.bucket_bytes, self.first_k, self.link
+    )
 
   def resolved_mode(self) -> str:
     if self.mode != "auto":
@@ -86,8 +89,18 @@ class Options:
 
   def key(self):
     m = tuple(sorted(self.measured.items())) if self.measured else None
-    return (self.mode, self.streams, self.device, self.ordering, m, self.axis_name,
-            self.reduce, self.bucket_bytes, self.first_k, self.link)
+    return (
+      self.mode,
+      self.streams,
+      self.device,
+      self.ordering,
+      m,
+      self.axis_name,
+      self.reduce,
+      self.bucket_bytes,
+      self.first_k,
+      self.link,
+    )
 
 
 _OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options))
@@ -97,8 +110,10 @@ def _make_options(kwargs: dict) -> Options:
   bad = sorted(set(kwargs) - set(_OPTION_NAMES))
   if bad:
     # an unexpected keyword is a TypeError, as jax.grad(f, stream=2) raises
-    raise TypeError(f"got an unexpected keyword argument(s) {bad}: unknown option(s); "
-                    f"allowed: {list(_OPTION_NAMES)}")
+    raise TypeError(
+      f"got an unexpected keyword argument(s) {bad}: unknown option(s); "
+      f"allowed: {list(_OPTION_NAMES)}"
+    )
   return Options(**kwargs)
 
 
@@ -106,8 +121,9 @@ def _is_dynamic(x) -> bool:
   # Arrays are traced; everything else (Python scalars, strings, modules) is
   # closed over as jax.grad closes over non-differentiated arguments.
   # ShapeDtypeStructs too: `explain` and AOT lowering need shapes only.
-  return (isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
-          or _compat.is_tracer(x))
+  return isinstance(
+    x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+  ) or _compat.is_tracer(x)
 
 
 def _aval(x, typed: bool = True) -> jax.ShapeDtypeStruct:
@@ -122,13 +138,15 @@ def _aval(x, typed: bool = True) -> jax.ShapeDtypeStruct:
   if hasattr(x, "shape") and hasattr(x, "dtype"):
     weak = bool(getattr(getattr(x, "aval", x), "weak_type", False))  # arrays, ShapeDtypeStructs
     return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, weak_type=weak)
-  return jax.ShapeDtypeStruct((), jax.numpy.result_type(x),
-                              weak_type=isinstance(x, (int, float, complex)))
+  return jax.ShapeDtypeStruct(
+    (), jax.numpy.result_type(x), weak_type=isinstance(x, (int, float, complex))
+  )
 
 
 class _Static:
   """Stands for a static leaf in the traced argument tree: an empty pytree node,
   so the dynamic leaves keep the key paths (and debug names) of the user's call."""
+
   __slots__ = ("i",)
 
   def __init__(self, i):
@@ -148,6 +166,7 @@ def _fun_name(fun) -> str:
 
 def _describe(x) -> str:
   """A value's type without tracer reprs, e.g. `(float32[], float32[3])`."""
+
   class _T(str):
     __repr__ = str.__str__
 
@@ -156,6 +175,7 @@ def _describe(x) -> str:
       return _T(jax.typeof(y).str_short())
     except TypeError:
       return _T(type(y).__name__)
+
   return repr(jax.tree_util.tree_map(one, x))
 
 
@@ -166,36 +186,42 @@ def _resolve_argnums(argnums, n_args: int) -> tuple[int, ...]:
   for a in idx:
     if a < -n_args:
       raise ValueError(
-          "Positional argument indices, e.g. for `static_argnums`, must have value "
-          f"greater than or equal to -len(args) and less than len(args), but got "
-          f"value {a} for len(args) == {n_args}.")
+        "Positional argument indices, e.g. for `static_argnums`, must have value "
+        f"greater than or equal to -len(args) and less than len(args), but got "
+        f"value {a} for len(args) == {n_args}."
+      )
     if a >= n_args:
-      raise TypeError(f"differentiating with respect to argnums={argnums} requires "
-                      f"at least {a + 1} positional arguments to be passed "
-                      f"by the caller, but got only {n_args} positional arguments.")
+      raise TypeError(
+        f"differentiating with respect to argnums={argnums} requires "
+        f"at least {a + 1} positional arguments to be passed "
+        f"by the caller, but got only {n_args} positional arguments."
+      )
     out.append(a % n_args)
   if len(set(out)) != len(out):
-    raise TypeError(f"argnums={argnums} names the same positional argument more than "
-                    f"once (resolved to {tuple(out)} for {n_args} arguments); jax.grad "
-                    "fails on repeated argnums too: list each argument once.")
+    raise TypeError(
+      f"argnums={argnums} names the same positional argument more than "
+      f"once (resolved to {tuple(out)} for {n_args} arguments); jax.grad "
+      "fails on repeated argnums too: list each argument once."
+    )
   return tuple(out)
 
 
 _CONTROL_FLOW_NOTE = (
-    "ooo.grad traces {name} once per call with abstract values (as jax.jit does) "
-    "so that it can split and schedule the backward pass; Python control flow or "
-    "conversions on the value of a differentiated or array argument cannot run there, "
-    "although eager jax.grad runs them. Use jax.lax.cond / jnp.where / lax.select for "
-    "value-dependent branches, pass the value as a non-array Python argument (it is "
-    "then a static), or use jax.grad for this function.")
+  "ooo.grad traces {name} once per call with abstract values (as jax.jit does) "
+  "so that it can split and schedule the backward pass; Python control flow or "
+  "conversions on the value of a differentiated or array argument cannot run there, "
+  "although eager jax.grad runs them. Use jax.lax.cond / jnp.where / lax.select for "
+  "value-dependent branches, pass the value as a non-array Python argument (it is "
+  "then a static), or use jax.grad for this function."
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
   split: Split
   schedule: Schedule
-  out_tree: Any   # (aux_tree, aux_parts, g_tree, g_parts): see `_Transformed._trace`
-  n_aux: int      # traced aux leaves among the outputs
+  out_tree: Any  # (aux_tree, aux_parts, g_tree, g_parts): see `_Transformed._trace`
+  n_aux: int  # traced aux leaves among the outputs
   collectives: Any = None  # passes.collectives.plan.CollectivePlan (data_parallel)
 
 
@@ -253,15 +279,18 @@ class _Transformed:
           _compat.check_input_dtype_grad(holomorphic, self.allow_int, leaf)
       marked_args.append(jax.tree_util.tree_unflatten(tree, [mark(x, diff) for x in leaves]))
     # kwargs are flattened in sorted-key order, as make_jaxpr flattens them
-    marked_kwargs = {k: jax.tree_util.tree_map(lambda x: mark(x, False), kwargs[k])
-                     for k in sorted(kwargs)}
+    marked_kwargs = {
+      k: jax.tree_util.tree_map(lambda x: mark(x, False), kwargs[k]) for k in sorted(kwargs)
+    }
     name = _fun_name(fun)
     cell: dict = {}
 
     def traced(ct, *t_args, **t_kwargs):
       t_args, t_kwargs = jax.tree_util.tree_map(
-          lambda x: statics[x.i] if isinstance(x, _Static) else x, (t_args, t_kwargs),
-          is_leaf=_is_static)
+        lambda x: statics[x.i] if isinstance(x, _Static) else x,
+        (t_args, t_kwargs),
+        is_leaf=_is_static,
+      )
 
       def f_partial(*dargs):
         full = list(t_args)
@@ -269,19 +298,29 @@ class _Transformed:
           full[i] = d
         out = fun(*full, **t_kwargs)
         if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
-          raise TypeError("expected function with aux output to return a two-element "
-                          f"tuple, but {name} returned {_describe(out)}")
+          raise TypeError(
+            "expected function with aux output to return a two-element "
+            f"tuple, but {name} returned {_describe(out)}"
+          )
         return out
 
       out = jax.vjp(f_partial, *(t_args[i] for i in idx), has_aux=has_aux)
       ans, vjp_fn = out[0], out[1]
       aux = out[2] if has_aux else None
-      if isinstance(ans, (tuple, list, dict)) or not hasattr(ans, "shape") and not isinstance(
-          ans, (int, float, complex)):
-        raise TypeError("Gradient only defined for scalar-output functions. Output was "
-                        f"{_describe(ans)} from {name}"
-                        + ("; with several outputs, pass has_aux=True and return "
-                           "(loss, aux)" if not has_aux else ""))
+      if (
+        isinstance(ans, (tuple, list, dict))
+        or not hasattr(ans, "shape")
+        and not isinstance(ans, (int, float, complex))
+      ):
+        raise TypeError(
+          "Gradient only defined for scalar-output functions. Output was "
+          f"{_describe(ans)} from {name}"
+          + (
+            "; with several outputs, pass has_aux=True and return (loss, aux)"
+            if not has_aux
+            else ""
+          )
+        )
       _compat.check_scalar(ans)
       _compat.check_output_dtype_grad(holomorphic, ans)
       a_aval = jax.typeof(ans)
@@ -295,8 +334,11 @@ class _Transformed:
       aux_parts = tuple(None if _compat.is_tracer(x) else (x,) for x in aux_leaves)
       g_parts = tuple(None if _compat.is_tracer(x) else (x,) for x in g_leaves)
       cell["layout"] = (aux_tree, aux_parts, g_tree, g_parts)
-      return [ans, *(x for x in aux_leaves if _compat.is_tracer(x)),
-              *(x for x in g_leaves if _compat.is_tracer(x))]
+      return [
+        ans,
+        *(x for x in aux_leaves if _compat.is_tracer(x)),
+        *(x for x in g_leaves if _compat.is_tracer(x)),
+      ]
 
     traced.__name__ = getattr(fun, "__name__", "fun")
     traced.__qualname__ = name
@@ -307,9 +349,12 @@ class _Transformed:
       traced.__signature__ = sig.replace(parameters=[ct_param, *sig.parameters.values()])
     except (TypeError, ValueError):  # no signature: jax falls back to args[i] names
       traced.__signature__ = inspect.Signature(
-          [inspect.Parameter("_ooo_cotangent", inspect.Parameter.POSITIONAL_ONLY),
-           inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL),
-           inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
+        [
+          inspect.Parameter("_ooo_cotangent", inspect.Parameter.POSITIONAL_ONLY),
+          inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL),
+          inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD),
+        ]
+      )
     ct_aval = jax.ShapeDtypeStruct((), jax.numpy.float32)
     try:
       closed = jax.make_jaxpr(traced)(ct_aval, *marked_args, **marked_kwargs)
@@ -334,6 +379,7 @@ class _Transformed:
     def trace(*a):
       box["plan"], _ = self.plan(a, {})
       return 0.0
+
     jax.eval_shape(trace, *args)
     return box["plan"]
 
@@ -345,18 +391,21 @@ class _Transformed:
     flat, consts = inline_calls(closed, stats)
     opts = self.options
     # g_tree (its key paths name the clusters) and which grads are traced
-    key = (n_aux, g_tree, tuple(p is None for p in g_parts), opts.key(),
-           _dp.axis_size(opts))
+    key = (n_aux, g_tree, tuple(p is None for p in g_parts), opts.key(), _dp.axis_size(opts))
     hit, fp = self._lookup(key, flat)
     if hit is not None:
       # the same deterministic rewrite (scan split) the cached split went through
-      sp = dataclasses.replace(hit.split, jaxpr=rewrite(flat), consts=tuple(consts),
-                               inlined=stats.get("inlined", 0))
+      sp = dataclasses.replace(
+        hit.split, jaxpr=rewrite(flat), consts=tuple(consts), inlined=stats.get("inlined", 0)
+      )
       sched, coll = hit.schedule, hit.collectives
     else:
       tree = diff[0] if isinstance(self.argnums, int) else diff
-      names = [jax.tree_util.keystr(p) for (p, _), part in
-               zip(jax.tree_util.tree_flatten_with_path(tree)[0], g_parts) if part is None]
+      names = [
+        jax.tree_util.keystr(p)
+        for (p, _), part in zip(jax.tree_util.tree_flatten_with_path(tree)[0], g_parts)
+        if part is None
+      ]
       sp = from_flat(flat, consts, n_grads, names, stats.get("inlined", 0))
       streams = 1 if opts.resolved_mode() in ("in_order", "data_parallel") else opts.streams
       cm = CostModel(opts.device, opts.measured)
@@ -419,13 +468,21 @@ class _Transformed:
         outs = _dp.emit(plan, dyn, opts, consume=True)
       else:
         # the split was traced for this call alone: emission may consume it
-        outs = emit(plan.split, plan.schedule, plan.split.consts, dyn,
-                    ordering=ordering, annotate=annotate, consume=True)
+        outs = emit(
+          plan.split,
+          plan.schedule,
+          plan.split.consts,
+          dyn,
+          ordering=ordering,
+          annotate=annotate,
+          consume=True,
+        )
     aux_tree, aux_parts, g_tree, g_parts = plan.out_tree
     ans = outs[0]
     it = iter(outs[1:])
     aux = jax.tree_util.tree_unflatten(
-        aux_tree, [next(it) if p is None else p[0] for p in aux_parts])
+      aux_tree, [next(it) if p is None else p[0] for p in aux_parts]
+    )
     g = jax.tree_util.tree_unflatten(g_tree, [next(it) if p is None else p[0] for p in g_parts])
     return ((ans, aux) if self.has_aux else ans), g
 
@@ -453,21 +510,30 @@ def _check_argnums(argnums):
   if isinstance(argnums, (int, np.integer)) and not isinstance(argnums, bool):
     return int(argnums)
   if isinstance(argnums, Sequence) and all(
-      isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in argnums):
+    isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in argnums
+  ):
     out = tuple(int(a) for a in argnums)
     if not out:
-      raise ValueError("argnums=() selects no argument to differentiate; pass an int "
-                       "or a non-empty tuple of ints")
+      raise ValueError(
+        "argnums=() selects no argument to differentiate; pass an int or a non-empty tuple of ints"
+      )
     if len(set(out)) != len(out):
-      raise TypeError(f"argnums={out} names the same argument more than once "
-                      "(jax.grad fails on repeated argnums too): list each argument once")
+      raise TypeError(
+        f"argnums={out} names the same argument more than once "
+        "(jax.grad fails on repeated argnums too): list each argument once"
+      )
     return out
   raise TypeError(f"argnums must be an int or a tuple of ints, got {argnums!r}")
 
 
-def value_and_grad(fun: Callable | None = None, argnums: int | Sequence[int] = 0,
-                   has_aux: bool = False, holomorphic: bool = False,
-                   allow_int: bool = False, **options) -> Callable:
+def value_and_grad(
+  fun: Callable | None = None,
+  argnums: int | Sequence[int] = 0,
+  has_aux: bool = False,
+  holomorphic: bool = False,
+  allow_int: bool = False,
+  **options,
+) -> Callable:
   """Like `jax.value_and_grad`, with the backward pass split and scheduled.
 
   Takes `jax.value_and_grad`'s arguments plus the keyword options of
@@ -480,17 +546,21 @@ def value_and_grad(fun: Callable | None = None, argnums: int | Sequence[int] = 0
   """
   opts = _make_options(options)
   if fun is None:
-    return lambda f: value_and_grad(f, argnums, has_aux, holomorphic, allow_int,
-                                    **options)
+    return lambda f: value_and_grad(f, argnums, has_aux, holomorphic, allow_int, **options)
   if not callable(fun):
     raise TypeError(f"Expected a callable value, got {fun!r}")
   argnums = _check_argnums(argnums)
   return _Transformed(fun, argnums, has_aux, holomorphic, allow_int, opts)
 
 
-def grad(fun: Callable | None = None, argnums: int | Sequence[int] = 0,
-         has_aux: bool = False, holomorphic: bool = False,
-         allow_int: bool = False, **options) -> Callable:
+def grad(
+  fun: Callable | None = None,
+  argnums: int | Sequence[int] = 0,
+  has_aux: bool = False,
+  holomorphic: bool = False,
+  allow_int: bool = False,
+  **options,
+) -> Callable:
   """Like `jax.grad`, with the backward pass split and scheduled.
 
   >>> import jax.numpy as jnp, ooojax as ooo

@@ -9,6 +9,7 @@ into any `ooo.grad(..., measured=...)` so the scheduler and the simulator use
 measured rather than estimated costs. Units run alone here, so their sum is
 the in-order step time the simulator predicts; overlap is not measured.
 """
+
 from __future__ import annotations
 
 import time
@@ -17,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from passes import _compat
-from passes.ir import Kind
+from ooojax.passes import _compat
+from ooojax.passes.ir import Kind
 
 
 def _unit_io(jaxpr, eqn_ids, skip):
@@ -33,16 +34,18 @@ def _unit_io(jaxpr, eqn_ids, skip):
   used_later = set(jaxpr.outvars)
   for e in jaxpr.eqns:
     used_later.update(v for v in e.invars if isinstance(v, _compat.Var))
-  outs = [v for e in eqns for v in e.outvars
-          if v in used_later and not isinstance(v, _compat.DropVar)]
+  outs = [
+    v for e in eqns for v in e.outvars if v in used_later and not isinstance(v, _compat.DropVar)
+  ]
   return eqns, ins, outs
 
 
 def _run(eqns, ins, outs, args):
   env = dict(zip(ins, args))
   for e in eqns:
-    vals = _compat.bind_eqn(e, [v.val if isinstance(v, _compat.Literal) else env[v]
-                                for v in e.invars])
+    vals = _compat.bind_eqn(
+      e, [v.val if isinstance(v, _compat.Literal) else env[v] for v in e.invars]
+    )
     env.update(zip(e.outvars, vals))
   return [env[v] for v in outs]
 
@@ -62,18 +65,23 @@ def _looped(eqns, ins, outs, k: int):
     for _ in range(k):  # unrolled: an XLA loop body misses layout assignment on CPU
       res = _run(eqns, ins, outs, a)
       if floats:
-        s = sum(jnp.sum(r).astype(jnp.float32) for r in res
-                if jnp.issubdtype(r.dtype, jnp.floating))
+        s = sum(
+          jnp.sum(r).astype(jnp.float32) for r in res if jnp.issubdtype(r.dtype, jnp.floating)
+        )
         a[floats[0]] = a[floats[0]] + (s * 0.0).astype(a[floats[0]].dtype)
     return res
+
   return jax.jit(f)
 
 
 def _example(aval, rng):
   dt = aval.dtype
   if jax.dtypes.issubdtype(dt, jax.dtypes.prng_key):
-    return jax.random.split(jax.random.key(0), int(np.prod(aval.shape)) or 1).reshape(aval.shape) \
-        if aval.shape else jax.random.key(0)
+    return (
+      jax.random.split(jax.random.key(0), int(np.prod(aval.shape)) or 1).reshape(aval.shape)
+      if aval.shape
+      else jax.random.key(0)
+    )
   if jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.complexfloating):
     return jnp.asarray(rng.standard_normal(aval.shape), dt)
   if dt == jnp.bool_:
@@ -91,8 +99,9 @@ def time_fn(fn, args, reps: int = 10) -> float:
   return float(np.median(ts))
 
 
-def calibrate(fun, *args, argnums=0, has_aux=False, reps: int = 10, kwargs=None,
-              **options) -> dict[str, float]:
+def calibrate(
+  fun, *args, argnums=0, has_aux=False, reps: int = 10, kwargs=None, **options
+) -> dict[str, float]:
   """Measured seconds per schedule unit label ("forward", "X3", a param path).
 
   >>> import jax.numpy as jnp, ooojax as ooo
@@ -101,6 +110,7 @@ def calibrate(fun, *args, argnums=0, has_aux=False, reps: int = 10, kwargs=None,
   True
   """
   from ooojax._api import value_and_grad
+
   vg = value_and_grad(fun, argnums, has_aux, **options)
   plan, dyn = vg.plan(args, kwargs or {})
   split = plan.split

@@ -5,6 +5,7 @@ Compiles the same `ooo.grad` the report describes with `ooojax.gpu_hlo`, then
 what XLA scheduled; `plot_compiled` draws XLA's instruction order as a lane
 of kernels with the stream-call windows on a second lane.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,12 +13,13 @@ from typing import Any
 
 import jax
 
-from passes.hlo import compare as hlo_compare
+from ooojax.passes.hlo import compare as hlo_compare
 
 
 @dataclasses.dataclass(frozen=True)
 class Call:
   """What `explain` was called with, kept to compile the same gradient again."""
+
   fun: Any
   args: tuple
   argnums: Any
@@ -30,14 +32,18 @@ def _is_array(x) -> bool:
   return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-def compile_report(report, gpu: str = "H100", *, devices: int = 1,
-                   compiler_options=None) -> hlo_compare.Comparison:
+def compile_report(
+  report, gpu: str = "H100", *, devices: int = 1, compiler_options=None
+) -> hlo_compare.Comparison:
   from ooojax import gpu_hlo
   from ooojax._api import grad
+
   call: Call | None = report.call
   if call is None:
-    raise ValueError("this Report was not made by ooo.explain(fun, *args, ...), so there "
-                     "is no function to compile; use ooo.explain")
+    raise ValueError(
+      "this Report was not made by ooo.explain(fun, *args, ...), so there "
+      "is no function to compile; use ooo.explain"
+    )
   reason = gpu_hlo.unavailable_reason()
   if reason is not None:
     raise RuntimeError(f"cannot compile for a GPU here: {reason}")
@@ -53,14 +59,18 @@ def compile_report(report, gpu: str = "H100", *, devices: int = 1,
     for i, v in zip(dyn, dyn_vals):
       vals[i] = v
     return g(*jax.tree_util.tree_unflatten(tree, vals), **call.kwargs)
+
   try:
-    hlo = gpu_hlo.schedule(f, *[leaves[i] for i in dyn], gpu=gpu, devices=devices,
-                           compiler_options=compiler_options)
+    hlo = gpu_hlo.schedule(
+      f, *[leaves[i] for i in dyn], gpu=gpu, devices=devices, compiler_options=compiler_options
+    )
   except Exception as e:
     if "control_dep" in str(e):
-      raise RuntimeError(f"the {gpu} compile failed on ordering='control_deps' (XLA:GPU has no "
-                         "control-dep-rewriter): pass ordering='none' or "
-                         "'scheduling_group' to ooo.explain") from e
+      raise RuntimeError(
+        f"the {gpu} compile failed on ordering='control_deps' (XLA:GPU has no "
+        "control-dep-rewriter): pass ordering='none' or "
+        "'scheduling_group' to ooo.explain"
+      ) from e
     raise
   return hlo_compare.compare(report.schedule, report.timeline(), hlo, gpu)
 
@@ -83,8 +93,15 @@ def plot_compiled(comparison: hlo_compare.Comparison, ax):
     if i.kind in ("start", "done"):
       continue
     u = hlo_compare.unit_of(i) or "?"
-    ax.barh(0, 1, left=pos[i.name], height=0.8, color=_COLORS.get(u[0], "#dddddd"),
-            edgecolor="black" if i.is_heavy else "white", linewidth=0.6 if i.is_heavy else 0.2)
+    ax.barh(
+      0,
+      1,
+      left=pos[i.name],
+      height=0.8,
+      color=_COLORS.get(u[0], "#dddddd"),
+      edgecolor="black" if i.is_heavy else "white",
+      linewidth=0.6 if i.is_heavy else 0.2,
+    )
   # Windows that overlap each other go on separate rows of the calls lane.
   rows: list[int] = []  # per row: the slot where its last window ends
   windows = []
@@ -100,14 +117,23 @@ def plot_compiled(comparison: hlo_compare.Comparison, ax):
   h = 0.8 / max(len(rows), 1)
   for p, a, b, r in windows:
     u = hlo_compare.unit_of(p.start) or "?"
-    ax.barh(0.6 + (r + 0.5) * h, b - a, left=a, height=h * 0.9,
-            color=_COLORS.get(u[0], "#dddddd"),
-            edgecolor="black" if p.heavy_callee else "white", linewidth=0.6)
+    ax.barh(
+      0.6 + (r + 0.5) * h,
+      b - a,
+      left=a,
+      height=h * 0.9,
+      color=_COLORS.get(u[0], "#dddddd"),
+      edgecolor="black" if p.heavy_callee else "white",
+      linewidth=0.6,
+    )
   ax.set_yticks([0, 1])
   ax.set_yticklabels(["main stream", "stream calls"])
   ax.invert_yaxis()
   k, n = comparison.heavy_overlap
   ax.set_xlabel("kernel slot in XLA's schedule (order, not time)")
-  ax.set_title(f"what XLA actually scheduled ({comparison.gpu}, compile-only): heavy dW "
-               f"calls overlapped {k}/{n}; black edge = conv/GEMM", fontsize=9)
+  ax.set_title(
+    f"what XLA actually scheduled ({comparison.gpu}, compile-only): heavy dW "
+    f"calls overlapped {k}/{n}; black edge = conv/GEMM",
+    fontsize=9,
+  )
   return ax

@@ -6,6 +6,7 @@ values carried in `Pending`, the simulated steady-state step with and without
 the deferral. `ooojax.single_gpu.make_train_step` builds its step from it;
 `ooo.explain(..., defer=...)` shows it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,9 +16,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from passes import defer as defer_pass
-from passes.cost import CostModel
-from passes.simulate import simulate
+from ooojax.passes import defer as defer_pass
+from ooojax.passes.cost import CostModel
+from ooojax.passes.simulate import simulate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,13 +30,14 @@ class Plan:
   the cost-model time of each deferred leaf's dW cluster. `ooo.explain(loss,
   params, batch, defer=...)` shows the same plan (`Report.carried`).
   """
-  paths: tuple[str, ...]           # every parameter leaf
-  deferred: tuple[int, ...]        # leaves whose dW run in the next step
+
+  paths: tuple[str, ...]  # every parameter leaf
+  deferred: tuple[int, ...]  # leaves whose dW run in the next step
   kept: tuple[int, ...]
-  carried: tuple[Any, ...]         # ShapeDtypeStructs of pending.local
+  carried: tuple[Any, ...]  # ShapeDtypeStructs of pending.local
   anchor: int
   first_use: int
-  coupled: bool                    # the optimizer reads every leaf: updates wait
+  coupled: bool  # the optimizer reads every leaf: updates wait
   simulated: tuple[float, float]
   device: str
   late: Any = dataclasses.field(repr=False, compare=False)  # jaxpr carried -> deferred grads
@@ -61,15 +63,19 @@ class Plan:
 
   def __str__(self) -> str:
     t0, t1 = self.simulated
-    lines = [f"deferred dW (next step, beside the forward): {len(self.deferred)} of "
-             f"{len(self.paths)} parameter leaves; carried in Pending: "
-             f"{len(self.carried)} values, {self.carried_bytes} bytes"]
+    lines = [
+      f"deferred dW (next step, beside the forward): {len(self.deferred)} of "
+      f"{len(self.paths)} parameter leaves; carried in Pending: "
+      f"{len(self.carried)} values, {self.carried_bytes} bytes"
+    ]
     for j, p in enumerate(self.deferred_paths):
       dw = f": dW {self.dw_seconds[j] * 1e3:.4f} ms" if j < len(self.dw_seconds) else ""
       lines.append(f"  {p}{dw}")
-    lines.append(f"simulated steady-state step (cost model, {self.device}, not measured): "
-                 f"{t0 * 1e3:.3f} ms without deferral, {t1 * 1e3:.3f} ms with"
-                 + (f" ({t0 / t1:.3f}x)" if t1 else ""))
+    lines.append(
+      f"simulated steady-state step (cost model, {self.device}, not measured): "
+      f"{t0 * 1e3:.3f} ms without deferral, {t1 * 1e3:.3f} ms with"
+      + (f" ({t0 / t1:.3f}x)" if t1 else "")
+    )
     if self.coupled:
       lines.append("coupled optimizer: every update waits for the deferred dW")
     return "\n".join(lines)
@@ -81,6 +87,7 @@ class Plan:
     """The simulated steady-state step without and with deferral, stacked;
     returns the matplotlib Axes."""
     import matplotlib.pyplot as plt
+
     if ax is None:
       fig, ax = plt.subplots(figsize=(10, 2.4))
       fig.subplots_adjust(left=0.14, bottom=0.2)
@@ -89,15 +96,21 @@ class Plan:
     for r, (label, tl) in enumerate(zip(("without", "with"), self.timelines)):
       for span in tl.spans:
         late = label == "with" and span.unit in self.deferred_units
-        ax.barh(2 * r + span.stream, (span.end - span.start) * 1e3, left=span.start * 1e3,
-                color="#ff7f0e" if late else colors[span.unit[0]], edgecolor="white",
-                linewidth=0.3)
+        ax.barh(
+          2 * r + span.stream,
+          (span.end - span.start) * 1e3,
+          left=span.start * 1e3,
+          color="#ff7f0e" if late else colors[span.unit[0]],
+          edgecolor="white",
+          linewidth=0.3,
+        )
       rows += [f"{label}: stream 0", f"{label}: stream 1"]
     ax.set_yticks(range(len(rows)), rows)
     ax.invert_yaxis()
     ax.set_xlabel(f"ms (simulated steady-state step, {self.device} cost model)")
-    ax.set_title("F forward / dX (red) / dW (blue); carried dW from the last step (orange)",
-                 fontsize=9)
+    ax.set_title(
+      "F forward / dX (red) / dW (blue); carried dW from the last step (orange)", fontsize=9
+    )
     return ax
 
 
@@ -115,17 +128,17 @@ def _choose(d, sp, sched, paths, cm) -> tuple[int, ...]:
     for pat in pats:
       hit = [i for i, p in enumerate(paths) if pat in p]
       if not hit:
-        raise ValueError(f"defer={pat!r} names no parameter; parameter paths: "
-                         f"{list(paths)}")
+        raise ValueError(f"defer={pat!r} names no parameter; parameter paths: {list(paths)}")
       chosen += hit
     chosen = tuple(sorted(set(chosen)))
   bad = [paths[i] for i in chosen if i not in can]
   if bad:
-    raise ValueError(f"cannot defer {bad}: their gradient has no dW cluster of its own "
-                     "(it is part of the dX chain, or computed in a loop); deferrable: "
-                     f"{[paths[i] for i in sorted(can)]}")
+    raise ValueError(
+      f"cannot defer {bad}: their gradient has no dW cluster of its own "
+      "(it is part of the dX chain, or computed in a loop); deferrable: "
+      f"{[paths[i] for i in sorted(can)]}"
+    )
   return chosen
-
 
 
 def plan_deferral(plan, params, defer, cm: CostModel, has_aux: bool = False) -> Plan:
@@ -134,8 +147,9 @@ def plan_deferral(plan, params, defer, cm: CostModel, has_aux: bool = False) -> 
   sp, sched = plan.split, plan.schedule
   flat, _ = jax.tree_util.tree_flatten_with_path(params)
   paths = tuple(jax.tree_util.keystr(k) for k, _ in flat)
-  if any(p is not None for p in plan.out_tree[3]) or len(sp.jaxpr.jaxpr.outvars) - \
-      sp.grad_out_start != len(paths):
+  if any(p is not None for p in plan.out_tree[3]) or len(
+    sp.jaxpr.jaxpr.outvars
+  ) - sp.grad_out_start != len(paths):
     raise TypeError("make_train_step: every parameter leaf must be a float array")
   if plan.n_aux and not has_aux:  # pragma: no cover - value_and_grad refuses it first
     raise TypeError("make_train_step: loss_fn returns aux: pass has_aux=True")
@@ -146,6 +160,19 @@ def plan_deferral(plan, params, defer, cm: CostModel, has_aux: bool = False) -> 
   can = defer_pass.deferrable(sp)
   dw = tuple(sched.unit(f"W{can[i]}").cost for i in dfr.leaves)
   tls = tuple(simulate(r.streams, r.units, cm.spec.sync) for r in runs)
-  return Plan(paths, dfr.leaves, dfr.kept, dfr.carried, dfr.anchor, dfr.first_use,
-              False, (runs[0].makespan, runs[1].makespan), cm.spec.name, dfr.late,
-              jax.tree.structure(params), dw, tls, tuple(f"W{can[i]}" for i in dfr.leaves))
+  return Plan(
+    paths,
+    dfr.leaves,
+    dfr.kept,
+    dfr.carried,
+    dfr.anchor,
+    dfr.first_use,
+    False,
+    (runs[0].makespan, runs[1].makespan),
+    cm.spec.name,
+    dfr.late,
+    jax.tree.structure(params),
+    dw,
+    tls,
+    tuple(f"W{can[i]}" for i in dfr.leaves),
+  )

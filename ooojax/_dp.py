@@ -1,14 +1,15 @@
 """mode="data_parallel" glue between `ooo.grad` and the collectives passes."""
+
 from __future__ import annotations
 
 import contextlib
 
 import jax
 
-from passes import _compat
-from passes.collectives import plan as _collectives
-from passes.emit import emit as _emit
-from passes.collectives.emit import BucketEmitter
+from ooojax.passes import _compat
+from ooojax.passes.collectives import plan as _collectives
+from ooojax.passes.collectives.emit import BucketEmitter
+from ooojax.passes.emit import emit as _emit
 
 
 def axis_size(opts) -> int | None:
@@ -43,8 +44,10 @@ def traced(trace, opts, args, kwargs):
   if opts.mode != "data_parallel":
     return trace(args, kwargs)
   axis_size(opts)  # JAX's NameError for an unbound axis, before any cast
-  if not any(_compat.is_tracer(x) and _compat.varying_axes(x)
-             for x in jax.tree_util.tree_leaves((args, kwargs))):
+  if not any(
+    _compat.is_tracer(x) and _compat.varying_axes(x)
+    for x in jax.tree_util.tree_leaves((args, kwargs))
+  ):
     out = trace(args, kwargs)
     if _compat.invariant_program(out[0]):
       return out
@@ -70,8 +73,9 @@ def varying_leaf(x, axis_name):
 
 
 def plan(sp, sched, cm, opts) -> _collectives.CollectivePlan:
-  return _collectives.plan(sp, sched, cm, axis_size(opts), opts.link,
-                           opts.bucket_bytes, opts.first_k)
+  return _collectives.plan(
+    sp, sched, cm, axis_size(opts), opts.link, opts.bucket_bytes, opts.first_k
+  )
 
 
 def emit(plan, dyn, opts, defer=frozenset(), consume: bool = False) -> list:
@@ -85,8 +89,7 @@ def emit(plan, dyn, opts, defer=frozenset(), consume: bool = False) -> list:
   ins = [*plan.split.consts, *dyn]
   # Traced as `traced` does, the jaxpr's types match the values (up to casts
   # to varying): its equations are copied as they are.
-  typed = all(_compat.varying_axes(x) <= _compat.varying_axes(v.aval)
-              for x, v in zip(ins, invars))
+  typed = all(_compat.varying_axes(x) <= _compat.varying_axes(v.aval) for x, v in zip(ins, invars))
   if typed:
     ins = [_compat.like_varying(x, v.aval) for x, v in zip(ins, invars)]
   else:
@@ -98,5 +101,13 @@ def emit(plan, dyn, opts, defer=frozenset(), consume: bool = False) -> list:
   n = len(plan.split.consts)
   emitter = BucketEmitter(plan.collectives, plan.split, ax, opts.reduce, defer)
   with contextlib.nullcontext() if typed else _compat.vary_inputs(ax):
-    return _emit(plan.split, plan.collectives.schedule, ins[:n], ins[n:],
-                 ordering="none", annotate=False, collectives=emitter, consume=consume)
+    return _emit(
+      plan.split,
+      plan.collectives.schedule,
+      ins[:n],
+      ins[n:],
+      ordering="none",
+      annotate=False,
+      collectives=emitter,
+      consume=consume,
+    )

@@ -1,4 +1,5 @@
 """`ooo.explain`: what was split and how it was scheduled, for people."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -6,20 +7,21 @@ import html
 from collections import Counter
 from typing import Any
 
-from passes.cost import LOOP_RULES, CostModel, get_spec
-from passes.ir import Kind, Schedule, Split, UnitKind
-from passes.simulate import Timeline, simulate
+from ooojax.passes.cost import LOOP_RULES, CostModel, get_spec
+from ooojax.passes.ir import Kind, Schedule, Split, UnitKind
+from ooojax.passes.simulate import Timeline, simulate
 
 
 @dataclasses.dataclass(frozen=True)
 class LoopRow:
   """One loop equation (scan / while / cond) of the split, priced from its body."""
-  eqn: int          # index in the split jaxpr
+
+  eqn: int  # index in the split jaxpr
   primitive: str
-  kind: str         # "FORWARD" / "DX" / "DW" / "DEAD"
-  param: str        # the parameter a dW loop feeds, else ""
-  trips: float      # body runs (scan length, while trip count; 1 for cond)
-  seconds: float    # whole loop, cost-model estimate
+  kind: str  # "FORWARD" / "DX" / "DW" / "DEAD"
+  param: str  # the parameter a dW loop feeds, else ""
+  trips: float  # body runs (scan length, while trip count; 1 for cond)
+  seconds: float  # whole loop, cost-model estimate
   flops: float
 
   @property
@@ -35,6 +37,7 @@ class Report:
   the deferred train step (`ooojax._defer_plan`: which dW clusters run in the next step, the bytes
   carried in `Pending`, the simulated step with and without deferral).
   """
+
   split: Split
   schedule: Schedule
   mode: str
@@ -54,7 +57,8 @@ class Report:
   @property
   def loops(self) -> tuple[LoopRow, ...]:
     """Every loop equation with its kind and cost (per layer = `per_trip`)."""
-    from passes.cost import estimate
+    from ooojax.passes.cost import estimate
+
     cm = CostModel(self.schedule.device or None)
     eqns = self.split.jaxpr.jaxpr.eqns
     rows = []
@@ -62,9 +66,17 @@ class Report:
       if e.primitive.name not in LOOP_RULES:
         continue
       ci = self.split.cluster_of[k]
-      rows.append(LoopRow(k, e.primitive.name, self.split.kinds[k].name,
-                          self.split.clusters[ci].param if ci >= 0 else "",
-                          cm.loop_trips(e), cm.unit_cost([e]).seconds, estimate(e).flops))
+      rows.append(
+        LoopRow(
+          k,
+          e.primitive.name,
+          self.split.kinds[k].name,
+          self.split.clusters[ci].param if ci >= 0 else "",
+          cm.loop_trips(e),
+          cm.unit_cost([e]).seconds,
+          estimate(e).flops,
+        )
+      )
     return tuple(rows)
 
   def _loop_lines(self) -> list[str]:
@@ -74,18 +86,24 @@ class Report:
     by_trips: dict[float, dict[str, list[LoopRow]]] = {}
     for r in rows:
       by_trips.setdefault(r.trips, {}).setdefault(r.kind, []).append(r)
-    lines = [f"  loops: {len(rows)} ({self.split.loops_split} backward scans split into "
-             "B-scan + W-scans)"]
+    lines = [
+      f"  loops: {len(rows)} ({self.split.loops_split} backward scans split into B-scan + W-scans)"
+    ]
     for trips, kinds in sorted(by_trips.items()):
-      parts = [f"{k} {sum(r.per_trip for r in rs) * 1e3:.4f} ms ({len(rs)} loops)"
-               for k, rs in sorted(kinds.items())]
+      parts = [
+        f"{k} {sum(r.per_trip for r in rs) * 1e3:.4f} ms ({len(rs)} loops)"
+        for k, rs in sorted(kinds.items())
+      ]
       lines.append(f"    x{trips:g} per trip (per layer): " + ", ".join(parts))
-    from passes.scan.skew import predict
+    from ooojax.passes.scan.skew import predict
+
     io, sk = predict(self.split, CostModel(self.schedule.device or None))
     if sk:
-      lines.append(f"    skewed scan (single_gpu emits B(i) beside W(i-1)): split backward "
-                   f"scans {io * 1e3:.3f} -> {sk * 1e3:.3f} ms (cost model, not in the "
-                   "predicted step above)")
+      lines.append(
+        f"    skewed scan (single_gpu emits B(i) beside W(i-1)): split backward "
+        f"scans {io * 1e3:.3f} -> {sk * 1e3:.3f} ms (cost model, not in the "
+        "predicted step above)"
+      )
     return lines
 
   def on_stream(self, stream: int) -> list[str]:
@@ -102,33 +120,40 @@ class Report:
     s, c = self.schedule, self.counts
     side = self.on_stream(1)
     lines = [
-        f"ooojax schedule (mode={self.mode}, device spec={s.device})",
-        f"  equations: {c['FORWARD']} forward, {c['DX']} dX, {c['DW']} dW, "
-        f"{c['DEAD']} dead; {self.split.inlined} calls inlined, "
-        f"{len(self.split.opaque)} kept whole {sorted(set(self.split.opaque)) or ''}",
-        f"  dW clusters: {len(self.split.clusters)} "
-        f"({len(side)} on stream 1, {len(self.split.clusters) - len(side)} on stream 0)",
-        f"  units: {sum(u.kind is UnitKind.DX for u in s.units)} dX segments",
-        f"  predicted step (cost model, not measured): in-order "
-        f"{s.in_order_makespan * 1e3:.3f} ms, scheduled {s.makespan * 1e3:.3f} ms, "
-        f"speedup {s.predicted_speedup:.3f}x",
+      f"ooojax schedule (mode={self.mode}, device spec={s.device})",
+      f"  equations: {c['FORWARD']} forward, {c['DX']} dX, {c['DW']} dW, "
+      f"{c['DEAD']} dead; {self.split.inlined} calls inlined, "
+      f"{len(self.split.opaque)} kept whole {sorted(set(self.split.opaque)) or ''}",
+      f"  dW clusters: {len(self.split.clusters)} "
+      f"({len(side)} on stream 1, {len(self.split.clusters) - len(side)} on stream 0)",
+      f"  units: {sum(u.kind is UnitKind.DX for u in s.units)} dX segments",
+      f"  predicted step (cost model, not measured): in-order "
+      f"{s.in_order_makespan * 1e3:.3f} ms, scheduled {s.makespan * 1e3:.3f} ms, "
+      f"speedup {s.predicted_speedup:.3f}x",
     ]
     lines += self._loop_lines()
     if self.carried is not None:
-      lines += ["  carried to the next step (single_gpu.make_train_step):",
-                *(f"    {l}" for l in str(self.carried).splitlines())]
+      lines += [
+        "  carried to the next step (single_gpu.make_train_step):",
+        *(f"    {l}" for l in str(self.carried).splitlines()),
+      ]
     for i, stream in enumerate(s.streams):
       text = " ".join(str(a) for a in stream)
       lines.append(f"  stream {i}: {text[:200]}{' ...' if len(text) > 200 else ''}")
     if s.calls:
       eqns = self.split.jaxpr.jaxpr.eqns
-      shown = [f"{'+'.join(c.units)} after {c.after} until "
-               + (eqns[c.anchor].primitive.name if 0 <= c.anchor < len(eqns) else "-")
-               + f"@e{c.anchor}" for c in s.calls[:4]]
-      lines.append(f"  side-stream calls: {len(s.calls)} (window: issued after a dX segment, "
-                   f"done after a dX conv/matmul; at most two in flight, as XLA:GPU keeps): "
-                   f"{'; '.join(shown)}"
-                   f"{' ...' if len(s.calls) > 4 else ''}")
+      shown = [
+        f"{'+'.join(c.units)} after {c.after} until "
+        + (eqns[c.anchor].primitive.name if 0 <= c.anchor < len(eqns) else "-")
+        + f"@e{c.anchor}"
+        for c in s.calls[:4]
+      ]
+      lines.append(
+        f"  side-stream calls: {len(s.calls)} (window: issued after a dX segment, "
+        f"done after a dX conv/matmul; at most two in flight, as XLA:GPU keeps): "
+        f"{'; '.join(shown)}"
+        f"{' ...' if len(s.calls) > 4 else ''}"
+      )
     return "\n".join(lines)
 
   def __repr__(self) -> str:
@@ -146,6 +171,7 @@ class Report:
     `gpu_hlo.unavailable_reason()`.
     """
     from ooojax._compiled import compile_report
+
     return compile_report(self, gpu, devices=devices, compiler_options=compiler_options)
 
   def plot(self, ax=None, compiled=None):
@@ -156,9 +182,11 @@ class Report:
     is returned.
     """
     import matplotlib.pyplot as plt
+
     tl = self.timeline()
     if compiled is not None:
       from ooojax._compiled import plot_compiled
+
       if ax is None:
         fig, ax = plt.subplots(2, 1, figsize=(10, 3.4 + 0.6 * len(self.schedule.streams)))
         fig.subplots_adjust(hspace=0.7)
@@ -169,8 +197,14 @@ class Report:
       _, ax = plt.subplots(figsize=(10, 1.2 + 0.6 * len(self.schedule.streams)))
     colors = {"F": "#9e9e9e", "X": "#d62728", "W": "#1f77b4"}
     for span in tl.spans:
-      ax.barh(span.stream, (span.end - span.start) * 1e3, left=span.start * 1e3,
-              color=colors[span.unit[0]], edgecolor="white", linewidth=0.3)
+      ax.barh(
+        span.stream,
+        (span.end - span.start) * 1e3,
+        left=span.start * 1e3,
+        color=colors[span.unit[0]],
+        edgecolor="white",
+        linewidth=0.3,
+      )
     ax.set_yticks(range(len(self.schedule.streams)))
     ax.set_yticklabels([f"stream {i}" for i in range(len(self.schedule.streams))])
     ax.invert_yaxis()
@@ -182,8 +216,10 @@ class Report:
     """With `explain(..., defer=...)`: the simulated steady-state step without
     and with the deferral (`single_gpu.Plan.plot`); returns the Axes."""
     if self.carried is None:
-      raise ValueError("nothing is carried: call ooo.explain(..., defer='auto' | paths | "
-                       "predicate) for the deferred train step's plan")
+      raise ValueError(
+        "nothing is carried: call ooo.explain(..., defer='auto' | paths | "
+        "predicate) for the deferred train step's plan"
+      )
     return self.carried.plot(ax)
 
 
@@ -216,30 +252,44 @@ def explain(fun, *args, argnums=0, has_aux=False, **options):
   >>> c.deferred_paths, c.carried_bytes        # b's input activation and output cotangent
   (("['b']",), 192)
   """
+  from ooojax import _explain_dp
   from ooojax._api import value_and_grad
   from ooojax._compiled import Call
-  from ooojax import _explain_dp
+
   kwargs = options.pop("kwargs", {})
   defer = options.pop("defer", None)
   only = {k: options.pop(k) for k in _explain_dp.EXPLAIN_ONLY if k in options}
   if options.get("mode") == "data_parallel":
     if defer is not None:
-      raise ValueError("defer= explains the single-GPU deferred step; with mode="
-                       "'data_parallel' pass cross_step=True (the first-k layers' "
-                       "all-reduce and update carried to the next step) instead")
+      raise ValueError(
+        "defer= explains the single-GPU deferred step; with mode="
+        "'data_parallel' pass cross_step=True (the first-k layers' "
+        "all-reduce and update carried to the next step) instead"
+      )
     return _explain_dp.explain_dp(fun, args, argnums, has_aux, options, kwargs, **only)
   if only:
-    raise ValueError(f"{sorted(only)} apply to mode='data_parallel' only (got mode="
-                     f"{options.get('mode', 'auto')!r})")
+    raise ValueError(
+      f"{sorted(only)} apply to mode='data_parallel' only (got mode="
+      f"{options.get('mode', 'auto')!r})"
+    )
   vg = value_and_grad(fun, argnums, has_aux, **options)
   plan, _ = vg.plan(args, kwargs)
   carried = None
   if defer is not None:
     from ooojax._defer_plan import plan_deferral
+
     if argnums != 0 or not args:
-      raise ValueError(f"defer= explains single_gpu.make_train_step, which differentiates "
-                       f"the first argument (params): use argnums=0, got {argnums!r}")
-    carried = plan_deferral(plan, args[0], defer,
-                            CostModel(vg.options.device, vg.options.measured), has_aux)
-  return Report(plan.split, plan.schedule, vg.options.resolved_mode(),
-                Call(fun, args, argnums, has_aux, dict(options), dict(kwargs)), carried)
+      raise ValueError(
+        f"defer= explains single_gpu.make_train_step, which differentiates "
+        f"the first argument (params): use argnums=0, got {argnums!r}"
+      )
+    carried = plan_deferral(
+      plan, args[0], defer, CostModel(vg.options.device, vg.options.measured), has_aux
+    )
+  return Report(
+    plan.split,
+    plan.schedule,
+    vg.options.resolved_mode(),
+    Call(fun, args, argnums, has_aux, dict(options), dict(kwargs)),
+    carried,
+  )

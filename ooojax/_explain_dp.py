@@ -6,6 +6,7 @@ report adds what people ask of it: which parameters each all-reduce carries,
 how long the link is busy, and how much of that the backward hides. Every
 time is a cost-model (and link-model) estimate, never a measurement.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,9 +15,9 @@ from typing import Any
 
 import jax
 
-from passes.collectives import plan as collectives
-from passes.hlo.windows import Window
-from passes.simulate import Timeline
+from ooojax.passes.collectives import plan as collectives
+from ooojax.passes.hlo.windows import Window
+from ooojax.passes.simulate import Timeline
 
 # `explain` keywords that only the data-parallel report takes (not `ooo.grad` options).
 EXPLAIN_ONLY = ("axis_size", "cross_step")
@@ -25,13 +26,14 @@ EXPLAIN_ONLY = ("axis_size", "cross_step")
 @dataclasses.dataclass(frozen=True)
 class BucketRow:
   """One all-reduce: what it carries and when the link runs it (simulated)."""
+
   index: int
-  paths: tuple[str, ...]    # parameter paths of its gradient leaves
+  paths: tuple[str, ...]  # parameter paths of its gradient leaves
   nbytes: int
-  after: str                # compute unit it is issued after ("" = after the backward)
-  start: float              # seconds, on the link
+  after: str  # compute unit it is issued after ("" = after the backward)
+  start: float  # seconds, on the link
   end: float
-  deferred: bool            # every leaf in the first k layers (reduced next step, cross-step)
+  deferred: bool  # every leaf in the first k layers (reduced next step, cross-step)
 
   @property
   def seconds(self) -> float:
@@ -45,12 +47,13 @@ class DataParallelReport:
   `compute` is the one-device split and in-order schedule (an `ooo.Report`),
   `plan` the `passes.collectives.plan.CollectivePlan` emitted from it.
   """
-  compute: Any                        # ooojax.Report (in_order, one device)
+
+  compute: Any  # ooojax.Report (in_order, one device)
   plan: collectives.CollectivePlan
   axis_name: Any
-  param_names: tuple[str, ...]        # per gradient leaf
-  baseline: float                     # one all-reduce after the backward, simulated
-  chosen: tuple[str, ...] = ()        # which of "bucket_bytes", "first_k" the model chose
+  param_names: tuple[str, ...]  # per gradient leaf
+  baseline: float  # one all-reduce after the backward, simulated
+  chosen: tuple[str, ...] = ()  # which of "bucket_bytes", "first_k" the model chose
   call: Any = dataclasses.field(default=None, compare=False, repr=False)  # for compiled()
 
   mode = "data_parallel"
@@ -63,7 +66,7 @@ class DataParallelReport:
   @property
   def first_k_layers(self) -> tuple[str, ...]:
     """The layers whose dW runs after the dX chain, in forward order."""
-    return tuple(collectives.layers_forward(self.compute.split)[:self.first_k])
+    return tuple(collectives.layers_forward(self.compute.split)[: self.first_k])
 
   def timeline(self) -> Timeline:
     """Compute (stream 0) next to the link (stream 1), simulated."""
@@ -73,10 +76,18 @@ class DataParallelReport:
   def buckets(self) -> tuple[BucketRow, ...]:
     spans = {s.unit: s for s in self.timeline().spans}
     deferred = collectives.first_k_leaves(self.compute.split, self.first_k)
-    return tuple(BucketRow(b.index, tuple(self.param_names[i] for i in b.grads), b.nbytes,
-                           b.after, spans[f"S{b.index}"].start, spans[f"S{b.index}"].end,
-                           bool(b.grads) and set(b.grads) <= deferred)
-                 for b in self.plan.buckets)
+    return tuple(
+      BucketRow(
+        b.index,
+        tuple(self.param_names[i] for i in b.grads),
+        b.nbytes,
+        b.after,
+        spans[f"S{b.index}"].start,
+        spans[f"S{b.index}"].end,
+        bool(b.grads) and set(b.grads) <= deferred,
+      )
+      for b in self.plan.buckets
+    )
 
   @property
   def carried_paths(self) -> tuple[str, ...]:
@@ -91,9 +102,8 @@ class DataParallelReport:
   def carried_bytes(self) -> int:
     """Bytes of those gradients: what `Pending.local` holds per device between steps."""
     sp = self.compute.split
-    outs = sp.jaxpr.jaxpr.outvars[sp.grad_out_start:]
-    return sum(int(outs[i].aval.size) * outs[i].aval.dtype.itemsize
-               for i in self._carried_leaves())
+    outs = sp.jaxpr.jaxpr.outvars[sp.grad_out_start :]
+    return sum(int(outs[i].aval.size) * outs[i].aval.dtype.itemsize for i in self._carried_leaves())
 
   @property
   def hidden_seconds(self) -> float:
@@ -110,8 +120,9 @@ class DataParallelReport:
   @property
   def comm_seconds(self) -> float:
     """Link busy time: every all-reduce, buckets and in-loop reductions."""
-    return sum(s.end - s.start for s in self.timeline().spans
-               if s.stream == collectives.LINK_STREAM)
+    return sum(
+      s.end - s.start for s in self.timeline().spans if s.stream == collectives.LINK_STREAM
+    )
 
   @property
   def exposed_seconds(self) -> float:
@@ -129,50 +140,65 @@ class DataParallelReport:
     total = sum(b.nbytes for b in p.buckets) + sum(l.nbytes for l in p.loops)
     how = lambda name: "chosen by the cost model" if name in self.chosen else "given"  # noqa: E731
     lines = [
-        f"ooojax data-parallel plan (axis {self.axis_name!r} x {p.n_devices} devices, link "
-        f"{p.link.name}, device spec={self.compute.schedule.device})",
-        f"  gradients: {len(self.param_names)} leaves in {p.n_layers} layers, {total} bytes; "
-        f"dW clusters: {len(split.clusters)}",
-        f"  reverse first-k: k={p.first_k} of {p.n_layers} layers ({how('first_k')})"
-        + (f": {', '.join(self.first_k_layers)} run their dW after the dX chain, in forward "
-           "order" if p.first_k else ""),
-        f"  buckets: {len(p.buckets)} (one all-reduce each), bucket_bytes={p.bucket_bytes} "
-        f"({how('bucket_bytes')}); on the link (simulated):",
+      f"ooojax data-parallel plan (axis {self.axis_name!r} x {p.n_devices} devices, link "
+      f"{p.link.name}, device spec={self.compute.schedule.device})",
+      f"  gradients: {len(self.param_names)} leaves in {p.n_layers} layers, {total} bytes; "
+      f"dW clusters: {len(split.clusters)}",
+      f"  reverse first-k: k={p.first_k} of {p.n_layers} layers ({how('first_k')})"
+      + (
+        f": {', '.join(self.first_k_layers)} run their dW after the dX chain, in forward order"
+        if p.first_k
+        else ""
+      ),
+      f"  buckets: {len(p.buckets)} (one all-reduce each), bucket_bytes={p.bucket_bytes} "
+      f"({how('bucket_bytes')}); on the link (simulated):",
     ]
     for b in self.buckets:
       names = ", ".join(b.paths[:3]) + (f" +{len(b.paths) - 3}" if len(b.paths) > 3 else "")
-      lines.append(f"    S{b.index}: {len(b.paths)} leaves, {b.nbytes} B, after "
-                   f"{b.after or 'the backward'}, {b.start * 1e3:.3f}-{b.end * 1e3:.3f} ms"
-                   f"{' (first-k)' if b.deferred else ''}: {names}")
+      lines.append(
+        f"    S{b.index}: {len(b.paths)} leaves, {b.nbytes} B, after "
+        f"{b.after or 'the backward'}, {b.start * 1e3:.3f}-{b.end * 1e3:.3f} ms"
+        f"{' (first-k)' if b.deferred else ''}: {names}"
+      )
     for l in p.loops:
-      lines.append(f"    loop {l.index}: {len(l.grads)} stacked leaves, {l.nbytes} B, reduced "
-                   f"one layer per trip inside the scan ({l.trips} trips)")
+      lines.append(
+        f"    loop {l.index}: {len(l.grads)} stacked leaves, {l.nbytes} B, reduced "
+        f"one layer per trip inside the scan ({l.trips} trips)"
+      )
     for name, stream in (("compute", p.streams[0]), ("link", p.streams[1])):
       text = " ".join(a.unit for a in stream)
       lines.append(f"  {name + ':':<8} {text[:200]}{' ...' if len(text) > 200 else ''}")
-    cross = (f"; with cross-step overlap (dp.make_train_step) {p.cross_step * 1e3:.3f} ms"
-             if p.cross_step == p.cross_step else "")
+    cross = (
+      f"; with cross-step overlap (dp.make_train_step) {p.cross_step * 1e3:.3f} ms"
+      if p.cross_step == p.cross_step
+      else ""
+    )
     lines.append(
-        f"  predicted step (cost + link model, not measured): compute "
-        f"{self.compute_seconds * 1e3:.3f} ms, all-reduce {self.comm_seconds * 1e3:.3f} ms, "
-        f"step {p.makespan * 1e3:.3f} ms ({self.exposed_seconds * 1e3:.3f} ms exposed, "
-        f"{self.overlap:.0%} of the communication hidden); one all-reduce after the "
-        f"backward {self.baseline * 1e3:.3f} ms ({self.baseline / p.makespan:.2f}x){cross}")
+      f"  predicted step (cost + link model, not measured): compute "
+      f"{self.compute_seconds * 1e3:.3f} ms, all-reduce {self.comm_seconds * 1e3:.3f} ms, "
+      f"step {p.makespan * 1e3:.3f} ms ({self.exposed_seconds * 1e3:.3f} ms exposed, "
+      f"{self.overlap:.0%} of the communication hidden); one all-reduce after the "
+      f"backward {self.baseline * 1e3:.3f} ms ({self.baseline / p.makespan:.2f}x){cross}"
+    )
     lines.append(self._carried_line())
     return "\n".join(lines)
 
   def _carried_line(self) -> str:
     p = self.plan
     if not self.first_k:
-      return ("  carried to the next step (dp.make_train_step, cross_step=True): nothing "
-              "(k=0: every all-reduce and update finishes in its own step)")
+      return (
+        "  carried to the next step (dp.make_train_step, cross_step=True): nothing "
+        "(k=0: every all-reduce and update finishes in its own step)"
+      )
     paths = self.carried_paths
     names = ", ".join(paths[:4]) + (f" +{len(paths) - 4}" if len(paths) > 4 else "")
-    return (f"  carried to the next step (dp.make_train_step, cross_step=True): the all-reduce "
-            f"and optimizer update of layers {', '.join(self.first_k_layers)} ({len(paths)} "
-            f"leaves, {self.carried_bytes} B per device in Pending: {names}), run under "
-            f"step t+1's forward; simulated step {p.makespan * 1e3:.3f} -> "
-            f"{p.cross_step * 1e3:.3f} ms ({self.hidden_seconds * 1e3:.3f} ms hidden)")
+    return (
+      f"  carried to the next step (dp.make_train_step, cross_step=True): the all-reduce "
+      f"and optimizer update of layers {', '.join(self.first_k_layers)} ({len(paths)} "
+      f"leaves, {self.carried_bytes} B per device in Pending: {names}), run under "
+      f"step t+1's forward; simulated step {p.makespan * 1e3:.3f} -> "
+      f"{p.cross_step * 1e3:.3f} ms ({self.hidden_seconds * 1e3:.3f} ms hidden)"
+    )
 
   def __repr__(self) -> str:
     return self.summary()
@@ -183,21 +209,39 @@ class DataParallelReport:
   def plot(self, ax=None):
     """Gantt chart: compute next to the link, simulated; returns the matplotlib Axes."""
     import matplotlib.pyplot as plt
+
     if ax is None:
       _, ax = plt.subplots(figsize=(10, 1.8))
     colors = {"F": "#9e9e9e", "X": "#d62728", "W": "#1f77b4", "S": "#2ca02c"}
     for s in self.timeline().spans:
-      ax.barh(s.stream, (s.end - s.start) * 1e3, left=s.start * 1e3, color=colors[s.unit[0]],
-              edgecolor="white", linewidth=0.3)
+      ax.barh(
+        s.stream,
+        (s.end - s.start) * 1e3,
+        left=s.start * 1e3,
+        color=colors[s.unit[0]],
+        edgecolor="white",
+        linewidth=0.3,
+      )
       if s.unit[0] == "S" and (s.end - s.start) > 0.04 * self.plan.makespan:
-        ax.text((s.start + s.end) / 2 * 1e3, s.stream, s.unit, ha="center", va="center",
-                fontsize=7, color="white")
+        ax.text(
+          (s.start + s.end) / 2 * 1e3,
+          s.stream,
+          s.unit,
+          ha="center",
+          va="center",
+          fontsize=7,
+          color="white",
+        )
     ax.set_yticks([0, 1], ["compute", f"link ({self.plan.link.name})"])
     ax.invert_yaxis()
-    ax.set_xlabel(f"ms (simulated, {self.compute.schedule.device} cost model, "
-                  f"{self.plan.n_devices} devices)")
-    ax.set_title(f"F forward / dX (red) / dW (blue) / all-reduce (green): k={self.first_k}, "
-                 f"{len(self.plan.buckets)} buckets, {self.overlap:.0%} hidden", fontsize=9)
+    ax.set_xlabel(
+      f"ms (simulated, {self.compute.schedule.device} cost model, {self.plan.n_devices} devices)"
+    )
+    ax.set_title(
+      f"F forward / dX (red) / dW (blue) / all-reduce (green): k={self.first_k}, "
+      f"{len(self.plan.buckets)} buckets, {self.overlap:.0%} hidden",
+      fontsize=9,
+    )
     return ax
 
   def compiled(self, gpu: str = "H100", *, batch_argnums=None, compiler_options=None):
@@ -221,17 +265,20 @@ class DataParallelReport:
 @dataclasses.dataclass(frozen=True)
 class CompiledDataParallel:
   """The all-reduces XLA scheduled for the explained gradient, and what runs inside each."""
+
   gpu: str
   devices: int
   windows: tuple[Window, ...]
-  predicted: int                    # all-reduces the plan issues (buckets + loop reductions)
-  hlo: Any = dataclasses.field(compare=False, repr=False)   # passes.hlo.schedule.HloSchedule
+  predicted: int  # all-reduces the plan issues (buckets + loop reductions)
+  hlo: Any = dataclasses.field(compare=False, repr=False)  # passes.hlo.schedule.HloSchedule
 
   def summary(self) -> str:
     busy = sum(w.overlapped for w in self.windows)
-    lines = [f"compiled for {self.gpu} x {self.devices} (compile-only): "
-             f"all-reduces: {len(self.windows)} (the plan issues {self.predicted}), {busy} with "
-             "conv/GEMM work inside their window"]
+    lines = [
+      f"compiled for {self.gpu} x {self.devices} (compile-only): "
+      f"all-reduces: {len(self.windows)} (the plan issues {self.predicted}), {busy} with "
+      "conv/GEMM work inside their window"
+    ]
     lines += [f"  {w.summary()}" for w in self.windows]
     return "\n".join(lines)
 
@@ -248,13 +295,15 @@ def _axis_size(axis_name, axis_size) -> int:
       return int(jax.lax.axis_size(axis_name))
     except NameError:
       raise ValueError(
-          f"explain(mode='data_parallel') outside jax.pmap / jax.shard_map cannot read the "
-          f"size of axis {axis_name!r}: pass axis_size=N (the number of devices the batch "
-          "is split over), e.g. ooo.explain(loss, params, batch, mode='data_parallel', "
-          f"axis_name={axis_name!r}, axis_size=8)") from None
+        f"explain(mode='data_parallel') outside jax.pmap / jax.shard_map cannot read the "
+        f"size of axis {axis_name!r}: pass axis_size=N (the number of devices the batch "
+        "is split over), e.g. ooo.explain(loss, params, batch, mode='data_parallel', "
+        f"axis_name={axis_name!r}, axis_size=8)"
+      ) from None
   if not isinstance(axis_size, int) or isinstance(axis_size, bool) or axis_size < 1:
-    raise ValueError(f"axis_size must be a positive int (devices on axis {axis_name!r}), "
-                     f"got {axis_size!r}")
+    raise ValueError(
+      f"axis_size must be a positive int (devices on axis {axis_name!r}), got {axis_size!r}"
+    )
   return axis_size
 
 
@@ -262,70 +311,96 @@ def _param_names(args, argnums, idx, g_parts) -> tuple[str, ...]:
   """Key paths of the traced gradient leaves, named as the clusters are (`_api`)."""
   tree = args[idx[0]] if isinstance(argnums, int) else tuple(args[i] for i in idx)
   paths = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return tuple(jax.tree_util.keystr(p) for (p, _), part in zip(paths, g_parts)
-               if part is None)
+  return tuple(jax.tree_util.keystr(p) for (p, _), part in zip(paths, g_parts) if part is None)
 
 
-def explain_dp(fun, args, argnums, has_aux, options: dict, kwargs: dict, *,
-               axis_size=None, cross_step: bool = False) -> DataParallelReport:
+def explain_dp(
+  fun,
+  args,
+  argnums,
+  has_aux,
+  options: dict,
+  kwargs: dict,
+  *,
+  axis_size=None,
+  cross_step: bool = False,
+) -> DataParallelReport:
   """`ooo.explain` for mode="data_parallel"; `args` are one device's shard."""
   from ooojax._api import _check_argnums, _make_options, _resolve_argnums, value_and_grad
   from ooojax._compiled import Call
   from ooojax._explain import Report
-  from passes.cost import CostModel
+  from ooojax.passes.cost import CostModel
+
   opts = _make_options(options)  # TypeError / ValueError as ooo.grad raises them
   n = _axis_size(opts.axis_name, axis_size)
   argnums = _check_argnums(argnums)
   idx = _resolve_argnums(argnums, len(args))
   # One device's gradient, traced and scheduled in order as the data-parallel
   # mode (and `dp.make_train_step`) traces it; shapes are enough.
-  vg = value_and_grad(fun, argnums, has_aux, mode="in_order", device=opts.device,
-                      measured=opts.measured)
+  vg = value_and_grad(
+    fun, argnums, has_aux, mode="in_order", device=opts.device, measured=opts.measured
+  )
   plan, _ = vg.plan(args, kwargs)
   split, sched = plan.split, plan.schedule
   cm = CostModel(opts.device, opts.measured)
-  cp = collectives.plan(split, sched, cm, n, opts.link, opts.bucket_bytes, opts.first_k,
-                        cross_step=bool(cross_step))
-  base = collectives.build_plan(split, sched, 0, 1 << 62, cp.link, n, in_loop=False,
-                                cross=False).makespan
+  cp = collectives.plan(
+    split, sched, cm, n, opts.link, opts.bucket_bytes, opts.first_k, cross_step=bool(cross_step)
+  )
+  base = collectives.build_plan(
+    split, sched, 0, 1 << 62, cp.link, n, in_loop=False, cross=False
+  ).makespan
   names = _param_names(args, argnums, idx, plan.out_tree[3])
   chosen = tuple(k for k in ("bucket_bytes", "first_k") if getattr(opts, k) is None)
   call = Call(fun, tuple(args), argnums, has_aux, dict(options), dict(kwargs))
-  return DataParallelReport(Report(split, sched, "in_order"), cp, opts.axis_name, names,
-                            base, chosen, call)
+  return DataParallelReport(
+    Report(split, sched, "in_order"), cp, opts.axis_name, names, base, chosen, call
+  )
 
 
-def compile_dp(report: DataParallelReport, gpu: str, batch_argnums, compiler_options
-               ) -> CompiledDataParallel:
+def compile_dp(
+  report: DataParallelReport, gpu: str, batch_argnums, compiler_options
+) -> CompiledDataParallel:
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   from ooojax import gpu_hlo
   from ooojax._api import _resolve_argnums, grad
-  from passes.hlo.windows import windows
+  from ooojax.passes.hlo.windows import windows
+
   call = report.call
   if call is None:
-    raise ValueError("this DataParallelReport was not made by ooo.explain(fun, *args, "
-                     "mode='data_parallel', ...), so there is no function to compile")
+    raise ValueError(
+      "this DataParallelReport was not made by ooo.explain(fun, *args, "
+      "mode='data_parallel', ...), so there is no function to compile"
+    )
   reason = gpu_hlo.unavailable_reason()
   if reason is not None:
     raise RuntimeError(f"cannot compile for a GPU here: {reason}")
   n, ax = report.plan.n_devices, report.axis_name
   diff = set(_resolve_argnums(call.argnums, len(call.args)))
-  batch = (tuple(i for i in range(len(call.args)) if i not in diff) if batch_argnums is None
-           else tuple(_resolve_argnums(batch_argnums, len(call.args))))
+  batch = (
+    tuple(i for i in range(len(call.args)) if i not in diff)
+    if batch_argnums is None
+    else tuple(_resolve_argnums(batch_argnums, len(call.args)))
+  )
   m = gpu_hlo.mesh(gpu, n, (ax,))
   opts = {k: v for k, v in call.options.items() if k != "ordering"}
   # bucket size and k as the report planned them; XLA:GPU has no control-dep handler
-  opts.update(bucket_bytes=max(report.plan.bucket_bytes, 1), first_k=report.first_k,
-              ordering="none")
+  opts.update(
+    bucket_bytes=max(report.plan.bucket_bytes, 1), first_k=report.first_k, ordering="none"
+  )
   g = grad(call.fun, call.argnums, call.has_aux, **opts)
   leaves, tree = jax.tree_util.tree_flatten(list(call.args))
   arg_of = [i for i, a in enumerate(call.args) for _ in jax.tree_util.tree_leaves(a)]
   dyn = [k for k, x in enumerate(leaves) if hasattr(x, "shape") and hasattr(x, "dtype")]
   specs = [P(ax) if arg_of[k] in batch and len(leaves[k].shape) else P() for k in dyn]
-  placed = [jax.ShapeDtypeStruct((leaves[k].shape[0] * n, *leaves[k].shape[1:])
-                                 if s != P() else tuple(leaves[k].shape), leaves[k].dtype,
-                                 sharding=NamedSharding(m, s)) for k, s in zip(dyn, specs)]
+  placed = [
+    jax.ShapeDtypeStruct(
+      (leaves[k].shape[0] * n, *leaves[k].shape[1:]) if s != P() else tuple(leaves[k].shape),
+      leaves[k].dtype,
+      sharding=NamedSharding(m, s),
+    )
+    for k, s in zip(dyn, specs)
+  ]
 
   def per_device(*vals):
     full = list(leaves)
@@ -334,8 +409,10 @@ def compile_dp(report: DataParallelReport, gpu: str, batch_argnums, compiler_opt
     out = g(*jax.tree_util.tree_unflatten(tree, full), **call.kwargs)
     return out[0] if call.has_aux else out
 
-  fn = jax.jit(jax.shard_map(per_device, mesh=m, in_specs=tuple(specs), out_specs=P(),
-                             check_vma=False))
+  fn = jax.jit(
+    jax.shard_map(per_device, mesh=m, in_specs=tuple(specs), out_specs=P(), check_vma=False)
+  )
   hlo = gpu_hlo.schedule(fn, *placed, mesh=m, compiler_options=compiler_options)
-  return CompiledDataParallel(gpu, n, windows(hlo, "all-reduce"),
-                              len(report.plan.buckets) + len(report.plan.loops), hlo)
+  return CompiledDataParallel(
+    gpu, n, windows(hlo, "all-reduce"), len(report.plan.buckets) + len(report.plan.loops), hlo
+  )

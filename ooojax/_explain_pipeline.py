@@ -9,6 +9,7 @@ report also reads, from the compiled tick loop, which collective-permutes
 have the tick's compute inside their start..done window. Bubble and times
 are simulated (cost model), never measured.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,44 +19,49 @@ from typing import Any
 
 import jax
 
-from passes.hlo.windows import Window
-from passes.pipeline.program import Memory
-from passes.pipeline.schedule import PipelineSchedule
+from ooojax.passes.hlo.windows import Window
+from ooojax.passes.pipeline.program import Memory
+from ooojax.passes.pipeline.schedule import PipelineSchedule
 
 
 @dataclasses.dataclass(frozen=True)
 class StageMemory:
   """Bytes of one device (stage) of the pipelined step."""
+
   stage: int
-  peak: int          # most (microbatch, chunk) activations it holds at once
-  bound: int         # weights + gradients + peak x (F and B records): what its table needs
-  allocated: int     # what the executor's buffers hold (one SPMD program: every stage alike)
+  peak: int  # most (microbatch, chunk) activations it holds at once
+  bound: int  # weights + gradients + peak x (F and B records): what its table needs
+  allocated: int  # what the executor's buffers hold (one SPMD program: every stage alike)
 
 
 @dataclasses.dataclass(frozen=True)
 class AutoCut:
   """Where the automatic form cut a plain loss (`passes.pipeline.cut.Cut`), by name."""
+
   layers: int
-  scanned: bool                 # one scan over stacked leaves, else a loop of blocks
+  scanned: bool  # one scan over stacked leaves, else a loop of blocks
   reverse: bool
-  stacked: tuple[str, ...]      # the stack's leaves (layer 0's for a loop)
-  first: tuple[str, ...]        # shared leaves only the prologue reads (embedding)
-  last: tuple[str, ...]         # ... only the epilogue reads (final norm, untied head)
-  tied: tuple[str, ...]         # ... both read (tied embeddings): gradient reduced once
-  side: tuple[str, ...]         # batch leaves every stage reads (a padding mask's tokens)
+  stacked: tuple[str, ...]  # the stack's leaves (layer 0's for a loop)
+  first: tuple[str, ...]  # shared leaves only the prologue reads (embedding)
+  last: tuple[str, ...]  # ... only the epilogue reads (final norm, untied head)
+  tied: tuple[str, ...]  # ... both read (tied embeddings): gradient reduced once
+  side: tuple[str, ...]  # batch leaves every stage reads (a padding mask's tokens)
 
   def summary(self) -> str:
     def names(xs):
       text = ", ".join(xs) if xs else "-"
       return text if len(text) <= 160 else f"{len(xs)} leaves: {text[:140]} ..."
+
     how = "one scan over stacked leaves" if self.scanned else "a loop of identical blocks"
-    return "\n".join([
-        f"  cut (automatic): {self.layers} layers, {how}" + (" (reversed)" if self.reverse
-                                                              else ""),
+    return "\n".join(
+      [
+        f"  cut (automatic): {self.layers} layers, {how}" + (" (reversed)" if self.reverse else ""),
         f"    stack leaves: {names(self.stacked)}",
         f"    shared: first stage {names(self.first)}; last stage {names(self.last)}; "
         f"tied (both ends, replicated) {names(self.tied)}",
-        f"    side inputs (every stage reads): {names(self.side)}"])
+        f"    side inputs (every stage reads): {names(self.side)}",
+      ]
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +76,7 @@ class PipelineReport:
   also simulates the table tiled over `steps` training steps
   (`steady_state`, `carried_actions`).
   """
+
   schedule: PipelineSchedule
   costs: Mapping[str, float]
   comm: float
@@ -81,8 +88,8 @@ class PipelineReport:
   windows: tuple[Window, ...] | None = None
   call: Any = dataclasses.field(default=None, compare=False, repr=False)  # for compiled()
   steps: int = 1
-  cut: AutoCut | None = None       # the automatic form's cut (`explain(loss_fn, params, ...)`)
-  balance: Any = None              # ... and its `passes.pipeline.balance.Balance`
+  cut: AutoCut | None = None  # the automatic form's cut (`explain(loss_fn, params, ...)`)
+  balance: Any = None  # ... and its `passes.pipeline.balance.Balance`
 
   # --- simulated from the table and the costs ------------------------------
   def timeline(self):
@@ -109,7 +116,8 @@ class PipelineReport:
     None with `steps=1`."""
     if self.steps < 2:
       return None
-    from passes.pipeline.steps import steady_state
+    from ooojax.passes.pipeline.steps import steady_state
+
     return steady_state(self.schedule, self.steps, self.costs, self.comm)
 
   @property
@@ -119,7 +127,8 @@ class PipelineReport:
     next step's warm-up, simulated with the model's costs. Empty with `steps=1`."""
     if self.steps < 2:
       return ()
-    from passes.pipeline.steps import tile
+    from ooojax.passes.pipeline.steps import tile
+
     tl = tile(self.schedule, self.steps).simulate(self.costs, self.comm)
     t = self.steps - 2
     start = min(b for a, b, _ in tl.spans if a.step == t + 1)
@@ -137,8 +146,10 @@ class PipelineReport:
   def stages(self) -> tuple[StageMemory, ...]:
     m = self.memory
     per = m.fres + m.bres
-    return tuple(StageMemory(s, p, m.weights + m.grads + p * per, m.allocated)
-                 for s, p in enumerate(self.peak_activations))
+    return tuple(
+      StageMemory(s, p, m.weights + m.grads + p * per, m.allocated)
+      for s, p in enumerate(self.peak_activations)
+    )
 
   def to_text(self) -> str:
     """The table's text form (`PipelineSchedule.parse` reads it back)."""
@@ -148,22 +159,32 @@ class PipelineReport:
     s, m = self.schedule, self.memory
     mb = _bytes
     ms = lambda t: f"{t * 1e3:.3f}"  # noqa: E731
-    lines = [f"ooojax pipeline plan: {s.name}, {s.stages} stages x {s.chunks} chunk(s), "
-             f"{s.microbatches} microbatches, {s.ticks} ticks" + (f", lag {s.lag}" if s.lag
-                                                                   else ""),
-             str(s)]
-    lines.append(f"  phase costs per stage (cost model, {self.device}, not measured): "
-                 + ", ".join(f"{k} {ms(v)} ms" for k, v in self.costs.items())
-                 + (f"; transfer {ms(self.comm)} ms per hop over {self.link}" if self.link
-                    else "; transfers free (no link given)"))
+    lines = [
+      f"ooojax pipeline plan: {s.name}, {s.stages} stages x {s.chunks} chunk(s), "
+      f"{s.microbatches} microbatches, {s.ticks} ticks" + (f", lag {s.lag}" if s.lag else ""),
+      str(s),
+    ]
+    lines.append(
+      f"  phase costs per stage (cost model, {self.device}, not measured): "
+      + ", ".join(f"{k} {ms(v)} ms" for k, v in self.costs.items())
+      + (
+        f"; transfer {ms(self.comm)} ms per hop over {self.link}"
+        if self.link
+        else "; transfers free (no link given)"
+      )
+    )
     for kind, f, b, w in self.phases:
       lines.append(f"    {kind} stage, one microbatch: F {ms(f)}, B {ms(b)}, W {ms(w)} ms")
-    lines.append(f"  bubble (simulated): {self.bubble_fraction:.1%} with these costs, "
-                 f"{self.unit_bubble_fraction:.1%} with F = B = W = 1; step "
-                 f"{ms(self.step_seconds)} ms (simulated)")
-    lines.append(f"  memory per device: weights {mb(m.weights)}, gradients {mb(m.grads)}, "
-                 f"one microbatch's records {mb(m.fres + m.bres)}, one activation "
-                 f"{mb(m.activation)}; executor buffers {mb(m.allocated)} (slots {m.slots})")
+    lines.append(
+      f"  bubble (simulated): {self.bubble_fraction:.1%} with these costs, "
+      f"{self.unit_bubble_fraction:.1%} with F = B = W = 1; step "
+      f"{ms(self.step_seconds)} ms (simulated)"
+    )
+    lines.append(
+      f"  memory per device: weights {mb(m.weights)}, gradients {mb(m.grads)}, "
+      f"one microbatch's records {mb(m.fres + m.bres)}, one activation "
+      f"{mb(m.activation)}; executor buffers {mb(m.allocated)} (slots {m.slots})"
+    )
     for st in self.stages:
       lines.append(f"    stage {st.stage}: peak activations {st.peak}, bound {mb(st.bound)}")
     if self.cut is not None:
@@ -180,14 +201,16 @@ class PipelineReport:
     if st is None:
       return []
     ms = lambda t: f"{t * 1e3:.3f}"  # noqa: E731
-    lines = [f"  over {st.steps} steps (tiled, per-stage updates, simulated): bubble "
-             f"{st.one_step_bubble:.1%} for one synchronous step, {st.steady_bubble:.1%} in "
-             f"the steady state (step {st.steps}); per step "
-             + ", ".join(f"{b:.1%}" for b in st.step_bubbles)
-             + f"; step time {ms(st.step_times[0])} ms first, {ms(st.step_times[-1])} ms "
-             "steady",
-             "  carried into the next step's warm-up (step t's actions still running when "
-             "step t+1 starts, simulated):"]
+    lines = [
+      f"  over {st.steps} steps (tiled, per-stage updates, simulated): bubble "
+      f"{st.one_step_bubble:.1%} for one synchronous step, {st.steady_bubble:.1%} in "
+      f"the steady state (step {st.steps}); per step "
+      + ", ".join(f"{b:.1%}" for b in st.step_bubbles)
+      + f"; step time {ms(st.step_times[0])} ms first, {ms(st.step_times[-1])} ms "
+      "steady",
+      "  carried into the next step's warm-up (step t's actions still running when "
+      "step t+1 starts, simulated):",
+    ]
     rows = self.carried_actions
     for s, row in enumerate(rows):
       text = " ".join(row) if row else "-"
@@ -205,15 +228,17 @@ class PipelineReport:
     ms = {k: v * 1e3 for k, v in self.costs.items()}
     ax = self.schedule.plot(ms, ax=ax, comm=self.comm * 1e3)
     ax.set_xlabel(f"ms (simulated, {self.device} cost model)")
-    ax.set_title(f"{self.schedule.name}: bubble {self.bubble_fraction:.1%} (simulated), peak "
-                 f"activations {max(self.peak_activations)}", fontsize=9)
+    ax.set_title(
+      f"{self.schedule.name}: bubble {self.bubble_fraction:.1%} (simulated), peak "
+      f"activations {max(self.peak_activations)}",
+      fontsize=9,
+    )
     return ax
 
   def compiled(self, gpu: str = "H100", *, compiler_options=None) -> PipelineReport:
     """This report with `windows`: the step compiled for `schedule.stages`
     compile-only `gpu`s and each collective-permute's window read back."""
-    return dataclasses.replace(self, gpu=gpu,
-                               windows=compile_windows(self, gpu, compiler_options))
+    return dataclasses.replace(self, gpu=gpu, windows=compile_windows(self, gpu, compiler_options))
 
 
 def _bytes(n: float) -> str:
@@ -226,9 +251,11 @@ def _bytes(n: float) -> str:
 
 def _windows_text(windows, gpu) -> str:
   busy = sum(w.overlapped for w in windows)
-  lines = [f"  compiled for {gpu} (compile-only): {len(windows)} collective-permutes, "
-           f"{sum(w.in_loop for w in windows)} in the tick loop, {busy} with the tick's "
-           "compute (F/B/W GEMMs) inside their window"]
+  lines = [
+    f"  compiled for {gpu} (compile-only): {len(windows)} collective-permutes, "
+    f"{sum(w.in_loop for w in windows)} in the tick loop, {busy} with the tick's "
+    "compute (F/B/W GEMMs) inside their window"
+  ]
   lines += [f"    {w.summary()}" for w in windows]
   return "\n".join(lines)
 
@@ -244,33 +271,42 @@ class _Call:
 
 
 def _phase_costs(prog, device) -> tuple[tuple[str, float, float, float], ...]:
-  from passes.cost import CostModel
+  from ooojax.passes.cost import CostModel
+
   cm = CostModel(device)
   out = []
   for fl in prog.flavors:
     price = lambda ids, fl=fl: cm.unit_cost([fl.jaxpr.eqns[k] for k in ids]).seconds  # noqa: E731
-    kind = "first and last" if fl.first and fl.last else (
-        "first" if fl.first else "last" if fl.last else "middle")
+    kind = (
+      "first and last"
+      if fl.first and fl.last
+      else ("first" if fl.first else "last" if fl.last else "middle")
+    )
     out.append((kind, price(fl.f_eqns), price(fl.b_eqns), price(fl.w_eqns)))
   return tuple(out)
 
 
 def _schedule(schedule, stage_params, microbatches, chunks) -> PipelineSchedule:
-  from passes.pipeline.generate import SCHEDULES, generate
+  from ooojax.passes.pipeline.generate import SCHEDULES, generate
+
   if isinstance(schedule, PipelineSchedule):
     if microbatches not in (None, schedule.microbatches):
-      raise ValueError(f"microbatches={microbatches} disagrees with the schedule's "
-                       f"{schedule.microbatches}; pass one or the other")
+      raise ValueError(
+        f"microbatches={microbatches} disagrees with the schedule's "
+        f"{schedule.microbatches}; pass one or the other"
+      )
     return schedule.validate()
   if not isinstance(schedule, str):
-    raise TypeError(f"schedule must be a name {SCHEDULES} or a PipelineSchedule, got "
-                    f"{type(schedule).__name__}")
+    raise TypeError(
+      f"schedule must be a name {SCHEDULES} or a PipelineSchedule, got {type(schedule).__name__}"
+    )
   if schedule not in SCHEDULES:
     raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
   leaves = jax.tree.leaves(stage_params)
   if not leaves or any(len(getattr(x, "shape", ())) < 1 for x in leaves):
-    raise ValueError("stage_params leaves must be arrays stacked on a leading axis of "
-                     "(virtual) stages")
+    raise ValueError(
+      "stage_params leaves must be arrays stacked on a leading axis of (virtual) stages"
+    )
   v = leaves[0].shape[0]
   c = chunks or (2 if schedule in ("interleaved", "zb-v") else 1)
   if v % c:
@@ -278,12 +314,25 @@ def _schedule(schedule, stage_params, microbatches, chunks) -> PipelineSchedule:
   return generate(schedule, v // c, microbatches or 2 * (v // c), chunks)
 
 
-def explain(fn: Callable, *args, schedule: str | PipelineSchedule | None = None,
-            shared=None, input_fn: Callable | None = None, stages: int | None = None,
-            mesh=None, axis_name: str | None = None, layers=None, has_aux: bool = False,
-            microbatches: int | None = None, chunks: int | None = None,
-            device: str = "H100", link: str | None = None, gpu: str | None = None,
-            compiler_options=None, steps: int = 1) -> PipelineReport:
+def explain(
+  fn: Callable,
+  *args,
+  schedule: str | PipelineSchedule | None = None,
+  shared=None,
+  input_fn: Callable | None = None,
+  stages: int | None = None,
+  mesh=None,
+  axis_name: str | None = None,
+  layers=None,
+  has_aux: bool = False,
+  microbatches: int | None = None,
+  chunks: int | None = None,
+  device: str = "H100",
+  link: str | None = None,
+  gpu: str | None = None,
+  compiler_options=None,
+  steps: int = 1,
+) -> PipelineReport:
   """The schedule, its simulated bubble and the memory per stage for this model.
 
   Two forms, as `ooo.pipeline.value_and_grad`: `explain(stage_fn, loss_fn,
@@ -339,46 +388,90 @@ def explain(fn: Callable, *args, schedule: str | PipelineSchedule | None = None,
   >>> a.balance.counts, a.cut.layers, a.cut.scanned, a.peak_activations
   ((2, 2, 2, 2), 8, True, (4, 3, 2, 1))
   """
-  kw = dict(microbatches=microbatches, chunks=chunks, device=device, link=link, gpu=gpu,
-            compiler_options=compiler_options, steps=steps)
-  if args and callable(args[0]):   # explicit: (stage_fn, loss_fn, schedule, ...)
-    auto = {k: v for k, v in dict(stages=stages, mesh=mesh, axis_name=axis_name,
-                                  layers=layers, has_aux=has_aux).items() if v}
+  kw = dict(
+    microbatches=microbatches,
+    chunks=chunks,
+    device=device,
+    link=link,
+    gpu=gpu,
+    compiler_options=compiler_options,
+    steps=steps,
+  )
+  if args and callable(args[0]):  # explicit: (stage_fn, loss_fn, schedule, ...)
+    auto = {
+      k: v
+      for k, v in dict(
+        stages=stages, mesh=mesh, axis_name=axis_name, layers=layers, has_aux=has_aux
+      ).items()
+      if v
+    }
     if auto:
-      raise TypeError(f"{', '.join(auto)} belong to the automatic form explain(loss_fn, "
-                      "params, *batch, stages=...); the explicit form's schedule and "
-                      "stage_params set the stages")
-    bound = _bind(*args, **({} if schedule is None else {"schedule": schedule}),
-                  **({} if shared is None else {"shared": shared}),
-                  **({} if input_fn is None else {"input_fn": input_fn}))
+      raise TypeError(
+        f"{', '.join(auto)} belong to the automatic form explain(loss_fn, "
+        "params, *batch, stages=...); the explicit form's schedule and "
+        "stage_params set the stages"
+      )
+    bound = _bind(
+      *args,
+      **({} if schedule is None else {"schedule": schedule}),
+      **({} if shared is None else {"shared": shared}),
+      **({} if input_fn is None else {"input_fn": input_fn}),
+    )
     return _explain(fn, *bound, **kw)
   if shared is not None or input_fn is not None:
-    raise TypeError("shared and input_fn belong to the explicit form explain(stage_fn, "
-                    "loss_fn, schedule, stage_params, batch, ...); the automatic form "
-                    "explain(loss_fn, params, *batch, stages=...) finds them itself")
+    raise TypeError(
+      "shared and input_fn belong to the explicit form explain(stage_fn, "
+      "loss_fn, schedule, stage_params, batch, ...); the automatic form "
+      "explain(loss_fn, params, *batch, stages=...) finds them itself"
+    )
   if not args:
-    raise TypeError("explain(loss_fn, params, *batch, stages=...) needs the params and "
-                    "the batch (arrays or jax.ShapeDtypeStructs)")
-  return _explain_auto(fn, args[0], args[1:], "ooo" if schedule is None else schedule,
-                       stages, mesh, axis_name, layers, has_aux, **kw)
+    raise TypeError(
+      "explain(loss_fn, params, *batch, stages=...) needs the params and "
+      "the batch (arrays or jax.ShapeDtypeStructs)"
+    )
+  return _explain_auto(
+    fn,
+    args[0],
+    args[1:],
+    "ooo" if schedule is None else schedule,
+    stages,
+    mesh,
+    axis_name,
+    layers,
+    has_aux,
+    **kw,
+  )
 
 
 def _bind(loss_fn, schedule, stage_params, batch, shared=None, input_fn=None):
   return loss_fn, schedule, stage_params, batch, shared, input_fn
 
 
-def _explain_auto(loss_fn, params, batch, schedule, stages, mesh, axis_name, layers,
-                  has_aux, *, microbatches, chunks, **kw) -> PipelineReport:
+def _explain_auto(
+  loss_fn,
+  params,
+  batch,
+  schedule,
+  stages,
+  mesh,
+  axis_name,
+  layers,
+  has_aux,
+  *,
+  microbatches,
+  chunks,
+  **kw,
+) -> PipelineReport:
   """The automatic form: `loss_fn` cut and balanced by `ooojax.pipeline._auto_parts`
   (what the automatic `value_and_grad` runs), then the explicit form's report."""
   from ooojax._pipeline_tiled import _owners
   from ooojax.pipeline import _auto_parts, _table
+
   if (stages is None) == (mesh is None):
     raise TypeError("give the automatic form one of stages=N or mesh=... with axis_name=...")
   if mesh is not None:
     if axis_name not in mesh.shape:
-      raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
-                       f"{dict(mesh.shape)}")
+      raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
     stages = mesh.shape[axis_name]
   sched = _table(schedule, stages, microbatches, chunks)
   named, p_tree = jax.tree_util.tree_flatten_with_path(params)
@@ -391,30 +484,55 @@ def _explain_auto(loss_fn, params, batch, schedule, stages, mesh, axis_name, lay
   stage_params = jax.eval_shape(lambda ls: c.stage_params(ls, counts), p_avals)
   rows = jax.eval_shape(lambda bs: parts.rowed(bs), jax.tree.leaves(b_avals))
   shared = tuple(p_avals[i] for i in c.shared)
-  report = _explain(stage_fn, lfn, sched, stage_params, rows, shared, ifn,
-                    microbatches=None, chunks=None, **kw)
+  report = _explain(
+    stage_fn, lfn, sched, stage_params, rows, shared, ifn, microbatches=None, chunks=None, **kw
+  )
   own = _owners(ifn, lfn, rows[0], rows[1], shared, sched.virtual_stages) if shared else []
   name = lambda i: jax.tree_util.keystr(named[i][0]) or "params"  # noqa: E731
   b_named = jax.tree_util.tree_flatten_with_path(tuple(batch))[0]
   pick = lambda o: tuple(name(i) for i, w in zip(c.shared, own) if w == o)  # noqa: E731
-  info = AutoCut(c.layers, c.scanned, c.reverse, tuple(name(i) for i in c.stacked[0]),
-                 pick(0), pick(sched.virtual_stages - 1), pick(None),
-                 tuple("batch" + jax.tree_util.keystr(b_named[i][0]) for i in c.side))
+  info = AutoCut(
+    c.layers,
+    c.scanned,
+    c.reverse,
+    tuple(name(i) for i in c.stacked[0]),
+    pick(0),
+    pick(sched.virtual_stages - 1),
+    pick(None),
+    tuple("batch" + jax.tree_util.keystr(b_named[i][0]) for i in c.side),
+  )
   return dataclasses.replace(report, cut=info, balance=parts.balance)
 
 
-def _explain(stage_fn, loss_fn, schedule, stage_params, batch, shared, input_fn, *,
-             microbatches, chunks, device, link, gpu, compiler_options, steps
-             ) -> PipelineReport:
-  from passes.collectives.plan import get_link
-  from passes.cost import get_spec
-  from passes.pipeline.program import memory_of, program
+def _explain(
+  stage_fn,
+  loss_fn,
+  schedule,
+  stage_params,
+  batch,
+  shared,
+  input_fn,
+  *,
+  microbatches,
+  chunks,
+  device,
+  link,
+  gpu,
+  compiler_options,
+  steps,
+) -> PipelineReport:
+  from ooojax.passes.collectives.plan import get_link
+  from ooojax.passes.cost import get_spec
+  from ooojax.passes.pipeline.program import memory_of, program
+
   if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
     raise ValueError(f"steps must be an int >= 1, got {steps!r}")
   sched = _schedule(schedule, stage_params, microbatches, chunks)
   if sched.steps != 1:
-    raise ValueError(f"explain a one-step table and pass steps={sched.steps} (the table "
-                     f"{sched.name!r} is already tiled over {sched.steps} steps)")
+    raise ValueError(
+      f"explain a one-step table and pass steps={sched.steps} (the table "
+      f"{sched.name!r} is already tiled over {sched.steps} steps)"
+    )
   prog = program(stage_fn, loss_fn, sched, stage_params, batch, shared, input_fn)
   phases = _phase_costs(prog, device)
   # lock-step ticks: the slowest stage kind sets each phase's pace; per whole stage
@@ -423,22 +541,30 @@ def _explain(stage_fn, loss_fn, schedule, stage_params, batch, shared, input_fn,
   act = x.size * x.dtype.itemsize
   comm = get_link(link).seconds(act) if link is not None else 0.0
   name = get_spec(device).name  # a ValueError naming the specs for an unknown one
-  report = PipelineReport(sched, costs, comm, memory_of(prog, sched, stage_params), name,
-                          get_link(link).name if link is not None else "", phases,
-                          call=_Call(stage_fn, loss_fn, stage_params, batch, shared, input_fn),
-                          steps=steps)
+  report = PipelineReport(
+    sched,
+    costs,
+    comm,
+    memory_of(prog, sched, stage_params),
+    name,
+    get_link(link).name if link is not None else "",
+    phases,
+    call=_Call(stage_fn, loss_fn, stage_params, batch, shared, input_fn),
+    steps=steps,
+  )
   return report.compiled(gpu, compiler_options=compiler_options) if gpu else report
 
 
-def compile_windows(report: PipelineReport, gpu: str, compiler_options=None
-                    ) -> tuple[Window, ...]:
+def compile_windows(report: PipelineReport, gpu: str, compiler_options=None) -> tuple[Window, ...]:
   from ooojax import gpu_hlo
-  from passes.hlo.windows import windows
-  from passes.pipeline.execute import lower
+  from ooojax.passes.hlo.windows import windows
+  from ooojax.passes.pipeline.execute import lower
+
   c = report.call
   if c is None:
-    raise ValueError("this PipelineReport was not made by ooo.pipeline.explain, so there "
-                     "is no step to compile")
+    raise ValueError(
+      "this PipelineReport was not made by ooo.pipeline.explain, so there is no step to compile"
+    )
   reason = gpu_hlo.unavailable_reason()
   if reason is not None:
     raise RuntimeError(f"cannot compile for a GPU here: {reason}")

@@ -30,6 +30,7 @@ leaf reads another leaf's gradient (`clip_by_global_norm`), found on the
 optimizer's jaxpr: a stage cannot update before every stage's gradient is in,
 which is what tiling removes. Use `steps=1` for those (exact there).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,15 +40,16 @@ import jax.numpy as jnp
 import optax
 
 from ooojax._pipeline_train import PipelineTrainState, PipelineTrainStep, StageParams
-from passes import _compat
-from passes.pipeline.train import Updater, lower_updates
-from passes.pipeline.steps import tile
+from ooojax.passes import _compat
+from ooojax.passes.pipeline.steps import tile
+from ooojax.passes.pipeline.train import Updater, lower_updates
 
 
 @dataclasses.dataclass(frozen=True)
 class _Label:
   """Which parameter leaf an optimizer-state leaf mirrors (`kind` in stacked /
   shared / rest), or `kind == "n"`: not a parameter's (a step count)."""
+
   kind: str
   index: int
 
@@ -58,17 +60,25 @@ class _Groups:
 
   def __init__(self, optimizer, params: StageParams, opt_state):
     self.opt = optimizer
-    labels = StageParams(tuple(_Label("s", k) for k in range(len(params.stacked))),
-                         tuple(_Label("h", j) for j in range(len(params.shared))),
-                         tuple(_Label("r", j) for j in range(len(params.rest))))
+    labels = StageParams(
+      tuple(_Label("s", k) for k in range(len(params.stacked))),
+      tuple(_Label("h", j) for j in range(len(params.shared))),
+      tuple(_Label("r", j) for j in range(len(params.rest))),
+    )
     mapped = optax.tree_map_params(
-        optimizer, lambda _, lab: lab, opt_state, labels,
-        transform_non_params=lambda x: jax.tree.map(lambda _: _Label("n", 0), x))
+      optimizer,
+      lambda _, lab: lab,
+      opt_state,
+      labels,
+      transform_non_params=lambda x: jax.tree.map(lambda _: _Label("n", 0), x),
+    )
     leaves, self.treedef = jax.tree.flatten(opt_state)
     self.labels = jax.tree.leaves(mapped, is_leaf=lambda x: isinstance(x, _Label))
     if len(self.labels) != len(leaves):
-      raise TypeError("make_train_step(steps>1) could not match the optimizer state's "
-                      "leaves to the parameters (optax.tree_map_params); use steps=1")
+      raise TypeError(
+        "make_train_step(steps>1) could not match the optimizer state's "
+        "leaves to the parameters (optax.tree_map_params); use steps=1"
+      )
     self.dtypes = [x.dtype for x in leaves]
     self.p_dtypes = jax.tree.map(lambda x: x.dtype, params)
     self.sizes = (len(params.stacked), len(params.shared), len(params.rest))
@@ -76,13 +86,15 @@ class _Groups:
   def split(self, opt_state):
     """`(o_stage, o_rep)`: stage-sharded leaves, and the others by kind."""
     leaves = jax.tree.leaves(opt_state)
-    pick = lambda kind: tuple(x for x, lab in zip(leaves, self.labels)  # noqa: E731
-                              if lab.kind == kind)
+    pick = lambda kind: tuple(
+      x
+      for x, lab in zip(leaves, self.labels)  # noqa: E731
+      if lab.kind == kind
+    )
     return pick("s"), {"h": pick("h"), "r": pick("r"), "n": pick("n")}
 
   def join(self, o_stage, o_rep):
-    its = {"s": iter(o_stage), "h": iter(o_rep["h"]), "r": iter(o_rep["r"]),
-           "n": iter(o_rep["n"])}
+    its = {"s": iter(o_stage), "h": iter(o_rep["h"]), "r": iter(o_rep["r"]), "n": iter(o_rep["n"])}
     return self.treedef.unflatten([next(its[lab.kind]) for lab in self.labels])
 
   def update(self, kind: str, params, grads, state, js=None):
@@ -99,22 +111,29 @@ class _Groups:
       for j, x in zip(js, vals):
         parts[slot][j] = x
       return StageParams(*map(tuple, parts))
+
     its = {k: iter(v) for k, v in state.items()}
-    st = self.treedef.unflatten([next(its[lab.kind]) if mine(lab) else jnp.zeros((), dt)
-                                 for lab, dt in zip(self.labels, self.dtypes)])
+    st = self.treedef.unflatten(
+      [
+        next(its[lab.kind]) if mine(lab) else jnp.zeros((), dt)
+        for lab, dt in zip(self.labels, self.dtypes)
+      ]
+    )
     u, st = self.opt.update(tree(grads), st, tree(params))
     ups = (u.stacked, u.shared, u.rest)[slot]
     new = [(a + ups[j]).astype(a.dtype) for a, j in zip(params, js)]
     flat = jax.tree.leaves(st)
-    return new, {k: tuple(x for x, lab in zip(flat, self.labels) if mine(lab) and lab.kind == k)
-                 for k in (kind, "n")}
+    return new, {
+      k: tuple(x for x, lab in zip(flat, self.labels) if mine(lab) and lab.kind == k)
+      for k in (kind, "n")
+    }
 
   def updater(self, chunks: int, owners) -> Updater:
     """The executor's updater. `o_rep["n"]` becomes one copy per chunk and one per
     group of shared leaves (`owners`: tied, or read by one virtual stage), each
     advanced by its own group's updates."""
     keys = [None, *sorted({o for o in owners if o is not None})]
-    h = [lab.index for lab in self.labels if lab.kind == "h"]   # shared leaf per "h" leaf
+    h = [lab.index for lab in self.labels if lab.kind == "h"]  # shared leaf per "h" leaf
 
     def chunk(c, w, g, o_c, o_rep):
       new, st = self.update("s", w, g, {"s": o_c, "n": o_rep["n"][c]})
@@ -125,30 +144,34 @@ class _Groups:
     def shared(key, js, sh, g, o_rep):
       k = chunks + keys.index(key)
       pos = [i for i, j in enumerate(h) if j in js]
-      new, st = self.update("h", sh, g, {"h": [o_rep["h"][i] for i in pos],
-                                         "n": o_rep["n"][k]}, js)
+      new, st = self.update("h", sh, g, {"h": [o_rep["h"][i] for i in pos], "n": o_rep["n"][k]}, js)
       hs, n = list(o_rep["h"]), list(o_rep["n"])
       for i, x in zip(pos, st["h"]):
         hs[i] = x
       n[k] = st["n"]
       return new, {"h": tuple(hs), "n": tuple(n)}
 
-    def finish(o, bcast):   # owned leaves' state as their owner holds it
+    def finish(o, bcast):  # owned leaves' state as their owner holds it
       return {"h": tuple(bcast(owners[j], x) for j, x in zip(h, o["h"])), "n": o["n"][0]}
 
-    return Updater(chunk, shared,
-                   start=lambda o: {"h": o["h"], "n": (o["n"],) * (chunks + len(keys))},
-                   finish=finish)
+    return Updater(
+      chunk,
+      shared,
+      start=lambda o: {"h": o["h"], "n": (o["n"],) * (chunks + len(keys))},
+      finish=finish,
+    )
 
   def coupled(self, params, opt_state) -> tuple[int, int] | None:
     """(i, j) where the update of parameter leaf i reads leaf j's gradient, or None."""
     sds = lambda t: jax.tree.map(  # noqa: E731
-        lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), t)
+      lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), t
+    )
     closed = jax.make_jaxpr(lambda g, s, p: jax.tree.leaves(self.opt.update(g, s, p)[0]))(
-        sds(params), sds(opt_state), sds(params))
+      sds(params), sds(opt_state), sds(params)
+    )
     n = len(jax.tree.leaves(params))
     if len(closed.jaxpr.outvars) != n:
-      return None   # updates not in the parameters' structure: nothing to compare
+      return None  # updates not in the parameters' structure: nothing to compare
     for i in range(n):
       used = _compat.used_inputs(closed, [k == i for k in range(n)])
       for j in range(n):
@@ -161,10 +184,12 @@ def _owners(input_fn, loss_fn, ins, tgs, shared, vstages: int) -> list:
   """Per shared leaf: the virtual stage that alone reads it (0: the prologue's
   embedding; the last: a final norm, an untied head), or None when both ends do
   (tied embeddings), from JAX's DCE on the two ends' jaxprs."""
+
   def used(fn, *args):
     closed = jax.make_jaxpr(fn)(*args)
     u = _compat.used_inputs(closed, [True] * len(closed.jaxpr.outvars))
-    return u[len(u) - len(shared):]
+    return u[len(u) - len(shared) :]
+
   x = jax.eval_shape(input_fn, ins, shared)
   first, last = used(input_fn, ins, shared), used(loss_fn, x, tgs, shared)
   return [None if a and b else (0 if a else vstages - 1) for a, b in zip(first, last)]
@@ -192,20 +217,25 @@ class TiledTrainStep(PipelineTrainStep):
   def __init__(self, *args, steps: int):
     super().__init__(*args)
     if self.data_axis is not None:
-      raise ValueError("make_train_step(steps>1) runs one data replica: drop data_axis, or "
-                       "use steps=1 (one pipelined step per call, data x stage)")
+      raise ValueError(
+        "make_train_step(steps>1) runs one data replica: drop data_axis, or "
+        "use steps=1 (one pipelined step per call, data x stage)"
+      )
     self.steps = steps
     self._groups: _Groups | None = None
-    self.table = None   # the table tiled over steps that the last trace ran
+    self.table = None  # the table tiled over steps that the last trace ran
 
   def _one(self, batches):
     """One step's batch (shapes only) from the stacked batches."""
     lead = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in jax.tree.leaves(batches)}
     if lead != {self.steps}:
-      raise ValueError(f"every batch leaf needs a leading axis of steps={self.steps} (one "
-                       f"batch per step); got leading sizes {sorted(lead, key=str)}")
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x)),
-                        batches)
+      raise ValueError(
+        f"every batch leaf needs a leading axis of steps={self.steps} (one "
+        f"batch per step); got leading sizes {sorted(lead, key=str)}"
+      )
+    return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x)), batches
+    )
 
   def _make(self, params, batch):
     make, shardings = super()._make(params, self._one(batch))
@@ -214,28 +244,32 @@ class TiledTrainStep(PipelineTrainStep):
     pair = g.coupled(shape.params, shape.opt_state)
     if pair is not None:
       msg = self._coupling_message(pair)
-      self._layout = None   # no step from this optimizer
+      self._layout = None  # no step from this optimizer
       raise ValueError(msg)
     self._groups = g
     return make, shardings
 
   def _coupling_message(self, pair) -> str:
     from ooojax.single_gpu import _COUPLING, _transform_names
+
     lay = self._layout
-    paths = [jax.tree_util.keystr(k) for k, _ in
-             jax.tree_util.tree_flatten_with_path(lay.treedef.unflatten(lay.avals))[0]]
+    paths = [
+      jax.tree_util.keystr(k)
+      for k, _ in jax.tree_util.tree_flatten_with_path(lay.treedef.unflatten(lay.avals))[0]
+    ]
     c = lay.cut
     where = [paths[i] for i in (*c.stacked[0], *c.shared, *lay.rest)]
-    names = [n for n in dict.fromkeys(_transform_names(self.optimizer.update))
-             if n in _COUPLING]
+    names = [n for n in dict.fromkeys(_transform_names(self.optimizer.update)) if n in _COUPLING]
     what = f"optax.{names[0]}" if names else "a transform that reads every leaf"
     i, j = pair
-    return (f"the optimizer couples parameter leaves ({what}): the update of {where[i]} "
-            f"reads the gradient of {where[j]}, so no stage could update before every "
-            f"stage's gradient is in, and steps={self.steps} tiles steps by updating each "
-            "stage on its own. Use steps=1 (exact there: the update follows the whole "
-            "gradient), or a per-leaf transform (e.g. optax.clip instead of "
-            "clip_by_global_norm).")
+    return (
+      f"the optimizer couples parameter leaves ({what}): the update of {where[i]} "
+      f"reads the gradient of {where[j]}, so no stage could update before every "
+      f"stage's gradient is in, and steps={self.steps} tiles steps by updating each "
+      "stage on its own. Use steps=1 (exact there: the update follows the whole "
+      "gradient), or a per-leaf transform (e.g. optax.clip instead of "
+      "clip_by_global_norm)."
+    )
 
   def _body(self, state: PipelineTrainState, *batches):
     lay, g = self._layout, self._groups
@@ -247,36 +281,75 @@ class TiledTrainStep(PipelineTrainStep):
     mb = next(iter(rows)) // self.sched.microbatches
 
     def lowering(c, stage_fn, loss_fn, input_fn):
-      per_mb = lambda ids: tuple(jax.ShapeDtypeStruct(  # noqa: E731
-          (mb, *jnp.shape(b_leaves[i])[2:]), jnp.result_type(b_leaves[i])) for i in ids)
-      owners = _owners(input_fn, loss_fn, per_mb(c.inputs), per_mb(c.targets),
-                       tuple(lay.avals[i] for i in c.shared), self.sched.virtual_stages)
+      per_mb = (
+        lambda ids: tuple(
+          jax.ShapeDtypeStruct(  # noqa: E731
+            (mb, *jnp.shape(b_leaves[i])[2:]), jnp.result_type(b_leaves[i])
+          )
+          for i in ids
+        )
+      )
+      owners = _owners(
+        input_fn,
+        loss_fn,
+        per_mb(c.inputs),
+        per_mb(c.targets),
+        tuple(lay.avals[i] for i in c.shared),
+        self.sched.virtual_stages,
+      )
       # only weights both ends read need the cross-stage barrier
       sched = self.table = tile(self.sched, self.steps, shared=None in owners)
-      return lower_updates(stage_fn, loss_fn, sched, self.mesh, self.axis_name,
-                           g.updater(self.sched.chunks, owners), input_fn,
-                           device_major=True, owners=owners)
+      return lower_updates(
+        stage_fn,
+        loss_fn,
+        sched,
+        self.mesh,
+        self.axis_name,
+        g.updater(self.sched.chunks, owners),
+        input_fn,
+        device_major=True,
+        owners=owners,
+      )
 
     first = jax.tree.map(lambda x: x[0], batches)
     prog = self._program_with(list(lay.avals), lay.treedef, first, lowering)
     c = prog.cut
     stacked = lambda ids: tuple(  # noqa: E731 - scalars per step as a row per example
-        jnp.broadcast_to(b_leaves[i][:, None], (self.steps, *rows)) if jnp.ndim(
-            b_leaves[i]) == 1 else b_leaves[i] for i in ids)
-    p, sh, o_stage, o_run, losses = prog.run(sp.stacked, sp.shared, o_stage,
-                                             {"h": o_rep["h"], "n": o_rep["n"]},
-                                             (stacked(c.inputs), stacked(c.targets),
-                                              *((stacked(c.side),) if c.side else ())))
+      jnp.broadcast_to(b_leaves[i][:, None], (self.steps, *rows))
+      if jnp.ndim(b_leaves[i]) == 1
+      else b_leaves[i]
+      for i in ids
+    )
+    p, sh, o_stage, o_run, losses = prog.run(
+      sp.stacked,
+      sp.shared,
+      o_stage,
+      {"h": o_rep["h"], "n": o_rep["n"]},
+      (stacked(c.inputs), stacked(c.targets), *((stacked(c.side),) if c.side else ())),
+    )
     # The rest (never read, zero gradients): one update per step, after the loop.
     rest, rst = list(sp.rest), {"r": o_rep["r"], "n": o_rep["n"]}
     for _ in range(self.steps):
       rest, rst = g.update("r", rest, [jnp.zeros_like(x) for x in rest], rst)
     opt_state = g.join(o_stage, {"h": o_run["h"], "r": rst["r"], "n": rst["n"]})
-    return PipelineTrainState(state.step + self.steps,
-                              StageParams(tuple(p), tuple(sh), tuple(rest)), opt_state), losses
+    return PipelineTrainState(
+      state.step + self.steps, StageParams(tuple(p), tuple(sh), tuple(rest)), opt_state
+    ), losses
 
   def _program_with(self, avals, treedef, batch, lowering):
     from ooojax.pipeline import _auto_program
-    return _auto_program(self.loss_fn, self.has_aux, self.sched, self.mesh, self.axis_name,
-                         self.data_axis, avals, treedef, batch, device_major=True,
-                         layers=self._layout.balance.counts, lowering=lowering)
+
+    return _auto_program(
+      self.loss_fn,
+      self.has_aux,
+      self.sched,
+      self.mesh,
+      self.axis_name,
+      self.data_axis,
+      avals,
+      treedef,
+      batch,
+      device_major=True,
+      layers=self._layout.balance.counts,
+      lowering=lowering,
+    )

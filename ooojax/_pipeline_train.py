@@ -21,6 +21,7 @@ over every leaf (`clip_by_global_norm`) get their cross-stage sum from XLA, so
 they are exact. `step.params(state)` converts back to the user's structure
 (the one place the stages are gathered).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,27 +30,28 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import numpy as np
-
-from passes.pipeline.balance import Balance
-from passes.pipeline.cut import Cut
-from passes.pipeline.execute import device_order
-from passes.pipeline.schedule import PipelineSchedule
+from ooojax.passes.pipeline.balance import Balance
+from ooojax.passes.pipeline.cut import Cut
+from ooojax.passes.pipeline.execute import device_order
+from ooojax.passes.pipeline.schedule import PipelineSchedule
 
 
 class StageParams(struct.PyTreeNode):
   """The parameters in the cut's layout; what the optimizer sees."""
-  stacked: tuple   # (virtual stages in device order, layers per stage, ...) per stack leaf
-  shared: tuple    # leaves read outside the stack, replicated
-  rest: tuple      # leaves the loss never reads, replicated
+
+  stacked: tuple  # (virtual stages in device order, layers per stage, ...) per stack leaf
+  shared: tuple  # leaves read outside the stack, replicated
+  rest: tuple  # leaves the loss never reads, replicated
 
 
 class PipelineTrainState(struct.PyTreeNode):
   """A pipelined training loop's state; `step.params(state)` gives the user's tree."""
+
   step: jax.Array
   params: StageParams
   opt_state: Any
@@ -58,20 +60,29 @@ class PipelineTrainState(struct.PyTreeNode):
 @dataclasses.dataclass(frozen=True)
 class _Layout:
   treedef: Any
-  avals: tuple           # the user's leaves as ShapeDtypeStructs (what the loss is traced at)
-  cut: Cut               # from `init`'s trace: leaf positions and layout conversions
-  balance: Balance       # layers per virtual stage, fixed at `init` (the state's shapes)
+  avals: tuple  # the user's leaves as ShapeDtypeStructs (what the loss is traced at)
+  cut: Cut  # from `init`'s trace: leaf positions and layout conversions
+  balance: Balance  # layers per virtual stage, fixed at `init` (the state's shapes)
   rest: tuple[int, ...]  # leaf positions the loss never reads
 
 
 class PipelineTrainStep:
   """`state, loss = step(state, *batch)`; built by `make_train_step`."""
 
-  def __init__(self, loss_fn, optimizer, sched, mesh, axis_name, data_axis, has_aux,
-               compiler_options, layers=None):
+  def __init__(
+    self,
+    loss_fn,
+    optimizer,
+    sched,
+    mesh,
+    axis_name,
+    data_axis,
+    has_aux,
+    compiler_options,
+    layers=None,
+  ):
     self.loss_fn, self.optimizer, self.sched = loss_fn, optimizer, sched
-    self.mesh, self.axis_name, self.data_axis, self.has_aux = (mesh, axis_name, data_axis,
-                                                               has_aux)
+    self.mesh, self.axis_name, self.data_axis, self.has_aux = (mesh, axis_name, data_axis, has_aux)
     self.compiler_options, self.layers = compiler_options, layers
     self._layout: _Layout | None = None
     self._step = None
@@ -79,32 +90,51 @@ class PipelineTrainStep:
   # --- layout ----------------------------------------------------------------------
   def _program(self, avals, treedef, batch, layers=None):
     from ooojax.pipeline import _auto_program  # the automatic form's cut and executor
-    return _auto_program(self.loss_fn, self.has_aux, self.sched, self.mesh, self.axis_name,
-                         self.data_axis, avals, treedef, batch, device_major=True,
-                         layers=self.layers if layers is None else layers)
+
+    return _auto_program(
+      self.loss_fn,
+      self.has_aux,
+      self.sched,
+      self.mesh,
+      self.axis_name,
+      self.data_axis,
+      avals,
+      treedef,
+      batch,
+      device_major=True,
+      layers=self.layers if layers is None else layers,
+    )
 
   def _plan(self, params, batch) -> _Layout:
     leaves, treedef = jax.tree.flatten(params)
     avals = tuple(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves)
     box = {}
 
-    def trace(*b):   # shapes only: the cut's leaf positions do not depend on values
+    def trace(*b):  # shapes only: the cut's leaf positions do not depend on values
       box["prog"] = self._program(avals, treedef, b)
       return 0
+
     jax.eval_shape(trace, *batch)
     c = box["prog"].cut
     used = {i for row in c.stacked for i in row} | set(c.shared)
-    return _Layout(treedef, avals, c, box["prog"].balance,
-                   tuple(i for i in range(len(leaves)) if i not in used))
+    return _Layout(
+      treedef, avals, c, box["prog"].balance, tuple(i for i in range(len(leaves)) if i not in used)
+    )
 
   def _shardings(self, state_shape: PipelineTrainState) -> PipelineTrainState:
     stage = NamedSharding(self.mesh, P(self.axis_name))
     rep = NamedSharding(self.mesh, P())
     p = state_shape.params
-    p_sh = StageParams(tuple(stage for _ in p.stacked), tuple(rep for _ in p.shared),
-                       tuple(rep for _ in p.rest))
-    o_sh = optax.tree_map_params(self.optimizer, lambda _, s: s, state_shape.opt_state, p_sh,
-                                 transform_non_params=lambda _: rep)
+    p_sh = StageParams(
+      tuple(stage for _ in p.stacked), tuple(rep for _ in p.shared), tuple(rep for _ in p.rest)
+    )
+    o_sh = optax.tree_map_params(
+      self.optimizer,
+      lambda _, s: s,
+      state_shape.opt_state,
+      p_sh,
+      transform_non_params=lambda _: rep,
+    )
     return PipelineTrainState(rep, p_sh, o_sh)
 
   def _to_stages(self, leaves) -> StageParams:
@@ -114,8 +144,9 @@ class PipelineTrainStep:
     stacked = c.stage_params(leaves, lay.balance.counts)
     if self.sched.chunks > 1:
       stacked = tuple(x[order] for x in stacked)
-    return StageParams(tuple(stacked),
-                       tuple(leaves[i] for i in c.shared), tuple(leaves[i] for i in lay.rest))
+    return StageParams(
+      tuple(stacked), tuple(leaves[i] for i in c.shared), tuple(leaves[i] for i in lay.rest)
+    )
 
   # --- public ----------------------------------------------------------------------
   def _make(self, params, batch):
@@ -137,8 +168,11 @@ class PipelineTrainStep:
     """`init`'s state as sharded `jax.ShapeDtypeStruct`s, from shapes alone: the
     target of an orbax restore in a fresh process (it also readies `step`)."""
     make, shardings = self._make(params, batch)
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        jax.eval_shape(make, params), shardings)
+    return jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+      jax.eval_shape(make, params),
+      shardings,
+    )
 
   def params(self, state: PipelineTrainState):
     """The parameters in the user's structure (gathers every stage's layers)."""
@@ -146,9 +180,9 @@ class PipelineTrainStep:
     lay = self._layout
     rep = NamedSharding(self.mesh, P())
     p = jax.tree.map(lambda x: jax.device_put(x, rep), state.params)
-    zeros = [jnp.zeros((), a.dtype) for a in lay.avals]   # placeholders of the rest
+    zeros = [jnp.zeros((), a.dtype) for a in lay.avals]  # placeholders of the rest
     stacked = p.stacked
-    if self.sched.chunks > 1:   # back to virtual-stage order
+    if self.sched.chunks > 1:  # back to virtual-stage order
       stacked = tuple(x[np.argsort(device_order(self.sched))] for x in stacked)
     out = lay.cut.grads(zeros, stacked, p.shared, lay.balance.counts)  # stage_params^-1
     for i, x in zip(lay.rest, p.rest):
@@ -163,8 +197,10 @@ class PipelineTrainStep:
 
   def _check_init(self):
     if self._layout is None:
-      raise ValueError("call step.init(params, *batch) first: it cuts the loss into stages "
-                       "and lays the parameters out by stage")
+      raise ValueError(
+        "call step.init(params, *batch) first: it cuts the loss into stages "
+        "and lays the parameters out by stage"
+      )
 
   def _body(self, state: PipelineTrainState, *batch):
     lay = self._layout
@@ -173,8 +209,7 @@ class PipelineTrainStep:
     loss, (gp, gsh) = prog.run(sp.stacked, prog.batch, sp.shared)
     grads = StageParams(tuple(gp), tuple(gsh), tuple(jnp.zeros_like(x) for x in sp.rest))
     updates, opt_state = self.optimizer.update(grads, state.opt_state, sp)
-    return PipelineTrainState(state.step + 1, optax.apply_updates(sp, updates),
-                              opt_state), loss
+    return PipelineTrainState(state.step + 1, optax.apply_updates(sp, updates), opt_state), loss
 
   def _jitted(self, state):
     self._check_init()
@@ -193,13 +228,21 @@ class PipelineTrainStep:
     return self._jitted(state)(state, *batch)
 
 
-def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *, mesh,
-                    axis_name: str, schedule: str | PipelineSchedule = "ooo",
-                    microbatches: int | None = None, chunks: int | None = None,
-                    data_axis: str | None = None, has_aux: bool = False,
-                    compiler_options: dict | None = None,
-                    layers: str | tuple[int, ...] | None = None,
-                    steps: int = 1) -> PipelineTrainStep:
+def make_train_step(
+  loss_fn: Callable,
+  optimizer: optax.GradientTransformation,
+  *,
+  mesh,
+  axis_name: str,
+  schedule: str | PipelineSchedule = "ooo",
+  microbatches: int | None = None,
+  chunks: int | None = None,
+  data_axis: str | None = None,
+  has_aux: bool = False,
+  compiler_options: dict | None = None,
+  layers: str | tuple[int, ...] | None = None,
+  steps: int = 1,
+) -> PipelineTrainStep:
   """A jitted pipelined train step of a plain loss, the optimizer applied per stage.
 
   The stages are cut from `loss_fn` as in `value_and_grad(loss_fn, mesh=...,
@@ -253,18 +296,20 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
   (True, (2, 3, 3))
   """
   from ooojax.pipeline import _table
+
   if axis_name not in mesh.shape:
-    raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
-                     f"{dict(mesh.shape)}")
+    raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
   if data_axis is not None and (data_axis not in mesh.shape or data_axis == axis_name):
-    raise ValueError(f"data_axis={data_axis!r} must be a mesh axis other than the stage "
-                     f"axis {axis_name!r}; the mesh has {dict(mesh.shape)}")
+    raise ValueError(
+      f"data_axis={data_axis!r} must be a mesh axis other than the stage "
+      f"axis {axis_name!r}; the mesh has {dict(mesh.shape)}"
+    )
   sched = _table(schedule, mesh.shape[axis_name], microbatches, chunks)
-  args = (loss_fn, optimizer, sched, mesh, axis_name, data_axis, has_aux, compiler_options,
-          layers)
+  args = (loss_fn, optimizer, sched, mesh, axis_name, data_axis, has_aux, compiler_options, layers)
   if not (isinstance(steps, int) and steps >= 1):
     raise ValueError(f"steps must be an int >= 1, got {steps!r}")
   if steps > 1:
     from ooojax._pipeline_tiled import TiledTrainStep
+
     return TiledTrainStep(*args, steps=steps)
   return PipelineTrainStep(*args)

@@ -8,6 +8,7 @@ Setting `JAX_PLATFORMS=cpu` gives the same CPU backend without the noise and
 keeps the plugin usable for compile-only compiles. Nothing changes when jax is
 already imported, `JAX_PLATFORMS` is set, or the machine shows an NVIDIA GPU.
 """
+
 from __future__ import annotations
 
 import glob
@@ -18,12 +19,15 @@ import sys
 
 def gpu_present() -> bool:
   """True when this machine shows an NVIDIA GPU (device nodes or a driver)."""
-  return bool(glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/proc/driver/nvidia/version")
-              or os.path.exists("/dev/dxg"))
+  return bool(
+    glob.glob("/dev/nvidia[0-9]*")
+    or os.path.exists("/proc/driver/nvidia/version")
+    or os.path.exists("/dev/dxg")
+  )
 
 
 def installed_cuda_plugin() -> str | None:
-  """"cuda13" / "cuda12" for the installed jax CUDA plugin (newest first), or None."""
+  """ "cuda13" / "cuda12" for the installed jax CUDA plugin (newest first), or None."""
   for p in ("cuda13", "cuda12"):
     try:
       if importlib.util.find_spec(f"jax_plugins.xla_{p}") is not None:

@@ -25,6 +25,7 @@ a checkpoint taken between steps restores the same training.
 they are real); `ooojax.single_gpu` carries its deferred dW clusters' inputs
 in it the same way.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,9 +40,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ooojax import _dp
 from ooojax._api import _make_options, value_and_grad
-from passes.collectives import plan as collectives
-from passes.cost import CostModel
-from passes.collectives.emit import chain_after, reduce_buffers
+from ooojax.passes.collectives import plan as collectives
+from ooojax.passes.collectives.emit import chain_after, reduce_buffers
+from ooojax.passes.cost import CostModel
 
 
 class Pending(struct.PyTreeNode):
@@ -52,6 +53,7 @@ class Pending(struct.PyTreeNode):
   ready: values already complete on every device, one per other leaf.
   valid: False before the first step and after `flush` (nothing to apply).
   """
+
   local: tuple
   ready: tuple
   valid: jax.Array
@@ -63,6 +65,7 @@ class DPTrainState(struct.PyTreeNode):
   `params` lags one update behind the plain loop while `pending.valid`; use
   `step.flush(state)` for the parameters of the plain loop.
   """
+
   step: jax.Array
   params: Any
   opt_state: Any
@@ -72,7 +75,7 @@ class DPTrainState(struct.PyTreeNode):
 @dataclasses.dataclass(frozen=True)
 class _Layout:
   treedef: Any
-  deferred: tuple[int, ...]   # leaf positions reduced next step, layer 0 first
+  deferred: tuple[int, ...]  # leaf positions reduced next step, layer 0 first
   ready: tuple[int, ...]
   first_k: int
   bucket_bytes: int
@@ -94,12 +97,20 @@ class DataParallelStep:
     """Traces one device's gradient to choose k and bucket size, and the deferred leaves."""
     opts = self.options
     vg = value_and_grad(self.loss_fn, mode="in_order", device=opts.get("device"))
-    local = jax.tree.map(lambda b: jax.ShapeDtypeStruct((b.shape[0] // self.n, *b.shape[1:]),
-                                                        b.dtype), batch)
+    local = jax.tree.map(
+      lambda b: jax.ShapeDtypeStruct((b.shape[0] // self.n, *b.shape[1:]), b.dtype), batch
+    )
     plan = vg.abstract_plan(params, local)
-    cp = collectives.plan(plan.split, plan.schedule, CostModel(opts.get("device")), self.n,
-                          opts.get("link"), opts.get("bucket_bytes"), opts.get("first_k"),
-                          cross_step=self.cross_step)
+    cp = collectives.plan(
+      plan.split,
+      plan.schedule,
+      CostModel(opts.get("device")),
+      self.n,
+      opts.get("link"),
+      opts.get("bucket_bytes"),
+      opts.get("first_k"),
+      cross_step=self.cross_step,
+    )
     k = cp.first_k if self.cross_step else 0
     deferred = collectives.first_k_leaves(plan.split, k)
     layers = collectives.layers_forward(plan.split)
@@ -115,11 +126,17 @@ class DataParallelStep:
     leaves = jax.tree.leaves(params)
     rep = NamedSharding(self.mesh, P())
     dev = NamedSharding(self.mesh, P(self.axis_name))
-    local = tuple(jax.device_put(jnp.zeros((self.n, *leaves[i].shape), leaves[i].dtype), dev)
-                  for i in lay.deferred)
+    local = tuple(
+      jax.device_put(jnp.zeros((self.n, *leaves[i].shape), leaves[i].dtype), dev)
+      for i in lay.deferred
+    )
     ready = tuple(jax.device_put(jnp.zeros_like(leaves[i]), rep) for i in lay.ready)
-    state = DPTrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params),
-                         Pending(local, ready, jnp.zeros((), bool)))
+    state = DPTrainState(
+      jnp.zeros((), jnp.int32),
+      params,
+      self.tx.init(params),
+      Pending(local, ready, jnp.zeros((), bool)),
+    )
     return jax.device_put(state, self._specs(state, sharding=True))
 
   def abstract_state(self, params, batch) -> DPTrainState:
@@ -131,10 +148,15 @@ class DataParallelStep:
     sds = lambda shape, dtype, s: jax.ShapeDtypeStruct(shape, dtype, sharding=s)
     on = lambda tree: jax.tree.map(lambda a: sds(a.shape, a.dtype, rep), tree)
     return DPTrainState(
-        sds((), jnp.int32, rep), on(params), on(jax.eval_shape(self.tx.init, params)),
-        Pending(tuple(sds((self.n, *leaves[i].shape), leaves[i].dtype, dev) for i in lay.deferred),
-                tuple(sds(leaves[i].shape, leaves[i].dtype, rep) for i in lay.ready),
-                sds((), bool, rep)))
+      sds((), jnp.int32, rep),
+      on(params),
+      on(jax.eval_shape(self.tx.init, params)),
+      Pending(
+        tuple(sds((self.n, *leaves[i].shape), leaves[i].dtype, dev) for i in lay.deferred),
+        tuple(sds(leaves[i].shape, leaves[i].dtype, rep) for i in lay.ready),
+        sds((), bool, rep),
+      ),
+    )
 
   def lower(self, state, batch):
     """`jax.jit(step).lower(state, batch)` (state may be `abstract_state`'s)."""
@@ -154,8 +176,9 @@ class DataParallelStep:
     vals = [x[0] for x in pend.local]  # drop the device axis of this shard
     reduced, prev = [], None
     for x in vals:  # one all-reduce per leaf, layer 0 first, chained
-      (r,), prev = reduce_buffers(chain_after(prev, [x]), self.axis_name,
-                                  self.options.get("reduce", "mean"))
+      (r,), prev = reduce_buffers(
+        chain_after(prev, [x]), self.axis_name, self.options.get("reduce", "mean")
+      )
       reduced.append(r)
     flat = [None] * (len(lay.deferred) + len(lay.ready))
     for i, r in zip(lay.deferred, reduced):
@@ -166,22 +189,31 @@ class DataParallelStep:
     updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(pend.valid, a, b), new, old)
-    return state.replace(step=state.step + pend.valid.astype(state.step.dtype),
-                         params=keep(params, state.params),
-                         opt_state=keep(opt_state, state.opt_state))
+    return state.replace(
+      step=state.step + pend.valid.astype(state.step.dtype),
+      params=keep(params, state.params),
+      opt_state=keep(opt_state, state.opt_state),
+    )
 
   def _body(self, state, batch):
     lay = self._layout
     state = self._apply_pending(state)
     opts = {k: v for k, v in self.options.items() if k not in ("first_k", "bucket_bytes")}
-    vg = value_and_grad(self.loss_fn, mode="data_parallel", axis_name=self.axis_name,
-                        first_k=lay.first_k, bucket_bytes=lay.bucket_bytes, **opts)
+    vg = value_and_grad(
+      self.loss_fn,
+      mode="data_parallel",
+      axis_name=self.axis_name,
+      first_k=lay.first_k,
+      bucket_bytes=lay.bucket_bytes,
+      **opts,
+    )
     plan, dyn = vg.plan((state.params, batch), {})
     outs = _dp.emit(plan, dyn, vg.options, defer=frozenset(lay.deferred))
     loss = jax.lax.pmean(outs[0], self.axis_name)
-    g = outs[plan.split.grad_out_start:]
-    pending = Pending(tuple(g[i][None] for i in lay.deferred), tuple(g[i] for i in lay.ready),
-                      jnp.ones((), bool))
+    g = outs[plan.split.grad_out_start :]
+    pending = Pending(
+      tuple(g[i][None] for i in lay.deferred), tuple(g[i] for i in lay.ready), jnp.ones((), bool)
+    )
     state = state.replace(pending=pending)
     if not self.cross_step:  # apply now: params never lag
       state = self._flush_body(state)
@@ -196,10 +228,14 @@ class DataParallelStep:
   def _build(self, state):
     specs = self._specs(state)
     batch_spec = P(self.axis_name)
-    self._step = jax.jit(jax.shard_map(self._body, mesh=self.mesh,
-                                       in_specs=(specs, batch_spec), out_specs=(specs, P())))
-    self._flush = jax.jit(jax.shard_map(self._flush_body, mesh=self.mesh,
-                                        in_specs=(specs,), out_specs=specs))
+    self._step = jax.jit(
+      jax.shard_map(
+        self._body, mesh=self.mesh, in_specs=(specs, batch_spec), out_specs=(specs, P())
+      )
+    )
+    self._flush = jax.jit(
+      jax.shard_map(self._flush_body, mesh=self.mesh, in_specs=(specs,), out_specs=specs)
+    )
 
   def __call__(self, state: DPTrainState, batch) -> tuple[DPTrainState, jax.Array]:
     if self._layout is None:
@@ -215,9 +251,15 @@ class DataParallelStep:
     return self._flush(state)
 
 
-def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
-                    mesh: jax.sharding.Mesh, *, axis_name: str = "batch",
-                    cross_step: bool = True, **ooo_options) -> DataParallelStep:
+def make_train_step(
+  loss_fn: Callable,
+  tx: optax.GradientTransformation,
+  mesh: jax.sharding.Mesh,
+  *,
+  axis_name: str = "batch",
+  cross_step: bool = True,
+  **ooo_options,
+) -> DataParallelStep:
   """A jitted data-parallel step over `mesh[axis_name]` with cross-step overlap.
 
   Args:

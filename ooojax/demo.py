@@ -1,4 +1,5 @@
 """The demo: train a small flax CNN with jax.grad and with ooo.grad, side by side."""
+
 from __future__ import annotations
 
 import time
@@ -34,8 +35,9 @@ def _data(batch: int):
 
 def make_step(grad_fn, model, opt):
   def loss_fn(params, batch_stats, x, y):
-    logits, upd = model.apply({"params": params, "batch_stats": batch_stats}, x,
-                              mutable=["batch_stats"])
+    logits, upd = model.apply(
+      {"params": params, "batch_stats": batch_stats}, x, mutable=["batch_stats"]
+    )
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
     return loss, (loss, upd["batch_stats"])
 
@@ -44,6 +46,7 @@ def make_step(grad_fn, model, opt):
     grads, (loss, batch_stats) = grad_fn(loss_fn, has_aux=True)(params, batch_stats, x, y)
     updates, opt_state = opt.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), batch_stats, opt_state, loss
+
   return step, loss_fn
 
 
@@ -57,8 +60,13 @@ def _time(step, state, x, y, n: int) -> float:
   return (time.perf_counter() - t0) / n
 
 
-def run(steps: int = 10, batch: int = 32, spec: str = "H100", plot: str | None = None,
-        timing_reps: int = 5) -> dict:
+def run(
+  steps: int = 10,
+  batch: int = 32,
+  spec: str = "H100",
+  plot: str | None = None,
+  timing_reps: int = 5,
+) -> dict:
   model = SmallCNN()
   x, y = _data(batch)
   v = model.init(jax.random.PRNGKey(0), x)
@@ -66,10 +74,14 @@ def run(steps: int = 10, batch: int = 32, spec: str = "H100", plot: str | None =
   base_step, loss_fn = make_step(jax.grad, model, opt)
   ooo_step, _ = make_step(ooo.grad, model, opt)
 
-  states = {name: (v["params"], v["batch_stats"], opt.init(v["params"]))
-            for name in ("jax.grad", "ooo.grad")}
-  print(f"Training SmallCNN (batch {batch}, synthetic data) for {steps} steps "
-        f"on {jax.devices()[0].device_kind} with jax {jax.__version__}")
+  states = {
+    name: (v["params"], v["batch_stats"], opt.init(v["params"]))
+    for name in ("jax.grad", "ooo.grad")
+  }
+  print(
+    f"Training SmallCNN (batch {batch}, synthetic data) for {steps} steps "
+    f"on {jax.devices()[0].device_kind} with jax {jax.__version__}"
+  )
   print(f"{'step':>4}  {'jax.grad loss':>14}  {'ooo.grad loss':>14}")
   losses = {"jax.grad": [], "ooo.grad": []}
   for i in range(steps):
@@ -83,18 +95,22 @@ def run(steps: int = 10, batch: int = 32, spec: str = "H100", plot: str | None =
 
   # The schedule ooo.grad would use on a `spec` GPU (mode="auto" picks
   # single_gpu there; on CPU it re-emits in order, as no streams exist).
-  report = ooo.explain(loss_fn, v["params"], v["batch_stats"], x, y, has_aux=True,
-                       device=spec, mode="single_gpu")
+  report = ooo.explain(
+    loss_fn, v["params"], v["batch_stats"], x, y, has_aux=True, device=spec, mode="single_gpu"
+  )
   print()
   print(report.summary())
   # What XLA:GPU really schedules for it (a compile-only H100; no GPU needed).
   from ooojax import gpu_hlo
+
   reason = gpu_hlo.unavailable_reason() if spec in gpu_hlo.GPUS else f"no target config for {spec}"
   if reason is None:
     c = report.compiled(spec)
     k, n = c.heavy_overlap
-    print(f"  compiled for a compile-only {spec}: {k} of {n} stream-1 calls holding a conv/GEMM "
-          "have dX convs/GEMMs scheduled inside their window (python -m ooojax hlo for details)")
+    print(
+      f"  compiled for a compile-only {spec}: {k} of {n} stream-1 calls holding a conv/GEMM "
+      "have dX convs/GEMMs scheduled inside their window (python -m ooojax hlo for details)"
+    )
   else:
     print(f"  (compiled {spec} schedule not shown: {reason})")
 
@@ -105,12 +121,15 @@ def run(steps: int = 10, batch: int = 32, spec: str = "H100", plot: str | None =
       t[name].append(_time(step, states[name], x, y, 5))
   med = {k: float(np.median(vs)) for k, vs in t.items()}
   auto = ooo.Options().resolved_mode()
-  print(f"\nmeasured step time on this machine ({jax.devices()[0].device_kind}, "
-        f"median of {timing_reps}): jax.grad {med['jax.grad'] * 1e3:.2f} ms, "
-        f"ooo.grad {med['ooo.grad'] * 1e3:.2f} ms, ratio jax.grad/ooo.grad "
-        f"{med['jax.grad'] / med['ooo.grad']:.3f}x (mode='auto' ran {auto!r} here)")
+  print(
+    f"\nmeasured step time on this machine ({jax.devices()[0].device_kind}, "
+    f"median of {timing_reps}): jax.grad {med['jax.grad'] * 1e3:.2f} ms, "
+    f"ooo.grad {med['ooo.grad'] * 1e3:.2f} ms, ratio jax.grad/ooo.grad "
+    f"{med['jax.grad'] / med['ooo.grad']:.3f}x (mode='auto' ran {auto!r} here)"
+  )
   if plot:
     import matplotlib
+
     matplotlib.use("Agg")
     ax = report.plot()
     ax.figure.savefig(plot, dpi=120, bbox_inches="tight")

@@ -12,6 +12,7 @@ Switching an existing loop is one line each way:
   state it mutated (BatchNorm statistics, RNG counters) back into the module,
   and return grads as an `nnx.State` that `nnx.Optimizer.update` accepts.
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,12 +42,20 @@ class TrainState(train_state.TrainState):
   >>> sorted(state.batch_stats)
   ['mean', 'var']
   """
+
   batch_stats: Any = None
 
 
-def make_train_step(loss_fn: Callable, *, mutable: Sequence[str] = (),
-                    rngs: Sequence[str] = (), has_aux: bool = False,
-                    use_ooo: bool = True, jit: bool = True, **ooo_options) -> Callable:
+def make_train_step(
+  loss_fn: Callable,
+  *,
+  mutable: Sequence[str] = (),
+  rngs: Sequence[str] = (),
+  has_aux: bool = False,
+  use_ooo: bool = True,
+  jit: bool = True,
+  **ooo_options,
+) -> Callable:
   """Builds `step(state, batch, rng=None) -> (state, metrics)` for linen models.
 
   Args:
@@ -96,20 +105,24 @@ def make_train_step(loss_fn: Callable, *, mutable: Sequence[str] = (),
     loss, aux = out if has_aux else (out, None)
     return loss, (aux, {k: updates.get(k, collections[k]) for k in collections})
 
-  vg = (value_and_grad(differentiable, has_aux=True, **ooo_options) if use_ooo
-        else jax.value_and_grad(differentiable, has_aux=True))
+  vg = (
+    value_and_grad(differentiable, has_aux=True, **ooo_options)
+    if use_ooo
+    else jax.value_and_grad(differentiable, has_aux=True)
+  )
 
   def step(state, batch, rng=None):
     missing = [c for c in mutable if not hasattr(state, c)]
     if missing:
-      raise TypeError(f"state has no field(s) {missing} for the mutable collections; "
-                      "use ooojax.flax.TrainState or add the fields to your TrainState")
+      raise TypeError(
+        f"state has no field(s) {missing} for the mutable collections; "
+        "use ooojax.flax.TrainState or add the fields to your TrainState"
+      )
     if rngs and rng is None:
       raise TypeError(f"this step uses rng streams {list(rngs)}: pass rng=jax.random.key(...)")
     step_rng = jax.random.fold_in(rng, state.step) if rngs else None
     collections = {c: getattr(state, c) for c in mutable}
-    (loss, (aux, new)), grads = vg(state.params, collections, batch, step_rng,
-                                   state.apply_fn)
+    (loss, (aux, new)), grads = vg(state.params, collections, batch, step_rng, state.apply_fn)
     state = state.apply_gradients(grads=grads, **new)
     metrics = {"loss": loss}
     if has_aux:
@@ -155,6 +168,7 @@ def nnx_value_and_grad(f: Callable, *, has_aux: bool = False, **ooo_options) -> 
   (3, 2)
   """
   from flax import nnx
+
   _make_options(ooo_options)
   diff = nnx.All(nnx.Param, _in_first_module)
   written = nnx.All(nnx.Variable, nnx.Not(diff))  # state the call may mutate
@@ -171,8 +185,10 @@ def nnx_value_and_grad(f: Callable, *, has_aux: bool = False, **ooo_options) -> 
   @functools.wraps(f)
   def wrapped(module, *args, **kwargs):
     if not isinstance(module, nnx.Module):
-      raise TypeError("nnx_grad / nnx_value_and_grad: the first argument must be the "
-                      f"nnx.Module to differentiate, got {type(module).__name__}")
+      raise TypeError(
+        "nnx_grad / nnx_value_and_grad: the first argument must be the "
+        f"nnx.Module to differentiate, got {type(module).__name__}"
+      )
     tree = (module, args, kwargs)
     graphdef, params, rest = nnx.split(tree, diff, ...)
     (loss, (aux, new_state)), grads = vg(params, rest, graphdef)

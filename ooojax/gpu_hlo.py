@@ -23,6 +23,7 @@ heuristics); every instruction prints `operation_queue_id: 0` (streams are
 assigned from `_xla_stream_annotation` when kernels are emitted); nothing
 runs, so no timings and no numerics.
 """
+
 from __future__ import annotations
 
 import functools
@@ -36,45 +37,70 @@ import jax
 import numpy as np
 
 from ooojax import _platform
-from passes.hlo import schedule as hlo_schedule
+from ooojax.passes.hlo import schedule as hlo_schedule
 
 # Device numbers from XLA's xla/tools/hlo_opt/gpu_specs/*.txtpb (h100_sxm,
 # a100_40); H200 = H100 SXM with H200's memory (143771 MiB) and bandwidth
 # (4.8 TB/s). The cuDNN / CUDA versions are added from the installed plugin.
 _H100_SXM = {
-    "threads_per_block_limit": 1024, "threads_per_warp": 32,
-    "shared_memory_per_block": 49152, "shared_memory_per_core": 233472,
-    "threads_per_core_limit": 2048, "core_count": 132, "fpus_per_core": 128,
-    "block_dim_limit_x": 2147483647, "block_dim_limit_y": 65535, "block_dim_limit_z": 65535,
-    "memory_bandwidth": 3352320000000, "l2_cache_size": 52428800, "clock_rate_ghz": 1.98,
-    "device_memory_size": 84978434048, "shared_memory_per_block_optin": 232448,
-    "cuda_compute_capability": (9, 0),
-    "registers_per_core_limit": 65536, "registers_per_block_limit": 65536,
+  "threads_per_block_limit": 1024,
+  "threads_per_warp": 32,
+  "shared_memory_per_block": 49152,
+  "shared_memory_per_core": 233472,
+  "threads_per_core_limit": 2048,
+  "core_count": 132,
+  "fpus_per_core": 128,
+  "block_dim_limit_x": 2147483647,
+  "block_dim_limit_y": 65535,
+  "block_dim_limit_z": 65535,
+  "memory_bandwidth": 3352320000000,
+  "l2_cache_size": 52428800,
+  "clock_rate_ghz": 1.98,
+  "device_memory_size": 84978434048,
+  "shared_memory_per_block_optin": 232448,
+  "cuda_compute_capability": (9, 0),
+  "registers_per_core_limit": 65536,
+  "registers_per_block_limit": 65536,
 }
 GPUS: dict[str, tuple[dict[str, Any], str]] = {
-    "H100": (_H100_SXM, "NVIDIA H100 80GB HBM3"),
-    "H200": ({**_H100_SXM, "device_memory_size": 150754820096,
-              "memory_bandwidth": 4800000000000}, "NVIDIA H200"),
-    "A100": ({"threads_per_block_limit": 1024, "threads_per_warp": 32,
-              "shared_memory_per_block": 49152, "shared_memory_per_core": 167936,
-              "threads_per_core_limit": 2048, "core_count": 108, "fpus_per_core": 64,
-              "block_dim_limit_x": 2147483647, "block_dim_limit_y": 65535,
-              "block_dim_limit_z": 65535, "memory_bandwidth": 1555200000000,
-              "l2_cache_size": 41943040, "clock_rate_ghz": 1.41,
-              "device_memory_size": 42331013120, "shared_memory_per_block_optin": 166912,
-              "cuda_compute_capability": (8, 0)}, "NVIDIA A100-SXM4-40GB"),
+  "H100": (_H100_SXM, "NVIDIA H100 80GB HBM3"),
+  "H200": (
+    {**_H100_SXM, "device_memory_size": 150754820096, "memory_bandwidth": 4800000000000},
+    "NVIDIA H200",
+  ),
+  "A100": (
+    {
+      "threads_per_block_limit": 1024,
+      "threads_per_warp": 32,
+      "shared_memory_per_block": 49152,
+      "shared_memory_per_core": 167936,
+      "threads_per_core_limit": 2048,
+      "core_count": 108,
+      "fpus_per_core": 64,
+      "block_dim_limit_x": 2147483647,
+      "block_dim_limit_y": 65535,
+      "block_dim_limit_z": 65535,
+      "memory_bandwidth": 1555200000000,
+      "l2_cache_size": 41943040,
+      "clock_rate_ghz": 1.41,
+      "device_memory_size": 42331013120,
+      "shared_memory_per_block_optin": 166912,
+      "cuda_compute_capability": (8, 0),
+    },
+    "NVIDIA A100-SXM4-40GB",
+  ),
 }
 
 # cuDNN / CUDA runtime versions each plugin release was built with, used only
 # when the plugin's own build info cannot be read. (plugin version) -> versions.
 _KNOWN_BUILDS = {
-    "0.11.2": {"cudnn": (9, 12), "cuda": (13, 0)},  # jax-cuda13-plugin, the GPU image's
+  "0.11.2": {"cudnn": (9, 12), "cuda": (13, 0)},  # jax-cuda13-plugin, the GPU image's
 }
 _DEFAULT_BUILD = {"cudnn": (9, 12), "cuda": (13, 0)}
 
 
 def _installed_plugin() -> str | None:
-  """"cuda12" / "cuda13" for the installed jax CUDA plugin, or None."""
+  """ "cuda12" / "cuda13" for the installed jax CUDA plugin, or None."""
   return _platform.installed_cuda_plugin()
 
 
@@ -97,14 +123,24 @@ def plugin_versions() -> dict[str, Any]:
   try:
     v = importlib.import_module(f"jax_{p}_plugin._versions")
     dnn, rt = int(v.cudnn_build_version()), int(v.cuda_runtime_build_version())
-    return {"plugin": p, "version": version, "source": "plugin build info",
-            "cudnn": (dnn // 10000, dnn % 10000 // 100), "cuda": (rt // 1000, rt % 1000 // 10)}
+    return {
+      "plugin": p,
+      "version": version,
+      "source": "plugin build info",
+      "cudnn": (dnn // 10000, dnn % 10000 // 100),
+      "cuda": (rt // 1000, rt % 1000 // 10),
+    }
   except Exception:  # no plugin, or a build whose version helpers moved
     if version in _KNOWN_BUILDS:
       return {"plugin": p, "version": version, "source": "table", **_KNOWN_BUILDS[version]}
     # A guess: the plugin's CUDA major, and the cuDNN of the last known build.
-    return {"plugin": p, "version": version, "source": "default (guessed)",
-            **_DEFAULT_BUILD, **({"cuda": (12, 9)} if p == "cuda12" else {})}
+    return {
+      "plugin": p,
+      "version": version,
+      "source": "default (guessed)",
+      **_DEFAULT_BUILD,
+      **({"cuda": (12, 9)} if p == "cuda12" else {}),
+    }
 
 
 def target_config(gpu: str = "H100") -> str:
@@ -117,8 +153,10 @@ def target_config(gpu: str = "H100") -> str:
   if "gpu_device_info" in gpu:
     return gpu
   if gpu.upper() not in GPUS:
-    raise ValueError(f"unknown gpu {gpu!r}; known: {sorted(GPUS)} (or pass a "
-                     "GpuTargetConfigProto text containing 'gpu_device_info')")
+    raise ValueError(
+      f"unknown gpu {gpu!r}; known: {sorted(GPUS)} (or pass a "
+      "GpuTargetConfigProto text containing 'gpu_device_info')"
+    )
   info, desc = GPUS[gpu.upper()]
   lines = ["gpu_device_info {"]
   for k, val in info.items():
@@ -128,18 +166,22 @@ def target_config(gpu: str = "H100") -> str:
       lines.append(f"  {k}: {val}")
   lines.append("}")
   ver = plugin_versions()
-  lines += ['platform_name: "CUDA"',
-            f"dnn_version_info {{ major: {ver['cudnn'][0]} minor: {ver['cudnn'][1]} }}",
-            f"runtime_version {{ major: {ver['cuda'][0]} minor: {ver['cuda'][1]} }}",
-            f'device_description_str: "{desc}"']
+  lines += [
+    'platform_name: "CUDA"',
+    f"dnn_version_info {{ major: {ver['cudnn'][0]} minor: {ver['cudnn'][1]} }}",
+    f"runtime_version {{ major: {ver['cuda'][0]} minor: {ver['cuda'][1]} }}",
+    f'device_description_str: "{desc}"',
+  ]
   return "\n".join(lines) + "\n"
 
 
 @functools.lru_cache(maxsize=None)
 def _topology(gpu: str, n: int):
   from jax.experimental import topologies
-  return topologies.get_topology_desc(platform="cuda", target_config=target_config(gpu),
-                                      topology=f"1x1x{n}")
+
+  return topologies.get_topology_desc(
+    platform="cuda", target_config=target_config(gpu), topology=f"1x1x{n}"
+  )
 
 
 def _probe() -> Exception | None:
@@ -158,26 +200,33 @@ def unavailable_reason() -> str | None:
   True
   """
   import jaxlib
+
   jl = jaxlib.__version__
   plugin = _installed_plugin()
-  install = (f'pip install "ooojax[gpu-hlo]" jax-cuda13-plugin=={jl} '
-             f"jax-cuda13-pjrt=={jl} (the plugin must match jaxlib {jl})")
+  install = (
+    f'pip install "ooojax[gpu-hlo]" jax-cuda13-plugin=={jl} '
+    f"jax-cuda13-pjrt=={jl} (the plugin must match jaxlib {jl})"
+  )
   if plugin is None:
     return f"no CUDA PJRT plugin is installed: {install}"
   pv = _dist_version(f"jax-{plugin}-plugin")
   if pv is not None and pv != jl:
-    return (f"jax-{plugin}-plugin {pv} does not match jaxlib {jl}: "
-            f"pip install jax-{plugin}-plugin=={jl} jax-{plugin}-pjrt=={jl}")
+    return (
+      f"jax-{plugin}-plugin {pv} does not match jaxlib {jl}: "
+      f"pip install jax-{plugin}-plugin=={jl} jax-{plugin}-pjrt=={jl}"
+    )
   err = _probe()
   if err is None:
     return None
   first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
   if isinstance(err, NotImplementedError) or "not implemented" in first.lower():
-    return ("the CUDA plugin did not register in this process (it fails its CUDA check "
-            "when no GPU or CUDA libraries are present): set JAX_PLATFORMS=cpu in the "
-            "environment before jax is imported, e.g. `JAX_PLATFORMS=cpu python ...` "
-            "(or JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 to keep the default platforms) "
-            f"({type(err).__name__}: {first})")
+    return (
+      "the CUDA plugin did not register in this process (it fails its CUDA check "
+      "when no GPU or CUDA libraries are present): set JAX_PLATFORMS=cpu in the "
+      "environment before jax is imported, e.g. `JAX_PLATFORMS=cpu python ...` "
+      "(or JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 to keep the default platforms) "
+      f"({type(err).__name__}: {first})"
+    )
   return f"compile-only CUDA topology failed: {type(err).__name__}: {first}"
 
 
@@ -185,8 +234,10 @@ def _mesh_shape(devices: int | Sequence[int], axis_names: Sequence[str]) -> tupl
   shape = (devices,) if isinstance(devices, (int, np.integer)) else tuple(devices)
   if len(shape) != len(axis_names):
     if len(shape) == 1 and len(axis_names) > 1:
-      raise ValueError(f"devices={devices!r} is one number but axis_names={tuple(axis_names)} "
-                       "names several axes: pass the mesh shape, e.g. devices=(2, 4)")
+      raise ValueError(
+        f"devices={devices!r} is one number but axis_names={tuple(axis_names)} "
+        "names several axes: pass the mesh shape, e.g. devices=(2, 4)"
+      )
     raise ValueError(f"mesh shape {shape} and axis_names {tuple(axis_names)} differ in length")
   if any(int(d) < 1 for d in shape):
     raise ValueError(f"devices must be positive, got {devices!r}")
@@ -196,11 +247,13 @@ def _mesh_shape(devices: int | Sequence[int], axis_names: Sequence[str]) -> tupl
 @functools.lru_cache(maxsize=None)
 def _mesh(gpu: str, shape: tuple[int, ...], axes: tuple[str, ...]) -> jax.sharding.Mesh:
   from jax.experimental import topologies
+
   return topologies.make_mesh(_topology(gpu, math.prod(shape)), shape, axes)
 
 
-def mesh(gpu: str = "H100", devices: int | Sequence[int] = 1,
-         axis_names: Sequence[str] = ("d",)) -> jax.sharding.Mesh:
+def mesh(
+  gpu: str = "H100", devices: int | Sequence[int] = 1, axis_names: Sequence[str] = ("d",)
+) -> jax.sharding.Mesh:
   """A `jax.sharding.Mesh` of compile-only devices (cached per gpu, shape, axes).
 
   Args:
@@ -233,15 +286,23 @@ def _place(args, m: jax.sharding.Mesh):
     if isinstance(a, jax.ShapeDtypeStruct) and s is not None and set(s.device_set) <= devs:
       return a
     if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-      raise TypeError(f"gpu_hlo: argument leaf {a!r} is not an array or ShapeDtypeStruct; "
-                      "close over static values with functools.partial")
+      raise TypeError(
+        f"gpu_hlo: argument leaf {a!r} is not an array or ShapeDtypeStruct; "
+        "close over static values with functools.partial"
+      )
     return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep)
+
   return jax.tree.map(one, args)
 
 
-def compiled(fn, *args, gpu: str = "H100", devices: int | Sequence[int] = 1,
-             mesh: jax.sharding.Mesh | None = None,
-             compiler_options: Mapping[str, Any] | None = None):
+def compiled(
+  fn,
+  *args,
+  gpu: str = "H100",
+  devices: int | Sequence[int] = 1,
+  mesh: jax.sharding.Mesh | None = None,
+  compiler_options: Mapping[str, Any] | None = None,
+):
   """`jax.jit(fn).lower(*args).compile(...)` for compile-only `gpu` devices.
 
   The `jax.stages.Compiled` (for `memory_analysis()`, `as_text()`); see
@@ -255,9 +316,14 @@ def compiled(fn, *args, gpu: str = "H100", devices: int | Sequence[int] = 1,
   return f.lower(*_place(args, m)).compile(compiler_options=dict(compiler_options or {}))
 
 
-def compile_text(fn, *args, gpu: str = "H100", devices: int | Sequence[int] = 1,
-                 mesh: jax.sharding.Mesh | None = None,
-                 compiler_options: Mapping[str, Any] | None = None) -> str:
+def compile_text(
+  fn,
+  *args,
+  gpu: str = "H100",
+  devices: int | Sequence[int] = 1,
+  mesh: jax.sharding.Mesh | None = None,
+  compiler_options: Mapping[str, Any] | None = None,
+) -> str:
   """The optimized, scheduled HLO of `fn(*args)` compiled for `gpu`.
 
   Args:
@@ -274,18 +340,25 @@ def compile_text(fn, *args, gpu: str = "H100", devices: int | Sequence[int] = 1,
   >>> if unavailable_reason() is None:
   ...   assert "is_scheduled=true" in compile_text(jnp.sin, jnp.ones(8))
   """
-  return compiled(fn, *args, gpu=gpu, devices=devices, mesh=mesh,
-                  compiler_options=compiler_options).as_text()
+  return compiled(
+    fn, *args, gpu=gpu, devices=devices, mesh=mesh, compiler_options=compiler_options
+  ).as_text()
 
 
-def schedule(fn, *args, gpu: str = "H100", devices: int | Sequence[int] = 1,
-             mesh: jax.sharding.Mesh | None = None,
-             compiler_options: Mapping[str, Any] | None = None) -> hlo_schedule.HloSchedule:
+def schedule(
+  fn,
+  *args,
+  gpu: str = "H100",
+  devices: int | Sequence[int] = 1,
+  mesh: jax.sharding.Mesh | None = None,
+  compiler_options: Mapping[str, Any] | None = None,
+) -> hlo_schedule.HloSchedule:
   """`passes.hlo.schedule.parse(compile_text(...))`: the compiled schedule as data.
 
   >>> import jax.numpy as jnp
   >>> if unavailable_reason() is None:
   ...   assert schedule(jnp.sin, jnp.ones(8)).pairs == ()
   """
-  return hlo_schedule.parse(compile_text(fn, *args, gpu=gpu, devices=devices, mesh=mesh,
-                                         compiler_options=compiler_options))
+  return hlo_schedule.parse(
+    compile_text(fn, *args, gpu=gpu, devices=devices, mesh=mesh, compiler_options=compiler_options)
+  )

@@ -23,6 +23,7 @@ passes to `jax.value_and_grad`, cuts the stages itself
 optimizer, applied per stage on the stage-sharded parameters; with `steps=n`
 one call runs n steps as a table tiled over steps (`ooojax._pipeline_tiled`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,33 +31,53 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ooojax._explain_pipeline import AutoCut, PipelineReport, explain
-from ooojax._pipeline_train import (PipelineTrainState, PipelineTrainStep, StageParams,
-                                    make_train_step)
-from passes.pipeline.balance import Balance
-from passes.pipeline.balance import balance as _balance
-from passes.pipeline.balance import price as _price
-from passes.pipeline.cut import EXPLICIT as _EXPLICIT
-from passes.pipeline.cut import Cut, CutError, cut
-from passes.pipeline.execute import lower
-from passes.pipeline.train import lower_train
-from passes.pipeline.program import Memory
-from passes.pipeline.program import memory as _memory
-from passes.pipeline.generate import SCHEDULES, generate
-from passes.pipeline.schedule import Action, PipelineSchedule, ScheduleError
-from passes.pipeline.steps import SteadyState, steady_state, tile
+from ooojax._pipeline_train import (
+  PipelineTrainState,
+  PipelineTrainStep,
+  StageParams,
+  make_train_step,
+)
+from ooojax.passes.pipeline.balance import Balance, balance as _balance, price as _price
+from ooojax.passes.pipeline.cut import EXPLICIT as _EXPLICIT, Cut, CutError, cut
+from ooojax.passes.pipeline.execute import lower
+from ooojax.passes.pipeline.generate import SCHEDULES, generate
+from ooojax.passes.pipeline.program import Memory, memory as _memory
+from ooojax.passes.pipeline.schedule import Action, PipelineSchedule, ScheduleError
+from ooojax.passes.pipeline.steps import SteadyState, steady_state, tile
+from ooojax.passes.pipeline.train import lower_train
 
-__all__ = ["SCHEDULES", "Action", "AutoCut", "Balance", "Cut", "CutError", "Memory", "PipelineReport",
-           "PipelineSchedule", "PipelineTrainState", "PipelineTrainStep", "ScheduleError",
-           "StageParams", "SteadyState", "explain", "make_train_step", "memory", "schedule",
-           "steady_state", "tile", "train", "value_and_grad"]
+__all__ = [
+  "SCHEDULES",
+  "Action",
+  "AutoCut",
+  "Balance",
+  "Cut",
+  "CutError",
+  "Memory",
+  "PipelineReport",
+  "PipelineSchedule",
+  "PipelineTrainState",
+  "PipelineTrainStep",
+  "ScheduleError",
+  "StageParams",
+  "SteadyState",
+  "explain",
+  "make_train_step",
+  "memory",
+  "schedule",
+  "steady_state",
+  "tile",
+  "train",
+  "value_and_grad",
+]
 
 
-def schedule(name: str, stages: int, microbatches: int, chunks: int | None = None,
-             lag: int = 0, steps: int = 1) -> PipelineSchedule:
+def schedule(
+  name: str, stages: int, microbatches: int, chunks: int | None = None, lag: int = 0, steps: int = 1
+) -> PipelineSchedule:
   """A validated schedule table by name (one of `SCHEDULES`).
 
   Args:
@@ -84,12 +105,20 @@ def schedule(name: str, stages: int, microbatches: int, chunks: int | None = Non
   return tile(generate(name, stages, microbatches, chunks, lag), steps)
 
 
-def value_and_grad(fn: Callable, loss_fn: Callable | None = None, *, mesh, axis_name: str,
-                   schedule: str | PipelineSchedule = "ooo",
-                   microbatches: int | None = None, chunks: int | None = None,
-                   input_fn: Callable | None = None, has_aux: bool = False,
-                   data_axis: str | None = None,
-                   layers: str | tuple[int, ...] | None = None) -> Callable:
+def value_and_grad(
+  fn: Callable,
+  loss_fn: Callable | None = None,
+  *,
+  mesh,
+  axis_name: str,
+  schedule: str | PipelineSchedule = "ooo",
+  microbatches: int | None = None,
+  chunks: int | None = None,
+  input_fn: Callable | None = None,
+  has_aux: bool = False,
+  data_axis: str | None = None,
+  layers: str | tuple[int, ...] | None = None,
+) -> Callable:
   """Pipelined loss and gradients: of a plain loss (stages cut automatically), or
   of a stack of stages written by hand.
 
@@ -179,33 +208,38 @@ def value_and_grad(fn: Callable, loss_fn: Callable | None = None, *, mesh, axis_
   (True, True)
   """
   if axis_name not in mesh.shape:
-    raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
-                     f"{dict(mesh.shape)}")
+    raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
   sched = _table(schedule, mesh.shape[axis_name], microbatches, chunks)
   if loss_fn is None:
     if input_fn is not None:
-      raise TypeError("input_fn belongs to the explicit form value_and_grad(stage_fn, "
-                      "loss_fn, input_fn=...); the automatic form value_and_grad(loss_fn) "
-                      "finds the embedding itself")
+      raise TypeError(
+        "input_fn belongs to the explicit form value_and_grad(stage_fn, "
+        "loss_fn, input_fn=...); the automatic form value_and_grad(loss_fn) "
+        "finds the embedding itself"
+      )
     return _auto(fn, sched, mesh, axis_name, has_aux, data_axis, layers)
   if has_aux or layers is not None:
-    raise TypeError(f"{'has_aux' if has_aux else 'layers'} belongs to the automatic form "
-                    "value_and_grad(loss_fn, ...); the explicit form's loss_fn returns a "
-                    "scalar and its stage_params set the layers per stage")
+    raise TypeError(
+      f"{'has_aux' if has_aux else 'layers'} belongs to the automatic form "
+      "value_and_grad(loss_fn, ...); the explicit form's loss_fn returns a "
+      "scalar and its stage_params set the layers per stage"
+    )
   return lower(fn, loss_fn, sched, mesh, axis_name, input_fn, data_axis)
 
 
-def _table(schedule, stages: int, microbatches: int | None,
-           chunks: int | None) -> PipelineSchedule:
+def _table(schedule, stages: int, microbatches: int | None, chunks: int | None) -> PipelineSchedule:
   if isinstance(schedule, str):
     return generate(schedule, stages, microbatches or 2 * stages, chunks)
   if isinstance(schedule, PipelineSchedule):
     if microbatches not in (None, schedule.microbatches):
-      raise ValueError(f"microbatches={microbatches} disagrees with the schedule's "
-                       f"{schedule.microbatches}; pass one or the other")
+      raise ValueError(
+        f"microbatches={microbatches} disagrees with the schedule's "
+        f"{schedule.microbatches}; pass one or the other"
+      )
     return schedule.validate()
-  raise TypeError(f"schedule must be a name {SCHEDULES} or a PipelineSchedule, got "
-                  f"{type(schedule).__name__}")
+  raise TypeError(
+    f"schedule must be a name {SCHEDULES} or a PipelineSchedule, got {type(schedule).__name__}"
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,10 +248,11 @@ class _AutoProgram:
   batch, shared) -> (loss, (stage_grads, shared_grads))`, `batch = (inputs,
   targets[, side])` the batch leaves the prologue / epilogue / every stage read
   (scalars as a row per example)."""
+
   cut: Cut
   run: Callable
   batch: tuple
-  balance: Balance     # layers per virtual stage (`cut.stage_params(leaves, counts)`)
+  balance: Balance  # layers per virtual stage (`cut.stage_params(leaves, counts)`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,29 +260,42 @@ class _AutoParts:
   """A plain loss cut for one batch, before lowering: the explicit form's
   `(stage_fn, loss_fn, input_fn)` (`stage_fn` one per virtual stage where the
   counts differ) and `rowed(b_leaves)`, the batch `(inputs, targets[, side])`."""
+
   cut: Cut
   fns: tuple
   balance: Balance
   rowed: Callable
 
 
-def _auto_parts(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, D: int,
-                p_avals, p_tree, batch, layers=None) -> _AutoParts:
+def _auto_parts(
+  loss_fn: Callable,
+  has_aux: bool,
+  sched: PipelineSchedule,
+  D: int,
+  p_avals,
+  p_tree,
+  batch,
+  layers=None,
+) -> _AutoParts:
   """Traces `loss_fn` at one data replica's slice of one microbatch (what each device
   runs; `D` data replicas), cuts it (`passes.pipeline.cut`) and balances its layers;
   `batch` may hold `jax.ShapeDtypeStruct`s (shapes only)."""
   M, V = sched.microbatches, sched.virtual_stages
   b_leaves, b_tree = jax.tree.flatten(batch)
-  scalar = [jnp.ndim(x) == 0 for x in b_leaves]   # passed whole to every microbatch
+  scalar = [jnp.ndim(x) == 0 for x in b_leaves]  # passed whole to every microbatch
   rows = {jnp.shape(x)[0] for x, sc in zip(b_leaves, scalar) if not sc}
   if len(rows) != 1 or next(iter(rows)) % (M * D):
     per = f"microbatches={M}" + (f" x {D} data replicas" if D > 1 else "")
-    raise ValueError(f"the batch's arrays need one leading size divisible by {per} (they "
-                     f"are split on it); got leading sizes {sorted(rows)}")
+    raise ValueError(
+      f"the batch's arrays need one leading size divisible by {per} (they "
+      f"are split on it); got leading sizes {sorted(rows)}"
+    )
   B = next(iter(rows))
   sd = lambda x, s: jax.ShapeDtypeStruct(s, jnp.result_type(x))  # noqa: E731
-  b_avals = [sd(x, () if sc else (jnp.shape(x)[0] // (M * D), *jnp.shape(x)[1:]))
-             for x, sc in zip(b_leaves, scalar)]
+  b_avals = [
+    sd(x, () if sc else (jnp.shape(x)[0] // (M * D), *jnp.shape(x)[1:]))
+    for x, sc in zip(b_leaves, scalar)
+  ]
   n = len(p_avals)
 
   def flat(*xs):
@@ -256,36 +304,57 @@ def _auto_parts(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, D: in
 
   c = cut(jax.make_jaxpr(flat)(*p_avals, *b_avals), n)
   if c.layers < V:
-    raise CutError(f"the stack has {c.layers} layers, fewer than the {V} virtual stages "
-                   "(stages x chunks); use fewer stages or chunks, or cut by hand" + _EXPLICIT)
-  bal = _balance(c.layers, _price(c, p_avals, b_avals), sched,
-                 "balanced" if layers is None else layers)
+    raise CutError(
+      f"the stack has {c.layers} layers, fewer than the {V} virtual stages "
+      "(stages x chunks); use fewer stages or chunks, or cut by hand" + _EXPLICIT
+    )
+  bal = _balance(
+    c.layers, _price(c, p_avals, b_avals), sched, "balanced" if layers is None else layers
+  )
   # A scalar travels as a row per example (the executor splits every leaf), read at [0].
-  whole = lambda ids, xs: tuple(x[0] if scalar[i] else x  # noqa: E731
-                                for i, x in zip(ids, xs))
+  whole = lambda ids, xs: tuple(
+    x[0] if scalar[i] else x  # noqa: E731
+    for i, x in zip(ids, xs)
+  )
 
-  def stage_fn(k):   # one function per layer count: equal counts share a flavor
+  def stage_fn(k):  # one function per layer count: equal counts share a flavor
     f = c.stage_fn(k)
     return (lambda p, x, sd: f(p, x, whole(c.side, sd))) if c.side else f
+
   fns = {k: stage_fn(k) for k in sorted(set(bal.counts))}
   stage = fns[bal.counts[0]] if len(fns) == 1 else tuple(fns[k] for k in bal.counts)
-  fns = (stage, lambda y, tg, sh: c.loss_fn(y, whole(c.targets, tg), sh),
-         lambda ins, sh: c.input_fn(whole(c.inputs, ins), sh))
+  fns = (
+    stage,
+    lambda y, tg, sh: c.loss_fn(y, whole(c.targets, tg), sh),
+    lambda ins, sh: c.input_fn(whole(c.inputs, ins), sh),
+  )
 
   def rowed(b_leaves):
     row = lambda ids: tuple(  # noqa: E731
-        jnp.broadcast_to(b_leaves[i], (B,)) if scalar[i] else b_leaves[i] for i in ids)
+      jnp.broadcast_to(b_leaves[i], (B,)) if scalar[i] else b_leaves[i] for i in ids
+    )
     # side: what every stage reads besides the activation (a mask's tokens), each
     # stage slicing its microbatch's rows from the batch it already holds
     side = (row(c.side),) if c.side else ()
     return (row(c.inputs), row(c.targets), *side)
+
   return _AutoParts(c, fns, bal, rowed)
 
 
-def _auto_program(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, mesh,
-                  axis_name: str, data_axis: str | None, p_avals, p_tree,
-                  batch, device_major: bool = False, layers=None,
-                  lowering=None) -> _AutoProgram:
+def _auto_program(
+  loss_fn: Callable,
+  has_aux: bool,
+  sched: PipelineSchedule,
+  mesh,
+  axis_name: str,
+  data_axis: str | None,
+  p_avals,
+  p_tree,
+  batch,
+  device_major: bool = False,
+  layers=None,
+  lowering=None,
+) -> _AutoProgram:
   """`_auto_parts` lowered (`execute.lower`, or `lowering(cut, stage_fn, loss_fn,
   input_fn)`: the tiled train step's)."""
   D = mesh.shape[data_axis] if data_axis in mesh.shape else 1
@@ -298,23 +367,33 @@ def _auto_program(loss_fn: Callable, has_aux: bool, sched: PipelineSchedule, mes
   return _AutoProgram(c, run, parts.rowed(jax.tree.leaves(batch)), parts.balance)
 
 
-def _auto(loss_fn: Callable, sched: PipelineSchedule, mesh, axis_name: str,
-          has_aux: bool, data_axis: str | None, layers=None) -> Callable:
+def _auto(
+  loss_fn: Callable,
+  sched: PipelineSchedule,
+  mesh,
+  axis_name: str,
+  has_aux: bool,
+  data_axis: str | None,
+  layers=None,
+) -> Callable:
   """`step(params, *batch)` of a plain loss (`_auto_program`). The loss is traced on
   every call of `step` (once per `jax.jit` trace): a cached trace would keep the
   constants it closes over, tracers of an outer trace included."""
+
   def program(params, batch) -> _AutoProgram:
     leaves, p_tree = jax.tree.flatten(params)
     p_avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves]
-    return _auto_program(loss_fn, has_aux, sched, mesh, axis_name, data_axis, p_avals,
-                         p_tree, batch, layers=layers)
+    return _auto_program(
+      loss_fn, has_aux, sched, mesh, axis_name, data_axis, p_avals, p_tree, batch, layers=layers
+    )
 
   def step(params, *batch):
     leaves, p_tree = jax.tree.flatten(params)
     prog = program(params, batch)
     c, counts = prog.cut, prog.balance.counts
-    loss, (gp, gsh) = prog.run(c.stage_params(leaves, counts), prog.batch,
-                               tuple(leaves[i] for i in c.shared))
+    loss, (gp, gsh) = prog.run(
+      c.stage_params(leaves, counts), prog.batch, tuple(leaves[i] for i in c.shared)
+    )
     if _explicit(mesh):  # stage axes come back sharded; the user's leaves are whole
       gp = jax.tree.map(lambda g: jax.reshard(g, NamedSharding(mesh, P())), gp)
     grads = p_tree.unflatten(c.grads(leaves, gp, gsh, counts))
@@ -324,9 +403,10 @@ def _auto(loss_fn: Callable, sched: PipelineSchedule, mesh, axis_name: str,
     """The layers per virtual stage `step` runs for these shapes (a `Balance`)."""
     box = {}
 
-    def trace(p, *b):   # shapes only
+    def trace(p, *b):  # shapes only
       box["b"] = program(p, b).balance
       return 0
+
     jax.eval_shape(trace, params, *batch)
     return box["b"]
 
@@ -339,10 +419,19 @@ def _explicit(mesh) -> bool:
   return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ()))
 
 
-def train(stage_fn: Callable, loss_fn: Callable, optimizer, *, mesh, axis_name: str,
-          schedule: str | PipelineSchedule = "zb-h2", microbatches: int | None = None,
-          steps: int = 2, chunks: int | None = None,
-          input_fn: Callable | None = None) -> Callable:
+def train(
+  stage_fn: Callable,
+  loss_fn: Callable,
+  optimizer,
+  *,
+  mesh,
+  axis_name: str,
+  schedule: str | PipelineSchedule = "zb-h2",
+  microbatches: int | None = None,
+  steps: int = 2,
+  chunks: int | None = None,
+  input_fn: Callable | None = None,
+) -> Callable:
   """Several pipelined training steps in one program, each stage's optimizer
   update inside the tick loop: step t + 1's warm-up runs under step t's drain.
 
@@ -374,21 +463,30 @@ def train(stage_fn: Callable, loss_fn: Callable, optimizer, *, mesh, axis_name: 
   ((3,), True)
   """
   if axis_name not in mesh.shape:
-    raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
-                     f"{dict(mesh.shape)}")
+    raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
   if isinstance(schedule, str):
-    sched = tile(generate(schedule, mesh.shape[axis_name],
-                          microbatches or 2 * mesh.shape[axis_name], chunks), steps)
+    sched = tile(
+      generate(schedule, mesh.shape[axis_name], microbatches or 2 * mesh.shape[axis_name], chunks),
+      steps,
+    )
   elif isinstance(schedule, PipelineSchedule):
     sched = schedule.validate()
   else:
-    raise TypeError(f"schedule must be a name {SCHEDULES} or a PipelineSchedule, got "
-                    f"{type(schedule).__name__}")
+    raise TypeError(
+      f"schedule must be a name {SCHEDULES} or a PipelineSchedule, got {type(schedule).__name__}"
+    )
   return lower_train(stage_fn, loss_fn, sched, mesh, axis_name, optimizer, input_fn)
 
 
-def memory(stage_fn: Callable, loss_fn: Callable, schedule: PipelineSchedule, stage_params,
-           batch, shared=None, input_fn: Callable | None = None) -> Memory:
+def memory(
+  stage_fn: Callable,
+  loss_fn: Callable,
+  schedule: PipelineSchedule,
+  stage_params,
+  batch,
+  shared=None,
+  input_fn: Callable | None = None,
+) -> Memory:
   """Bytes per device of the pipelined step, from shapes alone (arrays or
   `jax.ShapeDtypeStruct`s): `weights`, `grads`, `fres` / `bres` (one
   microbatch's residual records), `peak`, `slots`, and `bound` (weights +

@@ -37,6 +37,7 @@ they are refused with an error naming the transform, unless
 `coupled="wait"`, which runs them exactly with every update waiting (the
 deferral then hides nothing).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,10 +52,10 @@ from flax import struct
 from ooojax._api import _make_options, value_and_grad
 from ooojax._defer_plan import Plan, plan_deferral
 from ooojax.data_parallel import Pending
-from passes import _compat, defer as defer_pass
-from passes.cost import CostModel
-from passes.emit import emit
-from passes.stream_calls import LateLeaves, side_call
+from ooojax.passes import _compat, defer as defer_pass
+from ooojax.passes.cost import CostModel
+from ooojax.passes.emit import emit
+from ooojax.passes.stream_calls import LateLeaves, side_call
 
 __all__ = ["DeferredTrainState", "Plan", "SingleGPUStep", "make_train_step", "plan_deferral"]
 
@@ -67,6 +68,7 @@ class DeferredTrainState(struct.PyTreeNode):
   holds the deferred clusters' inputs, `pending.ready` the other gradients
   (in leaf order).
   """
+
   step: jax.Array
   params: Any
   opt_state: Any
@@ -74,11 +76,21 @@ class DeferredTrainState(struct.PyTreeNode):
 
 
 # optax transforms whose update of one leaf reads other leaves (named in errors)
-_COUPLING = ("clip_by_global_norm", "per_example_global_norm_clip", "apply_if_finite",
-             "scale_by_lbfgs", "scale_by_polyak", "polyak_sgd", "lbfgs",
-             "scale_by_backtracking_linesearch", "scale_by_zoom_linesearch",
-             "normalize_by_update_norm", "MultiSteps", "skip_not_finite",
-             "skip_large_updates")
+_COUPLING = (
+  "clip_by_global_norm",
+  "per_example_global_norm_clip",
+  "apply_if_finite",
+  "scale_by_lbfgs",
+  "scale_by_polyak",
+  "polyak_sgd",
+  "lbfgs",
+  "scale_by_backtracking_linesearch",
+  "scale_by_zoom_linesearch",
+  "normalize_by_update_norm",
+  "MultiSteps",
+  "skip_not_finite",
+  "skip_large_updates",
+)
 
 
 def _transform_names(fn, seen=None) -> list[str]:
@@ -139,6 +151,7 @@ class SingleGPUStep:
 
     def upd(g, s, p):
       return jax.tree.leaves(self.tx.update(g, s, p)[0])
+
     closed = jax.make_jaxpr(upd)(sds, opt, sds)
     n = len(paths)
     used = _compat.used_inputs(closed, [i in set(kept) for i in range(n)])
@@ -159,13 +172,14 @@ class SingleGPUStep:
     coupled = self._coupling(params, p.deferred, p.kept, p.paths)
     if coupled is not None and self.coupled != "wait":
       names = [n for n in dict.fromkeys(_transform_names(self.tx.update)) if n in _COUPLING]
-      what = (f"optax.{names[0]}" if names else "a transform that reads every leaf")
+      what = f"optax.{names[0]}" if names else "a transform that reads every leaf"
       raise ValueError(
-          f"the optimizer couples parameter leaves ({what}): {coupled}, which this step "
-          "defers to the next one, so no update could run before the deferred dW and "
-          "nothing would overlap the forward. Use defer=() (no deferral), move the "
-          "transform out (e.g. optax.clip per leaf instead of clip_by_global_norm), or "
-          "pass coupled='wait' (exact: every update waits for the deferred dW).")
+        f"the optimizer couples parameter leaves ({what}): {coupled}, which this step "
+        "defers to the next one, so no update could run before the deferred dW and "
+        "nothing would overlap the forward. Use defer=() (no deferral), move the "
+        "transform out (e.g. optax.clip per leaf instead of clip_by_global_norm), or "
+        "pass coupled='wait' (exact: every update waits for the deferred dW)."
+      )
     return dataclasses.replace(p, coupled=coupled is not None)
 
   def init(self, params, batch) -> DeferredTrainState:
@@ -175,8 +189,12 @@ class SingleGPUStep:
     leaves = jax.tree.leaves(params)
     local = tuple(jnp.zeros(c.shape, c.dtype) for c in p.carried)
     ready = tuple(jnp.zeros_like(leaves[i]) for i in p.kept)
-    return DeferredTrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params),
-                              Pending(local, ready, jnp.zeros((), bool)))
+    return DeferredTrainState(
+      jnp.zeros((), jnp.int32),
+      params,
+      self.tx.init(params),
+      Pending(local, ready, jnp.zeros((), bool)),
+    )
 
   def abstract_state(self, params, batch) -> DeferredTrainState:
     """`init`'s state as `jax.ShapeDtypeStruct`s (for `lower` on compile-only devices)."""
@@ -184,8 +202,9 @@ class SingleGPUStep:
 
   # --- the step ------------------------------------------------------------------------
   def _update(self, state, grads):
-    u, o = self.tx.update(jax.tree.unflatten(self.plan.treedef, grads), state.opt_state,
-                          state.params)
+    u, o = self.tx.update(
+      jax.tree.unflatten(self.plan.treedef, grads), state.opt_state, state.params
+    )
     return jax.tree.leaves(optax.apply_updates(state.params, u)), o
 
   def _late_grads(self, local, annotate):
@@ -216,6 +235,7 @@ class SingleGPUStep:
       for i, x in zip(p.deferred, dgrads):
         g[i] = x
       return g
+
     box: dict = {}
     late = None
     if not p.deferred or p.coupled:  # one update, waiting for everything
@@ -228,6 +248,7 @@ class SingleGPUStep:
         new, box["opt"] = self._update(state, full(deferred_grads(anchor_out)))
         box["late"] = [jnp.where(valid, new[i], leaves[i]) for i in p.deferred]
         return box["late"]
+
       late = LateLeaves(-1, p.deferred, bind)
     vg = self._vg()
     plan, dyn = vg.plan((state.params, batch), {})
@@ -243,25 +264,34 @@ class SingleGPUStep:
         dyn[i] = None
       else:
         dyn[i] = new_params[i] = jnp.where(valid, early[i], leaves[i])
-    outs = emit(dfr.split, dfr.schedule, dfr.split.consts, dyn, ordering=opts.ordering,
-                annotate=annotate, late=late)
+    outs = emit(
+      dfr.split,
+      dfr.schedule,
+      dfr.split.consts,
+      dyn,
+      ordering=opts.ordering,
+      annotate=annotate,
+      late=late,
+    )
     if late is not None:
       for i, x in zip(p.deferred, box["late"]):
         new_params[i] = x
     gs = dfr.split.grad_out_start
-    kept_g = outs[gs:gs + len(p.kept)]
-    carried = outs[gs + len(p.kept):]
+    kept_g = outs[gs : gs + len(p.kept)]
+    carried = outs[gs + len(p.kept) :]
     state = state.replace(
-        step=state.step + valid.astype(state.step.dtype),
-        params=jax.tree.unflatten(p.treedef, new_params),
-        opt_state=_select(valid, box["opt"], state.opt_state),
-        pending=Pending(tuple(carried), tuple(kept_g), jnp.ones((), bool)))
+      step=state.step + valid.astype(state.step.dtype),
+      params=jax.tree.unflatten(p.treedef, new_params),
+      opt_state=_select(valid, box["opt"], state.opt_state),
+      pending=Pending(tuple(carried), tuple(kept_g), jnp.ones((), bool)),
+    )
     if not self.has_aux:
       return state, outs[0]
     aux_tree, aux_parts = plan.out_tree[:2]
     it = iter(outs[1:gs])  # traced aux leaves; Python values as the trace made them
-    aux = jax.tree_util.tree_unflatten(aux_tree, [next(it) if q is None else q[0]
-                                                  for q in aux_parts])
+    aux = jax.tree_util.tree_unflatten(
+      aux_tree, [next(it) if q is None else q[0] for q in aux_parts]
+    )
     return state, (outs[0], aux)
 
   def _flush_body(self, state):
@@ -276,10 +306,12 @@ class SingleGPUStep:
     new, opt = self._update(state, g)
     valid = pend.valid
     zeros = jax.tree.map(jnp.zeros_like, pend)
-    return state.replace(step=state.step + valid.astype(state.step.dtype),
-                         params=_select(valid, jax.tree.unflatten(p.treedef, new), state.params),
-                         opt_state=_select(valid, opt, state.opt_state),
-                         pending=zeros.replace(valid=jnp.zeros((), bool)))
+    return state.replace(
+      step=state.step + valid.astype(state.step.dtype),
+      params=_select(valid, jax.tree.unflatten(p.treedef, new), state.params),
+      opt_state=_select(valid, opt, state.opt_state),
+      pending=zeros.replace(valid=jnp.zeros((), bool)),
+    )
 
   def _build(self):
     if self.plan is None:
@@ -309,10 +341,15 @@ class SingleGPUStep:
     return self._step
 
 
-def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *,
-                    defer: str | Sequence[str] | Callable[[str], bool] | None = "auto",
-                    coupled: str = "error", has_aux: bool = False,
-                    **ooo_options) -> SingleGPUStep:
+def make_train_step(
+  loss_fn: Callable,
+  tx: optax.GradientTransformation,
+  *,
+  defer: str | Sequence[str] | Callable[[str], bool] | None = "auto",
+  coupled: str = "error",
+  has_aux: bool = False,
+  **ooo_options,
+) -> SingleGPUStep:
   """A jitted single-GPU train step whose chosen dW clusters run in the next step.
 
   Args:
@@ -355,8 +392,10 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *,
   """
   opts = _make_options(ooo_options)
   if opts.mode == "data_parallel":
-    raise ValueError("single_gpu.make_train_step runs on one device; for data parallel "
-                     "use ooojax.data_parallel.make_train_step")
+    raise ValueError(
+      "single_gpu.make_train_step runs on one device; for data parallel "
+      "use ooojax.data_parallel.make_train_step"
+    )
   if coupled not in ("error", "wait"):
     raise ValueError(f"coupled must be 'error' or 'wait', got {coupled!r}")
   if not (defer is None or callable(defer) or isinstance(defer, (str, tuple, list))):

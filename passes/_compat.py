@@ -5,6 +5,7 @@ A JAX upgrade that moves or renames one of these touches this file only
 Supported: jax/jaxlib 0.11.2 (the GPU machine's) and 0.12.x. Each name has a
 clear error for an unknown JAX rather than a `KeyError` deep inside a pass.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -13,9 +14,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
-from jax._src import core as _core
-from jax._src import flattree as _ft
-from jax._src import source_info_util as _siu
+from jax._src import core as _core, flattree as _ft, source_info_util as _siu
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax.lax import _convert_element_type as _cet
 from jax._src.linear_util import DebugInfo as _DebugInfo
@@ -28,12 +27,6 @@ Jaxpr = jex_core.Jaxpr
 ClosedJaxpr = jex_core.ClosedJaxpr
 DropVar = jex_core.DropVar
 JAXPR_TYPES = (Jaxpr,) if ClosedJaxpr is Jaxpr else (Jaxpr, ClosedJaxpr)
-
-from jax._src.api import (  # noqa: E402 - JAX's own wording for grad's argument errors
-    _check_input_dtype_grad as check_input_dtype_grad,
-    _check_output_dtype_grad as check_output_dtype_grad,
-    _check_scalar as check_scalar,
-)
 
 
 def closed(jaxpr, consts: Sequence[Any] = ()):
@@ -60,33 +53,42 @@ def param_items(eqn) -> tuple[tuple[str, Any], ...]:
 def subjaxprs(eqn) -> Iterator[Any]:
   """The jaxprs an equation holds (a scan's body, a cond's branches, ...)."""
   for p in eqn.params.values():
-    for q in (p if type(p) in (tuple, list) else (p,)):
+    for q in p if type(p) in (tuple, list) else (p,):
       if isinstance(q, JAXPR_TYPES):
         yield q
 
 
 def map_subjaxprs(eqn, fn):
   """`eqn` with every jaxpr it holds replaced by `fn(jaxpr)`."""
+
   def sub(p):
     if isinstance(p, JAXPR_TYPES):
       return fn(p)
     if type(p) in (tuple, list) and any(isinstance(q, JAXPR_TYPES) for q in p):
       return type(p)(sub(q) for q in p)
     return p
+
   return eqn.replace(params={k: sub(p) for k, p in eqn.params.items()})
 
 
 class CallBody(NamedTuple):
   """What a call-like equation runs: inline `jaxpr` with `consts` before its inputs."""
+
   jaxpr: Any
   consts: tuple
   prevent_cse: Any  # False, True, or one bool per input: barrier the inputs when inlining
 
 
-_CALL_PARAM = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
-               "core_call": "call_jaxpr", "eval_jaxpr": "call_jaxpr",
-               "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
-               "custom_vjp_call_jaxpr": "call_jaxpr"}
+_CALL_PARAM = {
+  "jit": "jaxpr",
+  "pjit": "jaxpr",
+  "closed_call": "call_jaxpr",
+  "core_call": "call_jaxpr",
+  "eval_jaxpr": "call_jaxpr",
+  "custom_jvp_call": "call_jaxpr",
+  "custom_vjp_call": "call_jaxpr",
+  "custom_vjp_call_jaxpr": "call_jaxpr",
+}
 _REMAT = ("checkpoint", "remat2")
 CALL_PRIMITIVES = frozenset(_CALL_PARAM) | frozenset(_REMAT)
 
@@ -116,7 +118,8 @@ def is_call(eqn) -> bool:
 
 class ScanInfo(NamedTuple):
   """A `scan` equation's params, as the passes read them."""
-  body: Any            # closed jaxpr: (*consts, *carry, *xs) -> (*carry, *ys)
+
+  body: Any  # closed jaxpr: (*consts, *carry, *xs) -> (*carry, *ys)
   num_consts: int
   num_carry: int
   length: int
@@ -125,10 +128,10 @@ class ScanInfo(NamedTuple):
 
   def split_in(self, vals: Sequence[Any]) -> tuple[list, list, list]:
     nc, nk = self.num_consts, self.num_carry
-    return list(vals[:nc]), list(vals[nc:nc + nk]), list(vals[nc + nk:])
+    return list(vals[:nc]), list(vals[nc : nc + nk]), list(vals[nc + nk :])
 
   def split_out(self, vals: Sequence[Any]) -> tuple[list, list]:
-    return list(vals[:self.num_carry]), list(vals[self.num_carry:])
+    return list(vals[: self.num_carry]), list(vals[self.num_carry :])
 
   @property
   def loop_key(self) -> tuple:
@@ -146,8 +149,7 @@ def scan_info(eqn) -> ScanInfo:
     raise TypeError(f"scan_info expects a scan equation, got {eqn.primitive.name}")
   p = eqn.params
   nc, nk, _ = (len(t) for t in p["ft_in"].unpack())  # FlatTrees of (consts, carry, xs)
-  return ScanInfo(p["jaxpr"], nc, nk, int(p["length"]), bool(p["reverse"]),
-                  p.get("unroll", 1))
+  return ScanInfo(p["jaxpr"], nc, nk, int(p["length"]), bool(p["reverse"]), p.get("unroll", 1))
 
 
 def scan_eqn(like, *, body, num_consts: int, num_carry: int, invars, outvars):
@@ -165,8 +167,8 @@ def scan_eqn(like, *, body, num_consts: int, num_carry: int, invars, outvars):
 
 
 class WhileInfo(NamedTuple):
-  cond: Any        # closed jaxpr: (*cond_consts, *carry) -> pred
-  body: Any        # closed jaxpr: (*body_consts, *carry) -> carry
+  cond: Any  # closed jaxpr: (*cond_consts, *carry) -> pred
+  body: Any  # closed jaxpr: (*body_consts, *carry) -> carry
   cond_nconsts: int
   body_nconsts: int
 
@@ -204,6 +206,7 @@ def call_name(eqn) -> str | None:
 
 class JitTemplate(NamedTuple):
   """A traced `jit` equation's primitive and params, re-used to stage calls."""
+
   primitive: Any
   params: dict
 
@@ -240,8 +243,9 @@ _DEVICE_SPACE = _core.MemorySpace.Device
 
 def on_stream(fun, stream: int, n_out: int):
   """Wraps `fun` (returning `n_out` arrays) to lower to one call on GPU stream `stream`."""
-  return _compute_on(fun, compute_type=f"gpu_stream:{stream}",
-                     out_memory_spaces=(_DEVICE_SPACE,) * n_out)
+  return _compute_on(
+    fun, compute_type=f"gpu_stream:{stream}", out_memory_spaces=(_DEVICE_SPACE,) * n_out
+  )
 
 
 # Set by `vary_inputs`: bind_eqn makes mixed invariant inputs varying over these axes.
@@ -269,8 +273,9 @@ def _match_vma(invals):
   want = frozenset().union(*vmas) & frozenset(_VARY_AXES)
   if not want or all(v >= want for v in vmas):
     return invals
-  return [x if v >= want else _pcast_varying(x, tuple(sorted(want - v)))
-          for x, v in zip(invals, vmas)]
+  return [
+    x if v >= want else _pcast_varying(x, tuple(sorted(want - v))) for x, v in zip(invals, vmas)
+  ]
 
 
 def eval_jaxpr(jaxpr, consts, *args) -> list[Any]:
@@ -295,8 +300,10 @@ def _rebind_scan(eqn, invals):
   def f(carry, x):
     outs = eval_jaxpr(body.jaxpr, body.consts, *consts, *carry, *x)
     return [to_varying(c, _VARY_AXES) for c in outs[:nk]], outs[nk:]
-  carry, ys = jax.lax.scan(f, init, xs, length=info.length, reverse=info.reverse,
-                           unroll=info.unroll)
+
+  carry, ys = jax.lax.scan(
+    f, init, xs, length=info.length, reverse=info.reverse, unroll=info.unroll
+  )
   return [*carry, *ys]
 
 
@@ -354,8 +361,7 @@ def emit_eqns(eqns, env: dict, stacks: dict | None = None) -> None:
     # only merging in xla metadata set around the call; copying keeps it as is.
     merge = _core.current_jaxpr_eqn_context().xla_metadata
   for eqn in eqns:
-    if (trace is None or eqn.effects or merge
-        or not isinstance(eqn.primitive, _core.Primitive)):
+    if trace is None or eqn.effects or merge or not isinstance(eqn.primitive, _core.Primitive):
       # effects may name jaxpr inputs by position; a pass's stand-in
       # primitive (e.g. scan_skew's) does its work in `bind`: bind
       outs = bind_eqn(eqn, [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars])
@@ -366,10 +372,15 @@ def emit_eqns(eqns, env: dict, stacks: dict | None = None) -> None:
       if stack is None:  # one shared object per distinct stack, not one per equation
         stack = stacks[key] = base + info.name_stack
       src = info.replace(name_stack=stack)
-      ins = [tracer_t(trace, v.aval, v, src) if isinstance(v, Literal)
-             else trace.to_jaxpr_tracer(env[v], src) for v in eqn.invars]
-      outs = trace.emit_eqn(ins, [v.aval for v in eqn.outvars], eqn.primitive,
-                            eqn.params, eqn.effects, src, eqn.ctx)
+      ins = [
+        tracer_t(trace, v.aval, v, src)
+        if isinstance(v, Literal)
+        else trace.to_jaxpr_tracer(env[v], src)
+        for v in eqn.invars
+      ]
+      outs = trace.emit_eqn(
+        ins, [v.aval for v in eqn.outvars], eqn.primitive, eqn.params, eqn.effects, src, eqn.ctx
+      )
     env.update((v, x) for v, x in zip(eqn.outvars, outs) if not isinstance(v, DropVar))
 
 
@@ -387,7 +398,7 @@ def at_name_stack(stack):
 
 def relative_name_stack(base):
   """The name scopes entered since `base` (from `name_stack()`), as a name stack."""
-  return _siu.current_name_stack()[len(base):]
+  return _siu.current_name_stack()[len(base) :]
 
 
 def new_source_info():
@@ -549,6 +560,7 @@ def invariant_program(closed) -> bool:
         if any(varying_axes(c) for c in getattr(q, "consts", ())) or not ok(q.jaxpr):
           return False
     return True
+
   return ok(closed.jaxpr)
 
 
@@ -569,8 +581,9 @@ def shape_dtype(aval) -> jax.ShapeDtypeStruct:
   mat = getattr(aval, "mat", None)  # the manual axis type (vma)
   if mat is not None and not getattr(mat, "empty", True):
     try:
-      return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak,
-                                  sharding=aval.sharding, manual_axis_type=mat)
+      return jax.ShapeDtypeStruct(
+        aval.shape, aval.dtype, weak_type=weak, sharding=aval.sharding, manual_axis_type=mat
+      )
     except (TypeError, ValueError):  # pragma: no cover - other JAX: untyped, cast when bound
       pass
   return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak)
@@ -592,10 +605,18 @@ def convert_element_type(x, dtype, weak_type: bool):
 
 # Errors raised when Python needs a traced value (`if x > 0`, `int(x)`, `np.asarray(x)`).
 TRACER_VALUE_ERRORS = tuple(
-    t for t in (getattr(jax.errors, n, None) for n in (
-        "ConcretizationTypeError", "TracerBoolConversionError",
-        "TracerIntegerConversionError", "TracerArrayConversionError"))
-    if t is not None)
+  t
+  for t in (
+    getattr(jax.errors, n, None)
+    for n in (
+      "ConcretizationTypeError",
+      "TracerBoolConversionError",
+      "TracerIntegerConversionError",
+      "TracerArrayConversionError",
+    )
+  )
+  if t is not None
+)
 
 
 def used_inputs(closed, used_outputs: Sequence[bool]) -> list[bool]:

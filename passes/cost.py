@@ -17,6 +17,7 @@ compared with a literal bound) likewise, and a `cond` by its dearest branch;
 nested loops recurse. A `while` whose trip count is unknown is priced as one
 trip. A trip costs at least one launch (the loop's counter and condition).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,28 +27,28 @@ from typing import NamedTuple
 
 import numpy as np
 
-from passes import _compat
+from ooojax.passes import _compat
 
 
 @dataclasses.dataclass(frozen=True)
 class DeviceSpec:
   name: str
-  matmul_flops: float      # dense fp32 matmul peak as XLA runs it (TF32 where default)
-  matmul_flops_16: float   # bf16/fp16 tensor-core peak
-  vector_flops: float      # fp32 non-matmul peak
-  bandwidth: float         # bytes/s, device memory
-  launch: float            # seconds per kernel launch (no CUDA graph)
-  parallel_elems: int      # output elements that fill the device (SMs x resident threads)
-  sync: float = 2e-6       # cross-stream event record + wait
+  matmul_flops: float  # dense fp32 matmul peak as XLA runs it (TF32 where default)
+  matmul_flops_16: float  # bf16/fp16 tensor-core peak
+  vector_flops: float  # fp32 non-matmul peak
+  bandwidth: float  # bytes/s, device memory
+  launch: float  # seconds per kernel launch (no CUDA graph)
+  parallel_elems: int  # output elements that fill the device (SMs x resident threads)
+  sync: float = 2e-6  # cross-stream event record + wait
 
 
 # Vendor datasheet peaks (dense), rounded. Launch overhead from common
 # measurements of XLA kernels without command buffers.
 DEVICE_SPECS: dict[str, DeviceSpec] = {
-    "V100": DeviceSpec("V100", 15.7e12, 125e12, 15.7e12, 900e9, 5e-6, 80 * 2048),
-    "A100": DeviceSpec("A100", 156e12, 312e12, 19.5e12, 1555e9, 4e-6, 108 * 2048),
-    "H100": DeviceSpec("H100", 495e12, 989e12, 67e12, 3350e9, 3e-6, 132 * 2048),
-    "CPU": DeviceSpec("CPU", 100e9, 100e9, 50e9, 20e9, 1e-6, 64, sync=1e-6),
+  "V100": DeviceSpec("V100", 15.7e12, 125e12, 15.7e12, 900e9, 5e-6, 80 * 2048),
+  "A100": DeviceSpec("A100", 156e12, 312e12, 19.5e12, 1555e9, 4e-6, 108 * 2048),
+  "H100": DeviceSpec("H100", 495e12, 989e12, 67e12, 3350e9, 3e-6, 132 * 2048),
+  "CPU": DeviceSpec("CPU", 100e9, 100e9, 50e9, 20e9, 1e-6, 64, sync=1e-6),
 }
 
 
@@ -61,12 +62,15 @@ def get_spec(name_or_spec: str | DeviceSpec | None) -> DeviceSpec:
   for name, spec in DEVICE_SPECS.items():
     if name in key:
       return spec
-  raise ValueError(f"unknown device spec {name_or_spec!r}; use one of "
-                   f"{sorted(DEVICE_SPECS)} or pass a passes.cost.DeviceSpec")
+  raise ValueError(
+    f"unknown device spec {name_or_spec!r}; use one of "
+    f"{sorted(DEVICE_SPECS)} or pass a passes.cost.DeviceSpec"
+  )
 
 
 def _guess_device() -> str:
   import jax
+
   try:
     kind = jax.devices()[0].device_kind
   except RuntimeError:  # pragma: no cover
@@ -80,7 +84,7 @@ def _guess_device() -> str:
 class EqnCost(NamedTuple):  # a tuple, not a dataclass: built once per equation priced
   flops: float
   bytes: float
-  kernel: bool          # launches a kernel of its own
+  kernel: bool  # launches a kernel of its own
   out_elems: int
 
 
@@ -122,21 +126,54 @@ def _conv_flops(eqn) -> float:
 
 FlopsRule = Callable[[object], float]
 FLOP_RULES: dict[str, FlopsRule] = {
-    "dot_general": _dot_flops,
-    "conv_general_dilated": _conv_flops,
+  "dot_general": _dot_flops,
+  "conv_general_dilated": _conv_flops,
 }
 MATMUL_PRIMS = frozenset(FLOP_RULES)
 # Primitives that XLA emits as kernels of their own rather than fusing away.
-KERNEL_PRIMS = frozenset({
-    "dot_general", "conv_general_dilated", "reduce_sum", "reduce_max",
-    "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax", "argmin",
-    "cumsum", "cumprod", "cummax", "cumlogsumexp", "gather", "scatter",
-    "scatter-add", "scatter_add", "scatter_mul", "sort", "reduce_window_sum",
-    "reduce_window_max", "reduce_window", "select_and_scatter_add",
-    "select_and_gather_add", "dynamic_slice", "dynamic_update_slice", "fft",
-    "reduce_precision", "scan", "while", "cond", "custom_call", "ffi_call",
-    "all_reduce", "psum", "all_gather", "reduce_scatter", "all_to_all",
-})
+KERNEL_PRIMS = frozenset(
+  {
+    "dot_general",
+    "conv_general_dilated",
+    "reduce_sum",
+    "reduce_max",
+    "reduce_min",
+    "reduce_prod",
+    "reduce_and",
+    "reduce_or",
+    "argmax",
+    "argmin",
+    "cumsum",
+    "cumprod",
+    "cummax",
+    "cumlogsumexp",
+    "gather",
+    "scatter",
+    "scatter-add",
+    "scatter_add",
+    "scatter_mul",
+    "sort",
+    "reduce_window_sum",
+    "reduce_window_max",
+    "reduce_window",
+    "select_and_scatter_add",
+    "select_and_gather_add",
+    "dynamic_slice",
+    "dynamic_update_slice",
+    "fft",
+    "reduce_precision",
+    "scan",
+    "while",
+    "cond",
+    "custom_call",
+    "ffi_call",
+    "all_reduce",
+    "psum",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+  }
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +183,7 @@ class Loop:
   `regions` are `(body equations, trips)`; with `alternatives` only the
   dearest region runs (a `cond`'s branches), else all of them run.
   """
+
   regions: tuple[tuple[tuple, float], ...]
   alternatives: bool = False
 
@@ -177,7 +215,7 @@ def while_trips(eqn) -> int | None:
   w = _compat.while_info(eqn)
   cond, body = getattr(w.cond, "jaxpr", w.cond), getattr(w.body, "jaxpr", w.body)
   nc, nb = w.cond_nconsts, w.body_nconsts
-  init = eqn.invars[nc + nb:]
+  init = eqn.invars[nc + nb :]
   if len(cond.eqns) != 1 or cond.eqns[0].primitive.name != "lt":
     return None
   carries = cond.invars[nc:]
@@ -190,9 +228,14 @@ def while_trips(eqn) -> int | None:
   if b in carries and body.outvars[carries.index(b)] is not body.invars[nb + carries.index(b)]:
     return None
   step = [e for e in body.eqns if body.outvars[i] in e.outvars]
-  if (lo is None or hi is None or len(step) != 1 or step[0].primitive.name != "add"
-      or body.invars[nb + i] not in step[0].invars
-      or 1 not in [_lit(v) for v in step[0].invars]):
+  if (
+    lo is None
+    or hi is None
+    or len(step) != 1
+    or step[0].primitive.name != "add"
+    or body.invars[nb + i] not in step[0].invars
+    or 1 not in [_lit(v) for v in step[0].invars]
+  ):
     return None
   return max(hi - lo, 0)
 
@@ -210,9 +253,9 @@ def _cond_loop(eqn) -> Loop:
 
 LoopRule = Callable[[object], Loop]
 LOOP_RULES: dict[str, LoopRule] = {
-    "scan": _scan_loop,
-    "while": _while_loop,
-    "cond": _cond_loop,
+  "scan": _scan_loop,
+  "while": _while_loop,
+  "cond": _cond_loop,
 }
 
 
@@ -225,8 +268,12 @@ def estimate(eqn) -> EqnCost:
   call = _compat.call_body(eqn)
   if call is not None:  # a forward call kept whole by split: price its insides
     cs = [estimate(e) for e in _body(call.jaxpr)]
-    return EqnCost(sum(c.flops for c in cs), sum(c.bytes for c in cs),
-                   any(c.kernel for c in cs), sum(c.out_elems for c in cs))
+    return EqnCost(
+      sum(c.flops for c in cs),
+      sum(c.bytes for c in cs),
+      any(c.kernel for c in cs),
+      sum(c.out_elems for c in cs),
+    )
   out_bytes = out_elems = 0
   for v in eqn.outvars:
     aval = v.aval
@@ -268,28 +315,31 @@ def _roofline(spec: DeviceSpec, c: EqnCost, matmul: bool, dtype=None) -> tuple[f
   else:
     peak = spec.vector_flops
     work = c.out_elems
-  return (max(c.flops / peak, c.bytes / spec.bandwidth),
-          min(1.0, max(work / spec.parallel_elems, 0.05)))
+  return (
+    max(c.flops / peak, c.bytes / spec.bandwidth),
+    min(1.0, max(work / spec.parallel_elems, 0.05)),
+  )
 
 
 @dataclasses.dataclass(frozen=True)
 class UnitCost:
   seconds: float
-  util: float     # 0..1: share of the device this work keeps busy alone
+  util: float  # 0..1: share of the device this work keeps busy alone
   kernels: int
 
 
 class CostModel:
   """Prices groups of equations on a `DeviceSpec`; measured timings win.
 
-  >>> from passes.cost import CostModel
+  >>> from ooojax.passes.cost import CostModel
   >>> cm = CostModel("H100", measured={"w": 1e-3})
   >>> cm.unit_cost([], label="w").seconds
   0.001
   """
 
-  def __init__(self, spec: str | DeviceSpec | None = None,
-               measured: Mapping[str, float] | None = None):
+  def __init__(
+    self, spec: str | DeviceSpec | None = None, measured: Mapping[str, float] | None = None
+  ):
     self.spec = get_spec(spec)
     self.measured = dict(measured or {})
 

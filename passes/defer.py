@@ -22,6 +22,7 @@ gets faster. The first layers' dW, which end the backward with no dX work to
 hide behind, have nothing in front of them in the next forward either: a
 cluster pays only when its parameter is used late enough in the forward.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -29,12 +30,12 @@ import dataclasses
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from passes import _compat
-from passes.cost import CostModel
-from passes.stream_calls import free_inputs
-from passes.ir import Action, Kind, Schedule, Split, Unit, UnitKind
-from passes.schedule import _anchorable, _eqn_seconds, is_heavy
-from passes.simulate import simulate
+from ooojax.passes import _compat
+from ooojax.passes.cost import CostModel
+from ooojax.passes.ir import Action, Kind, Schedule, Split, Unit, UnitKind
+from ooojax.passes.schedule import _anchorable, _eqn_seconds, is_heavy
+from ooojax.passes.simulate import simulate
+from ooojax.passes.stream_calls import free_inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,7 @@ class Deferral:
   first_use: the first forward equation reading a deferred parameter
     (len(eqns) when none does).
   """
+
   split: Split
   schedule: Schedule
   leaves: tuple[int, ...]
@@ -108,8 +110,11 @@ def _anchor_before(split: Split, first: int) -> int:
       continue
     if _anchorable(eqns[k]):
       return k
-    if fallback < 0 and len(eqns[k].outvars) == 1 and not isinstance(eqns[k].outvars[0],
-                                                                     _compat.DropVar):
+    if (
+      fallback < 0
+      and len(eqns[k].outvars) == 1
+      and not isinstance(eqns[k].outvars[0], _compat.DropVar)
+    ):
       fallback = k
   return fallback
 
@@ -130,8 +135,10 @@ def defer(split: Split, sched: Schedule, leaves: Collection[int]) -> Deferral:
   bad = [i for i in leaves if i not in can]
   if bad:
     names = {c.grad_out - split.grad_out_start: c.param for c in split.clusters}
-    raise ValueError(f"gradient leaves {[names.get(i, i) for i in bad]} have no deferrable "
-                     "dW cluster (their gradient is part of the dX chain, or a loop)")
+    raise ValueError(
+      f"gradient leaves {[names.get(i, i) for i in bad]} have no deferrable "
+      "dW cluster (their gradient is part of the dX chain, or a loop)"
+    )
   jaxpr = split.jaxpr.jaxpr
   eqns = jaxpr.eqns
   cl = {can[i]: i for i in leaves}
@@ -141,24 +148,40 @@ def defer(split: Split, sched: Schedule, leaves: Collection[int]) -> Deferral:
   start = split.grad_out_start
   n_grads = len(jaxpr.outvars) - start
   outs = [jaxpr.outvars[start + i] for i in leaves]
-  late = _compat.open_jaxpr([], ins, outs, [eqns[k] for k in ids], _compat.NO_EFFECTS,
-                            _compat.call_debug_info())
+  late = _compat.open_jaxpr(
+    [], ins, outs, [eqns[k] for k in ids], _compat.NO_EFFECTS, _compat.call_debug_info()
+  )
   kept = tuple(i for i in range(n_grads) if i not in set(leaves))
   new_outs = [*jaxpr.outvars[:start], *(jaxpr.outvars[start + i] for i in kept), *ins]
   pos = {i: start + j for j, i in enumerate(kept)}
   dead = set(ids)
   kinds = tuple(Kind.DEAD if k in dead else kind for k, kind in enumerate(split.kinds))
   cluster_of = tuple(-1 if c in cl else c for c in split.cluster_of)
-  clusters = tuple(dataclasses.replace(c, grad_out=pos[c.grad_out - start])
-                   for c in split.clusters if c.index not in cl)
-  step = dataclasses.replace(split, jaxpr=_compat.closed(jaxpr.replace(outvars=new_outs)),
-                             kinds=kinds, cluster_of=cluster_of, clusters=clusters)
+  clusters = tuple(
+    dataclasses.replace(c, grad_out=pos[c.grad_out - start])
+    for c in split.clusters
+    if c.index not in cl
+  )
+  step = dataclasses.replace(
+    split,
+    jaxpr=_compat.closed(jaxpr.replace(outvars=new_outs)),
+    kinds=kinds,
+    cluster_of=cluster_of,
+    clusters=clusters,
+  )
   gone = {f"W{c}" for c in cl}
   uses = first_uses(split)
   first = min((uses.get(i, len(eqns)) for i in leaves), default=len(eqns))
-  return Deferral(step, _without(sched, gone), leaves, kept,
-                  tuple(_compat.shape_dtype(v.aval) for v in ins), late,
-                  _anchor_before(split, first) if leaves else -1, first)
+  return Deferral(
+    step,
+    _without(sched, gone),
+    leaves,
+    kept,
+    tuple(_compat.shape_dtype(v.aval) for v in ins),
+    late,
+    _anchor_before(split, first) if leaves else -1,
+    first,
+  )
 
 
 def _without(sched: Schedule, gone: set[str]) -> Schedule:
@@ -183,6 +206,7 @@ class SteadyState:
   the first use of a deferred parameter, `F1` the rest (after the deferred
   clusters and a sync), the deferred `W` units first on stream 1.
   """
+
   leaves: tuple[int, ...]
   makespan: float
   streams: tuple[tuple[Action, ...], ...]
@@ -216,8 +240,17 @@ class _Steady:
     for u in self.sched.units:
       if u.name == "F0":
         units.append(dataclasses.replace(u, cost=f0.cost * frac))
-        units.append(Unit(UnitKind.FORWARD, 1, (), ("F0", *d), f0.cost * (1 - frac), f0.util,
-                          "forward after the deferred parameters' update"))
+        units.append(
+          Unit(
+            UnitKind.FORWARD,
+            1,
+            (),
+            ("F0", *d),
+            f0.cost * (1 - frac),
+            f0.util,
+            "forward after the deferred parameters' update",
+          )
+        )
       elif u.name in d:
         units.append(dataclasses.replace(u, deps=()))
       elif u.deps == ("F0",):
@@ -239,14 +272,16 @@ class _Steady:
     return SteadyState(tuple(leaves), t, streams, tuple(units))
 
 
-def steady_state(split: Split, sched: Schedule, cost: CostModel,
-                 leaves: Sequence[int] = ()) -> SteadyState:
+def steady_state(
+  split: Split, sched: Schedule, cost: CostModel, leaves: Sequence[int] = ()
+) -> SteadyState:
   """Simulates one steady-state step with the clusters of `leaves` deferred."""
   return _Steady(split, sched, cost).run(tuple(sorted(leaves)))
 
 
-def choose(split: Split, sched: Schedule, cost: CostModel, *, min_gain: float = 1e-3
-           ) -> tuple[int, ...]:
+def choose(
+  split: Split, sched: Schedule, cost: CostModel, *, min_gain: float = 1e-3
+) -> tuple[int, ...]:
   """Gradient leaves to defer, by the cost model (see the module docstring).
 
   A cluster is kept when it shortens the simulated steady-state step by more

@@ -37,6 +37,7 @@ single equation. Elsewhere (eager, under `vmap`) each equation is bound.
 The stream calls, the anchors that pin their windows and the late-bound
 leaves of the deferred step live in `passes.stream_calls`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,10 +46,10 @@ from typing import Any
 
 import jax
 
-from passes import _compat, stage
-from passes.scan import skew as scan_skew
-from passes.ir import Call, Kind, Schedule, Split
-from passes.stream_calls import Anchor, Late, LateLeaves, calls_of, on_stream
+from ooojax.passes import _compat, stage
+from ooojax.passes.ir import Call, Kind, Schedule, Split
+from ooojax.passes.scan import skew as scan_skew
+from ooojax.passes.stream_calls import Anchor, Late, LateLeaves, calls_of, on_stream
 
 ORDERINGS = ("auto", "barriers", "control_deps", "scheduling_group", "none")
 
@@ -200,10 +201,18 @@ def _run_eqns(eqns, env, skip=None, anchors=None, life=None, stacks=None):
     life.done([k for k, _ in eqns])
 
 
-def emit(split: Split, sched: Schedule, consts: Sequence[Any],
-         leaves: Sequence[Any], *, ordering: str = "auto",
-         annotate: bool = True, collectives=None, consume: bool = False,
-         late: LateLeaves | None = None) -> list[Any]:
+def emit(
+  split: Split,
+  sched: Schedule,
+  consts: Sequence[Any],
+  leaves: Sequence[Any],
+  *,
+  ordering: str = "auto",
+  annotate: bool = True,
+  collectives=None,
+  consume: bool = False,
+  late: LateLeaves | None = None,
+) -> list[Any]:
   """Evaluates the split jaxpr in schedule order in the current trace.
 
   Args:
@@ -232,8 +241,13 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
   # A split backward scan becomes one scan running B(i) and W(i-1) together
   # (W on stream 1 when annotating): one loop instead of 1 + #W-scans.
   # Data parallel: the loop all-reduces each layer's dW slice (passes.collectives.loops).
-  split, sched = scan_skew.fuse(split, sched, stream=1 if annotate else None, pin=barriers,
-                                reduce_ys=getattr(collectives, "reduce_ys", None))
+  split, sched = scan_skew.fuse(
+    split,
+    sched,
+    stream=1 if annotate else None,
+    pin=barriers,
+    reduce_ys=getattr(collectives, "reduce_ys", None),
+  )
   jaxpr = split.jaxpr.jaxpr
   ct_aval = jaxpr.invars[0].aval
   env: dict = {}
@@ -265,6 +279,7 @@ def emit(split: Split, sched: Schedule, consts: Sequence[Any],
     if ordering != "scheduling_group":
       return contextlib.nullcontext()
     from jax.experimental.xla_metadata import set_xla_metadata
+
     return set_xla_metadata(_scheduling_group_id=gid)
 
   for group, u in enumerate(main, 1):

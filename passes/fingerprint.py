@@ -5,6 +5,7 @@ depends only on the program's wiring, primitives, shapes and parameters, never
 on literal or constant values. Two traces with equal fingerprints can share a
 plan; the equations themselves are always taken from the newest trace.
 """
+
 from __future__ import annotations
 
 import enum
@@ -12,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from passes import _compat
+from ooojax.passes import _compat
 
 
 def _param(x) -> Any:
@@ -62,8 +63,15 @@ def fingerprint(jaxpr) -> tuple:
     for v in e.outvars:
       ids[v] = len(ids)
     params = tuple((k, _param(p)) for k, p in _compat.param_items(e))
-    eqns.append((e.primitive.name, ins, tuple(v.aval for v in e.outvars), params,
-                 tuple(e.effects) if e.effects else ()))
+    eqns.append(
+      (
+        e.primitive.name,
+        ins,
+        tuple(v.aval for v in e.outvars),
+        params,
+        tuple(e.effects) if e.effects else (),
+      )
+    )
   heads = (tuple(v.aval for v in jaxpr.constvars), tuple(v.aval for v in jaxpr.invars))
   return heads, tuple(eqns), tuple(ref(v) for v in jaxpr.outvars)
 
@@ -108,9 +116,16 @@ def exact_key(eqns, ins, outs) -> tuple:
     refs = tuple(_literal(v) if isinstance(v, Literal) else ids[v] for v in e.invars)
     for v in e.outvars:
       ids[v] = len(ids)
-    rows.append((e.primitive, refs, tuple(v.aval for v in e.outvars),
-                 tuple((k, _exact(p)) for k, p in _compat.param_items(e)),
-                 tuple(e.effects) if e.effects else (), getattr(e, "ctx", None)))
+    rows.append(
+      (
+        e.primitive,
+        refs,
+        tuple(v.aval for v in e.outvars),
+        tuple((k, _exact(p)) for k, p in _compat.param_items(e)),
+        tuple(e.effects) if e.effects else (),
+        getattr(e, "ctx", None),
+      )
+    )
   return tuple(rows), tuple(ids[v] for v in outs)
 
 
@@ -124,8 +139,11 @@ def _structure_param(p, memo: dict) -> Any:
   if isinstance(p, _compat.JAXPR_TYPES):
     if id(p) not in memo:
       j = p.jaxpr
-      memo[id(p)] = ("jaxpr", structure_key(j.eqns, [*j.constvars, *j.invars], j.outvars, memo),
-                     tuple(value_key(c) for c in getattr(p, "consts", ())))
+      memo[id(p)] = (
+        "jaxpr",
+        structure_key(j.eqns, [*j.constvars, *j.invars], j.outvars, memo),
+        tuple(value_key(c) for c in getattr(p, "consts", ())),
+      )
     return memo[id(p)]
   if isinstance(p, (tuple, list)):
     return tuple(_structure_param(q, memo) for q in p)
@@ -163,10 +181,18 @@ def structure_key(eqns, ins, outs, memo: dict | None = None) -> tuple:
   ids = {v: i for i, v in enumerate(ins)}
   rows: list = [tuple(v.aval for v in ins)]
   for e in eqns:
-    refs = tuple(("L", v.aval, value_key(v.val)) if isinstance(v, _compat.Literal)
-                 else ids[v] for v in e.invars)
+    refs = tuple(
+      ("L", v.aval, value_key(v.val)) if isinstance(v, _compat.Literal) else ids[v]
+      for v in e.invars
+    )
     for v in e.outvars:
       ids[v] = len(ids)
-    rows.append((e.primitive.name, refs, tuple(v.aval for v in e.outvars),
-                 tuple((k, _structure_param(p, memo)) for k, p in _compat.param_items(e))))
+    rows.append(
+      (
+        e.primitive.name,
+        refs,
+        tuple(v.aval for v in e.outvars),
+        tuple((k, _structure_param(p, memo)) for k, p in _compat.param_items(e)),
+      )
+    )
   return tuple(rows), tuple(ids.get(v, ("L", repr(v))) for v in outs)

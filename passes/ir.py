@@ -4,6 +4,7 @@ Everything here is a frozen dataclass or an enum. A `Schedule` is a tuple of
 small hashable `Action`s per stream with a text form (`X3@0`, `W12@1`) that
 round-trips, so schedules can be printed, diffed, saved and loaded.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,19 +15,21 @@ from typing import Any
 
 class Kind(enum.Enum):
   """What an equation of the combined forward+backward jaxpr computes."""
+
   FORWARD = "F"  # does not depend on the loss cotangent
-  DX = "X"       # backward, reaches >= 2 parameter gradients: the critical path
-  DW = "W"       # backward, reaches exactly one parameter gradient: may run out of order
-  DEAD = "D"     # backward, reaches no gradient (e.g. the input's cotangent): dropped
+  DX = "X"  # backward, reaches >= 2 parameter gradients: the critical path
+  DW = "W"  # backward, reaches exactly one parameter gradient: may run out of order
+  DEAD = "D"  # backward, reaches no gradient (e.g. the input's cotangent): dropped
 
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
   """The dW equations of one parameter leaf."""
+
   index: int
-  param: str              # the leaf's path, e.g. "['params']['Dense_0']['kernel']"
-  grad_out: int           # position of its gradient among the jaxpr outputs
-  eqns: tuple[int, ...]   # equation indices, in original order
+  param: str  # the leaf's path, e.g. "['params']['Dense_0']['kernel']"
+  grad_out: int  # position of its gradient among the jaxpr outputs
+  eqns: tuple[int, ...]  # equation indices, in original order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,15 +39,16 @@ class Split:
   `jaxpr.jaxpr.invars` are `(ct, *const_inputs, *dynamic_leaves)`; outputs are
   `(value, *aux_leaves, *grad_leaves)`, the grads starting at `grad_out_start`.
   """
-  jaxpr: Any                    # ClosedJaxpr (consts are always empty)
-  consts: tuple[Any, ...]       # values for the const inputs (may be tracers)
-  kinds: tuple[Kind, ...]       # per equation
-  cluster_of: tuple[int, ...]   # per equation: cluster index, or -1
+
+  jaxpr: Any  # ClosedJaxpr (consts are always empty)
+  consts: tuple[Any, ...]  # values for the const inputs (may be tracers)
+  kinds: tuple[Kind, ...]  # per equation
+  cluster_of: tuple[int, ...]  # per equation: cluster index, or -1
   clusters: tuple[Cluster, ...]
   grad_out_start: int
-  inlined: int                  # call-like equations inlined
-  opaque: tuple[str, ...]       # primitives kept whole (e.g. scan, while)
-  loops_split: int = 0          # backward scans split into B-scan + W-scans
+  inlined: int  # call-like equations inlined
+  opaque: tuple[str, ...]  # primitives kept whole (e.g. scan, while)
+  loops_split: int = 0  # backward scans split into B-scan + W-scans
 
   def count(self, kind: Kind) -> int:
     return sum(k is kind for k in self.kinds)
@@ -60,10 +64,11 @@ class UnitKind(enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class Unit:
   """A schedulable group of equations: the forward, a dX segment, or a dW cluster."""
+
   kind: UnitKind
   index: int
   eqns: tuple[int, ...]
-  deps: tuple[str, ...]         # names of units that must finish first
+  deps: tuple[str, ...]  # names of units that must finish first
   cost: float = dataclasses.field(default=0.0, compare=False)  # seconds, estimated
   util: float = dataclasses.field(default=1.0, compare=False)  # device share alone
   label: str = dataclasses.field(default="", compare=False)
@@ -79,6 +84,7 @@ _ACTION_RE = re.compile(r"^([FXWS])(\d+)@(\d+)$")
 @dataclasses.dataclass(frozen=True, order=True)
 class Action:
   """Run unit `kind``index` on `stream`. Text form: `W3@1`."""
+
   kind: str
   index: int
   stream: int
@@ -113,16 +119,18 @@ class Call:
   more (`passes.slots`). Side units issued after the same main unit share one
   call, so one cross-stream sync covers them all.
   """
+
   units: tuple[str, ...]  # side-stream units, in order
   stream: int
-  after: str              # the main-stream unit the call is issued after
-  anchor: int = -1        # main-stream equation the done waits for
+  after: str  # the main-stream unit the call is issued after
+  anchor: int = -1  # main-stream equation the done waits for
   wait: tuple[str, ...] = ()  # units of the call whose done the start waits for
 
   def __str__(self) -> str:
     wait = f" once {'+'.join(self.wait)} is done" if self.wait else ""
-    return (f"call({' '.join(self.units)})@{self.stream} after {self.after}{wait} "
-            f"until e{self.anchor}")
+    return (
+      f"call({' '.join(self.units)})@{self.stream} after {self.after}{wait} until e{self.anchor}"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +142,7 @@ class Schedule:
   the side-stream units into asynchronous calls with their windows (see
   `Call`). Makespans are cost-model estimates in seconds, never measurements.
   """
+
   streams: tuple[tuple[Action, ...], ...]
   syncs: tuple[tuple[str, str], ...]
   units: tuple[Unit, ...] = dataclasses.field(compare=False)
@@ -154,8 +163,7 @@ class Schedule:
 
   @staticmethod
   def parse_streams(text: str) -> tuple[tuple[Action, ...], ...]:
-    return tuple(tuple(Action.parse(t) for t in line.split())
-                 for line in text.strip().splitlines())
+    return tuple(tuple(Action.parse(t) for t in line.split()) for line in text.strip().splitlines())
 
 
 def _unit_index(units) -> dict[str, Unit]:

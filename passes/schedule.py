@@ -23,17 +23,17 @@ started after call k-2's done). If the simulated two-stream schedule is not fast
 than the in-order one, the in-order schedule is returned. Linear in the
 number of equations, plus two simulations.
 """
+
 from __future__ import annotations
 
 import bisect
-
 import dataclasses
 from collections.abc import Sequence
 
-from passes import _compat, slots
-from passes.cost import MATMUL_PRIMS, CostModel, estimate
-from passes.ir import Action, Call, Kind, Schedule, Split, Unit, UnitKind
-from passes.simulate import Timeline, simulate
+from ooojax.passes import _compat, slots
+from ooojax.passes.cost import MATMUL_PRIMS, CostModel, estimate
+from ooojax.passes.ir import Action, Call, Kind, Schedule, Split, Unit, UnitKind
+from ooojax.passes.simulate import Timeline, simulate
 
 
 def build_units(split: Split, cost: CostModel) -> tuple[Unit, ...]:
@@ -132,8 +132,8 @@ def is_heavy(eqn) -> bool:
 # An anchor must surely stay a kernel of its own: XLA rewrites small matmuls
 # (split-K into a batched dot plus a reduction, fused into a neighbour), and a
 # barrier on a value that no longer exists is dropped with its window.
-ANCHOR_MIN_FLOPS = 2.0 ** 23
-ANCHOR_MIN_ELEMS = 2 ** 14
+ANCHOR_MIN_FLOPS = 2.0**23
+ANCHOR_MIN_ELEMS = 2**14
 
 
 def _anchorable(eqn, c=None) -> bool:
@@ -192,10 +192,15 @@ def _admit(units: Sequence[Unit], heavy: dict, sync: float) -> set[str]:
   return side
 
 
-def plan_calls(streams, units: Sequence[Unit], timeline: Timeline | None = None,
-               heavy: dict | None = None, heavy_side: set[str] | None = None,
-               eqn_unit: dict[int, int] | None = None,
-               main_heavy: dict | None = None) -> tuple[Call, ...]:
+def plan_calls(
+  streams,
+  units: Sequence[Unit],
+  timeline: Timeline | None = None,
+  heavy: dict | None = None,
+  heavy_side: set[str] | None = None,
+  eqn_unit: dict[int, int] | None = None,
+  main_heavy: dict | None = None,
+) -> tuple[Call, ...]:
   """Groups side-stream actions into calls and picks each call's anchor.
 
   Side units issued after the same stream-0 unit share a call. With a
@@ -241,8 +246,7 @@ def plan_calls(streams, units: Sequence[Unit], timeline: Timeline | None = None,
       group = []
   if heavy_side is not None and eqn_unit is not None and spans:
     every = {**(main_heavy or {}), **(heavy or {})}
-    marks_at = [(pos_of, k) for pos_of, name in enumerate(main)
-                for _, k in every.get(name, ())]
+    marks_at = [(pos_of, k) for pos_of, name in enumerate(main) for _, k in every.get(name, ())]
     calls = list(slots.fit(calls, main, eqn_unit, marks_at, heavy_side))
   return tuple(calls)
 
@@ -270,24 +274,34 @@ def schedule(split: Split, cost: CostModel, streams: int = 2) -> Schedule:
       tl = simulate(cand, units, spec.sync)
       if tl.makespan < t_base:
         best, t_best = cand, tl.makespan
-        heavy_side = {u.name for u in units if u.kind is UnitKind.DW
-                      and any(is_heavy(split.jaxpr.jaxpr.eqns[k]) for k in u.eqns)}
+        heavy_side = {
+          u.name
+          for u in units
+          if u.kind is UnitKind.DW and any(is_heavy(split.jaxpr.jaxpr.eqns[k]) for k in u.eqns)
+        }
         main = [a.unit for a in cand[0]]
         by = {u.name: u for u in units}
         eqn_unit = {k: i for i, n in enumerate(main) for k in by[n].eqns}
         eqns = split.jaxpr.jaxpr.eqns
         # a conv's or matmul's filter gradient stays a kernel of its own however
         # small its output (the first layer's), so ANCHOR_MIN_ELEMS does not apply
-        main_heavy = {n: [(1.0, k) for k in by[n].eqns if is_heavy(eqns[k])
-                          and estimate(eqns[k]).flops >= ANCHOR_MIN_FLOPS]
-                      for n in main if by[n].kind is UnitKind.DW}
+        main_heavy = {
+          n: [
+            (1.0, k)
+            for k in by[n].eqns
+            if is_heavy(eqns[k]) and estimate(eqns[k]).flops >= ANCHOR_MIN_FLOPS
+          ]
+          for n in main
+          if by[n].kind is UnitKind.DW
+        }
         calls = plan_calls(cand, units, tl, heavy, heavy_side, eqn_unit, main_heavy)
   best = tuple(s for s in best if s) or ((),)
   return Schedule(best, _syncs(best, units), units, t_best, t_base, spec.name, calls)
 
 
-def replace_streams(sched: Schedule, streams: Sequence[Sequence[Action]],
-                    sync: float = 0.0) -> Schedule:
+def replace_streams(
+  sched: Schedule, streams: Sequence[Sequence[Action]], sync: float = 0.0
+) -> Schedule:
   """A hand-edited schedule (e.g. parsed from text), re-simulated.
 
   Its calls group side units by issue point, with no anchors (the hand edit
@@ -297,8 +311,12 @@ def replace_streams(sched: Schedule, streams: Sequence[Sequence[Action]],
   names = sorted(a.unit for s in streams for a in s)
   want = sorted(u.name for u in sched.units)
   if names != want:
-    raise ValueError(f"schedule must run every unit exactly once; got {names}, "
-                     f"expected {want}")
+    raise ValueError(f"schedule must run every unit exactly once; got {names}, expected {want}")
   t = simulate(streams, sched.units, sync).makespan
-  return dataclasses.replace(sched, streams=streams, syncs=_syncs(streams, sched.units),
-                             makespan=t, calls=plan_calls(streams, sched.units))
+  return dataclasses.replace(
+    sched,
+    streams=streams,
+    syncs=_syncs(streams, sched.units),
+    makespan=t,
+    calls=plan_calls(streams, sched.units),
+  )

@@ -12,19 +12,21 @@ partly idle: small, launch-bound kernels. Streams listed in `links` are
 network links instead: their actions (transfers) run in order on the link
 and do not load the device. All times are cost-model estimates.
 """
+
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Sequence
 
-from passes.ir import Action, Unit
+from ooojax.passes.ir import Action, Unit
 
 
 @dataclasses.dataclass(frozen=True)
 class Link:
   """A network link: a transfer of `n` bytes takes `latency + n / bandwidth`."""
+
   name: str
-  latency: float    # seconds
+  latency: float  # seconds
   bandwidth: float  # bytes per second
 
   def seconds(self, nbytes: float) -> float:
@@ -32,10 +34,10 @@ class Link:
 
 
 LINKS = {
-    "nvlink": Link("nvlink", 2e-6, 450e9),     # H100 NVLink 4, per direction
-    "100GbE": Link("100GbE", 10e-6, 100e9 / 8),
-    "25GbE": Link("25GbE", 15e-6, 25e9 / 8),
-    "10GbE": Link("10GbE", 20e-6, 10e9 / 8),
+  "nvlink": Link("nvlink", 2e-6, 450e9),  # H100 NVLink 4, per direction
+  "100GbE": Link("100GbE", 10e-6, 100e9 / 8),
+  "25GbE": Link("25GbE", 15e-6, 25e9 / 8),
+  "10GbE": Link("10GbE", 20e-6, 10e9 / 8),
 }
 
 
@@ -63,11 +65,15 @@ class DeadlockError(ValueError):
   """The schedule waits on a unit that can never run before it."""
 
 
-def simulate(streams: Sequence[Sequence[Action]], units: Sequence[Unit],
-             sync: float = 0.0, links: Collection[int] = ()) -> Timeline:
+def simulate(
+  streams: Sequence[Sequence[Action]],
+  units: Sequence[Unit],
+  sync: float = 0.0,
+  links: Collection[int] = (),
+) -> Timeline:
   """Runs the schedule and returns per-unit spans and the makespan.
 
-  >>> from passes.ir import Action, Unit, UnitKind
+  >>> from ooojax.passes.ir import Action, Unit, UnitKind
   >>> a = Unit(UnitKind.DX, 0, (), (), cost=1.0, util=0.5)
   >>> b = Unit(UnitKind.DW, 0, (), (), cost=1.0, util=0.5)
   >>> simulate([[Action("X", 0, 0)], [Action("W", 0, 1)]], [a, b]).makespan
@@ -107,8 +113,10 @@ def simulate(streams: Sequence[Sequence[Action]], units: Sequence[Unit],
     if not running:
       if not waiting:
         heads = [queues[s][pos[s]].unit for s in range(len(queues)) if pos[s] < len(queues[s])]
-        raise DeadlockError(f"schedule deadlocks: {heads} wait on units that never "
-                            "finish; check the stream order against the deps")
+        raise DeadlockError(
+          f"schedule deadlocks: {heads} wait on units that never "
+          "finish; check the stream order against the deps"
+        )
       now = min(waiting.values())
       continue
     load = sum(r[0].util for s, r in running.items() if s not in links)

@@ -28,13 +28,14 @@ On jax 0.11.2 the pairs are on the caller's thread and nothing moves them; the
 same plan holds there (the waits only start a call later). Linear in the
 number of calls.
 """
+
 from __future__ import annotations
 
 import bisect
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from passes.ir import Call
+from ooojax.passes.ir import Call
 
 # XLA:GPU's default `xla_gpu_experimental_parallel_async_compute_limit`.
 SLOTS = 2
@@ -43,12 +44,12 @@ SLOTS = 2
 def _merge(group: Sequence[Call], pos: Mapping[str, int]) -> Call:
   """One call for `group` (issue order kept), issued after the latest segment."""
   after = max((c.after for c in group), key=lambda a: pos.get(a, -1))
-  return dataclasses.replace(group[0], units=tuple(u for c in group for u in c.units),
-                             after=after)
+  return dataclasses.replace(group[0], units=tuple(u for c in group for u in c.units), after=after)
 
 
-def fold_light(calls: Sequence[Call], heavy: Sequence[bool],
-               pos: Mapping[str, int]) -> tuple[Call, ...]:
+def fold_light(
+  calls: Sequence[Call], heavy: Sequence[bool], pos: Mapping[str, int]
+) -> tuple[Call, ...]:
   """Step 1: every light call joins a heavy call of its anchor (see the module doc)."""
   out: list[Call] = []
   i = 0
@@ -63,7 +64,7 @@ def fold_light(calls: Sequence[Call], heavy: Sequence[bool],
       out.append(_merge(group, pos))
     else:
       members: list[list[Call]] = [[c] for c, h in zip(group, hv) if h]
-      owner = [sum(hv[:m + 1]) - 1 for m in range(len(group))]  # heavy calls up to m, 0-based
+      owner = [sum(hv[: m + 1]) - 1 for m in range(len(group))]  # heavy calls up to m, 0-based
       for m, (c, h) in enumerate(zip(group, hv)):
         if h:
           continue
@@ -77,9 +78,14 @@ def fold_light(calls: Sequence[Call], heavy: Sequence[bool],
   return tuple(out)
 
 
-def fit(calls: Sequence[Call], main: Sequence[str], eqn_unit: Mapping[int, int],
-        marks: Sequence[tuple[int, int]], heavy_units: set[str],
-        slots: int = SLOTS) -> tuple[Call, ...]:
+def fit(
+  calls: Sequence[Call],
+  main: Sequence[str],
+  eqn_unit: Mapping[int, int],
+  marks: Sequence[tuple[int, int]],
+  heavy_units: set[str],
+  slots: int = SLOTS,
+) -> tuple[Call, ...]:
   """The calls fitted to `slots` in flight (see the module docstring).
 
   Args:

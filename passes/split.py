@@ -21,6 +21,7 @@ a B-scan and W-scans (`REWRITE_RULES`, filled by `passes.scan`); other
 higher-order equations (while, cond, scans that do not split) are kept whole
 and reported in `Split.opaque`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -28,8 +29,8 @@ from typing import Any
 
 import jax
 
-from passes import _compat
-from passes.ir import Cluster, Kind, Split
+from ooojax.passes import _compat
+from ooojax.passes.ir import Cluster, Kind, Split
 
 # --- rewrite rules for backward equations: primitive name -> eqn -> new eqns ---
 # Filled by the packages that own them: `passes.scan` registers "scan" (a
@@ -60,8 +61,7 @@ def _eval_inlined(jaxpr, consts, args, stats: dict) -> list[Any]:
       if prevent is True:
         invals = list(jax.lax.optimization_barrier(invals))
       elif isinstance(prevent, tuple) and any(prevent):
-        barred = jax.lax.optimization_barrier(
-            [x for x, p in zip(invals, prevent) if p])
+        barred = jax.lax.optimization_barrier([x for x, p in zip(invals, prevent) if p])
         it = iter(barred)
         invals = [next(it) if p else x for x, p in zip(invals, prevent)]
       outs = _eval_inlined(inner, inner_consts, invals, stats)
@@ -95,8 +95,9 @@ def _inline_by_substitution(closed, stats: dict):
       if call is None:
         outvars = eqn.outvars
         if fresh:
-          outvars = [v if isinstance(v, _compat.DropVar) else _compat.new_var(v.aval)
-                     for v in eqn.outvars]
+          outvars = [
+            v if isinstance(v, _compat.DropVar) else _compat.new_var(v.aval) for v in eqn.outvars
+          ]
           sub.update(zip(eqn.outvars, outvars))
         if bwd:
           tainted.update(outvars)
@@ -123,8 +124,14 @@ def _inline_by_substitution(closed, stats: dict):
   walk = None  # noqa: F841 - its self-reference kept `eqns` (every equation) alive until a GC
   ct, *rest = jaxpr.invars
   outvars = [top.get(v, v) if isinstance(v, _compat.Var) else v for v in jaxpr.outvars]
-  flat = _compat.open_jaxpr([], [ct, *const_vars, *rest], outvars, eqns, jaxpr.effects,
-                            _compat.flat_debug_info(jaxpr, len(const_vars)))
+  flat = _compat.open_jaxpr(
+    [],
+    [ct, *const_vars, *rest],
+    outvars,
+    eqns,
+    jaxpr.effects,
+    _compat.flat_debug_info(jaxpr, len(const_vars)),
+  )
   return _compat.closed(flat), tuple(const_vals)
 
 
@@ -216,8 +223,12 @@ def classify(jaxpr, n_grads: int) -> tuple[tuple[Kind, ...], tuple[int, ...]]:
   return tuple(kinds), tuple(leaf)
 
 
-def split(flat_fun: Callable[..., Sequence[Any]], in_avals: Sequence[Any],
-          n_grads: int, param_names: Sequence[str]) -> Split:
+def split(
+  flat_fun: Callable[..., Sequence[Any]],
+  in_avals: Sequence[Any],
+  n_grads: int,
+  param_names: Sequence[str],
+) -> Split:
   """Traces `flat_fun(ct, *leaves)` and classifies its equations.
 
   Args:
@@ -293,8 +304,9 @@ def rewrite(flat, stats: dict | None = None, rules: dict[str, RewriteRule] | Non
   return _compat.closed(jaxpr.replace(eqns=eqns), flat.consts)
 
 
-def from_flat(flat, consts: Sequence[Any], n_grads: int, param_names: Sequence[str],
-              inlined: int = 0) -> Split:
+def from_flat(
+  flat, consts: Sequence[Any], n_grads: int, param_names: Sequence[str], inlined: int = 0
+) -> Split:
   """Classifies an already traced and inlined `(flat, consts)` (see `inline_calls`).
 
   Backward scans are split into B-scans and W-scans first (`REWRITE_RULES`).
@@ -310,25 +322,52 @@ def from_flat(flat, consts: Sequence[Any], n_grads: int, param_names: Sequence[s
       by_leaf.setdefault(l, []).append(k)
   clusters, cluster_of = [], [-1] * len(kinds)
   for ci, l in enumerate(sorted(by_leaf, key=lambda l: by_leaf[l][0])):
-    clusters.append(Cluster(ci, param_names[l], len(jaxpr.outvars) - n_grads + l,
-                            tuple(by_leaf[l])))
+    clusters.append(
+      Cluster(ci, param_names[l], len(jaxpr.outvars) - n_grads + l, tuple(by_leaf[l]))
+    )
     for k in by_leaf[l]:
       cluster_of[k] = ci
   made = stats.get("split_eqns", set())
-  opaque = tuple(e.primitive.name for e in jaxpr.eqns
-                 if e.primitive.name not in _COMBINER_PRIMS and id(e) not in made
-                 and not _compat.is_call(e)  # forward-only calls
-                 and _has_subjaxpr(e))
-  return Split(flat, tuple(consts), kinds, tuple(cluster_of), tuple(clusters),
-               len(jaxpr.outvars) - n_grads, stats.get("inlined", 0), opaque,
-               stats.get("loops_split", 0))
+  opaque = tuple(
+    e.primitive.name
+    for e in jaxpr.eqns
+    if e.primitive.name not in _COMBINER_PRIMS
+    and id(e) not in made
+    and not _compat.is_call(e)  # forward-only calls
+    and _has_subjaxpr(e)
+  )
+  return Split(
+    flat,
+    tuple(consts),
+    kinds,
+    tuple(cluster_of),
+    tuple(clusters),
+    len(jaxpr.outvars) - n_grads,
+    stats.get("inlined", 0),
+    opaque,
+    stats.get("loops_split", 0),
+  )
 
 
 # Their sub-jaxprs are scalar combiners, not program regions to look inside.
-_COMBINER_PRIMS = frozenset({
-    "scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul",
-    "scatter-min", "scatter_min", "scatter-max", "scatter_max", "reduce",
-    "reduce_window", "select_and_scatter", "argsort", "sort"})
+_COMBINER_PRIMS = frozenset(
+  {
+    "scatter",
+    "scatter-add",
+    "scatter_add",
+    "scatter-mul",
+    "scatter_mul",
+    "scatter-min",
+    "scatter_min",
+    "scatter-max",
+    "scatter_max",
+    "reduce",
+    "reduce_window",
+    "select_and_scatter",
+    "argsort",
+    "sort",
+  }
+)
 
 
 # primitive -> whether its equations hold jaxprs. Looked up once per primitive: a

@@ -10,6 +10,7 @@ them again (0.17-0.19 s of a 48-layer GPT's lowering, timed phase by phase). The
 helpers here build what emission adds (barriers, copies of a traced
 template) as equations too, so a whole schedule goes into one call.
 """
+
 from __future__ import annotations
 
 import functools
@@ -17,8 +18,8 @@ from typing import Any
 
 import jax
 
-from passes import _compat
-from passes._compat import DropVar, Literal
+from ooojax.passes import _compat
+from ooojax.passes._compat import DropVar, Literal
 
 
 def scoped_eqns(eqns, base, stacks: dict, subst: dict) -> list:
@@ -55,8 +56,9 @@ def renamed(jaxpr, ins) -> tuple[list, list]:
   eqns = []
   for eqn in jaxpr.eqns:
     outs = [v if isinstance(v, DropVar) else _compat.new_var(v.aval) for v in eqn.outvars]
-    eqns.append(eqn.replace(
-        invars=[v if isinstance(v, Literal) else m[v] for v in eqn.invars], outvars=outs))
+    eqns.append(
+      eqn.replace(invars=[v if isinstance(v, Literal) else m[v] for v in eqn.invars], outvars=outs)
+    )
     m.update(zip(eqn.outvars, outs))
   return eqns, [v if isinstance(v, Literal) else m[v] for v in jaxpr.outvars]
 
@@ -71,8 +73,9 @@ def barrier_eqn(ins) -> tuple[Any, list]:
   """An `optimization_barrier` equation over the vars `ins`, and its output vars."""
   outs = [_compat.new_var(v.aval) for v in ins]
   src = _compat.new_source_info()
-  return _barrier_eqn().replace(invars=list(ins), outvars=outs, source_info=src,
-                                ctx=_compat.eqn_context()), outs
+  return _barrier_eqn().replace(
+    invars=list(ins), outvars=outs, source_info=src, ctx=_compat.eqn_context()
+  ), outs
 
 
 class CallStager:
@@ -85,6 +88,7 @@ class CallStager:
   current trace does not stage or this JAX's `jit` equation has an unknown form:
   copy there.
   """
+
   def __init__(self):
     self.ok = False
     self.trace = _compat.staging_trace()
@@ -131,8 +135,7 @@ class CallStager:
     outs = [v for v in defined if live(v, inner.get(v, 0))]
     if not outs:
       return False
-    jaxpr = _compat.open_jaxpr([], free, outs, eqns, _compat.NO_EFFECTS,
-                               _compat.call_debug_info())
+    jaxpr = _compat.open_jaxpr([], free, outs, eqns, _compat.NO_EFFECTS, _compat.call_debug_info())
     p = _compat.jit_params(self.template, _compat.closed(jaxpr), "ooo", len(free), len(outs))
     vals = self.template.primitive.bind(*[env[v] for v in free], **p)
     env.update(zip(outs, vals))

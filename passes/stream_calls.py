@@ -19,6 +19,7 @@ The hooks (`Anchor`, `Late`) share one interface that `passes.emit` calls:
 `after(outs) -> outs` around binding the equation; `unpin(life)` for an
 anchor that cannot be staged.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,9 +31,9 @@ import jax
 import numpy as np
 from jax import lax
 
-from passes import _compat, stage
-from passes.fingerprint import exact_key
-from passes.ir import Call, Schedule
+from ooojax.passes import _compat, stage
+from ooojax.passes.fingerprint import exact_key
+from ooojax.passes.ir import Call, Schedule
 
 
 def _read(env, v):
@@ -76,8 +77,9 @@ def _out_positions(jaxpr) -> dict:
   return _last_outs[1]
 
 
-def on_stream(jaxpr, eqn_ids, env, stream: int, life,
-              pinned: bool = False, wait: Sequence[Any] = ()) -> tuple[list, list, list, Any]:
+def on_stream(
+  jaxpr, eqn_ids, env, stream: int, life, pinned: bool = False, wait: Sequence[Any] = ()
+) -> tuple[list, list, list, Any]:
   """Binds the equations as one stream-annotated call.
 
   The call returns one flat buffer per dtype (its outputs flattened and
@@ -108,7 +110,7 @@ def on_stream(jaxpr, eqn_ids, env, stream: int, life,
     if wait and in_vars:
       b, tied = stage.barrier_eqn([*in_vars, *wait])
       life.add([b])
-      in_vars = tied[:len(in_vars)]
+      in_vars = tied[: len(in_vars)]
     flat = site.pack.staged(in_vars, life)
     life.take(eqn_ids)
     if pinned:
@@ -132,7 +134,8 @@ def on_stream(jaxpr, eqn_ids, env, stream: int, life,
       vals = site.unpack(bufs, life.stacks)
       env.update(zip(outs, vals))
       return vals
-  flat_ins, results = flat[:len(ins)], flat[len(ins):]
+
+  flat_ins, results = flat[: len(ins)], flat[len(ins) :]
   if not pinned:  # a pinned call's outputs are unpacked after its anchor
     unpack(results)
   return flat_ins, outs, results, unpack
@@ -155,15 +158,17 @@ class StreamCall:
     sizes = [int(np.prod(s)) for s in shapes]
     dtypes = list(dict.fromkeys(v.aval.dtype for v in outs))
     slot = [dtypes.index(v.aval.dtype) for v in outs]
-    call = _compat.on_stream(_body(eqns, ins, outs, in_shapes, dtypes, slot, stacks),
-                             stream, len(dtypes))
+    call = _compat.on_stream(
+      _body(eqns, ins, outs, in_shapes, dtypes, slot, stacks), stream, len(dtypes)
+    )
 
     def pack(*vals):
       # Inputs go in flat as well: a layout change XLA needs for an operand is
       # then made on the value the emitter pins (see `Anchor.before`), not on
       # a copy the memory scheduler may compute late, holding back the start.
-      flat = [lax.reshape(x, (int(np.prod(s)),)) if len(s) >= 2 else x
-              for x, s in zip(vals, in_shapes)]
+      flat = [
+        lax.reshape(x, (int(np.prod(s)),)) if len(s) >= 2 else x for x, s in zip(vals, in_shapes)
+      ]
       return (*flat, *call(*flat))
 
     def unpack(*bufs):
@@ -175,7 +180,7 @@ class StreamCall:
       return [lax.reshape(next(pieces[i]), s) for s, i in zip(shapes, slot)]
 
     self.pack = _Traced(pack, [v.aval for v in ins])
-    self.unpack = _Traced(unpack, self.pack.out_avals[len(ins):])
+    self.unpack = _Traced(unpack, self.pack.out_avals[len(ins) :])
 
 
 class _Traced:
@@ -189,7 +194,7 @@ class _Traced:
 
   def __call__(self, vals, stacks) -> list:
     if [jax.typeof(x) for x in vals] != self.in_avals:  # pragma: no cover - a type the
-      return list(self.fun(*vals))                       # spec did not capture: trace
+      return list(self.fun(*vals))  # spec did not capture: trace
     jaxpr = self.closed.jaxpr
     env = dict(zip(jaxpr.constvars, self.closed.consts))
     env.update(zip(jaxpr.invars, vals))
@@ -215,7 +220,7 @@ def side_call(jaxpr, vals: Sequence[Any], stream: int = 1) -> tuple[list, Callab
   """
   site = StreamCall(list(jaxpr.eqns), list(jaxpr.invars), list(jaxpr.outvars), stream, {})
   flat = site.pack(list(vals), {})
-  return list(flat[len(jaxpr.invars):]), lambda bufs: site.unpack(list(bufs), {})
+  return list(flat[len(jaxpr.invars) :]), lambda bufs: site.unpack(list(bufs), {})
 
 
 def _body(eqns, ins, outs, in_shapes, dtypes, slot, stacks):
@@ -229,6 +234,7 @@ def _body(eqns, ins, outs, in_shapes, dtypes, slot, stacks):
     for v, i in zip(outs, slot):
       parts[i].append(lax.reshape(local[v], (int(np.prod(np.shape(v.aval))),)))
     return tuple(p[0] if len(p) == 1 else lax.concatenate(p, 0) for p in parts)
+
   return body
 
 
@@ -236,8 +242,9 @@ def calls_of(sched: Schedule, units) -> tuple[Call, ...]:
   if sched.calls or len(sched.streams) < 2:
     return sched.calls
   # A schedule built by hand without calls: one call per side unit, no anchor.
-  return tuple(Call((a.unit,), a.stream, units[a.unit].deps[0])
-               for s in sched.streams[1:] for a in s)
+  return tuple(
+    Call((a.unit,), a.stream, units[a.unit].deps[0]) for s in sched.streams[1:] for a in s
+  )
 
 
 class Anchor:
@@ -262,7 +269,7 @@ class Anchor:
     ins = [x for c in self.calls for x in c[0]]
     ivars = [v if isinstance(v, _compat.Literal) else life.subst.get(v, v) for v in eqn.invars]
     b1, tied_in = stage.barrier_eqn([*ins, *ivars])  # literals too, as `before` ties them
-    anchor = eqn.replace(invars=tied_in[len(ins):])
+    anchor = eqn.replace(invars=tied_in[len(ins) :])
     out = eqn.outvars[0]
     flats = [x for c in self.calls for x in c[2]]
     b2, t2 = stage.barrier_eqn([*flats, out])
@@ -270,7 +277,7 @@ class Anchor:
     life.add([b1, anchor, b2, b3])
     life.alias([out], [t3[-1]])  # readers read the tied copy: see `after`
     if life.uses.get(out, 0):  # the barriers' two reads are not the program's: its
-      life.keep(out)           # readers may come after a flush (an unstageable equation)
+      life.keep(out)  # readers may come after a flush (an unstageable equation)
     it = iter(t3[:-1])
     for c in self.calls:
       bufs = [next(it) for _ in c[2]]
@@ -318,6 +325,7 @@ class LateLeaves:
   parameters this way, once their gradients, computed beside the forward,
   are tied to the anchor (see `ooojax.single_gpu`).
   """
+
   anchor: int
   leaves: tuple[int, ...]
   bind: Callable[[Any], Sequence[Any]] = dataclasses.field(compare=False)
@@ -332,8 +340,7 @@ class Late:
   def bind(self, value) -> None:
     vals = list(self.late.bind(value))
     if len(vals) != len(self.invars):
-      raise ValueError(f"LateLeaves.bind returned {len(vals)} values for "
-                       f"{len(self.invars)} leaves")
+      raise ValueError(f"LateLeaves.bind returned {len(vals)} values for {len(self.invars)} leaves")
     self.env.update(zip(self.invars, vals))
 
   def stage(self, eqn, life) -> None:

@@ -5,6 +5,7 @@ The same script runs on a multi-host GPU cluster without the CPU lines:
 `jax.distributed.initialize()` there reads the coordinator from the cluster
 environment (SLURM, Open MPI, Kubernetes...) and each host sees its own GPUs.
 """
+
 import os
 import sys
 
@@ -30,15 +31,20 @@ mesh = jax.sharding.Mesh(np.array(jax.devices()), ("batch",))
 rep = NamedSharding(mesh, P())
 params = jax.tree.map(lambda a: jax.make_array_from_process_local_data(rep, np.asarray(a)), params)
 per = xs[0].shape[0] // nproc
-batches = [jax.make_array_from_process_local_data(NamedSharding(mesh, P("batch")),
-                                                  np.asarray(x[pid * per:(pid + 1) * per]))
-           for x in xs]
+batches = [
+  jax.make_array_from_process_local_data(
+    NamedSharding(mesh, P("batch")), np.asarray(x[pid * per : (pid + 1) * per])
+  )
+  for x in xs
+]
 step = dp.make_train_step(loss, optax.adam(1e-2), mesh, first_k=2)
 state = step.init(params, batches[0])
 for b in batches:
   state, _ = step(state, b)
 state = step.flush(state)
-flat = {jax.tree_util.keystr(k): np.asarray(jax.device_get(v.addressable_data(0)))
-        for k, v in jax.tree_util.tree_flatten_with_path(state.params)[0]}
+flat = {
+  jax.tree_util.keystr(k): np.asarray(jax.device_get(v.addressable_data(0)))
+  for k, v in jax.tree_util.tree_flatten_with_path(state.params)[0]
+}
 np.savez(out, **flat)
 jax.distributed.shutdown()

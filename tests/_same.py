@@ -1,4 +1,5 @@
 """Exact comparison of ooo.grad results against jax.grad: tree, types, dtype, weak type, value."""
+
 import jax
 import numpy as np
 
@@ -19,8 +20,9 @@ def assert_same(got, want, rtol=1e-5, atol=1e-6):
       assert g.aval.weak_type == w.aval.weak_type, ("weak_type", g, w)
       if w.dtype == jax.dtypes.float0:
         continue
-      np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64),
-                                 rtol=rtol, atol=atol, equal_nan=True)
+      np.testing.assert_allclose(
+        np.asarray(g, np.float64), np.asarray(w, np.float64), rtol=rtol, atol=atol, equal_nan=True
+      )
     else:
       assert type(g) is type(w), (type(g), type(w))
       if isinstance(w, np.ndarray):

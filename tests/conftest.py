@@ -12,13 +12,13 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-
 # Tests that read XLA:CPU's compiled HLO (control-predecessors, `call(` rather
 # than `call-start(`) or compile for a compile-only GPU beside a CPU host hold
 # on the CPU backend only; on a GPU machine (benchmarks/gpu.sh) they skip.
 cpu_backend_only = pytest.mark.skipif(
-    jax.default_backend() != "cpu",
-    reason=f"reads XLA:CPU's compiled HLO; the default backend here is {jax.default_backend()}")
+  jax.default_backend() != "cpu",
+  reason=f"reads XLA:CPU's compiled HLO; the default backend here is {jax.default_backend()}",
+)
 
 
 def assert_trees_close(a, b, rtol=1e-5, atol_scale=1e-5):

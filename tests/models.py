@@ -1,4 +1,5 @@
 """Small real flax models the tests compare against jax.grad."""
+
 from __future__ import annotations
 
 import flax.linen as nn
@@ -18,6 +19,7 @@ class MLP(nn.Module):
 
 class CNN(nn.Module):
   """Conv + BatchNorm: mutable batch_stats come back through has_aux."""
+
   @nn.compact
   def __call__(self, x, train: bool = True):
     x = nn.Conv(8, (3, 3))(x)
@@ -32,6 +34,7 @@ class CNN(nn.Module):
 
 class Block(nn.Module):
   """Pre-LN transformer block: attention, LayerNorm, MLP, dropout."""
+
   dim: int = 32
   heads: int = 4
 
@@ -79,6 +82,7 @@ def mlp_case():
 
   def loss(params, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(m.apply(params, x), y).mean()
+
   return loss, (params, x, y)
 
 
@@ -89,10 +93,12 @@ def cnn_case():
   v = m.init(jax.random.PRNGKey(0), x)
 
   def loss(params, batch_stats, x, y):
-    logits, upd = m.apply({"params": params, "batch_stats": batch_stats}, x,
-                          mutable=["batch_stats"])
+    logits, upd = m.apply(
+      {"params": params, "batch_stats": batch_stats}, x, mutable=["batch_stats"]
+    )
     l = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
     return l, upd["batch_stats"]
+
   return loss, (v["params"], v["batch_stats"], x, y)
 
 
@@ -103,7 +109,8 @@ def block_case():
 
   def loss(params, x, rng):
     out = m.apply(params, x, train=True, rngs={"dropout": rng})
-    return jnp.mean(out ** 2)
+    return jnp.mean(out**2)
+
   return loss, (params, x, jax.random.PRNGKey(7))
 
 
@@ -115,6 +122,7 @@ def tied_lm_case():
   def loss(params, tokens):
     logits = m.apply(params, tokens[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
   return loss, (params, tokens)
 
 
@@ -124,8 +132,11 @@ def lstm_case(d=6, t=5, batch=2, time_major=True):
   xs is (t, batch, d) when `time_major`, else (batch, t, d) (batch sharded first).
   """
   k = jax.random.split(jax.random.PRNGKey(0), 3)
-  p = {"wx": jax.random.normal(k[0], (d, 4 * d)) * 0.3,
-       "wh": jax.random.normal(k[1], (d, 4 * d)) * 0.3, "b": jnp.zeros(4 * d)}
+  p = {
+    "wx": jax.random.normal(k[0], (d, 4 * d)) * 0.3,
+    "wh": jax.random.normal(k[1], (d, 4 * d)) * 0.3,
+    "b": jnp.zeros(4 * d),
+  }
   shape = (t, batch, d) if time_major else (batch, t, d)
   xs = jax.random.normal(k[2], shape)
 
@@ -136,22 +147,26 @@ def lstm_case(d=6, t=5, batch=2, time_major=True):
       c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
       h = jax.nn.sigmoid(o) * jnp.tanh(c)
       return (h, c), h
+
     seq = xs if time_major else xs.swapaxes(0, 1)
     b = seq.shape[1]
     _, hs = jax.lax.scan(cell, (jnp.zeros((b, d)), jnp.zeros((b, d))), seq)
-    return jnp.mean(hs ** 2)
+    return jnp.mean(hs**2)
+
   return loss, p, xs
 
 
 def tanh_mlp(batches: int):
   """A 4-layer tanh MLP: (params, loss(p, x), `batches` batches of 32 x 16)."""
   k = jax.random.split(jax.random.PRNGKey(0), 4)
-  params = {f"l{i}": {"w": jax.random.normal(k[i], (16, 16)) * 0.3, "b": jnp.zeros(16)}
-            for i in range(4)}
+  params = {
+    f"l{i}": {"w": jax.random.normal(k[i], (16, 16)) * 0.3, "b": jnp.zeros(16)} for i in range(4)
+  }
 
   def loss(p, x):
     for i in range(4):
       x = jnp.tanh(x @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"])
-    return jnp.mean(x ** 2)
+    return jnp.mean(x**2)
+
   xs = [jax.random.normal(jax.random.PRNGKey(10 + t), (32, 16)) for t in range(batches)]
   return params, loss, xs

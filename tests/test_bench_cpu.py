@@ -1,4 +1,5 @@
 """benchmarks/_cpu.py: the stack-offset helpers the overhead benchmark measures with."""
+
 import pytest
 
 from benchmarks import _cpu

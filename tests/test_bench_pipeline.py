@@ -1,4 +1,5 @@
 """benchmarks/pipeline.py: the simulated paper-scale table (cost model only)."""
+
 import math
 import re
 

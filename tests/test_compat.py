@@ -3,6 +3,7 @@
 A JAX upgrade that renames a primitive's params (jax 0.11 moved scan's
 `num_consts` / `num_carry` into FlatTrees) must touch that file alone.
 """
+
 import ast
 import pathlib
 
@@ -10,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from passes import _compat
+from ooojax.passes import _compat
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCES = [p for d in ("passes", "ooojax", "benchmarks", "tests") for p in (ROOT / d).rglob("*.py")]
@@ -52,8 +53,12 @@ def _jax_private(tree) -> list[int]:
 
 @pytest.mark.parametrize("check", [_reads_params, _jax_private], ids=["params", "jax._src"])
 def test_only_compat_knows_jax_internals(check):
-  found = {str(p.relative_to(ROOT)): lines for p in SOURCES if p != COMPAT
-           if (lines := check(ast.parse(p.read_text())))}
+  found = {
+    str(p.relative_to(ROOT)): lines
+    for p in SOURCES
+    if p != COMPAT
+    if (lines := check(ast.parse(p.read_text())))
+  }
   assert not found, f"move these into passes/_compat.py accessors: {found}"
 
 
@@ -70,13 +75,20 @@ def _fwd_bwd_scan():
 
 
 def test_scan_info_round_trips_through_scan_eqn():
-  (fwd, *_), (bwd, *_) = ([e for e in _fwd_bwd_scan().eqns if _compat.is_scan(e)][i:]
-                          for i in (0, -1))
+  (fwd, *_), (bwd, *_) = (
+    [e for e in _fwd_bwd_scan().eqns if _compat.is_scan(e)][i:] for i in (0, -1)
+  )
   for e in (fwd, bwd):
     info = _compat.scan_info(e)
     assert info.length == 3 and info.num_carry >= 1
-    again = _compat.scan_eqn(e, body=info.body, num_consts=info.num_consts,
-                             num_carry=info.num_carry, invars=e.invars, outvars=e.outvars)
+    again = _compat.scan_eqn(
+      e,
+      body=info.body,
+      num_consts=info.num_consts,
+      num_carry=info.num_carry,
+      invars=e.invars,
+      outvars=e.outvars,
+    )
     assert _compat.scan_info(again) == info
   with pytest.raises(TypeError, match="scan_info expects a scan"):
     _compat.scan_info(jax.make_jaxpr(jnp.sin)(1.0).eqns[0])
@@ -85,9 +97,9 @@ def test_scan_info_round_trips_through_scan_eqn():
 def test_call_bodies_of_every_call_form():
   x = jnp.ones(3)
   forms = {
-      "jit": jax.jit(jnp.sin),
-      "remat": jax.checkpoint(jnp.sin),
-      "custom_jvp": jax.nn.relu,
+    "jit": jax.jit(jnp.sin),
+    "remat": jax.checkpoint(jnp.sin),
+    "custom_jvp": jax.nn.relu,
   }
   for name, f in forms.items():
     eqns = jax.make_jaxpr(f)(x).eqns
@@ -103,8 +115,13 @@ def test_installed_packages_never_import_benchmarks_or_tests():
     if rel.parts[0] not in ("ooojax", "passes"):
       continue
     for node in ast.walk(ast.parse(p.read_text())):
-      mods = ([node.module or ""] if isinstance(node, ast.ImportFrom) else
-              [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+      mods = (
+        [node.module or ""]
+        if isinstance(node, ast.ImportFrom)
+        else [a.name for a in node.names]
+        if isinstance(node, ast.Import)
+        else []
+      )
       if any(m.split(".")[0] in ("benchmarks", "tests") for m in mods):
         bad.setdefault(str(rel), []).append(node.lineno)
   assert not bad, bad

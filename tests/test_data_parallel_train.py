@@ -1,4 +1,5 @@
 """ooojax.data_parallel: cross-step overlap keeps the plain loop's trajectory and checkpoints."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +23,9 @@ def _setup():
 
 
 def _plain(loss, tx, params, xs):
-  step = jax.jit(lambda p, o, x: (lambda l, g: (l, *_upd(tx, g, o, p)))(*jax.value_and_grad(loss)(p, x)))
+  step = jax.jit(
+    lambda p, o, x: (lambda l, g: (l, *_upd(tx, g, o, p)))(*jax.value_and_grad(loss)(p, x))
+  )
   o, losses = tx.init(params), []
   for x in xs:
     l, params, o = step(params, o, x)
@@ -62,6 +65,7 @@ def test_cross_step_matches_plain_loop(close):
 
 def test_checkpoint_between_steps_restores_training(tmp_path, close):
   import orbax.checkpoint as ocp
+
   mesh, params, loss, xs = _setup()
   tx = optax.sgd(0.1, momentum=0.9)
   step = dp.make_train_step(loss, tx, mesh, first_k=1)
@@ -98,52 +102,65 @@ def test_two_processes_match_single_process(tmp_path, close):
   import socket
   import subprocess
   import sys
+
   with socket.socket() as s:
     s.bind(("localhost", 0))
     port = str(s.getsockname()[1])
   worker = os.path.join(os.path.dirname(__file__), "_dp_worker.py")
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  procs = [subprocess.Popen([sys.executable, worker, str(i), "2", port, str(tmp_path / f"{i}.npz")],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, worker, str(i), "2", port, str(tmp_path / f"{i}.npz")],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
   logs = [p.communicate(timeout=120)[0] for p in procs]
   for p, log in zip(procs, logs):
     assert p.returncode == 0, log[-3000:]
   params, loss, xs = make_problem()
   ref, _ = _plain(loss, optax.adam(1e-2), params, xs)
-  ref = {jax.tree_util.keystr(k): np.asarray(v)
-         for k, v in jax.tree_util.tree_flatten_with_path(ref)[0]}
+  ref = {
+    jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(ref)[0]
+  }
   for i in range(2):
     got = dict(np.load(tmp_path / f"{i}.npz"))
     close(got, ref)
 
 
 def test_compiled_step_reduces_pending_first_k_before_the_forward():
-  import re
   mesh, params, loss, xs = _setup()
   step = dp.make_train_step(loss, optax.sgd(0.1), mesh, first_k=2, bucket_bytes=1)
   state = step.init(params, xs[0])
   step(state, xs[0])
   hlo = step._step.lower(state, xs[0]).compile().as_text()
-  entry = hlo[hlo.index("\nENTRY"):].splitlines()
+  entry = hlo[hlo.index("\nENTRY") :].splitlines()
   # 'A': an all-reduce; 'F': a forward matmul; 'B': a backward one (emit names each unit's
   # ops ooo_<unit> in their metadata)
-  kinds = ["A" if " all-reduce(" in l else ("F" if "/ooo_F0/" in l else "B")
-           for l in entry if " all-reduce(" in l or "dot_general" in l]
+  kinds = [
+    "A" if " all-reduce(" in l else ("F" if "/ooo_F0/" in l else "B")
+    for l in entry
+    if " all-reduce(" in l or "dot_general" in l
+  ]
   order = "".join(kinds)
   # 4 pending leaves (layers 0-1, reduced one by one at the start) + 4 buckets of this backward
   assert order.count("A") == 8, order
   assert order.index("A") < order.index("F"), order  # layer 0's reduction before any forward
-  assert "A" in order[order.index("B"):], order  # this step's buckets during its backward
+  assert "A" in order[order.index("B") :], order  # this step's buckets during its backward
 
 
 def test_h100_cross_step_overlaps_pending_reductions_with_the_forward():
   import re
 
   from ooojax import gpu_hlo
+
   if gpu_hlo.unavailable_reason() is not None:
     pytest.skip(f"compile-only H100 unavailable: {gpu_hlo.unavailable_reason()}")
   from jax.sharding import NamedSharding, PartitionSpec as P
+
   L, D = 6, 1024
   mesh = gpu_hlo.mesh("H100", N, ("batch",))
   params = {f"l{i}": {"w": jax.ShapeDtypeStruct((D, D), jnp.float32)} for i in range(L)}
@@ -151,15 +168,17 @@ def test_h100_cross_step_overlaps_pending_reductions_with_the_forward():
   def loss(p, x):
     for i in range(L):
       x = jnp.tanh(x @ p[f"l{i}"]["w"])
-    return jnp.mean(x ** 2)
+    return jnp.mean(x**2)
+
   x = jax.ShapeDtypeStruct((256 * N, D), jnp.float32, sharding=NamedSharding(mesh, P("batch")))
 
   def order(k):
-    step = dp.make_train_step(loss, optax.sgd(0.1), mesh, first_k=k, bucket_bytes=1,
-                              device="H100", ordering="none")
+    step = dp.make_train_step(
+      loss, optax.sgd(0.1), mesh, first_k=k, bucket_bytes=1, device="H100", ordering="none"
+    )
     txt = step.lower(step.abstract_state(params, x), x).compile().as_text()
     out = []
-    for l in txt[txt.index("\nENTRY"):].splitlines():
+    for l in txt[txt.index("\nENTRY") :].splitlines():
       if re.search(r"\sall-reduce-start\(", l):
         out.append("S")
       elif re.search(r"\sall-reduce-done\(", l):
@@ -177,4 +196,4 @@ def test_h100_cross_step_overlaps_pending_reductions_with_the_forward():
   o = order(3)
   # (XLA >= 0.11 makes a pair with nothing inside one synchronous all-reduce: "A")
   assert o.count("S") + o.count("A") == L and re.search(r"SF+D", o), o
-  assert not re.search(r"SD", o[o.index("B"):]), o
+  assert not re.search(r"SD", o[o.index("B") :]), o

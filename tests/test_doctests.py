@@ -1,16 +1,34 @@
 """The examples in public docstrings run."""
+
 import doctest
 import importlib
 
 import pytest
 
-MODULES = ["ooojax._api", "ooojax._calibrate", "ooojax._explain", "ooojax.flax", "passes.split", "passes.cost",
-           "passes.simulate", "passes.hlo.schedule", "passes.hlo.compare", "passes.hlo.windows",
-           "ooojax.gpu_hlo", "passes.collectives.plan", "ooojax.data_parallel",
-           "ooojax._explain_pipeline", "ooojax.models.mlp_stack", "passes.pipeline.steps",
-           "ooojax.single_gpu", "passes.fingerprint",
-           "ooojax._pipeline_train", "passes.pipeline.balance", "passes.pipeline.eqns",
-           "ooojax._pipeline_tiled"]
+MODULES = [
+  "ooojax._api",
+  "ooojax._calibrate",
+  "ooojax._explain",
+  "ooojax.flax",
+  "ooojax.passes.split",
+  "ooojax.passes.cost",
+  "ooojax.passes.simulate",
+  "ooojax.passes.hlo.schedule",
+  "ooojax.passes.hlo.compare",
+  "ooojax.passes.hlo.windows",
+  "ooojax.gpu_hlo",
+  "ooojax.passes.collectives.plan",
+  "ooojax.data_parallel",
+  "ooojax._explain_pipeline",
+  "ooojax.models.mlp_stack",
+  "ooojax.passes.pipeline.steps",
+  "ooojax.single_gpu",
+  "ooojax.passes.fingerprint",
+  "ooojax._pipeline_train",
+  "ooojax.passes.pipeline.balance",
+  "ooojax.passes.pipeline.eqns",
+  "ooojax._pipeline_tiled",
+]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -3,14 +3,15 @@
 Its prices must equal `build_plan`'s simulation for every candidate, so the
 search keeps exactly the plan the simulated search chose.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import ooojax as ooo
-from passes.collectives import plan as collectives
-from passes.cost import CostModel
+from ooojax.passes.collectives import plan as collectives
+from ooojax.passes.cost import CostModel
 from tests import models
 
 
@@ -21,6 +22,7 @@ def _split_sched(loss, args):
   def trace(*a):
     box["plan"], _ = vg.plan(a, {})
     return 0.0
+
   jax.eval_shape(trace, *args)
   return box["plan"].split, box["plan"].schedule
 
@@ -32,7 +34,8 @@ def _deep(L=14, D=64):
   def loss(w, x):
     for i in range(L):
       x = jnp.tanh(x @ w[f"l{i}"]["w"] + w[f"l{i}"]["b"])
-    return jnp.mean(x ** 2)
+    return jnp.mean(x**2)
+
   return loss, (ws, jnp.ones((32, D)))
 
 
@@ -40,9 +43,11 @@ def _scan_mlp(L=4, D=16):
   p = {"w": jnp.ones((L, D, D)), "b": jnp.ones((L, D)), "out": jnp.ones((D, 3))}
 
   def loss(p, x):
-    h, _ = jax.lax.scan(lambda h, l: (jnp.tanh(h @ l["w"] + l["b"]), None), x,
-                        {"w": p["w"], "b": p["b"]})
+    h, _ = jax.lax.scan(
+      lambda h, l: (jnp.tanh(h @ l["w"] + l["b"]), None), x, {"w": p["w"], "b": p["b"]}
+    )
     return jnp.mean((h @ p["out"]) ** 2)
+
   return loss, (p, jnp.ones((8, D)))
 
 
@@ -51,8 +56,13 @@ def _lstm():
   return loss, (p, xs)
 
 
-_CASES = {"deep": _deep, "scan": _scan_mlp, "lstm": _lstm, "block": models.block_case,
-          "tied_lm": models.tied_lm_case}
+_CASES = {
+  "deep": _deep,
+  "scan": _scan_mlp,
+  "lstm": _lstm,
+  "block": models.block_case,
+  "tied_lm": models.tied_lm_case,
+}
 
 
 @pytest.mark.parametrize("case", sorted(_CASES))
@@ -73,7 +83,10 @@ def test_prices_equal_simulation_and_the_choice_is_the_best(case):
         np.testing.assert_allclose(pricer.score(k, b, True), p.cross_step, rtol=1e-12)
     for cross in (False, True):
       chosen = collectives.plan(split, sched, CostModel("H100"), n, link, cross_step=cross)
-      best = min(v[cross] for (k, _), v in sims.items()
-                 if k in range(0, n_layers + 1, max(1, -(-n_layers // 12))) or k == n_layers)
+      best = min(
+        v[cross]
+        for (k, _), v in sims.items()
+        if k in range(0, n_layers + 1, max(1, -(-n_layers // 12))) or k == n_layers
+      )
       got = chosen.cross_step if cross else chosen.makespan
       assert got <= best * (1 + 1e-9)

@@ -7,6 +7,7 @@ copies the rest (`_compat.emit_eqns`). Inlined, that must be the program
 HLO metadata and errors are unchanged; emission may consume the split it
 was handed.
 """
+
 import gc
 import re
 
@@ -17,8 +18,8 @@ import numpy as np
 import pytest
 
 import ooojax as ooo
-from passes import _compat
-from passes.emit import emit
+from ooojax.passes import _compat
+from ooojax.passes.emit import emit
 from tests.conftest import assert_trees_close
 
 
@@ -37,6 +38,7 @@ def _setup():
 
   def loss(p, x):
     return jnp.mean(model.apply(p, x) ** 2)
+
   return loss, params, x
 
 
@@ -51,8 +53,11 @@ def _inlined(jaxpr):
       m.update(zip(inner.invars, map(sub, e.invars)))
       for ie in inner.eqns:
         stack = e.source_info.name_stack + ie.source_info.name_stack
-        eqns.append(ie.replace(invars=[sub(v) for v in ie.invars],
-                               source_info=ie.source_info.replace(name_stack=stack)))
+        eqns.append(
+          ie.replace(
+            invars=[sub(v) for v in ie.invars], source_info=ie.source_info.replace(name_stack=stack)
+          )
+        )
       m.update(zip(e.outvars, map(sub, inner.outvars)))
     else:
       if e.primitive.name == "shard_map":  # data_parallel: the program is its body
@@ -88,13 +93,15 @@ def test_staged_program_equals_bind(mode, monkeypatch):
 
 def test_unknown_jit_form_falls_back_to_copying(monkeypatch):
   # a JAX whose nested-jit equation ooojax does not recognise: equations are copied
-  from passes import stage
+  from ooojax.passes import stage
+
   staged = _text(_inlined(_program("single_gpu")))
   orig = stage.CallStager.__init__
 
   def off(self):
     orig(self)
     self.ok = False
+
   monkeypatch.setattr(stage.CallStager, "__init__", off)
   copied = _program("single_gpu")
   assert not any(_compat.call_name(e) == "ooo" for e in copied.eqns)
@@ -103,8 +110,11 @@ def test_unknown_jit_form_falls_back_to_copying(monkeypatch):
 
 def test_staged_call_lowers_to_the_units_op_names():
   loss, params, x = _setup()
-  hlo = jax.jit(ooo.grad(loss, mode="single_gpu", device="H100")).lower(params, x).as_text(
-      debug_info=True)
+  hlo = (
+    jax.jit(ooo.grad(loss, mode="single_gpu", device="H100"))
+    .lower(params, x)
+    .as_text(debug_info=True)
+  )
   names = set(re.findall(r"ooo_[A-Z]\d+", hlo))
   assert "jit(ooo)" in hlo  # the one nested call
   assert {"ooo_F0", "ooo_X0", "ooo_W0"} <= names, sorted(names)  # each unit keeps its scope
@@ -118,6 +128,7 @@ def test_fast_path_is_taken_under_jit_and_not_eagerly(monkeypatch):
     t = orig()
     calls["copied"] += t is not None
     return t
+
   monkeypatch.setattr(_compat, "_staging_trace", spy)
   loss, params, x = _setup()
   g = ooo.grad(loss, mode="in_order")
@@ -158,6 +169,7 @@ def test_gc_is_paused_only_inside_and_restored_on_errors():
 
   def bad(p, x):
     return jnp.ones(3) * loss(p, x)  # not a scalar
+
   with pytest.raises(TypeError):
     ooo.grad(bad)(params, x)
   assert gc.isenabled()
@@ -178,6 +190,7 @@ def test_a_consumed_program_is_never_fingerprinted():
   def keep_alive(split, *a, **k):  # as a reference cycle would, until the next call
     kept.append(split.jaxpr)
     return api_emit(split, *a, **k)
+
   api_emit = api.emit
   api.emit = keep_alive
   try:
@@ -194,7 +207,8 @@ def _scaled_stack(scales):
   def loss(ws, x):
     for w, c in zip(ws, scales):
       x = jnp.tanh(x @ (w * c))
-    return jnp.mean(x ** 2)
+    return jnp.mean(x**2)
+
   ws = [jax.random.normal(jax.random.PRNGKey(i), (512, 512)) / 23 for i in range(len(scales))]
   return loss, ws, jax.random.normal(jax.random.PRNGKey(9), (256, 512))
 
@@ -204,8 +218,9 @@ def test_equal_dw_clusters_share_one_call_body():
   scales = (2.0,) * 4 + (3.0,) * 4
   loss, ws, x = _scaled_stack(scales)
   g = ooo.grad(loss, mode="single_gpu", device="H100")
-  calls = [e for e in _inlined(jax.make_jaxpr(g)(ws, x).jaxpr).eqns
-           if e.primitive.name == "compute_on"]
+  calls = [
+    e for e in _inlined(jax.make_jaxpr(g)(ws, x).jaxpr).eqns if e.primitive.name == "compute_on"
+  ]
   bodies = {id(j) for e in calls for j in _compat.subjaxprs(e)}
   assert len(calls) >= 4 and 2 <= len(bodies) < len(calls)
   # a literal differs (2.0 vs 3.0): those clusters keep their own bodies
@@ -214,11 +229,12 @@ def test_equal_dw_clusters_share_one_call_body():
 
 
 def test_exact_key_tells_apart_what_computes_differently():
-  from passes.fingerprint import exact_key
+  from ooojax.passes.fingerprint import exact_key
 
   def key(f):
     j = jax.make_jaxpr(f)(jnp.ones(3)).jaxpr
     return exact_key(j.eqns, j.invars, j.outvars)
+
   assert key(lambda x: x * 2.0) == key(lambda x: x * 2.0)
   assert key(lambda x: x * 2.0) != key(lambda x: x * 3.0)
   assert key(lambda x: x * 0.0) != key(lambda x: x * -0.0)  # equal floats, different results
@@ -229,20 +245,26 @@ def test_exact_key_tells_apart_what_computes_differently():
 def test_shared_calls_keep_their_own_scheduling_group():
   # a site's equations carry the context they were traced in: one group per call
   import re
+
   loss, ws, x = _scaled_stack((2.0,) * 8)
   g = ooo.grad(loss, mode="single_gpu", device="H100", ordering="scheduling_group")
   lines = jax.jit(g).lower(ws, x).as_text().splitlines()
-  groups = [re.search(r'_scheduling_group_id = "(\d+)"', line + nxt).group(1)
-            for line, nxt in zip(lines, lines[1:]) if "call @compute_on" in line]
+  groups = [
+    re.search(r'_scheduling_group_id = "(\d+)"', line + nxt).group(1)
+    for line, nxt in zip(lines, lines[1:])
+    if "call @compute_on" in line
+  ]
   assert len(groups) >= 4 and len(set(groups)) == len(groups)
 
 
 # --- mode="data_parallel" under shard_map(check_vma=True) ------------------------
 def _on_two_devices(grad_fn, check_vma=True):
   from jax.sharding import PartitionSpec as P
+
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
-  return jax.shard_map(grad_fn, mesh=mesh, in_specs=(P(), P("d")), out_specs=P(),
-                       check_vma=check_vma)
+  return jax.shard_map(
+    grad_fn, mesh=mesh, in_specs=(P(), P("d")), out_specs=P(), check_vma=check_vma
+  )
 
 
 def _dp_grad(loss):
@@ -263,6 +285,7 @@ def test_data_parallel_copies_equations_under_check_vma(monkeypatch):
   def vary(ax):
     seen["vary"] += 1
     return orig_vary(ax)
+
   monkeypatch.setattr(_compat, "bind_eqn", bind)
   monkeypatch.setattr(_compat, "vary_inputs", vary)
   fast = jax.make_jaxpr(_dp_grad(loss))(params, x)
@@ -282,9 +305,11 @@ def test_data_parallel_untyped_fallback(close):
   d = 4
 
   def loss(w, xs):
-    h, _ = jax.lax.scan(lambda h, x: (jnp.tanh(x @ w + h), None),
-                        jnp.zeros((xs.shape[0], d)), xs.swapaxes(0, 1))
-    return jnp.mean(h ** 2)
+    h, _ = jax.lax.scan(
+      lambda h, x: (jnp.tanh(x @ w + h), None), jnp.zeros((xs.shape[0], d)), xs.swapaxes(0, 1)
+    )
+    return jnp.mean(h**2)
+
   w = jax.random.normal(jax.random.PRNGKey(0), (d, d))
   xs = jax.random.normal(jax.random.PRNGKey(1), (4, 3, d))
   with pytest.raises(TypeError, match="manual axis types"):
@@ -300,11 +325,18 @@ def test_data_parallel_replicated_inputs(per_device, monkeypatch, close):
   # traces them), unless something inside varies (axis_index): then from
   # varying leaves, else AD would reduce the gradients itself before the buckets.
   from jax.sharding import PartitionSpec as P
+
   loss, params, x = _setup()
   f = (lambda p, x: loss(p, x * (1.0 + jax.lax.axis_index("d")))) if per_device else loss
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
-  g = jax.jit(jax.shard_map(lambda p, x: ooo.grad(f, mode="data_parallel", axis_name="d")(p, x),
-                            mesh=mesh, in_specs=(P(), P()), out_specs=P()))
+  g = jax.jit(
+    jax.shard_map(
+      lambda p, x: ooo.grad(f, mode="data_parallel", axis_name="d")(p, x),
+      mesh=mesh,
+      in_specs=(P(), P()),
+      out_specs=P(),
+    )
+  )
   traces = []
   orig = _compat.invariant_program
   monkeypatch.setattr(_compat, "invariant_program", lambda c: traces.append(orig(c)) or traces[-1])
@@ -315,8 +347,9 @@ def test_data_parallel_replicated_inputs(per_device, monkeypatch, close):
   assert traces == [not per_device]
   # either way the equations are copied (axis_index is bound: it names the mesh)
   assert [e.primitive.name for e in binds] == ["axis_index"] * per_device
-  want = jax.tree.map(lambda *gs: sum(gs) / 2,
-                      *[jax.grad(loss)(params, x * (1.0 + i * per_device)) for i in range(2)])
+  want = jax.tree.map(
+    lambda *gs: sum(gs) / 2, *[jax.grad(loss)(params, x * (1.0 + i * per_device)) for i in range(2)]
+  )
   close(got, want)
 
 
@@ -325,12 +358,19 @@ def test_shared_calls_under_shard_map_like_jax_grad(check_vma):
   # The shared calls are traced with the operands' own types (varying axes
   # kept), and a replicated parameter's gradient is summed over the axis.
   from jax.sharding import PartitionSpec as P
+
   loss, ws, x = _scaled_stack((2.0,) * 4 + (3.0,) * 4)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
 
   def mapped(grad):
-    return jax.shard_map(lambda w, x: grad(loss)(w, x), mesh=mesh, in_specs=(P(), P("d")),
-                         out_specs=P("d"), check_vma=check_vma)
+    return jax.shard_map(
+      lambda w, x: grad(loss)(w, x),
+      mesh=mesh,
+      in_specs=(P(), P("d")),
+      out_specs=P("d"),
+      check_vma=check_vma,
+    )
+
   ours = mapped(lambda f: ooo.grad(f, mode="single_gpu", device="H100"))
   (body,) = _compat.subjaxprs(jax.make_jaxpr(ours)(ws, x).eqns[0])
   body = _inlined(body)

@@ -1,4 +1,5 @@
 """Bad input raises what jax.grad raises, with a clear message."""
+
 import jax
 import jax.numpy as jnp
 import pytest

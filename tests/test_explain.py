@@ -30,14 +30,16 @@ def test_explain_accepts_options_and_kwargs():
 def test_compiled_schedule_beside_the_simulated_one(tmp_path):
   # Needs the compile-only GPU (gpu-hlo extra); skipped with the reason otherwise.
   import pytest
+
   from ooojax import gpu_hlo
+
   reason = gpu_hlo.unavailable_reason()
   if reason is not None:
     pytest.skip(f"compile-only GPU: {reason}")
   from tests.test_gpu_hlo import _demo_cnn
+
   loss_fn, args = _demo_cnn()  # ShapeDtypeStructs: explain needs shapes only
-  r = ooo.explain(loss_fn, *args, has_aux=True, mode="single_gpu", device="H100",
-                  ordering="none")
+  r = ooo.explain(loss_fn, *args, has_aux=True, mode="single_gpu", device="H100", ordering="none")
   c = r.compiled("H100")
   side = r.on_stream(1)
   assert [u.unit for u in c.units if u.predicted_stream == 1] == side and len(side) >= 8
@@ -69,14 +71,17 @@ def _deep(n=6, d=512):
   def loss(p, x):
     for i in range(n):
       x = jnp.tanh(x @ p[f"l{i}"])
-    return jnp.mean(x ** 2)
+    return jnp.mean(x**2)
+
   return loss, params, jnp.zeros((64, d))
 
 
 def test_explain_defer_shows_what_is_carried_to_the_next_step(tmp_path):
   import optax
   import pytest
+
   from ooojax import single_gpu
+
   loss, params, x = _deep()
   r = ooo.explain(loss, params, x, mode="single_gpu", device="H100", defer="auto")
   c = r.carried
@@ -108,5 +113,4 @@ def test_explain_defer_shows_what_is_carried_to_the_next_step(tmp_path):
   with pytest.raises(ValueError, match="use argnums=0"):
     ooo.explain(lambda x, p: loss(p, x), x, params, argnums=1, defer="auto")
   with pytest.raises(ValueError, match="cross_step=True"):
-    ooo.explain(loss, params, x, mode="data_parallel", axis_name="b", axis_size=2,
-                defer="auto")
+    ooo.explain(loss, params, x, mode="data_parallel", axis_name="b", axis_size=2, defer="auto")

@@ -1,4 +1,5 @@
 """`ooo.explain(mode="data_parallel")`, `ooo.pipeline.explain` and their `hlo` CLI modes."""
+
 import jax
 import jax.numpy as jnp
 import matplotlib
@@ -12,12 +13,19 @@ import ooojax as ooo  # noqa: E402
 from ooojax import gpu_hlo  # noqa: E402
 from ooojax.models import mlp_stack  # noqa: E402
 
-needs_gpu_hlo = pytest.mark.skipif(gpu_hlo.unavailable_reason() is not None,
-                                   reason=f"compile-only GPU: {gpu_hlo.unavailable_reason()}")
+needs_gpu_hlo = pytest.mark.skipif(
+  gpu_hlo.unavailable_reason() is not None,
+  reason=f"compile-only GPU: {gpu_hlo.unavailable_reason()}",
+)
 
 L, D = 4, 128
-PARAMS = {f"l{i}": {"w": jax.ShapeDtypeStruct((D, D), jnp.float32),
-                    "b": jax.ShapeDtypeStruct((D,), jnp.float32)} for i in range(L)}
+PARAMS = {
+  f"l{i}": {
+    "w": jax.ShapeDtypeStruct((D, D), jnp.float32),
+    "b": jax.ShapeDtypeStruct((D,), jnp.float32),
+  }
+  for i in range(L)
+}
 SHARD = jax.ShapeDtypeStruct((64, D), jnp.float32)  # one device's rows
 DP = dict(mode="data_parallel", axis_name="batch", device="H100", link="10GbE")
 
@@ -25,7 +33,7 @@ DP = dict(mode="data_parallel", axis_name="batch", device="H100", link="10GbE")
 def mlp_loss(p, x):
   for i in range(L):
     x = jnp.tanh(x @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"])
-  return jnp.mean(x ** 2)
+  return jnp.mean(x**2)
 
 
 # --- data parallel ---------------------------------------------------------------
@@ -33,12 +41,12 @@ def test_data_parallel_report_is_the_plan_ooo_grad_emits(tmp_path):
   r = ooo.explain(mlp_loss, PARAMS, SHARD, axis_size=8, bucket_bytes=1, first_k=1, **DP)
   assert r.mode == "data_parallel" and r.first_k == 1 and r.first_k_layers == ("['l0']",)
   rows = r.buckets
-  assert len(rows) == 2 * L                      # bucket_bytes=1: one leaf per bucket
+  assert len(rows) == 2 * L  # bucket_bytes=1: one leaf per bucket
   assert sorted(p for b in rows for p in b.paths) == sorted(r.param_names)
   assert len(r.param_names) == 2 * L and "['l3']['w']" in r.param_names
   assert sum(b.nbytes for b in rows) == L * (D * D + D) * 4
   assert {p for b in rows if b.deferred for p in b.paths} == {"['l0']['w']", "['l0']['b']"}
-  assert all(b.end > b.start for b in rows) and rows[-1].deferred   # layer 0 last
+  assert all(b.end > b.start for b in rows) and rows[-1].deferred  # layer 0 last
   assert r.plan.makespan >= r.compute_seconds and 0.0 <= r.overlap <= 1.0
   assert r.exposed_seconds == pytest.approx(r.plan.makespan - r.compute_seconds)
   # the same plan `ooo.grad(mode="data_parallel")` makes inside shard_map
@@ -49,16 +57,29 @@ def test_data_parallel_report_is_the_plan_ooo_grad_emits(tmp_path):
   def per_device(p, x):
     box["plan"], _ = vg.plan((p, x), {})
     return jnp.zeros(())
+
   full = jax.ShapeDtypeStruct((8 * SHARD.shape[0], D), jnp.float32)
-  jax.eval_shape(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("batch")),
-                               out_specs=P(), check_vma=False), PARAMS, full)
+  jax.eval_shape(
+    jax.shard_map(
+      per_device, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P(), check_vma=False
+    ),
+    PARAMS,
+    full,
+  )
   emitted = box["plan"].collectives
   assert [b.grads for b in emitted.buckets] == [b.grads for b in r.plan.buckets]
   assert emitted.link_actions == r.plan.link_actions
   text = repr(r)
-  for s in ("reverse first-k: k=1", "['l0'] run their dW after the dX chain", "S7:",
-            "(first-k)", "link:", "cost + link model, not measured", "hidden",
-            "one all-reduce after the backward"):
+  for s in (
+    "reverse first-k: k=1",
+    "['l0'] run their dW after the dX chain",
+    "S7:",
+    "(first-k)",
+    "link:",
+    "cost + link model, not measured",
+    "hidden",
+    "one all-reduce after the backward",
+  ):
     assert s in text, s
   assert "<pre>" in r._repr_html_()
   ax = r.plot()
@@ -72,7 +93,7 @@ def test_data_parallel_report_chooses_k_and_buckets():
   assert r.plan.bucket_bytes in (0, 256 << 10, 1 << 20, 4 << 20, 25 << 20)
   assert r.plan.cross_step <= r.plan.makespan + 1e-12
   one = ooo.explain(mlp_loss, PARAMS, SHARD, axis_size=1, **DP)
-  assert one.comm_seconds == 0.0 and one.overlap == 1.0   # nothing to reduce on one device
+  assert one.comm_seconds == 0.0 and one.overlap == 1.0  # nothing to reduce on one device
 
 
 def test_data_parallel_report_says_what_is_carried_to_the_next_step():
@@ -80,11 +101,13 @@ def test_data_parallel_report_says_what_is_carried_to_the_next_step():
   assert r.carried_paths == ("['l0']['b']", "['l0']['w']", "['l1']['b']", "['l1']['w']")
   assert r.carried_bytes == 2 * (D * D + D) * 4
   assert r.hidden_seconds == pytest.approx(r.plan.makespan - r.plan.cross_step)
-  assert r.hidden_seconds > 0      # 10GbE: the first layers' all-reduce is exposed in-step
+  assert r.hidden_seconds > 0  # 10GbE: the first layers' all-reduce is exposed in-step
   text = repr(r)
-  assert (f"carried to the next step (dp.make_train_step, cross_step=True): the all-reduce "
-          f"and optimizer update of layers ['l0'], ['l1'] (4 leaves, {r.carried_bytes} B "
-          "per device in Pending") in text
+  assert (
+    f"carried to the next step (dp.make_train_step, cross_step=True): the all-reduce "
+    f"and optimizer update of layers ['l0'], ['l1'] (4 leaves, {r.carried_bytes} B "
+    "per device in Pending"
+  ) in text
   assert f"({r.hidden_seconds * 1e3:.3f} ms hidden)" in text
   none = ooo.explain(mlp_loss, PARAMS, SHARD, axis_size=8, first_k=0, **DP)
   assert none.carried_paths == () and none.hidden_seconds == 0.0
@@ -98,9 +121,15 @@ def test_data_parallel_report_reads_the_axis_size_inside_shard_map():
   def per_device(p, x):
     box["r"] = ooo.explain(mlp_loss, p, x, bucket_bytes=1, **DP)
     return jnp.zeros(())
+
   full = jax.ShapeDtypeStruct((4 * SHARD.shape[0], D), jnp.float32)
-  jax.eval_shape(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("batch")),
-                               out_specs=P(), check_vma=False), PARAMS, full)
+  jax.eval_shape(
+    jax.shard_map(
+      per_device, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P(), check_vma=False
+    ),
+    PARAMS,
+    full,
+  )
   assert isinstance(box["r"], ooo.DataParallelReport) and box["r"].plan.n_devices == 4
 
 
@@ -154,8 +183,13 @@ def test_pipeline_report_contents(tmp_path):
   assert r.bubble_fraction == pytest.approx(sched.bubble_fraction(r.costs, r.comm))
   assert ooo.pipeline.PipelineSchedule.parse(r.to_text()) == sched
   text = repr(r)
-  for s in ("bubble (simulated)", "cost model, H100, not measured", "stage 3: peak activations",
-            "25GbE", "s0 "):
+  for s in (
+    "bubble (simulated)",
+    "cost model, H100, not measured",
+    "stage 3: peak activations",
+    "25GbE",
+    "s0 ",
+  ):
     assert s in text, s
   assert "<pre>" in r._repr_html_()
   ax = r.plot()
@@ -169,6 +203,7 @@ def test_pipeline_report_contents(tmp_path):
 
 def test_pipeline_report_over_several_steps():
   import dataclasses
+
   stage_fn, loss_fn, params, batch = _stack(4)
   r = ooo.pipeline.explain(stage_fn, loss_fn, "zb-h2", params, batch, microbatches=8, steps=3)
   st = r.steady_state()
@@ -182,8 +217,12 @@ def test_pipeline_report_over_several_steps():
   assert "carried into the next step's warm-up" in text
   # F = B = W: step t's drain runs beside step t + 1's warm-up, no bubble left
   unit = dataclasses.replace(r, costs={"F": 1.0, "B": 1.0, "W": 1.0})
-  assert unit.carried_actions == ((), ("1W7", "1U"), ("2W6", "2W7", "2U"),
-                                  ("3W5", "3W6", "3W7", "3U"))
+  assert unit.carried_actions == (
+    (),
+    ("1W7", "1U"),
+    ("2W6", "2W7", "2U"),
+    ("3W5", "3W6", "3W7", "3U"),
+  )
   assert unit.steady_state().steady_bubble == pytest.approx(0.0)
   assert "stage 3: 3W5 3W6 3W7 3U" in repr(unit)
   one = ooo.pipeline.explain(stage_fn, loss_fn, "zb-h2", params, batch, microbatches=8)
@@ -197,7 +236,7 @@ def test_pipeline_report_over_several_steps():
 
 
 def test_pipeline_report_interleaved_by_name():
-  stage_fn, loss_fn, params, batch = _stack(4)   # 4 virtual stages = 2 devices x 2 chunks
+  stage_fn, loss_fn, params, batch = _stack(4)  # 4 virtual stages = 2 devices x 2 chunks
   r = ooo.pipeline.explain(stage_fn, loss_fn, "interleaved", params, batch, microbatches=4)
   assert (r.schedule.stages, r.schedule.chunks, len(r.stages)) == (2, 2, 2)
 
@@ -213,8 +252,7 @@ def test_pipeline_report_errors():
   with pytest.raises(ValueError, match="disagrees"):
     ex(stage_fn, loss_fn, sched, params, batch, microbatches=8)
   with pytest.raises(ValueError, match="stacked on a leading axis of 4"):
-    ex(stage_fn, loss_fn, ooo.pipeline.schedule("1f1b", stages=4, microbatches=4), params,
-       batch)
+    ex(stage_fn, loss_fn, ooo.pipeline.schedule("1f1b", stages=4, microbatches=4), params, batch)
   with pytest.raises(ValueError, match="divisible by microbatches=3"):
     ex(stage_fn, loss_fn, "1f1b", params, batch, microbatches=3)
   with pytest.raises(ValueError, match="unknown device spec"):
@@ -236,13 +274,14 @@ def test_pipeline_compiled_ppermute_windows(lag):
     # issued before the action: the tick's action switch (its GEMMs) runs inside
     assert len(busy) == 1 and busy[0].compute[0].startswith("conditional")
   else:
-    assert not busy            # lag 0: a tick's transfer waits for its action
+    assert not busy  # lag 0: a tick's transfer waits for its action
   assert "collective-permutes" in repr(r) and "tick loop" in repr(r)
 
 
 # --- the hlo CLI --------------------------------------------------------------------
 def test_cli_data_parallel(capsys):
   from ooojax.__main__ import main
+
   assert main(["hlo", "--mode", "data_parallel", "--tiny", "--devices", "2"]) == 0
   out = capsys.readouterr().out
   assert "mode=data_parallel over 2 devices" in out and "reverse first-k" in out
@@ -252,8 +291,28 @@ def test_cli_data_parallel(capsys):
 
 def test_cli_pipeline(capsys):
   from ooojax.__main__ import main
-  assert main(["hlo", "--mode", "pipeline", "--tiny", "--stages", "2", "--microbatches", "2",
-               "--schedule", "1f1b", "--size", "dim=32", "--size", "hidden=32"]) == 0
+
+  assert (
+    main(
+      [
+        "hlo",
+        "--mode",
+        "pipeline",
+        "--tiny",
+        "--stages",
+        "2",
+        "--microbatches",
+        "2",
+        "--schedule",
+        "1f1b",
+        "--size",
+        "dim=32",
+        "--size",
+        "hidden=32",
+      ]
+    )
+    == 0
+  )
   out = capsys.readouterr().out
   assert "ooojax pipeline plan: 1f1b, 2 stages" in out and "bubble (simulated)" in out
   assert ("collective-permutes" in out) == (gpu_hlo.unavailable_reason() is None)
@@ -265,24 +324,33 @@ def test_cli_pipeline(capsys):
 def test_auto_explain_equals_the_explicit_explain_on_the_cut():
   from ooojax.pipeline import _auto_parts, _table
   from tests.test_pipeline_auto import _gpt
+
   loss, params, batch = _gpt(scan=True)
-  auto = ooo.pipeline.explain(loss, params, *batch, stages=2, schedule="1f1b",
-                              microbatches=4, link="25GbE")
+  auto = ooo.pipeline.explain(
+    loss, params, *batch, stages=2, schedule="1f1b", microbatches=4, link="25GbE"
+  )
   # the explicit form on the same cut (what value_and_grad(loss_fn) runs)
   leaves, tree = jax.tree.flatten(params)
   avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
   parts = _auto_parts(loss, False, _table("1f1b", 2, 4, None), 1, avals, tree, batch)
   c, counts = parts.cut, parts.balance.counts
   sfn, lfn, ifn = parts.fns
-  ex = ooo.pipeline.explain(sfn, lfn, "1f1b", c.stage_params(leaves, counts),
-                            parts.rowed(jax.tree.leaves(batch)),
-                            tuple(leaves[i] for i in c.shared), ifn, microbatches=4,
-                            link="25GbE")
+  ex = ooo.pipeline.explain(
+    sfn,
+    lfn,
+    "1f1b",
+    c.stage_params(leaves, counts),
+    parts.rowed(jax.tree.leaves(batch)),
+    tuple(leaves[i] for i in c.shared),
+    ifn,
+    microbatches=4,
+    link="25GbE",
+  )
   assert auto.to_text() == ex.to_text()
   assert auto.bubble_fraction == pytest.approx(ex.bubble_fraction)
   assert auto.memory == ex.memory and auto.costs == pytest.approx(ex.costs)
   assert auto.cut.layers == 4 and auto.cut.scanned
-  assert auto.cut.tied and "embedding" in " ".join(auto.cut.tied)   # emb.attend: tied
+  assert auto.cut.tied and "embedding" in " ".join(auto.cut.tied)  # emb.attend: tied
   assert auto.balance.counts == counts and sum(counts) == 4
   text = auto.summary()
   assert "cut (automatic): 4 layers, one scan" in text and "balance: layers per" in text
@@ -296,22 +364,24 @@ def test_auto_explain_equals_the_explicit_explain_on_the_cut():
 
 def test_auto_explain_heavy_head_and_shapes_only():
   from tests.test_pipeline_balance import _lm
+
   loss, params, batch = _lm(8)
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
-  r = ooo.pipeline.explain(loss, shapes[0], *shapes[1], stages=4, schedule="1f1b",
-                           microbatches=4)
+  r = ooo.pipeline.explain(loss, shapes[0], *shapes[1], stages=4, schedule="1f1b", microbatches=4)
   b = r.balance
   assert b.counts[-1] < max(b.counts) and b.step_seconds < b.even_step_seconds, b
   assert r.cut.last == ("['head']",) and r.cut.first == ("['embed']",)
   assert f"vs {b.even_step_seconds * 1e3:.3f} ms even" in r.summary()
-  even = ooo.pipeline.explain(loss, params, *batch, stages=4, schedule="1f1b",
-                              microbatches=4, layers="even")
+  even = ooo.pipeline.explain(
+    loss, params, *batch, stages=4, schedule="1f1b", microbatches=4, layers="even"
+  )
   assert even.balance.counts == (2, 2, 2, 2)
 
 
 def test_auto_explain_errors():
   from tests.test_pipeline_auto import _mlp
-  loss, params, batch = _mlp(widths=[16, 24, 12, 20])   # layers of different shapes
+
+  loss, params, batch = _mlp(widths=[16, 24, 12, 20])  # layers of different shapes
   with pytest.raises(ValueError, match="found no repeated stack"):
     ooo.pipeline.explain(loss, params, *batch, stages=2, microbatches=2)
   loss, params, batch = _mlp()
@@ -326,7 +396,8 @@ def test_auto_explain_errors():
 
 def test_auto_explain_side_inputs():
   from tests.test_pipeline_side import _lm
-  loss, params, batch = _lm(scan=True, segments=True)   # a padding mask and segment ids
+
+  loss, params, batch = _lm(scan=True, segments=True)  # a padding mask and segment ids
   r = ooo.pipeline.explain(loss, params, *batch, stages=2, schedule="1f1b", microbatches=4)
   assert r.cut.side == ("batch[0]", "batch[1]")
   assert "side inputs (every stage reads): batch[0], batch[1]" in r.summary()

@@ -3,6 +3,7 @@
 Silently wrong gradients (argnums, statics, stale Python state), result types
 (weak types, non-array aux), and errors that name the user's function.
 """
+
 import math
 
 import jax
@@ -35,8 +36,7 @@ def test_negative_argnums_match_jax(argnums):
   assert_same(*both(f, 1.5, jnp.array([0.5, 2.0]), argnums=argnums))
 
 
-@pytest.mark.parametrize("argnums,etype", [((-3,), ValueError), (2, TypeError),
-                                           ((), ValueError)])
+@pytest.mark.parametrize("argnums,etype", [((-3,), ValueError), (2, TypeError), ((), ValueError)])
 def test_invalid_argnums_raise_jax_types(argnums, etype):
   f = lambda a, b: a * b
   assert outcome(lambda: jax.grad(f, argnums=argnums)(1.0, 2.0)) == ("err", etype)
@@ -70,7 +70,7 @@ def test_bound_method_attribute_changes_between_calls():
 
     def loss(self, w):
       y = w / self.temperature
-      return jnp.sum(y ** 2 if self.use_square else y)
+      return jnp.sum(y**2 if self.use_square else y)
 
   m = Model()
   g, jg = ooo.grad(m.loss, mode="in_order"), jax.grad(m.loss)
@@ -111,6 +111,7 @@ def test_under_jit_like_jax_grad_under_jit():
 
   def step(grad):
     return jax.jit(lambda w: grad(f)(w))
+
   ours, theirs = step(lambda f: ooo.grad(f, mode="in_order")), step(jax.grad)
   w = jnp.ones(2)
   assert_same(ours(w), theirs(w))
@@ -119,10 +120,12 @@ def test_under_jit_like_jax_grad_under_jit():
 
 
 # --- result types ----------------------------------------------------------------
-@pytest.mark.parametrize("x", [2.0, 3, np.float32(2.0), jnp.float32(2.0), jnp.array(2.0),
-                               jnp.array([1.0, 2.0], jnp.bfloat16)])
+@pytest.mark.parametrize(
+  "x",
+  [2.0, 3, np.float32(2.0), jnp.float32(2.0), jnp.array(2.0), jnp.array([1.0, 2.0], jnp.bfloat16)],
+)
 def test_weak_types_and_dtypes_match(x):
-  f = lambda w: jnp.sum(w.astype(jnp.result_type(w)) ** 2) if hasattr(w, "dtype") else w ** 2
+  f = lambda w: jnp.sum(w.astype(jnp.result_type(w)) ** 2) if hasattr(w, "dtype") else w**2
   if isinstance(x, int):
     assert outcome(lambda: ooo.grad(f)(x))[1] is outcome(lambda: jax.grad(f)(x))[1]
     return
@@ -132,28 +135,38 @@ def test_weak_types_and_dtypes_match(x):
 def test_weak_type_through_trees_and_allow_int():
   f = lambda p: p["a"] ** 2 * 3.0 + jnp.sum(p["b"]) + p["n"] * 0
   p = {"a": 2.0, "b": jnp.ones(2), "n": 3}
-  assert_same(ooo.grad(f, allow_int=True, mode="in_order")(p),
-              jax.grad(f, allow_int=True)(p))
+  assert_same(ooo.grad(f, allow_int=True, mode="in_order")(p), jax.grad(f, allow_int=True)(p))
 
 
-AUX = [3, 2.5, "label", None, (1, "a", [2.0]), np.float32(3.0), np.ones(2),
-       {"n": 1, "s": "x"}, float("nan")]
+AUX = [
+  3,
+  2.5,
+  "label",
+  None,
+  (1, "a", [2.0]),
+  np.float32(3.0),
+  np.ones(2),
+  {"n": 1, "s": "x"},
+  float("nan"),
+]
 
 
 @pytest.mark.parametrize("aux", AUX, ids=repr)
 def test_non_array_aux_comes_back_as_is(aux):
-  f = lambda w: (jnp.sum(w ** 2), aux)
+  f = lambda w: (jnp.sum(w**2), aux)
   w = jnp.ones(2)
   assert_same(ooo.grad(f, has_aux=True, mode="in_order")(w), jax.grad(f, has_aux=True)(w))
-  assert_same(ooo.value_and_grad(f, has_aux=True, mode="in_order")(w),
-              jax.value_and_grad(f, has_aux=True)(w))
+  assert_same(
+    ooo.value_and_grad(f, has_aux=True, mode="in_order")(w), jax.value_and_grad(f, has_aux=True)(w)
+  )
 
 
 def test_mixed_aux_under_jit_matches_jax():
-  f = lambda w: (jnp.sum(w ** 2), {"w2": w * 2, "n": 3, "x": 0.5})
+  f = lambda w: (jnp.sum(w**2), {"w2": w * 2, "n": 3, "x": 0.5})
 
   def run(grad):
     return jax.jit(lambda w: grad(f, has_aux=True)(w))(jnp.ones(2))
+
   assert_same(run(lambda f, **k: ooo.grad(f, mode="in_order", **k)), run(jax.grad))
 
 
@@ -167,6 +180,7 @@ def test_python_if_on_traced_value_explains():
     if jnp.sum(weights) > 0:
       return jnp.sum(weights * batch)
     return -jnp.sum(weights)
+
   w = jnp.ones(2)
   jax.grad(my_loss)(w, w)  # eager jax.grad runs it
   with pytest.raises(jax.errors.TracerBoolConversionError) as e:
@@ -177,10 +191,14 @@ def test_python_if_on_traced_value_explains():
     assert internal not in msg, (internal, msg)
 
 
-@pytest.mark.parametrize("body,etype", [
+@pytest.mark.parametrize(
+  "body,etype",
+  [
     (lambda x: float(x), jax.errors.ConcretizationTypeError),
     (lambda x: [x, 2 * x][x.astype(jnp.int32)], jax.errors.TracerIntegerConversionError),
-    (lambda x: np.asarray(x).sum(), jax.errors.TracerArrayConversionError)])
+    (lambda x: np.asarray(x).sum(), jax.errors.TracerArrayConversionError),
+  ],
+)
 def test_value_conversions_keep_jax_error_types(body, etype):
   with pytest.raises(etype) as e:
     ooo.grad(body)(jnp.float32(1.0))
@@ -192,13 +210,17 @@ def test_argument_paths_named_in_errors():
     if params["w"][0] > scale:
       return jnp.sum(params["w"])
     return 0.0
+
   with pytest.raises(jax.errors.TracerBoolConversionError, match=r"params\['w'\]"):
     ooo.grad(loss)({"w": jnp.ones(2)}, scale=0.5)
 
 
 def test_tuple_output_and_bad_aux_name_no_internals():
-  for f, kw in [(lambda x: (x, x), {}), (lambda x: x, {"has_aux": True}),
-                (lambda x: [x, x, x], {"has_aux": True})]:
+  for f, kw in [
+    (lambda x: (x, x), {}),
+    (lambda x: x, {"has_aux": True}),
+    (lambda x: [x, x, x], {"has_aux": True}),
+  ]:
     jt = outcome(lambda: jax.grad(f, **kw)(1.0))[1]
     with pytest.raises(jt) as e:
       ooo.grad(f, **kw)(1.0)
@@ -216,6 +238,7 @@ def test_nan_inputs_and_infinities_flow_like_jax():
 @pytest.mark.parametrize("case", ["mlp_case", "block_case", "cnn_case"])
 def test_flax_models_reuse_their_plan(case):
   from tests import models
+
   loss, args = getattr(models, case)()
   vg = ooo.value_and_grad(loss, has_aux=case == "cnn_case", mode="in_order")
   p1, _ = vg.plan(args, {})
@@ -230,12 +253,19 @@ def test_under_shard_map_like_jax_grad_there(mode, check_vma):
   # Replicated w, sharded x: with vma types jax.grad sums w's gradient over
   # the axis (its type is invariant); without, it is the per-device one.
   from jax.sharding import Mesh, PartitionSpec as P
+
   mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
   loss = lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2)  # noqa: E731
   w, x = jnp.full((3, 3), 0.1), jnp.arange(12.0).reshape(4, 3)
 
   def run(grad):
-    f = jax.shard_map(lambda w, x: grad(loss)(w, x), mesh=mesh, in_specs=(P(), P("d")),
-                      out_specs=P("d"), check_vma=check_vma)
+    f = jax.shard_map(
+      lambda w, x: grad(loss)(w, x),
+      mesh=mesh,
+      in_specs=(P(), P("d")),
+      out_specs=P("d"),
+      check_vma=check_vma,
+    )
     return jax.jit(f)(w, x)
+
   assert_same(run(lambda f: ooo.grad(f, mode=mode, device="H100")), run(jax.grad))

@@ -4,6 +4,7 @@ The loops use SGD with momentum: Adam turns float32 noise in near-zero
 gradients into full-size steps of either sign, which would test chaos, not
 ooojax (single-step gradients agree to ~1e-8 either way).
 """
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -31,8 +32,12 @@ def _linen_state():
   model = LinenNet()
   x = jax.random.normal(jax.random.PRNGKey(0), (4, 8, 8, 3))
   v = model.init(jax.random.PRNGKey(1), x, train=False)
-  state = oflax.TrainState.create(apply_fn=model.apply, params=v["params"],
-                                  batch_stats=v["batch_stats"], tx=optax.sgd(0.05, momentum=0.9))
+  state = oflax.TrainState.create(
+    apply_fn=model.apply,
+    params=v["params"],
+    batch_stats=v["batch_stats"],
+    tx=optax.sgd(0.05, momentum=0.9),
+  )
   batch = {"x": x, "y": jnp.arange(4) % 10}
   return state, batch
 
@@ -47,8 +52,9 @@ def test_linen_train_state_loop_matches_plain_jax(close):
   rng = jax.random.key(3)
   out = {}
   for use_ooo in (True, False):
-    step = oflax.make_train_step(_linen_loss, mutable=("batch_stats",), rngs=("dropout",),
-                                 use_ooo=use_ooo, **OPTS)
+    step = oflax.make_train_step(
+      _linen_loss, mutable=("batch_stats",), rngs=("dropout",), use_ooo=use_ooo, **OPTS
+    )
     state = state0
     for _ in range(10):
       state, metrics = step(state, batch, rng)
@@ -57,17 +63,19 @@ def test_linen_train_state_loop_matches_plain_jax(close):
   close(out[True].batch_stats, out[False].batch_stats, rtol=1e-4)
   assert int(out[True].step) == 10
   # the loop really trained and really updated the running statistics
-  assert not jnp.allclose(out[True].batch_stats["BatchNorm_0"]["mean"],
-                          state0.batch_stats["BatchNorm_0"]["mean"])
+  assert not jnp.allclose(
+    out[True].batch_stats["BatchNorm_0"]["mean"], state0.batch_stats["BatchNorm_0"]["mean"]
+  )
 
 
 def test_linen_step_errors():
   state, batch = _linen_state()
-  plain = oflax.TrainState.create(apply_fn=state.apply_fn, params=state.params,
-                                  tx=optax.sgd(0.1))
+  plain = oflax.TrainState.create(apply_fn=state.apply_fn, params=state.params, tx=optax.sgd(0.1))
   from flax.training import train_state
-  bare = train_state.TrainState.create(apply_fn=state.apply_fn, params=state.params,
-                                       tx=optax.sgd(0.1))
+
+  bare = train_state.TrainState.create(
+    apply_fn=state.apply_fn, params=state.params, tx=optax.sgd(0.1)
+  )
   step = oflax.make_train_step(_linen_loss, mutable=("batch_stats",), rngs=("dropout",))
   with pytest.raises(TypeError, match="rng"):
     step(state, batch)
@@ -81,13 +89,17 @@ def test_linen_step_errors():
 def test_linen_has_aux_without_mutable_collections(close):
   model = nn.Dense(3)
   x = jnp.linspace(-1, 1, 8).reshape(4, 2)
-  state = oflax.TrainState.create(apply_fn=model.apply, tx=optax.sgd(0.1),
-                                  params=model.init(jax.random.PRNGKey(0), x)["params"])
+  state = oflax.TrainState.create(
+    apply_fn=model.apply, tx=optax.sgd(0.1), params=model.init(jax.random.PRNGKey(0), x)["params"]
+  )
 
   def loss(params, x, apply):
     y = apply(params, x)
-    return jnp.mean(y ** 2), {"max": jnp.max(y)}
-  out = [oflax.make_train_step(loss, has_aux=True, use_ooo=u, **OPTS)(state, x) for u in (True, False)]
+    return jnp.mean(y**2), {"max": jnp.max(y)}
+
+  out = [
+    oflax.make_train_step(loss, has_aux=True, use_ooo=u, **OPTS)(state, x) for u in (True, False)
+  ]
   close(out[0], out[1])
   assert set(out[0][1]) == {"loss", "aux"} and "max" in out[0][1]["aux"]
 
@@ -101,6 +113,7 @@ def _nnx_train(grad_fn, steps, jit):
   def step(model, opt, x):
     grads = grad_fn(loss)(model, x)
     opt.update(model, grads)
+
   step = nnx.jit(step) if jit else step
   for _ in range(steps):
     step(model, opt, x)
@@ -124,6 +137,7 @@ def test_nnx_other_module_arguments_are_updated(close):
     f = lambda m, side, x, scale=1.0: scale * jnp.sum(side(m(x)) ** 2)
     grads = grad(f)(model, side, jnp.arange(12.0).reshape(3, 4)[:, :3], scale=0.5)
     return grads, nnx.state(side)
+
   (g_got, side_got), (g_want, side_want) = run(oflax.nnx_grad), run(nnx.grad)
   close(jax.tree.map(jnp.asarray, g_got), jax.tree.map(jnp.asarray, g_want))
   close(jax.tree.map(jnp.asarray, side_got), jax.tree.map(jnp.asarray, side_want))
@@ -146,6 +160,7 @@ def test_nnx_value_and_grad_has_aux_and_bad_input(close):
 
 def test_orbax_checkpoint_round_trip(tmp_path, close):
   import orbax.checkpoint as ocp  # in the test extras: a missing install fails, not skips
+
   state, batch = _linen_state()
   step = oflax.make_train_step(_linen_loss, mutable=("batch_stats",), rngs=("dropout",), **OPTS)
   rng = jax.random.key(5)

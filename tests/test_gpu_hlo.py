@@ -1,14 +1,14 @@
 """Compile-only GPU schedules: the HLO schedule parser and ooojax.gpu_hlo."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ooojax as ooo
 from ooojax import gpu_hlo
-from passes.hlo import schedule as hlo_schedule
+from ooojax.passes.hlo import schedule as hlo_schedule
 
 REASON = gpu_hlo.unavailable_reason()
 needs_gpu_hlo = pytest.mark.skipif(REASON is not None, reason=f"compile-only GPU: {REASON}")
@@ -108,8 +108,13 @@ def test_parse_snippet_pairs():
   s = hlo_schedule.parse(SNIPPET)
   kinds = [(p.kind, p.computation) for p in s.pairs]
   # entry pairs first, by start position; then the while body's
-  assert kinds == [("call", "main"), ("call", "main"), ("collective-permute", "main"),
-                   ("reduce-scatter", "main"), ("all-reduce", "body")]
+  assert kinds == [
+    ("call", "main"),
+    ("call", "main"),
+    ("collective-permute", "main"),
+    ("reduce-scatter", "main"),
+    ("all-reduce", "body"),
+  ]
   heavy_call, small_call = s.pairs_of("call")
   assert heavy_call.heavy_callee and heavy_call.stream == "1"
   assert [i.kind for i in heavy_call.callee if i.kind != "trivial"] == ["conv"]
@@ -126,8 +131,9 @@ def test_parse_snippet_pairs():
 
 
 def test_parse_tolerates_unscheduled_and_unnamed_entry():
-  s = hlo_schedule.parse("HloModule x\n\n%f (a: f32[]) -> f32[] {\n"
-                         "  ROOT %a = f32[] parameter(0)\n}\n")
+  s = hlo_schedule.parse(
+    "HloModule x\n\n%f (a: f32[]) -> f32[] {\n  ROOT %a = f32[] parameter(0)\n}\n"
+  )
   assert not s.is_scheduled and s.entry_name == "f" and s.pairs == ()
 
 
@@ -141,8 +147,11 @@ def test_parse_real_cpu_hlo():
   def f(w, x):
     def body(w, x):
       return jax.lax.psum(jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w), "d")
-    return jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d")), out_specs=P(),
-                         check_vma=False)(w, x)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d")), out_specs=P(), check_vma=False)(
+      w, x
+    )
+
   w = jax.ShapeDtypeStruct((16, 16), jnp.float32, sharding=NamedSharding(mesh, P()))
   x = jax.ShapeDtypeStruct((16, 16), jnp.float32, sharding=NamedSharding(mesh, P("d")))
   s = hlo_schedule.parse(jax.jit(f).lower(w, x).compile().as_text())
@@ -168,12 +177,14 @@ def test_reason_says_what_to_do(monkeypatch):
 
 def test_plugin_versions_fall_back_to_the_table(monkeypatch):
   import importlib
+
   real = importlib.import_module
 
   def no_versions(name, *a):
     if name.endswith("._versions"):
       raise ImportError(name)
     return real(name, *a)
+
   monkeypatch.setattr(importlib, "import_module", no_versions)
   monkeypatch.setattr(gpu_hlo, "_installed_plugin", lambda: "cuda13")
   monkeypatch.setattr(gpu_hlo, "_dist_version", lambda name: "0.11.2")
@@ -201,7 +212,7 @@ def test_target_configs_and_bad_input():
 def _mlp(x, ws):
   for w in ws:
     x = jnp.tanh(x @ w)
-  return jnp.mean(x ** 2)
+  return jnp.mean(x**2)
 
 
 @needs_gpu_hlo
@@ -216,6 +227,7 @@ def test_jax_grad_mlp_has_gemms_no_pairs(gpu):
 
 def _demo_cnn(batch=8):
   from ooojax import demo
+
   model = demo.SmallCNN()
   x = jax.ShapeDtypeStruct((batch, 32, 32, 3), jnp.float32)
   y = jax.ShapeDtypeStruct((batch,), jnp.int32)
@@ -253,8 +265,9 @@ def test_eight_device_psum_has_all_reduce_pairs():
   def f(w, x):
     def body(w, x):
       return jax.lax.psum(jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w), "d")
-    return jax.shard_map(body, mesh=m, in_specs=(P(), P("d")), out_specs=P(),
-                         check_vma=False)(w, x)
+
+    return jax.shard_map(body, mesh=m, in_specs=(P(), P("d")), out_specs=P(), check_vma=False)(w, x)
+
   w = jax.ShapeDtypeStruct((64, 64), jnp.float32)  # replicated by compile_text
   x = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=NamedSharding(m, P("d")))
   s = gpu_hlo.schedule(f, w, x, mesh=m)
@@ -268,6 +281,7 @@ def test_eight_device_psum_has_all_reduce_pairs():
 @needs_gpu_hlo
 def test_cli_hlo_on_demo(tmp_path, capsys):
   from ooojax.__main__ import main
+
   out = tmp_path / "demo.hlo"
   assert main(["hlo", "--model", "demo", "--tiny", "--mode", "jax", "--out", str(out)]) == 0
   text = capsys.readouterr().out
@@ -278,16 +292,22 @@ def test_cli_hlo_on_demo(tmp_path, capsys):
 
 
 def test_compare_prediction_with_compiled_snippet():
-  from passes.hlo import compare as hlo_compare
-  from passes.ir import Action, Schedule, Unit, UnitKind
-  from passes.simulate import simulate
+  from ooojax.passes.hlo import compare as hlo_compare
+  from ooojax.passes.ir import Action, Schedule, Unit, UnitKind
+  from ooojax.passes.simulate import simulate
+
   X, W = UnitKind.DX, UnitKind.DW
-  units = (Unit(X, 0, (), (), cost=1.0, util=0.5), Unit(X, 2, (), ("X0",), cost=3.0, util=0.5),
-           Unit(W, 3, (), ("X0",), cost=1.0, util=0.5, label="w3"),
-           Unit(W, 4, (), ("X0",), cost=1.0, util=0.5, label="w4"),
-           Unit(W, 5, (), ("X0",), cost=1.0, util=0.5, label="w5"))
-  streams = ((Action("X", 0, 0), Action("X", 2, 0)),
-             (Action("W", 3, 1), Action("W", 4, 1), Action("W", 5, 1)))
+  units = (
+    Unit(X, 0, (), (), cost=1.0, util=0.5),
+    Unit(X, 2, (), ("X0",), cost=3.0, util=0.5),
+    Unit(W, 3, (), ("X0",), cost=1.0, util=0.5, label="w3"),
+    Unit(W, 4, (), ("X0",), cost=1.0, util=0.5, label="w4"),
+    Unit(W, 5, (), ("X0",), cost=1.0, util=0.5, label="w5"),
+  )
+  streams = (
+    (Action("X", 0, 0), Action("X", 2, 0)),
+    (Action("W", 3, 1), Action("W", 4, 1), Action("W", 5, 1)),
+  )
   sched = Schedule(streams, (), units)
   hlo = hlo_schedule.parse(SNIPPET)
   assert hlo_compare.unit_of(hlo.find("gemm")) == "X2"

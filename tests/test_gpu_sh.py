@@ -5,6 +5,7 @@ function passed to `timeout`, a renamed flag) loses its only run. The dry run
 (`DRY=1`: tiny sizes, CPU, the same steps writing the same files) catches that
 here.
 """
+
 import os
 import pathlib
 import re
@@ -25,8 +26,9 @@ def test_dry_run_writes_every_steps_file(tmp_path):
   assert steps[:3] == ["step_time_demo_cnn", "step_time_mobilenet_v3_small", "step_time_resnet50"]
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env.update(DRY="1", OUT=str(tmp_path), PY=sys.executable, BUDGET="1200", JAX_PLATFORMS="cpu")
-  r = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True,
-                     timeout=1500)
+  r = subprocess.run(
+    ["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500
+  )
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   assert not (tmp_path / "skipped.txt").exists(), (tmp_path / "skipped.txt").read_text()
   assert "jax" in (tmp_path / "env.txt").read_text()
@@ -43,6 +45,7 @@ def test_missing_dependency_stops_at_once(tmp_path):
   fake.write_text("#!/bin/sh\nexit 1\n")
   fake.chmod(0o755)
   env = dict(os.environ, OUT=str(tmp_path / "out"), PY=str(fake))
-  r = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True,
-                     timeout=60)
+  r = subprocess.run(
+    ["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+  )
   assert r.returncode == 1 and "missing a dependency" in r.stdout

@@ -1,4 +1,5 @@
 """ooo.grad against jax.grad on real flax models, eager, jit, vmap and scan."""
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -8,10 +9,10 @@ import ooojax as ooo
 from tests import models
 
 CASES = {
-    "mlp": (models.mlp_case, {}),
-    "cnn_batchnorm": (models.cnn_case, {"has_aux": True}),
-    "transformer_block": (models.block_case, {}),
-    "tied_lm": (models.tied_lm_case, {}),
+  "mlp": (models.mlp_case, {}),
+  "cnn_batchnorm": (models.cnn_case, {"has_aux": True}),
+  "transformer_block": (models.block_case, {}),
+  "tied_lm": (models.tied_lm_case, {}),
 }
 
 
@@ -45,8 +46,12 @@ def test_vmap_per_example_grads(close):
   loss, (params, x, y) = models.mlp_case()
   per_ex = lambda p, xi, yi: loss(p, xi[None], yi[None])
   want = jax.vmap(jax.grad(per_ex), in_axes=(None, 0, 0))(params, x, y)
-  got = jax.vmap(ooo.grad(per_ex, device="H100", mode="single_gpu"), in_axes=(None, 0, 0))(params, x, y)
-  got_jit = jax.jit(jax.vmap(ooo.grad(per_ex, device="H100", mode="single_gpu"), in_axes=(None, 0, 0)))(params, x, y)
+  got = jax.vmap(ooo.grad(per_ex, device="H100", mode="single_gpu"), in_axes=(None, 0, 0))(
+    params, x, y
+  )
+  got_jit = jax.jit(
+    jax.vmap(ooo.grad(per_ex, device="H100", mode="single_gpu"), in_axes=(None, 0, 0))
+  )(params, x, y)
   close(got, want)
   close(got_jit, want)
 
@@ -59,8 +64,10 @@ def test_inside_scan_and_closure(close):
       xi, yi = xy
       g = grad_fn(lambda p: loss(p, xi, yi))(p)  # closes over traced xi, yi
       return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), None
+
     xs = (jnp.stack([x, 2 * x]), jnp.stack([y, y]))
     return jax.jit(lambda p: jax.lax.scan(body, p, xs)[0])(params)
+
   close(run(lambda f: ooo.grad(f, device="H100", mode="single_gpu")), run(jax.grad))
 
 
@@ -88,6 +95,7 @@ def test_has_aux_value_and_grad(close):
 def test_python_scalar_and_kwargs(close):
   def f(w, scale, *, offset):
     return jnp.sum((w * scale + offset) ** 2)
+
   w = jnp.arange(3.0)
   close(ooo.grad(f)(w, 3.0, offset=1.0), jax.grad(f)(w, 3.0, offset=1.0))
   close(ooo.grad(lambda x: x * x)(3.0), jax.grad(lambda x: x * x)(3.0))
@@ -97,12 +105,14 @@ def test_remat_and_custom_vjp(close):
   @jax.custom_vjp
   def clip_grad(x):
     return x
+
   clip_grad.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -0.1, 0.1),))
 
   def f(p, x):
     h = jax.checkpoint(lambda h: jnp.tanh(h @ p["a"]))(x)
     h = clip_grad(h)
     return jnp.sum(jax.nn.softplus(h @ p["b"]))
+
   p = {"a": jnp.ones((4, 4)) * 0.3, "b": jnp.ones((4, 2))}
   x = jnp.ones((3, 4))
   close(ooo.grad(f, device="H100", mode="single_gpu")(p, x), jax.grad(f)(p, x))
@@ -119,10 +129,12 @@ def test_training_trajectory_matches(close):
       g = grad_fn(loss)(p, x, y)
       u, s = opt.update(g, s, p)
       return optax.apply_updates(p, u), s
+
     p, s = params, opt.init(params)
     for _ in range(10):
       p, s = step(p, s)
     return p
+
   close(train(lambda f: ooo.grad(f, device="H100", mode="single_gpu")), train(jax.grad), rtol=1e-4)
 
 
@@ -131,7 +143,8 @@ def test_retraced_every_call_plan_reused():
 
   def f(w):
     calls.append(1)
-    return jnp.sum(w ** 2)
+    return jnp.sum(w**2)
+
   g = ooo.grad(f)
   vg = g._ooo
   p1, _ = vg.plan((jnp.ones(3),), {})
@@ -165,7 +178,8 @@ def test_higher_order_derivatives(mode, close):
   def f(p, x):
     for w in p:
       x = jnp.tanh(x @ w)
-    return jnp.sum(x ** 2)
+    return jnp.sum(x**2)
+
   p = [jnp.eye(4) * 0.5 + 0.1 * i for i in range(3)]
   x = jnp.ones((2, 4))
   g = ooo.grad(f, mode=mode, device="H100", ordering="control_deps")
@@ -177,6 +191,7 @@ def test_higher_order_derivatives(mode, close):
 def test_cache_tells_equal_statics_of_other_types_apart():
   def f(w, flag):
     return jnp.sum(w * 2.5) if flag is True else jnp.sum(w)
+
   g = ooo.grad(f)
   w = jnp.ones(2)
   assert g(w, True).tolist() == [2.5, 2.5]
@@ -187,6 +202,7 @@ def test_no_stale_gradients_from_mutable_arguments_or_globals():
   class Holder:
     def __init__(self, a):
       self.a = a
+
   f = lambda w, h: jnp.sum(w * h.a)
   g = ooo.grad(f)
   h = Holder(jnp.ones(2))

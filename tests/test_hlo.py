@@ -1,4 +1,5 @@
 """The schedule is visible in what XLA gets: stream annotations and control edges."""
+
 import re
 
 import jax
@@ -25,7 +26,8 @@ def _wide_mlp():
   def loss(p, x):
     for i in range(LAYERS):
       x = jnp.tanh(x @ p[f"w{i}"])
-    return jnp.mean(x ** 2)
+    return jnp.mean(x**2)
+
   return loss, p, x
 
 
@@ -65,7 +67,7 @@ def test_pinned_order_is_the_schedule_order():
   tail = [report.schedule.unit(u).label for u in report.on_stream(0)[-2:]]
   assert tail == ["['w1']", "['w0']"]
   compiled = jax.jit(g).lower(p, x).compile().as_text()
-  entry = compiled[compiled.index("ENTRY"):]
+  entry = compiled[compiled.index("ENTRY") :]
   names = re.findall(r"%(\S+) = \S+ call\(", entry)
   preds = dict(re.findall(r"%(\S+) = \S+ call\(.*?control-predecessors=\{%([^},]+)\}", entry))
   # every pinned call waits on the call before it: a chain covering both
@@ -73,8 +75,7 @@ def test_pinned_order_is_the_schedule_order():
   assert set(preds.values()) <= set(names)
 
 
-@pytest.mark.parametrize("ordering,edges", [("none", 0), ("scheduling_group", 0),
-                                            ("barriers", 0)])
+@pytest.mark.parametrize("ordering,edges", [("none", 0), ("scheduling_group", 0), ("barriers", 0)])
 def test_other_orderings_compile(ordering, edges):
   loss, p, x = _wide_mlp()
   f = jax.jit(ooo.grad(loss, mode="single_gpu", device="H100", ordering=ordering))
@@ -103,8 +104,9 @@ def test_cpu_spec_keeps_small_work_on_one_stream():
 
 def test_auto_mode_picks_by_backend():
   # CPU has no streams: auto re-emits in order with no annotations.
-  assert ooo.Options().resolved_mode() == ("single_gpu" if jax.default_backend() == "gpu"
-                                           else "in_order")
+  assert ooo.Options().resolved_mode() == (
+    "single_gpu" if jax.default_backend() == "gpu" else "in_order"
+  )
   loss, p, x = _wide_mlp()
   text = jax.jit(ooo.grad(loss, device="H100")).lower(p, x).as_text()
   assert ("_xla_stream_annotation" in text) == (jax.default_backend() == "gpu")

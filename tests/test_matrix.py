@@ -9,6 +9,7 @@ the heavy dW calls overlapped are counted. The ResNet-18 with synchronized
 BatchNorm (issue 22's crash) also runs at a realistic size and as an SGD
 train step.
 """
+
 import functools
 
 import jax
@@ -18,12 +19,14 @@ from jax.sharding import PartitionSpec as P
 
 from ooojax import gpu_hlo
 from ooojax.models import features, matrix
-from passes.pipeline.cut import CutError
+from ooojax.passes.pipeline.cut import CutError
 from tests.conftest import assert_trees_close
 
 NAMES = sorted(features.CASES)
-no_gpu_hlo = pytest.mark.skipif(gpu_hlo.unavailable_reason() is not None,
-                                reason=f"compile-only GPU: {gpu_hlo.unavailable_reason()}")
+no_gpu_hlo = pytest.mark.skipif(
+  gpu_hlo.unavailable_reason() is not None,
+  reason=f"compile-only GPU: {gpu_hlo.unavailable_reason()}",
+)
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,18 +58,23 @@ def test_pipeline_cell(name):
   _check(_case(name), "pipeline")
 
 
-@pytest.mark.parametrize("name,schedule", [("attention_masked", "zb-h1"),
-                                           ("linen_scan", "interleaved"),
-                                           ("remat_save_only_these_names", "zb-v")])
+@pytest.mark.parametrize(
+  "name,schedule",
+  [
+    ("attention_masked", "zb-h1"),
+    ("linen_scan", "interleaved"),
+    ("remat_save_only_these_names", "zb-v"),
+  ],
+)
 def test_pipeline_cell_other_schedules(name, schedule):
   _check(_case(name), "pipeline", schedule=schedule)
 
 
 # What automatic stage cutting cannot take, and the error it raises instead
 AUTO_REFUSED = {
-    "resnet18_sync_bn": ValueError,        # batch_stats would be split as batch rows
-    "dropout_rng": NameError,              # axis_index with no data axis bound (JAX's error)
-    "while_differentiated": CutError,      # no stack
+  "resnet18_sync_bn": ValueError,  # batch_stats would be split as batch rows
+  "dropout_rng": NameError,  # axis_index with no data axis bound (JAX's error)
+  "while_differentiated": CutError,  # no stack
 }
 
 
@@ -74,8 +82,9 @@ AUTO_REFUSED = {
 def test_pipeline_auto_cell(name):
   case = _case(name)
   if name in AUTO_REFUSED:
-    with pytest.raises(AUTO_REFUSED[name], match=None if name == "dropout_rng" else "stage_fn|"
-                       "leading size"):
+    with pytest.raises(
+      AUTO_REFUSED[name], match=None if name == "dropout_rng" else "stage_fn|leading size"
+    ):
       matrix.cell(case, "pipeline_auto")
     return
   got, want = matrix.cell(case, "pipeline_auto")
@@ -84,12 +93,19 @@ def test_pipeline_auto_cell(name):
 
 # heavy dW calls overlapped on the compile-only H100 at the matrix's sizes
 # (measured with jax 0.11.2); a case not listed puts nothing on stream 1 there.
-H100_OVERLAP = {"bf16_loss_scaling": 4, "attention_masked": 7, "attention_custom_vjp": 7,
-                "moe_top_k": 5,
-                "cond_while": 2, "linen_scan": 1, "nnx_scan": 1,
-                **{f"remat_{p}": 7 for p in features.REMAT_POLICIES}}
+H100_OVERLAP = {
+  "bf16_loss_scaling": 4,
+  "attention_masked": 7,
+  "attention_custom_vjp": 7,
+  "moe_top_k": 5,
+  "cond_while": 2,
+  "linen_scan": 1,
+  "nnx_scan": 1,
+  **{f"remat_{p}": 7 for p in features.REMAT_POLICIES},
+}
 # The same counts on the newest jax: its latency-hiding scheduler places the
 # calls, within the two-in-flight plan of passes.slots.
+
 
 @no_gpu_hlo
 @pytest.mark.parametrize("name", [n for n in NAMES if n != "resnet18_sync_bn"])  # below
@@ -120,7 +136,7 @@ def test_resnet18_sync_batchnorm_pinned_calls_on_cpu():
 @no_gpu_hlo
 def test_resnet18_sync_batchnorm_compiles_for_h100():
   k, n = matrix.h100(_resnet_pinned())
-  assert n >= 10 and k >= n // 2            # dW convs on stream 1 beside dX convs (11 / 20)
+  assert n >= 10 and k >= n // 2  # dW convs on stream 1 beside dX convs (11 / 20)
 
 
 OPT = optax.sgd(0.1, momentum=0.9)
@@ -137,15 +153,18 @@ def _train_step(case, mode, mesh):
     return (optax.apply_updates(params, upd), aux["batch_stats"], opt_state), aux["ce"]
 
   ax = features.AXIS
-  return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(ax), P(ax)),
-                               out_specs=(P(), P()), check_vma=False))
+  return jax.jit(
+    jax.shard_map(
+      step, mesh=mesh, in_specs=(P(), P(ax), P(ax)), out_specs=(P(), P()), check_vma=False
+    )
+  )
 
 
 @pytest.mark.parametrize("mode", ["single_gpu", "dp_shard_map"])
 def test_resnet18_sync_batchnorm_sgd_train_step(mode):
   case = _case("resnet18_sync_bn")
   stats, x, y = case.batch
-  mesh = jax.sharding.Mesh(jax.devices()[:matrix.DEVICES], (features.AXIS,))
+  mesh = jax.sharding.Mesh(jax.devices()[: matrix.DEVICES], (features.AXIS,))
 
   def train(m):
     state, step = (case.params, stats, OPT.init(case.params)), _train_step(case, m, mesh)
@@ -164,8 +183,9 @@ def test_resnet18_sync_batchnorm_train_step_compiles_for_h100():
   mesh = gpu_hlo.mesh("H100", matrix.DEVICES, (features.AXIS,))
   sd = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
   state = (case.params, case.batch[0], OPT.init(case.params))
-  s = gpu_hlo.schedule(_train_step(case, "single_gpu", mesh),
-                       *jax.tree.map(sd, (state, *case.batch[1:])), mesh=mesh)
+  s = gpu_hlo.schedule(
+    _train_step(case, "single_gpu", mesh), *jax.tree.map(sd, (state, *case.batch[1:])), mesh=mesh
+  )
   k, n = s.heavy_overlap()
   assert n >= 10 and k >= n // 2
-  assert s.pairs_of("all-reduce")           # the synchronized batch statistics
+  assert s.pairs_of("all-reduce")  # the synchronized batch statistics

@@ -1,4 +1,5 @@
 """The notebooks run top to bottom (outputs are stripped in git)."""
+
 import pathlib
 
 import nbformat
@@ -11,9 +12,14 @@ NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs(path):
   nb = nbformat.read(path, as_version=4)
-  assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), \
-      f"{path.name} has outputs committed; clear them"
-  NotebookClient(nb, timeout=300, kernel_name="python3",
-                 resources={"metadata": {"path": str(path.parent.parent)}}).execute()
+  assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), (
+    f"{path.name} has outputs committed; clear them"
+  )
+  NotebookClient(
+    nb,
+    timeout=300,
+    kernel_name="python3",
+    resources={"metadata": {"path": str(path.parent.parent)}},
+  ).execute()
   errors = [o for c in nb.cells for o in c.get("outputs", []) if o.output_type == "error"]
   assert not errors

@@ -5,6 +5,7 @@ GPU needed) and the scheduled entry computation is read: every stream-1 call
 whose body holds a conv or GEMM must have a conv/GEMM of the dX chain
 scheduled between its start and its done.
 """
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -12,7 +13,7 @@ import pytest
 
 import ooojax as ooo
 from ooojax import demo, gpu_hlo
-from passes.ir import UnitKind
+from ooojax.passes.ir import UnitKind
 from tests.conftest import cpu_backend_only
 
 pytestmark = cpu_backend_only
@@ -36,17 +37,18 @@ def _demo_case(batch=32):
 
 def _zoo_case(name, **sizes):
   from ooojax import _hlo_cli  # full size, parameters as shapes only
+
   loss, args, k = _hlo_cli.load_model(name, batch=32, sizes=sizes)
   return loss, _shapes(args), k
 
 
 # (case, at least this many heavy dW calls): the five models of the issue, batch 32.
 CASES = {
-    "demo_cnn": (_demo_case, 4),
-    "mobilenet_v3_small": (lambda: _zoo_case("mobilenet_v3_small"), 40),
-    "resnet50": (lambda: _zoo_case("resnet50"), 50),
-    "densenet121": (lambda: _zoo_case("densenet121"), 110),
-    "bert_block": (lambda: _zoo_case("bert", layers=1), 4),
+  "demo_cnn": (_demo_case, 4),
+  "mobilenet_v3_small": (lambda: _zoo_case("mobilenet_v3_small"), 40),
+  "resnet50": (lambda: _zoo_case("resnet50"), 50),
+  "densenet121": (lambda: _zoo_case("densenet121"), 110),
+  "bert_block": (lambda: _zoo_case("bert", layers=1), 4),
 }
 
 
@@ -62,8 +64,9 @@ def test_every_heavy_dw_call_has_dx_work_inside_its_window(name):
   grad = jax.jit(ooo.grad(loss, mode="single_gpu", device="H100", **kw))  # default options
   sched = gpu_hlo.schedule(grad, *args, gpu="H100")
   k, n = sched.heavy_overlap()
-  empty = [p.start.op_name for p in sched.stream_calls()
-           if p.heavy_callee and not p.overlapped_heavy]
+  empty = [
+    p.start.op_name for p in sched.stream_calls() if p.heavy_callee and not p.overlapped_heavy
+  ]
   assert n >= at_least, f"{name}: only {n} heavy stream calls"
   assert k == n, f"{name}: {n - k} of {n} heavy dW calls with no conv/GEMM inside: {empty[:5]}"
 
@@ -80,7 +83,7 @@ def test_default_options_compile_for_cpu_and_for_h100_from_a_cpu_host(close):
   g = jax.jit(ooo.grad(loss, has_aux=True, mode="single_gpu", device="H100"))
   hlo = gpu_hlo.compile_text(g, *_shapes(args), gpu="H100")
   assert "control_dep" not in hlo and "control-predecessors" not in hlo
-  assert 'call-start' in hlo
+  assert "call-start" in hlo
   cpu = g.lower(*args).compile().as_text()
   assert "control-predecessors" in cpu
   close(g(*args), jax.grad(loss, has_aux=True)(*args))
@@ -88,8 +91,13 @@ def test_default_options_compile_for_cpu_and_for_h100_from_a_cpu_host(close):
 
 def test_schedule_merges_calls_and_anchors_on_later_dx_work():
   loss, args, kw = _demo_case()
-  r = ooo.explain(loss, *jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), args),
-                  mode="single_gpu", device="H100", **kw)
+  r = ooo.explain(
+    loss,
+    *jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), args),
+    mode="single_gpu",
+    device="H100",
+    **kw,
+  )
   s = r.schedule
   units = {u.name: u for u in s.units}
   side = [a.unit for a in s.streams[1]]
@@ -106,8 +114,11 @@ def test_schedule_merges_calls_and_anchors_on_later_dx_work():
     assert eqns[c.anchor].primitive.name in ("conv_general_dilated", "dot_general")
     # every call holds a conv/GEMM (light ones folded in), and at most two are in
     # flight: call k starts after call k - 2's done (passes.slots)
-    assert any(eqns[i].primitive.name in ("conv_general_dilated", "dot_general")
-               for u in c.units for i in units[u].eqns)
+    assert any(
+      eqns[i].primitive.name in ("conv_general_dilated", "dot_general")
+      for u in c.units
+      for i in units[u].eqns
+    )
     assert c.wait == (s.calls[k - 2].units if k >= 2 else ())
   # the first layer's kernel gradient has no dX work left to hide behind
   first = next(u for u in s.units if u.label == "['Conv_0']['kernel']")
@@ -117,7 +128,7 @@ def test_schedule_merges_calls_and_anchors_on_later_dx_work():
 def test_windows_keep_gradients_on_cpu(close):
   # "auto" is compared in the compile test above; here the windows alone
   from tests import models
+
   loss, args = models.cnn_case()
-  g = jax.jit(ooo.grad(loss, has_aux=True, mode="single_gpu", device="H100",
-                       ordering="barriers"))
+  g = jax.jit(ooo.grad(loss, has_aux=True, mode="single_gpu", device="H100", ordering="barriers"))
   close(g(*args), jax.grad(loss, has_aux=True)(*args))

@@ -1,23 +1,31 @@
 """Each pass on its own: split classification, cost, simulate, schedule IR."""
+
 import jax
 import jax.numpy as jnp
 import pytest
 
-from passes import cost, ir, simulate
-import passes.split as split
-from passes.ir import Action, Kind, Unit, UnitKind
-from passes.schedule import in_order, replace_streams, schedule
+import ooojax.passes.split as split
+from ooojax.passes import cost, ir, simulate
+from ooojax.passes.ir import Action, Kind, Unit, UnitKind
+from ooojax.passes.schedule import in_order, replace_streams, schedule
 
 
 def _two_layer():
   def f(ct, w0, w1, w2, x):
     def loss(w0, w1, w2):
       return jnp.sum(jnp.tanh(jnp.tanh(x @ w0) @ w1) @ w2)
+
     y, vjp = jax.vjp(loss, w0, w1, w2)
     return (y, *vjp(ct))
+
   s = jax.ShapeDtypeStruct
-  avals = [s((), jnp.float32), s((4, 8), jnp.float32), s((8, 8), jnp.float32),
-           s((8, 2), jnp.float32), s((3, 4), jnp.float32)]
+  avals = [
+    s((), jnp.float32),
+    s((4, 8), jnp.float32),
+    s((8, 8), jnp.float32),
+    s((8, 2), jnp.float32),
+    s((3, 4), jnp.float32),
+  ]
   return split.split(f, avals, n_grads=3, param_names=["w0", "w1", "w2"])
 
 
@@ -43,9 +51,14 @@ def test_split_drops_unneeded_input_cotangent():
   def f(ct, w, x):
     y, vjp = jax.vjp(lambda w, x: jnp.sum(jnp.sin(x @ w)), w, x)
     return (y, vjp(ct)[0])  # x's cotangent computed, not returned
+
   s = jax.ShapeDtypeStruct
-  sp = split.split(f, [s((), jnp.float32), s((3, 3), jnp.float32), s((2, 3), jnp.float32)],
-                   n_grads=1, param_names=["w"])
+  sp = split.split(
+    f,
+    [s((), jnp.float32), s((3, 3), jnp.float32), s((2, 3), jnp.float32)],
+    n_grads=1,
+    param_names=["w"],
+  )
   assert sp.count(Kind.DEAD) >= 1
 
 
@@ -54,11 +67,17 @@ def test_split_keeps_scan_whole_and_counts_it():
     def loss(w):
       h, _ = jax.lax.scan(lambda h, _: (jnp.tanh(h @ w), None), x, None, length=3)
       return jnp.sum(h)
+
     y, vjp = jax.vjp(loss, w)
     return (y, *vjp(ct))
+
   s = jax.ShapeDtypeStruct
-  sp = split.split(f, [s((), jnp.float32), s((3, 3), jnp.float32), s((2, 3), jnp.float32)],
-                   n_grads=1, param_names=["w"])
+  sp = split.split(
+    f,
+    [s((), jnp.float32), s((3, 3), jnp.float32), s((2, 3), jnp.float32)],
+    n_grads=1,
+    param_names=["w"],
+  )
   assert "scan" in sp.opaque
 
 
@@ -93,8 +112,9 @@ def test_simulate_two_independent_kernels_on_two_streams():
 
 def test_simulate_chain_and_sync():
   units = [_u(UnitKind.DX, 0), _u(UnitKind.DX, 1, ["X0"]), _u(UnitKind.DW, 0, ["X0"], util=0.1)]
-  t = simulate.simulate([[Action("X", 0, 0), Action("X", 1, 0)], [Action("W", 0, 1)]],
-                        units, sync=0.25)
+  t = simulate.simulate(
+    [[Action("X", 0, 0), Action("X", 1, 0)], [Action("W", 0, 1)]], units, sync=0.25
+  )
   spans = {s.unit: s for s in t.spans}
   assert spans["X1"].start == pytest.approx(1.0)
   assert spans["W0"].start == pytest.approx(1.25)
@@ -137,9 +157,12 @@ def test_simulate_send_on_a_slow_link():
   link = simulate.LINKS["10GbE"]
   t_send = link.seconds(100e6)  # 100 MB at 10 Gb/s: 80 ms + latency
   assert t_send == pytest.approx(0.08 + 20e-6)
-  units = [_u(UnitKind.DX, 0, cost_=0.05), _u(UnitKind.DX, 1, ["X0"], cost_=0.05),
-           Unit(UnitKind.SEND, 0, (), ("X0",), t_send, 1.0),
-           _u(UnitKind.DW, 0, ["S0"], cost_=0.01)]
+  units = [
+    _u(UnitKind.DX, 0, cost_=0.05),
+    _u(UnitKind.DX, 1, ["X0"], cost_=0.05),
+    Unit(UnitKind.SEND, 0, (), ("X0",), t_send, 1.0),
+    _u(UnitKind.DW, 0, ["S0"], cost_=0.01),
+  ]
   streams = [[Action("X", 0, 0), Action("X", 1, 0), Action("W", 0, 0)], [Action("S", 0, 1)]]
   t = simulate.simulate(streams, units, links={1})
   spans = {s.unit: s for s in t.spans}
@@ -152,12 +175,21 @@ def test_simulate_send_on_a_slow_link():
 
 
 def test_plan_calls_groups_by_issue_point_and_anchors_after_the_call():
-  from passes.schedule import plan_calls
-  units = [_u(UnitKind.FORWARD, 0), _u(UnitKind.DX, 0, ["F0"]), _u(UnitKind.DX, 1, ["X0"]),
-           _u(UnitKind.DX, 2, ["X1"]), _u(UnitKind.DW, 0, ["X0"], util=0.2),
-           _u(UnitKind.DW, 1, ["X0"], util=0.2), _u(UnitKind.DW, 2, ["X1"], util=0.2)]
-  streams = [[Action("F", 0, 0), Action("X", 0, 0), Action("X", 1, 0), Action("X", 2, 0)],
-             [Action("W", 0, 1), Action("W", 1, 1), Action("W", 2, 1)]]
+  from ooojax.passes.schedule import plan_calls
+
+  units = [
+    _u(UnitKind.FORWARD, 0),
+    _u(UnitKind.DX, 0, ["F0"]),
+    _u(UnitKind.DX, 1, ["X0"]),
+    _u(UnitKind.DX, 2, ["X1"]),
+    _u(UnitKind.DW, 0, ["X0"], util=0.2),
+    _u(UnitKind.DW, 1, ["X0"], util=0.2),
+    _u(UnitKind.DW, 2, ["X1"], util=0.2),
+  ]
+  streams = [
+    [Action("F", 0, 0), Action("X", 0, 0), Action("X", 1, 0), Action("X", 2, 0)],
+    [Action("W", 0, 1), Action("W", 1, 1), Action("W", 2, 1)],
+  ]
   tl = simulate.simulate(streams, units)
   # heavy eqns: X1 holds eqn 10 (ends half way) and X2 eqns 20 and 21
   heavy = {"X1": [(0.5, 10)], "X2": [(0.25, 20), (1.0, 21)]}

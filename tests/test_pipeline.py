@@ -1,4 +1,5 @@
 """Pipelined loss and gradients equal jax.grad of the unpipelined model (forced CPU devices)."""
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -23,8 +24,7 @@ def _stack(trees):
   return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
-def _reference(stage_fn, loss_fn, params, inputs, targets, input_fn=None, shared=None,
-               jit=_jit):
+def _reference(stage_fn, loss_fn, params, inputs, targets, input_fn=None, shared=None, jit=_jit):
   """The same model without a pipeline: jax.value_and_grad of the plain stack."""
   extra = () if shared is None else (shared,)
 
@@ -56,15 +56,27 @@ def _mlp(n_vstages):
   return stage_fn, loss_fn, params, x, t
 
 
-@pytest.mark.parametrize("stages,name,lag", [
-    (2, "gpipe", 0), (2, "1f1b", 0), (2, "ooo", 0), (2, "zb-h1", 1), (2, "zb-h2", 0),
-    (2, "interleaved", 0), (4, "ooo", 0), (4, "interleaved", 0), (4, "zb-v", 1)])
+@pytest.mark.parametrize(
+  "stages,name,lag",
+  [
+    (2, "gpipe", 0),
+    (2, "1f1b", 0),
+    (2, "ooo", 0),
+    (2, "zb-h1", 1),
+    (2, "zb-h2", 0),
+    (2, "interleaved", 0),
+    (4, "ooo", 0),
+    (4, "interleaved", 0),
+    (4, "zb-v", 1),
+  ],
+)
 def test_mlp_matches_jax_grad(stages, name, lag):
   # lag=1: transfers received a tick after the send (overlapped with compute).
   sched = ooo.pipeline.schedule(name, stages=stages, microbatches=4, lag=lag)
   stage_fn, loss_fn, params, x, t = _mlp(sched.virtual_stages)
-  step = ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=_mesh(stages),
-                                     axis_name="stage", schedule=sched)
+  step = ooo.pipeline.value_and_grad(
+    stage_fn, loss_fn, mesh=_mesh(stages), axis_name="stage", schedule=sched
+  )
   loss, grads = _jit(step)(params, (x, t))
   ref_loss, ref_grads = _reference(stage_fn, loss_fn, params, x, t)
   assert_trees_close(loss, ref_loss)
@@ -74,13 +86,15 @@ def test_mlp_matches_jax_grad(stages, name, lag):
 def test_transformer_stack_matches_jax_grad():
   block = Block(dim=16, heads=2)
   x = jax.random.normal(jax.random.key(1), (4, 5, 16))
-  params = _stack([block.init(k, x[:1], train=False)["params"]
-                   for k in jax.random.split(jax.random.key(0), 2)])
+  params = _stack(
+    [block.init(k, x[:1], train=False)["params"] for k in jax.random.split(jax.random.key(0), 2)]
+  )
   stage_fn = lambda p, h: block.apply({"params": p}, h, train=False)  # noqa: E731
   loss_fn = lambda y, t: jnp.mean((y - t) ** 2)  # noqa: E731
   t = jax.random.normal(jax.random.key(2), x.shape)
-  step = ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=_mesh(2), axis_name="stage",
-                                     schedule="zb-h1", microbatches=4)
+  step = ooo.pipeline.value_and_grad(
+    stage_fn, loss_fn, mesh=_mesh(2), axis_name="stage", schedule="zb-h1", microbatches=4
+  )
   loss, grads = _jit(step)(params, (x, t))
   ref_loss, ref_grads = _reference(stage_fn, loss_fn, params, x, t)
   assert_trees_close(loss, ref_loss)
@@ -90,8 +104,9 @@ def test_transformer_stack_matches_jax_grad():
 def _tied():
   vocab, dim = 11, 8
   layer = Layer()
-  params = _stack([layer.init(k, jnp.zeros((1, dim)))["params"]
-                   for k in jax.random.split(jax.random.key(0), 2)])
+  params = _stack(
+    [layer.init(k, jnp.zeros((1, dim)))["params"] for k in jax.random.split(jax.random.key(0), 2)]
+  )
   shared = {"emb": jax.random.normal(jax.random.key(3), (vocab, dim)) * 0.3}
   input_fn = lambda tok, sh: sh["emb"][tok]  # noqa: E731
 
@@ -107,19 +122,27 @@ def _tied():
 
 def test_tied_embeddings_reduced_once():
   stage_fn, loss_fn, input_fn, params, shared, tokens, labels = _tied()
-  step = ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=_mesh(2), axis_name="stage",
-                                     schedule="ooo", microbatches=2, input_fn=input_fn)
+  step = ooo.pipeline.value_and_grad(
+    stage_fn,
+    loss_fn,
+    mesh=_mesh(2),
+    axis_name="stage",
+    schedule="ooo",
+    microbatches=2,
+    input_fn=input_fn,
+  )
   loss, grads = _jit(step)(params, (tokens, labels), shared)
   ref_loss, ref_grads = _reference(stage_fn, loss_fn, params, tokens, labels, input_fn, shared)
   assert_trees_close(loss, ref_loss)
-  assert_trees_close(grads, ref_grads)   # (stage grads, shared grads): not double-counted
+  assert_trees_close(grads, ref_grads)  # (stage grads, shared grads): not double-counted
 
 
 def test_checkpoint_inside_a_stage():
   stage_fn, loss_fn, params, x, t = _mlp(2)
   remat = jax.checkpoint(stage_fn)
-  step = ooo.pipeline.value_and_grad(remat, loss_fn, mesh=_mesh(2), axis_name="stage",
-                                     schedule="zb-h1", microbatches=2)
+  step = ooo.pipeline.value_and_grad(
+    remat, loss_fn, mesh=_mesh(2), axis_name="stage", schedule="zb-h1", microbatches=2
+  )
   loss, grads = _jit(step)(params, (x, t))
   ref_loss, ref_grads = _reference(stage_fn, loss_fn, params, x, t)
   assert_trees_close(loss, ref_loss)
@@ -129,8 +152,9 @@ def test_checkpoint_inside_a_stage():
 def test_jitted_optax_step_trains_identically():
   stage_fn, loss_fn, params, x, t = _mlp(2)
   opt = optax.adam(1e-2)
-  step = ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=_mesh(2), axis_name="stage",
-                                     schedule="ooo", microbatches=4)
+  step = ooo.pipeline.value_and_grad(
+    stage_fn, loss_fn, mesh=_mesh(2), axis_name="stage", schedule="ooo", microbatches=4
+  )
 
   def make(grad_fn):
     @jax.jit
@@ -138,6 +162,7 @@ def test_jitted_optax_step_trains_identically():
       loss, g = grad_fn(params)
       updates, state = opt.update(g, state, params)
       return optax.apply_updates(params, updates), state, loss
+
     return train
 
   pipe = make(lambda p: step(p, (x, t)))
@@ -157,14 +182,14 @@ def test_bad_arguments():
     ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=_mesh(2), axis_name="pp")
   sched = ooo.pipeline.schedule("1f1b", stages=4, microbatches=4)
   with pytest.raises(ValueError, match="has 4 stages but mesh axis 'stage' has 2"):
-    ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=_mesh(2), axis_name="stage",
-                                schedule=sched)
-  step = ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=_mesh(2), axis_name="stage",
-                                     schedule="1f1b", microbatches=3)
+    ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=_mesh(2), axis_name="stage", schedule=sched)
+  step = ooo.pipeline.value_and_grad(
+    stage_fn, loss_fn, mesh=_mesh(2), axis_name="stage", schedule="1f1b", microbatches=3
+  )
   with pytest.raises(ValueError, match="divisible by microbatches=3"):
     step(params, (x, t))
-  step = ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=_mesh(2), axis_name="stage",
-                                     schedule="interleaved", microbatches=2)
+  step = ooo.pipeline.value_and_grad(
+    stage_fn, loss_fn, mesh=_mesh(2), axis_name="stage", schedule="interleaved", microbatches=2
+  )
   with pytest.raises(ValueError, match="leading axis of 4"):
     step(params, (x, t))
-

@@ -1,14 +1,15 @@
 """Cost-model balancing of the automatic pipeline's layers over its (virtual) stages:
 `passes.pipeline.balance` on synthetic costs, and uneven splits whose gradients and
 training trajectory equal the plain loss's."""
+
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
 
 import ooojax as ooo
-from passes.pipeline.balance import Phases, StackCosts, balance, even
-from passes.pipeline.generate import generate
+from ooojax.passes.pipeline.balance import Phases, StackCosts, balance, even
+from ooojax.passes.pipeline.generate import generate
 from tests.test_pipeline_auto import _check, _mesh
 from tests.test_pipeline_train_step import O0, _follow, _reference
 
@@ -20,8 +21,9 @@ def _costs(pro=0.0, epi=0.0):
 
 
 # --- the pure function ------------------------------------------------------------------
-@pytest.mark.parametrize("name,stages", [("1f1b", 2), ("1f1b", 4), ("zb-h1", 4),
-                                         ("interleaved", 2), ("zb-v", 2)])
+@pytest.mark.parametrize(
+  "name,stages", [("1f1b", 2), ("1f1b", 4), ("zb-h1", 4), ("interleaved", 2), ("zb-v", 2)]
+)
 def test_even_costs_keep_the_even_split(name, stages):
   sched = generate(name, stages, 2 * stages)
   V = sched.virtual_stages
@@ -30,8 +32,7 @@ def test_even_costs_keep_the_even_split(name, stages):
   assert b.step_seconds == pytest.approx(b.even_step_seconds)
 
 
-@pytest.mark.parametrize("name,stages", [("1f1b", 2), ("1f1b", 4), ("interleaved", 2),
-                                         ("zb-v", 2)])
+@pytest.mark.parametrize("name,stages", [("1f1b", 2), ("1f1b", 4), ("interleaved", 2), ("zb-v", 2)])
 def test_heavy_head_and_heavy_embedding(name, stages):
   sched = generate(name, stages, 2 * stages)
   L = 3 * sched.virtual_stages
@@ -71,9 +72,11 @@ def test_even_and_given_counts():
 def _lm(layers, vocab=512, scan=False, dim=8):
   """A tiny LM whose head (vocab x dim) outweighs a layer (dim x dim) many times."""
   ks = iter(jax.random.split(jax.random.key(0), 8))
-  params = {"embed": jax.random.normal(next(ks), (vocab, dim)) * 0.5,
-            "w": jax.random.normal(next(ks), (layers, dim, dim)) / dim ** 0.5,
-            "head": jax.random.normal(next(ks), (dim, vocab)) * 0.3}
+  params = {
+    "embed": jax.random.normal(next(ks), (vocab, dim)) * 0.5,
+    "w": jax.random.normal(next(ks), (layers, dim, dim)) / dim**0.5,
+    "head": jax.random.normal(next(ks), (dim, vocab)) * 0.3,
+  }
   if not scan:
     params["w"] = list(params["w"])
 
@@ -92,18 +95,26 @@ def _lm(layers, vocab=512, scan=False, dim=8):
 
 
 def _split(loss, params, batch, stages, schedule, **kw):
-  step = ooo.pipeline.value_and_grad(loss, mesh=_mesh(stages), axis_name="stage",
-                                     schedule=schedule, microbatches=4, **kw)
+  step = ooo.pipeline.value_and_grad(
+    loss, mesh=_mesh(stages), axis_name="stage", schedule=schedule, microbatches=4, **kw
+  )
   return step.balance(params, *batch)
 
 
-@pytest.mark.parametrize("layers,stages,schedule,scan", [
-    (4, 2, "1f1b", True), (7, 2, "interleaved", False), (8, 4, "1f1b", False),
-    (10, 4, "interleaved", True), (8, 2, "zb-v", True)])
+@pytest.mark.parametrize(
+  "layers,stages,schedule,scan",
+  [
+    (4, 2, "1f1b", True),
+    (7, 2, "interleaved", False),
+    (8, 4, "1f1b", False),
+    (10, 4, "interleaved", True),
+    (8, 2, "zb-v", True),
+  ],
+)
 def test_heavy_head_lm(layers, stages, schedule, scan):
   loss, params, batch = _lm(layers, scan=scan)
   b = _split(loss, params, batch, stages, schedule)
-  assert b.counts[-1] < max(b.counts), b      # fewer layers beside the head
+  assert b.counts[-1] < max(b.counts), b  # fewer layers beside the head
   assert b.step_seconds < b.even_step_seconds, b
   _check(loss, params, batch, stages, schedule)
 
@@ -130,8 +141,15 @@ def test_train_step_with_an_uneven_split():
   loss, params, batch = _lm(5, scan=True)
   opt = optax.adam(1e-2)
   batches = [(jnp.roll(batch[0], t, axis=0),) for t in range(2)]
-  step = ooo.pipeline.make_train_step(loss, opt, mesh=_mesh(2), axis_name="stage",
-                                      schedule="1f1b", microbatches=2, compiler_options=O0)
+  step = ooo.pipeline.make_train_step(
+    loss,
+    opt,
+    mesh=_mesh(2),
+    axis_name="stage",
+    schedule="1f1b",
+    microbatches=2,
+    compiler_options=O0,
+  )
   state = step.init(params, *batches[0])
   assert len(set(step.balance.counts)) > 1
   assert state.params.stacked[0].shape[:2] == (2, max(step.balance.counts))

@@ -11,6 +11,7 @@ the action, and one of the two permutes has the action switch (the tick's F/B/W 
 scheduler runs the other after it (one collective-permute in flight at a
 time). tests/test_pipeline_memory.py checks that no slot is copied.
 """
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -18,8 +19,10 @@ import pytest
 import ooojax as ooo
 from ooojax import gpu_hlo
 
-pytestmark = pytest.mark.skipif(gpu_hlo.unavailable_reason() is not None,
-                                reason=f"compile-only GPU: {gpu_hlo.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(
+  gpu_hlo.unavailable_reason() is not None,
+  reason=f"compile-only GPU: {gpu_hlo.unavailable_reason()}",
+)
 
 
 @pytest.mark.parametrize("lag", [0, 1])
@@ -33,21 +36,26 @@ def test_four_stage_program_has_collective_permutes_in_the_tick_loop(lag):
   params = {k: jax.ShapeDtypeStruct((4, d, d), jnp.float32) for k in ("w1", "w2")}
   x = jax.ShapeDtypeStruct((32, d), jnp.float32)
   sched = ooo.pipeline.schedule("ooo", stages=4, microbatches=8, lag=lag)
-  step = ooo.pipeline.value_and_grad(stage_fn, lambda y, t: jnp.mean((y - t) ** 2),
-                                     mesh=mesh, axis_name="stage", schedule=sched)
+  step = ooo.pipeline.value_and_grad(
+    stage_fn, lambda y, t: jnp.mean((y - t) ** 2), mesh=mesh, axis_name="stage", schedule=sched
+  )
   s = gpu_hlo.schedule(jax.jit(step), params, (x, x), mesh=mesh)
   permutes = s.pairs_of("collective-permute")
   print(s.summary())
   # The action switch: the conditional whose branches run GEMMs (the record
   # writes and lag-0 transfers are conditionals too).
-  switch = [(c, i) for c, instrs in s.computations.items() for i in instrs
-            if i.op == "conditional" and any(
-                x.kind == "gemm" for b in s.reachable(i.calls) for x in s.computations[b])]
+  switch = [
+    (c, i)
+    for c, instrs in s.computations.items()
+    for i in instrs
+    if i.op == "conditional"
+    and any(x.kind == "gemm" for b in s.reachable(i.calls) for x in s.computations[b])
+  ]
   assert len(switch) == 1
   body, switch = switch[0]
-  assert body != s.entry_name and body in s.loop_bodies()          # inside the tick loop
+  assert body != s.entry_name and body in s.loop_bodies()  # inside the tick loop
   gemms = [i for c in s.computations.values() for i in c if i.kind == "gemm"]
-  assert gemms                                     # F, B and W kernels are cuBLAS GEMMs
+  assert gemms  # F, B and W kernels are cuBLAS GEMMs
   loop = set(s.loop_bodies())
   assert permutes and all(p.computation in loop for p in permutes)
   if lag:

@@ -5,14 +5,15 @@ stage (`p["w1"][i]`), the way a user writes a stage: a weight slice is a
 forward value, and an executor that stored it per microbatch would hold a
 stage's weights in every slot.
 """
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 import ooojax as ooo
 from ooojax import gpu_hlo
-from passes.hlo.schedule import parse, shape_bytes
-from passes.pipeline.program import memory
+from ooojax.passes.hlo.schedule import parse, shape_bytes
+from ooojax.passes.pipeline.program import memory
 
 D, H, BLOCKS = 64, 256, 2
 
@@ -29,15 +30,18 @@ def _loss(y, t):
 
 def _args(virtual, batch=64):
   sd = jax.ShapeDtypeStruct
-  params = {"w1": sd((virtual, BLOCKS, D, H), jnp.float32),
-            "w2": sd((virtual, BLOCKS, H, D), jnp.float32)}
+  params = {
+    "w1": sd((virtual, BLOCKS, D, H), jnp.float32),
+    "w2": sd((virtual, BLOCKS, H, D), jnp.float32),
+  }
   x = sd((batch, D), jnp.float32)
   return params, (x, x)
 
 
 def _step(mesh, sched):
-  return jax.jit(ooo.pipeline.value_and_grad(_stage, _loss, mesh=mesh, axis_name="stage",
-                                             schedule=sched))
+  return jax.jit(
+    ooo.pipeline.value_and_grad(_stage, _loss, mesh=mesh, axis_name="stage", schedule=sched)
+  )
 
 
 def _loop_copies(text, limit):
@@ -65,8 +69,10 @@ def test_cpu_loop_body_copies_no_slot_and_memory_is_the_schedules(name):
   assert temp <= 1.25 * m.bound, (temp, m)
 
 
-@pytest.mark.skipif(gpu_hlo.unavailable_reason() is not None,
-                    reason=f"compile-only GPU: {gpu_hlo.unavailable_reason()}")
+@pytest.mark.skipif(
+  gpu_hlo.unavailable_reason() is not None,
+  reason=f"compile-only GPU: {gpu_hlo.unavailable_reason()}",
+)
 @pytest.mark.parametrize("lag", [0, 1])
 def test_h100_loop_body_copies_no_slot(lag):
   mesh = gpu_hlo.mesh("H100", 4, ("stage",))

@@ -1,24 +1,23 @@
 """2 processes, one pipeline stage each (jax.distributed + gloo on localhost), give
 jax.grad of the unpipelined model: the benchmark's worker code path, small model."""
+
 import os
 
 import jax
 import numpy as np
 import pytest
 
-from benchmarks import _mlp_model as model
-from benchmarks import pipeline_mp
+from benchmarks import _mlp_model as model, pipeline_mp
 
 SIZES = {"layers": 4, "dim": 32, "hidden": 64, "batch": 16}
-SCHEDULES = pipeline_mp.SCHEDULES   # every one; interleaved / zb-v: 4 virtual stages
+SCHEDULES = pipeline_mp.SCHEDULES  # every one; interleaved / zb-v: 4 virtual stages
 M = 4
 
 
 def _run(cfg):
   """Two stage processes, one core each where there are two."""
   try:
-    pipeline_mp.run_workers(cfg, 2, cores=None if (os.cpu_count() or 1) >= 2 else [0],
-                            timeout=120)
+    pipeline_mp.run_workers(cfg, 2, cores=None if (os.cpu_count() or 1) >= 2 else [0], timeout=120)
   except RuntimeError as e:
     # The one public sign of a jaxlib without them: the workers fail to set them up.
     if "gloo" in str(e).lower() and "collectives" in str(e).lower():
@@ -28,8 +27,15 @@ def _run(cfg):
 
 def test_two_stage_processes_match_jax_grad(tmp_path):
   out = str(tmp_path / "grads.npz")
-  cfg = {**SIZES, "schedules": list(SCHEDULES), "microbatches": [M], "rounds": 0,
-         "warmup": 1, "check": True, "out": out}
+  cfg = {
+    **SIZES,
+    "schedules": list(SCHEDULES),
+    "microbatches": [M],
+    "rounds": 0,
+    "warmup": 1,
+    "check": True,
+    "out": out,
+  }
   _run(cfg)
   got = dict(np.load(out))
   params = model.make_params(2, SIZES["layers"], SIZES["dim"], SIZES["hidden"])
@@ -42,34 +48,50 @@ def test_two_stage_processes_match_jax_grad(tmp_path):
     for k in ("w1", "w2"):
       # (V, layers / V, ...) stacks of the same layers in the same order
       assert got[f"{key}/{k}"].size == grads[k].size
-      np.testing.assert_allclose(got[f"{key}/{k}"].reshape(grads[k].shape), grads[k],
-                                 rtol=1e-5, atol=1e-6,
-                                 err_msg=f"{name} d{k}")
+      np.testing.assert_allclose(
+        got[f"{key}/{k}"].reshape(grads[k].shape),
+        grads[k],
+        rtol=1e-5,
+        atol=1e-6,
+        err_msg=f"{name} d{k}",
+      )
 
 
 def test_tiled_training_mode_matches_optax_loop(tmp_path):
   # the --tiled benchmark's plumbing: 2 calls of steps=1 and one call of steps=2
   # (zb-h2, Adam inside the tick loop) give the plain optax loop's 2 steps
   import optax
+
   out = str(tmp_path / "tiled.npz")
-  cfg = {**SIZES, "schedules": ["zb-h2"], "microbatches": [M], "rounds": 0, "warmup": 1,
-         "check": True, "out": out, "tiled": 2}
+  cfg = {
+    **SIZES,
+    "schedules": ["zb-h2"],
+    "microbatches": [M],
+    "rounds": 0,
+    "warmup": 1,
+    "check": True,
+    "out": out,
+    "tiled": 2,
+  }
   _run(cfg)
   got = dict(np.load(out))
-  params = jax.tree.map(jax.numpy.asarray,
-                        model.make_params(2, SIZES["layers"], SIZES["dim"], SIZES["hidden"]))
+  params = jax.tree.map(
+    jax.numpy.asarray, model.make_params(2, SIZES["layers"], SIZES["dim"], SIZES["hidden"])
+  )
   x, t = model.make_batch(SIZES["batch"], SIZES["dim"])
   opt = optax.adam(1e-4)
   state, losses = opt.init(params), []
   with jax.default_matmul_precision("highest"):
     for k in range(2):
       loss, g = jax.jit(jax.value_and_grad(model.flat_loss))(
-          params, (np.roll(x, k, axis=0), np.roll(t, k, axis=0)))
+        params, (np.roll(x, k, axis=0), np.roll(t, k, axis=0))
+      )
       u, state = opt.update(g, state, params)
       params = optax.apply_updates(params, u)
       losses.append(loss)
   for how in ("one", "tiled"):
     np.testing.assert_allclose(got[f"zb-h2/{M}/{how}/loss"], losses, rtol=1e-5, atol=1e-6)
     for k in ("w1", "w2"):
-      np.testing.assert_allclose(got[f"zb-h2/{M}/{how}/{k}"], params[k], rtol=1e-5,
-                                 atol=1e-6, err_msg=f"{how} {k}")
+      np.testing.assert_allclose(
+        got[f"zb-h2/{M}/{how}/{k}"], params[k], rtol=1e-5, atol=1e-6, err_msg=f"{how} {k}"
+      )

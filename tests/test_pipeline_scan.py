@@ -4,6 +4,7 @@ Forced CPU devices, 2 stages. Gradients against jax.grad of the unpipelined
 model; the structure of the F/B/W phases (which matmuls each runs, counted
 over the layers) against jax.vjp of one stage; the compiled tick loop.
 """
+
 import doctest
 
 import flax.linen as nn
@@ -13,26 +14,29 @@ import numpy as np
 import pytest
 
 import ooojax as ooo
-from passes import _compat
-from passes.hlo import schedule as hlo_schedule
-from passes.scan import merge as scan_merge
-from passes.pipeline.flavor import make_flavor
+from ooojax.passes import _compat
+from ooojax.passes.hlo import schedule as hlo_schedule
+from ooojax.passes.pipeline.flavor import make_flavor
+from ooojax.passes.scan import merge as scan_merge
 from tests.conftest import assert_trees_close
 from tests.test_pipeline import _jit, _mesh, _reference, _stack
 
-LAYERS, D, H, ROWS = 3, 8, 16, 8   # ROWS per batch; 4 per microbatch with 2 microbatches
+LAYERS, D, H, ROWS = 3, 8, 16, 8  # ROWS per batch; 4 per microbatch with 2 microbatches
 
 
 def _lax_stage(p, x):
   def layer(h, w):
     return h + jnp.tanh(h @ w["w"] + w["b"]), None
+
   return jax.lax.scan(layer, x, p)[0]
 
 
 def _lax_params(n_stages):
   k = jax.random.split(jax.random.key(0), 2)
-  return {"w": jax.random.normal(k[0], (n_stages, LAYERS, D, D)) / np.sqrt(D),
-          "b": jax.random.normal(k[1], (n_stages, LAYERS, D)) * 0.1}
+  return {
+    "w": jax.random.normal(k[0], (n_stages, LAYERS, D, D)) / np.sqrt(D),
+    "b": jax.random.normal(k[1], (n_stages, LAYERS, D)) * 0.1,
+  }
 
 
 class _Layer(nn.Module):
@@ -44,19 +48,25 @@ class _Layer(nn.Module):
 
 class _Stage(nn.Module):
   """A MaxText-style stage: its layers in one `nn.scan` (optionally `nn.remat`)."""
+
   remat: bool = False
 
   @nn.compact
   def __call__(self, x):
     layer = nn.remat(_Layer, prevent_cse=False) if self.remat else _Layer
-    return nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
-                   length=LAYERS)()(x, None)[0]
+    return nn.scan(
+      layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=LAYERS
+    )()(x, None)[0]
 
 
 def _flax(n_stages, remat=False):
   stage = _Stage(remat)
-  params = _stack([stage.init(k, jnp.zeros((1, D)))["params"]
-                   for k in jax.random.split(jax.random.key(0), n_stages)])
+  params = _stack(
+    [
+      stage.init(k, jnp.zeros((1, D)))["params"]
+      for k in jax.random.split(jax.random.key(0), n_stages)
+    ]
+  )
   return lambda p, x: stage.apply({"params": p}, x), params
 
 
@@ -73,14 +83,23 @@ _T = jax.random.normal(jax.random.key(2), (ROWS, D))
 
 def _step(stage_fn, name, lag=0):
   sched = ooo.pipeline.schedule(name, stages=2, microbatches=2, lag=lag)
-  return ooo.pipeline.value_and_grad(stage_fn, _loss, mesh=_mesh(2), axis_name="stage",
-                                     schedule=sched)
+  return ooo.pipeline.value_and_grad(
+    stage_fn, _loss, mesh=_mesh(2), axis_name="stage", schedule=sched
+  )
 
 
-@pytest.mark.parametrize("kind,name,lag", [
-    ("lax", "1f1b", 0), ("lax", "ooo", 0), ("lax", "zb-h1", 1),
-    ("lax", "interleaved", 0), ("flax", "1f1b", 0), ("flax", "ooo", 0),
-    ("flax-remat", "zb-h1", 0)])
+@pytest.mark.parametrize(
+  "kind,name,lag",
+  [
+    ("lax", "1f1b", 0),
+    ("lax", "ooo", 0),
+    ("lax", "zb-h1", 1),
+    ("lax", "interleaved", 0),
+    ("flax", "1f1b", 0),
+    ("flax", "ooo", 0),
+    ("flax-remat", "zb-h1", 0),
+  ],
+)
 def test_scanned_stage_matches_jax_grad(kind, name, lag):
   # interleaved: 4 virtual stages on 2 devices (first, middle and last kinds).
   stage_fn, params = _model(kind, 4 if name == "interleaved" else 2)
@@ -115,7 +134,7 @@ def test_b_runs_the_dx_chain_and_w_the_stacked_dw(kind):
   p1 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)
   x = jax.ShapeDtypeStruct((ROWS // 2, D), jnp.float32)
   w_shapes = {tuple(a.shape[1:]) for a in jax.tree.leaves(p1) if len(a.shape) == 3}
-  dw_dots = len(w_shapes) * LAYERS        # one dW matmul per kernel per layer
+  dw_dots = len(w_shapes) * LAYERS  # one dW matmul per kernel per layer
   fl = make_flavor(False, True, stage_fn, _loss, None, p1, None, x, x, x)  # the last stage
   scans = lambda ids: [e for e in _phase(fl, ids) if e.primitive.name == "scan"]  # noqa: E731
   # B holds the B-scan (it carries dX through the layers); W one loop over the
@@ -123,7 +142,7 @@ def test_b_runs_the_dx_chain_and_w_the_stacked_dw(kind):
   (b_scan,), (w_scan,) = scans(fl.b_eqns), scans(fl.w_eqns)
   assert _compat.scan_info(b_scan).num_carry >= 1 and _compat.scan_info(w_scan).num_carry == 0
   grads = {v for v in fl.grads}
-  assert grads <= set(w_scan.outvars)      # every stacked dW comes out of W
+  assert grads <= set(w_scan.outvars)  # every stacked dW comes out of W
   f, b, w = (_dots(fl.jaxpr, set(ids)) for ids in (fl.f_eqns, fl.b_eqns, fl.w_eqns))
   # B computes no dW: none of its matmuls has a weight's shape; W's all do.
   assert not [s for s, _ in b if s in w_shapes]
@@ -163,7 +182,7 @@ def test_compiled_tick_loop_runs_one_loop_per_phase():
     return n
 
   per_branch = [loops(c) for c in cond[0].calls]
-  assert len(per_branch) == 1 + 2 * 3    # idle + (first, last) x (F, B, W)
+  assert len(per_branch) == 1 + 2 * 3  # idle + (first, last) x (F, B, W)
   # On both stage kinds (first, last) F: the forward scan; B: the B-scan; W:
   # ONE merged W-scan, not one per stacked leaf (this stage has 6); the idle
   # branch none.
@@ -185,12 +204,19 @@ def test_merge_scans_equals_the_separate_scans():
   ours = _compat.eval_jaxpr(merged, closed.consts, *args)
   assert_trees_close(ours, jax.tree.leaves(two(*args)))
   # Scans that feed each other, or differ in length, stay apart.
-  chained = jax.make_jaxpr(lambda w, h: jax.lax.scan(
-      lambda c, w: (c + w, None), jax.lax.scan(lambda c, w: (c * w, None), h, w)[0], w)[0])
+  chained = jax.make_jaxpr(
+    lambda w, h: jax.lax.scan(
+      lambda c, w: (c + w, None), jax.lax.scan(lambda c, w: (c * w, None), h, w)[0], w
+    )[0]
+  )
   j2 = chained(args[0], args[2]).jaxpr
   assert scan_merge.merge_scans(j2.eqns) is None
-  uneven = jax.make_jaxpr(lambda w, v: (jax.lax.scan(lambda c, w: (c, w), 0.0, w),
-                                        jax.lax.scan(lambda c, w: (c, w), 0.0, v)))
+  uneven = jax.make_jaxpr(
+    lambda w, v: (
+      jax.lax.scan(lambda c, w: (c, w), 0.0, w),
+      jax.lax.scan(lambda c, w: (c, w), 0.0, v),
+    )
+  )
   assert scan_merge.merge_scans(uneven(jnp.ones(3), jnp.ones(4)).jaxpr.eqns) is None
   result = doctest.testmod(scan_merge)
   assert result.attempted > 0 and result.failed == 0

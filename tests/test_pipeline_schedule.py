@@ -1,10 +1,11 @@
 """Pipeline schedule tables: generators, validator, metrics, text form."""
+
 import dataclasses
 
 import pytest
 
-from passes.pipeline.generate import SCHEDULES, generate
-from passes.pipeline.schedule import Action, PipelineSchedule, ScheduleError
+from ooojax.passes.pipeline.generate import SCHEDULES, generate
+from ooojax.passes.pipeline.schedule import Action, PipelineSchedule, ScheduleError
 
 SIZES = [(1, 3), (2, 2), (2, 5), (3, 4), (4, 4), (4, 8), (4, 3), (8, 16), (16, 8)]
 
@@ -44,15 +45,15 @@ def test_known_bubbles(p, m):
 @pytest.mark.parametrize("p,m", [(4, 8), (8, 16), (8, 32)])
 def test_zb_v(p, m):
   v = generate("zb-v", p, m)
-  assert v.placement == "v" and v.place(2 * p - 1) == (0, 1)   # the V: back to device 0
-  assert max(v.peak_activations()) <= 2 * p   # chunk activations: 1F1B's peak of whole stages
+  assert v.placement == "v" and v.place(2 * p - 1) == (0, 1)  # the V: back to device 0
+  assert max(v.peak_activations()) <= 2 * p  # chunk activations: 1F1B's peak of whole stages
   assert v.bubble_fraction() < generate("zb-h1", p, m).bubble_fraction()
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_generated_for_costs(name):
   costs = {"F": 1.0, "B": 1.4, "W": 0.25}
-  s = generate(name, 4, 8, costs=costs)   # planned with these durations, still a valid table
+  s = generate(name, 4, 8, costs=costs)  # planned with these durations, still a valid table
   assert s.validate() is s and s.bubble_fraction(costs) < 0.5
 
 
@@ -65,8 +66,7 @@ def test_costs_change_the_bubble():
 def test_interleaved_modulo_allocation():
   s = generate("interleaved", 4, 8, chunks=3)
   assert s.virtual_stages == 12
-  assert {(a.stage, a.chunk) for a in s.compute_actions()} == {
-      s.place(vs) for vs in range(12)}
+  assert {(a.stage, a.chunk) for a in s.compute_actions()} == {s.place(vs) for vs in range(12)}
   assert s.place(5) == (1, 1)  # layer block 5 on device 5 mod 4
 
 
@@ -89,8 +89,9 @@ def test_rejects_w_before_b():
   tb, tw = _find(s, "1B0"), _find(s, "1W0")
   grid = [list(r) for r in s.grid]
   grid[1][tb], grid[1][tw] = (
-      tuple(a if a.kind != "B" else Action(1, "W", 0) for a in grid[1][tb]),
-      tuple(a if a.kind != "W" else Action(1, "B", 0) for a in grid[1][tw]))
+    tuple(a if a.kind != "B" else Action(1, "W", 0) for a in grid[1][tb]),
+    tuple(a if a.kind != "W" else Action(1, "B", 0) for a in grid[1][tw]),
+  )
   bad = dataclasses.replace(s, grid=tuple(tuple(r) for r in grid))
   with pytest.raises(ScheduleError, match=r"1W0 at tick \d+ needs 1B0") as e:
     bad.validate()
@@ -139,16 +140,19 @@ def test_bad_arguments():
 
 def test_plot():
   import matplotlib
+
   matplotlib.use("Agg")
   ax = generate("ooo", 4, 8).plot()
   assert "ooo" in ax.get_title()
 
 
-@pytest.mark.parametrize("name", ["passes.pipeline.generate", "passes.pipeline.simulate",
-                                  "ooojax.pipeline"])
+@pytest.mark.parametrize(
+  "name", ["ooojax.passes.pipeline.generate", "ooojax.passes.pipeline.simulate", "ooojax.pipeline"]
+)
 def test_docstring_examples(name):
   import doctest
   import importlib
+
   result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
   assert result.attempted > 0 and result.failed == 0
 
@@ -158,8 +162,13 @@ def test_lag_one_tables(name):
   s = generate(name, 4, 8, lag=1)
   assert s.lag == 1 and PipelineSchedule.parse(s.to_text()) == s
   assert s.ticks >= generate(name, 4, 8).ticks
-  sends = {(a.kind[1], a.microbatch, a.chunk, a.stage): t for r in s.grid
-           for t, c in enumerate(r) for a in c if a.kind in ("SF", "SB")}
+  sends = {
+    (a.kind[1], a.microbatch, a.chunk, a.stage): t
+    for r in s.grid
+    for t, c in enumerate(r)
+    for a in c
+    if a.kind in ("SF", "SB")
+  }
   assert sends  # every receive is one tick after its send
   with pytest.raises(ScheduleError, match="no matching receive|missing receive"):
     dataclasses.replace(s, lag=0).validate()

@@ -1,6 +1,7 @@
 """Side inputs: pipeline stages whose layers read a per-example value besides the
 activation (a padding mask built from the tokens, segment ids). Every stage rebuilds
 it from its microbatch's batch leaves; gradients equal `jax.value_and_grad`."""
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,7 @@ import optax
 import pytest
 
 import ooojax as ooo
-from passes.pipeline.cut import cut
+from ooojax.passes.pipeline.cut import cut
 from tests.conftest import assert_trees_close
 from tests.test_pipeline_auto import _check, _jit, _mesh, _raises
 from tests.test_pipeline_train_step import _follow, _make, _reference
@@ -42,13 +43,20 @@ class _LM(nn.Module):
   def __call__(self, tokens, segments=None):
     emb = nn.Embed(self.vocab, self.dim)
     x = emb(tokens)
-    mask = nn.combine_masks(   # packed sequences: attend within one's segment only
-        nn.make_causal_mask(tokens), nn.make_attention_mask(tokens != 0, tokens != 0),
-        None if segments is None else nn.make_attention_mask(segments, segments, jnp.equal))
-    if self.scan:   # the mask is a scan constant
-      x, _ = nn.scan(_ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True},
-                     in_axes=nn.broadcast, length=self.layers)(self.dim, self.heads)(x, mask)
-    else:           # every block reads it
+    mask = nn.combine_masks(  # packed sequences: attend within one's segment only
+      nn.make_causal_mask(tokens),
+      nn.make_attention_mask(tokens != 0, tokens != 0),
+      None if segments is None else nn.make_attention_mask(segments, segments, jnp.equal),
+    )
+    if self.scan:  # the mask is a scan constant
+      x, _ = nn.scan(
+        _ScanBlock,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        in_axes=nn.broadcast,
+        length=self.layers,
+      )(self.dim, self.heads)(x, mask)
+    else:  # every block reads it
       for _ in range(self.layers):
         x = _Block(self.dim, self.heads)(x, mask)
     return emb.attend(nn.LayerNorm()(x))
@@ -59,10 +67,9 @@ def _lm(scan=True, segments=False):
   k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
   tokens = jax.random.randint(k1, (8, 7), 1, model.vocab)
   lengths = jax.random.randint(k2, (8, 1), 3, 8)
-  tokens = jnp.where(jnp.arange(7) < lengths, tokens, 0)     # padded tails
+  tokens = jnp.where(jnp.arange(7) < lengths, tokens, 0)  # padded tails
   segs = (jnp.arange(6) >= jax.random.randint(k3, (8, 1), 1, 6)).astype(jnp.int32)
-  params = model.init(jax.random.key(1), tokens[:1, :-1],
-                      segs[:1] if segments else None)["params"]
+  params = model.init(jax.random.key(1), tokens[:1, :-1], segs[:1] if segments else None)["params"]
 
   def loss(params, tokens, *seg):
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
@@ -73,8 +80,10 @@ def _lm(scan=True, segments=False):
   return loss, params, (tokens, segs) if segments else (tokens,)
 
 
-@pytest.mark.parametrize("scan,stages,schedule", [
-    (True, 2, "1f1b"), (True, 4, "zb-h1"), (False, 2, "interleaved"), (False, 4, "zb-h1")])
+@pytest.mark.parametrize(
+  "scan,stages,schedule",
+  [(True, 2, "1f1b"), (True, 4, "zb-h1"), (False, 2, "interleaved"), (False, 4, "zb-h1")],
+)
 def test_padding_mask_lm(scan, stages, schedule):
   loss, params, batch = _lm(scan)
   _check(loss, params, batch, stages, schedule)
@@ -89,7 +98,7 @@ def test_segment_ids_beside_the_tokens():
 def test_cut_records_the_side_leaves():
   loss, params, batch = _lm(scan=True, segments=True)
   leaves, tree = jax.tree.flatten(params)
-  flat = lambda *xs: loss(tree.unflatten(xs[:len(leaves)]), *xs[len(leaves):])  # noqa: E731
+  flat = lambda *xs: loss(tree.unflatten(xs[: len(leaves)]), *xs[len(leaves) :])  # noqa: E731
   c = cut(jax.make_jaxpr(flat)(*leaves, *batch), len(leaves))
   assert c.side == (0, 1) and c.inputs == (0,) and c.targets == (0,)
 
@@ -103,14 +112,19 @@ def test_scalar_side_input():
     return jnp.mean((h @ params["out"] - y) ** 2)
 
   ks = jax.random.split(jax.random.key(0), 5)
-  params = {"in": jax.random.normal(ks[0], (5, 4)), "out": jax.random.normal(ks[1], (4, 3)),
-            "w": [jax.random.normal(k, (4, 4)) * 0.5 for k in jax.random.split(ks[2], 4)]}
+  params = {
+    "in": jax.random.normal(ks[0], (5, 4)),
+    "out": jax.random.normal(ks[1], (4, 3)),
+    "w": [jax.random.normal(k, (4, 4)) * 0.5 for k in jax.random.split(ks[2], 4)],
+  }
   x, y, temp = jax.random.normal(ks[3], (8, 5)), jax.random.normal(ks[4], (8, 3)), 0.7
-  step = ooo.pipeline.value_and_grad(loss, mesh=_mesh(2), axis_name="stage",
-                                     schedule="1f1b", microbatches=2)
+  step = ooo.pipeline.value_and_grad(
+    loss, mesh=_mesh(2), axis_name="stage", schedule="1f1b", microbatches=2
+  )
   mean = lambda p: (loss(p, x[:4], y[:4], temp) + loss(p, x[4:], y[4:], temp)) / 2  # noqa: E731
-  assert_trees_close(_jit(step)(params, x, y, jnp.float32(temp)),
-                     _jit(jax.value_and_grad(mean))(params))
+  assert_trees_close(
+    _jit(step)(params, x, y, jnp.float32(temp)), _jit(jax.value_and_grad(mean))(params)
+  )
 
 
 # --- what stays refused ----------------------------------------------------------------
@@ -119,6 +133,7 @@ def _scan_loss(side):
     s = side(params, x, key)
     h = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w) * s, None), x, params["w"])[0]
     return jnp.mean((h @ params["out"]) ** 2)
+
   params = {"w": jnp.ones((2, 3, 3)) * 0.3, "g": jnp.ones((3, 3)), "out": jnp.ones((3, 2))}
   return loss, params, (jnp.ones((4, 3)), jax.random.key(0))
 
@@ -132,7 +147,8 @@ def test_side_value_of_parameters_refused():
 def test_dropout_key_refused():
   # a dropout mask drawn from a key in the batch: a microbatch's bits differ
   loss, params, batch = _scan_loss(
-      lambda p, x, key: jax.random.bernoulli(key, 0.9, x.shape).astype(x.dtype))
+    lambda p, x, key: jax.random.bernoulli(key, 0.9, x.shape).astype(x.dtype)
+  )
   _raises(loss, params, batch, "bits drawn for a microbatch differ")
 
 
@@ -143,16 +159,15 @@ def test_explicit_side():
   w = jax.random.normal(jax.random.key(0), (2, 4, 4)) * 0.5
   x, t = jax.random.normal(jax.random.key(1), (8, 4)), jnp.zeros((8, 4))
   m = (jnp.arange(8) % 3 != 0).astype(jnp.float32)
-  step = ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=_mesh(2), axis_name="stage",
-                                     schedule="zb-h1", microbatches=2)
+  step = ooo.pipeline.value_and_grad(
+    stage_fn, loss_fn, mesh=_mesh(2), axis_name="stage", schedule="zb-h1", microbatches=2
+  )
 
   def mean_over_microbatches(w):
     rows = [slice(0, 4), slice(4, 8)]
-    return sum(loss_fn(stage_fn(w[1], stage_fn(w[0], x[r], m[r]), m[r]), t[r])
-               for r in rows) / 2
+    return sum(loss_fn(stage_fn(w[1], stage_fn(w[0], x[r], m[r]), m[r]), t[r]) for r in rows) / 2
 
-  assert_trees_close(_jit(step)(w, (x, t, m)),
-                     _jit(jax.value_and_grad(mean_over_microbatches))(w))
+  assert_trees_close(_jit(step)(w, (x, t, m)), _jit(jax.value_and_grad(mean_over_microbatches))(w))
 
 
 def test_explicit_side_data_by_stage():
@@ -163,13 +178,21 @@ def test_explicit_side_data_by_stage():
   x, t = jax.random.normal(jax.random.key(1), (8, 4)), jnp.zeros((8, 4))
   m = jnp.arange(8, dtype=jnp.float32) / 8
   mesh = jax.make_mesh((2, 2), ("data", "stage"), devices=jax.devices()[:4])
-  step = ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=mesh, axis_name="stage",
-                                     data_axis="data", schedule="1f1b", microbatches=2)
+  step = ooo.pipeline.value_and_grad(
+    stage_fn,
+    loss_fn,
+    mesh=mesh,
+    axis_name="stage",
+    data_axis="data",
+    schedule="1f1b",
+    microbatches=2,
+  )
 
   def mean_of_pieces(w):
     xs, ts, ms = x.reshape(4, 2, 4), t.reshape(4, 2, 4), m.reshape(4, 2)
-    return sum(loss_fn(stage_fn(w[1], stage_fn(w[0], a, c), c), b)
-               for a, b, c in zip(xs, ts, ms)) / 4
+    return (
+      sum(loss_fn(stage_fn(w[1], stage_fn(w[0], a, c), c), b) for a, b, c in zip(xs, ts, ms)) / 4
+    )
 
   assert_trees_close(_jit(step)(w, (x, t, m)), _jit(jax.value_and_grad(mean_of_pieces))(w))
 
@@ -182,4 +205,4 @@ def test_train_step_masked_lm():
   ref = _reference(loss, opt, params, batches, 2)
   step = _make(loss, opt, _mesh(2), schedule="1f1b")
   state = step.init(params, *batches[0])
-  _follow(step, state, batches, ref)     # loss and parameters after every step
+  _follow(step, state, batches, ref)  # loss and parameters after every step

@@ -1,11 +1,12 @@
 """Pipeline tables tiled over several training steps (pure Python, no devices)."""
+
 import dataclasses
 
 import pytest
 
-from passes.pipeline.generate import SCHEDULES, generate, unfuse
-from passes.pipeline.schedule import Action, PipelineSchedule, ScheduleError
-from passes.pipeline.steps import steady_state, tile
+from ooojax.passes.pipeline.generate import SCHEDULES, generate, unfuse
+from ooojax.passes.pipeline.schedule import Action, PipelineSchedule, ScheduleError
+from ooojax.passes.pipeline.steps import steady_state, tile
 
 SIZES = [(1, 3), (2, 2), (2, 5), (3, 4), (4, 4), (4, 8), (8, 16)]
 
@@ -59,7 +60,7 @@ def test_action_text():
   assert Action.parse("0F3.1@2") == Action(0, "F", 3, 1, 2)
   assert Action.parse("2U") == Action(2, "U", 0)
   with pytest.raises(ValueError, match="cannot parse"):
-    Action.parse("0U3")       # an update has no microbatch
+    Action.parse("0U3")  # an update has no microbatch
   with pytest.raises(ValueError, match="cannot parse"):
     Action.parse("0F@1")
 
@@ -71,8 +72,7 @@ def test_step_overlap_is_per_stage():
   assert _tick(two, "0F0@1") < _tick(two, "3U")
   # 1F1B: stage 0 is busy until the end of its step, so step 1 follows step 0.
   f = tile(generate("1f1b", 4, 8), 2)
-  assert _tick(f, "0F0@1") == _tick(f, "0U") + 1 > max(
-      _tick(f, f"{s}U") for s in range(1, 4))
+  assert _tick(f, "0F0@1") == _tick(f, "0U") + 1 > max(_tick(f, f"{s}U") for s in range(1, 4))
 
 
 def test_rejects_forward_before_its_stages_update():
@@ -80,17 +80,23 @@ def test_rejects_forward_before_its_stages_update():
   t = _tick(two, "0U")
   # Stage 1's update of step 0 a tick after its first forward of step 1.
   bad = _move(two, "1U", _tick(two, "1F0@1") + 1)
-  with pytest.raises(ScheduleError, match=r"1F0@1 at tick \d+ needs 1U \(tick \d+\) first; "
-                     r"step t \+ 1's forwards read the weights") as e:
+  with pytest.raises(
+    ScheduleError,
+    match=r"1F0@1 at tick \d+ needs 1U \(tick \d+\) first; "
+    r"step t \+ 1's forwards read the weights",
+  ) as e:
     bad.validate()
   assert ">1F0@1<" in str(e.value)
-  same = _move(two, "0U", _tick(two, "0F0@1"))   # a forward and the update it reads: one tick
+  same = _move(two, "0U", _tick(two, "0F0@1"))  # a forward and the update it reads: one tick
   with pytest.raises(ScheduleError, match=r"0F0@1 at tick \d+ needs 0U"):
     same.validate()
   # An update before its step's last W.
   early = _move(two, "0U", t - 2)
-  with pytest.raises(ScheduleError, match=r"0U at tick \d+ needs 0W7 \(tick \d+\) first; "
-                     "a stage's update waits for every W"):
+  with pytest.raises(
+    ScheduleError,
+    match=r"0U at tick \d+ needs 0W7 \(tick \d+\) first; "
+    "a stage's update waits for every W",
+  ):
     early.validate()
 
 
@@ -125,7 +131,7 @@ def test_zb_h2_steady_bubble_vanishes(m):
   zb2 = steady_state(generate("zb-h2", p, m), steps=4)
   assert zb2.one_step_bubble == pytest.approx((p - 1) / (3 * m + p - 1))  # 0.111 at m = 8
   assert zb2.steady_bubble < 0.01 and zb2.step_times[1:] == (3.0 * m,) * 3
-  assert zb2.bubble < zb2.one_step_bubble / 3   # over 4 steps, the warm-up once
+  assert zb2.bubble < zb2.one_step_bubble / 3  # over 4 steps, the warm-up once
   # The others' stage 0 idles inside its own step: tiling gains (almost) nothing.
   for name in ("gpipe", "1f1b", "zb-h1"):
     st = steady_state(generate(name, p, m), steps=4)
@@ -136,6 +142,7 @@ def test_zb_h2_steady_bubble_vanishes(m):
 
 def test_update_cost_and_plot():
   import matplotlib
+
   matplotlib.use("Agg")
   st = steady_state(generate("zb-h2", 4, 8), steps=3, costs={"U": 2.0})
   assert st.step_times[1] == pytest.approx(24.0 + 2.0)  # stage 0's update is on its path
@@ -148,9 +155,15 @@ def test_public_api_and_executor_refuses_tiled_tables():
   import jax.numpy as jnp
 
   import ooojax as ooo
+
   two = ooo.pipeline.schedule("zb-h2", stages=2, microbatches=4, steps=2)
   assert two == ooo.pipeline.tile(ooo.pipeline.schedule("zb-h2", 2, 4), 2)
   mesh = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
   with pytest.raises(ValueError, match="value_and_grad runs one step.s table"):
-    ooo.pipeline.value_and_grad(lambda w, x: jnp.tanh(x @ w), lambda y, t: jnp.mean(y - t),
-                                mesh=mesh, axis_name="stage", schedule=two)
+    ooo.pipeline.value_and_grad(
+      lambda w, x: jnp.tanh(x @ w),
+      lambda y, t: jnp.mean(y - t),
+      mesh=mesh,
+      axis_name="stage",
+      schedule=two,
+    )

@@ -1,13 +1,14 @@
 """`ooo.pipeline.make_train_step(..., steps=n)`: a plain loss's train step tiled over
 steps (per-stage updates inside the tick loop, tied embeddings reduced and updated
 once per step) follows the synchronous `jax.value_and_grad` + optax loop."""
+
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
 
 import ooojax as ooo
-from passes.pipeline.generate import synced
+from ooojax.passes.pipeline.generate import synced
 from tests.conftest import assert_trees_close
 from tests.test_pipeline_auto import _gpt, _mlp
 from tests.test_pipeline_train_step import ADAM, O0, _mesh, _reference
@@ -18,9 +19,17 @@ def _stacked(batches):
 
 
 def _make(loss, opt, schedule, steps=2, **kw):
-  return ooo.pipeline.make_train_step(loss, opt, mesh=_mesh(), axis_name="stage",
-                                      schedule=schedule, microbatches=4, steps=steps,
-                                      compiler_options=O0, **kw)
+  return ooo.pipeline.make_train_step(
+    loss,
+    opt,
+    mesh=_mesh(),
+    axis_name="stage",
+    schedule=schedule,
+    microbatches=4,
+    steps=steps,
+    compiler_options=O0,
+    **kw,
+  )
 
 
 @pytest.mark.parametrize("schedule", ["zb-h2", "1f1b"])
@@ -28,6 +37,7 @@ def test_gpt_four_steps_in_two_calls(tmp_path, schedule):
   # nn.scan layers, tied embeddings (shared by the first and the last stage), Adam;
   # a checkpoint restore into a fresh step between the two calls
   import orbax.checkpoint as ocp
+
   loss, params, (tokens,) = _gpt()
   batches = [(jnp.roll(tokens, t, axis=0),) for t in range(4)]
   ref = _reference(loss, ADAM, params, batches, 4)

@@ -1,6 +1,7 @@
 """`ooo.pipeline.make_train_step`: a plain loss's pipelined train step follows the
 synchronous `jax.value_and_grad` + optax loop, keeps the stages sharded, and
 checkpoints with orbax."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +12,7 @@ import ooojax as ooo
 from tests.conftest import assert_trees_close
 from tests.test_pipeline_auto import _gpt
 
-O0 = {"xla_backend_optimization_level": 0}   # correctness at O0: less compile time
+O0 = {"xla_backend_optimization_level": 0}  # correctness at O0: less compile time
 STEPS = 3
 # The attention's key bias has a zero gradient (softmax ignores a per-query constant):
 # only float noise, which Adam's default eps=1e-8 would blow up to lr-sized steps.
@@ -21,7 +22,7 @@ ADAM = optax.adam(1e-2, eps=1e-4)
 def _mesh(data=1, stages=2):
   if data == 1:
     return jax.make_mesh((stages,), ("stage",), devices=jax.devices()[:stages])
-  return jax.make_mesh((data, stages), ("data", "stage"), devices=jax.devices()[:data * stages])
+  return jax.make_mesh((data, stages), ("data", "stage"), devices=jax.devices()[: data * stages])
 
 
 def _batches(tokens, steps=STEPS):
@@ -31,15 +32,19 @@ def _batches(tokens, steps=STEPS):
 
 def _reference(loss, opt, params, batches, microbatches):
   """The synchronous loop: jax.value_and_grad of the mean over microbatches, then optax."""
+
   def mean_over_microbatches(p, *batch):
-    parts = [jax.tree.map(lambda a, i=i: a.reshape(microbatches, -1, *a.shape[1:])[i], batch)
-             for i in range(microbatches)]
+    parts = [
+      jax.tree.map(lambda a, i=i: a.reshape(microbatches, -1, *a.shape[1:])[i], batch)
+      for i in range(microbatches)
+    ]
     return sum(loss(p, *b) for b in parts) / microbatches
 
   def step(p, o, *batch):
     l, g = jax.value_and_grad(mean_over_microbatches)(p, *batch)
     u, o = opt.update(g, o, p)
     return optax.apply_updates(p, u), o, l
+
   step = jax.jit(step, compiler_options=O0)
 
   o, out = opt.init(params), []
@@ -50,8 +55,9 @@ def _reference(loss, opt, params, batches, microbatches):
 
 
 def _make(loss, opt, mesh, **kw):
-  return ooo.pipeline.make_train_step(loss, opt, mesh=mesh, axis_name="stage",
-                                      microbatches=2, compiler_options=O0, **kw)
+  return ooo.pipeline.make_train_step(
+    loss, opt, mesh=mesh, axis_name="stage", microbatches=2, compiler_options=O0, **kw
+  )
 
 
 def _follow(step, state, batches, ref, start=0):
@@ -62,11 +68,15 @@ def _follow(step, state, batches, ref, start=0):
   return state
 
 
-@pytest.mark.parametrize("opt,schedule", [
+@pytest.mark.parametrize(
+  "opt,schedule",
+  [
     (optax.sgd(0.1, momentum=0.9), "zb-h1"),
     # a reduction over every leaf (the global norm sums over the stages), on
     # chunks stored device-major (interleaved: device s holds stages s and s + 2)
-    (optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.3)), "interleaved")])
+    (optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.3)), "interleaved"),
+  ],
+)
 def test_trajectory_matches_synchronous_loop(opt, schedule):
   loss, params, (tokens,) = _gpt()
   batches = _batches(tokens)
@@ -78,11 +88,12 @@ def test_trajectory_matches_synchronous_loop(opt, schedule):
 
 def _assert_no_gather(step, state, batch):
   hlo = step.lower(state, *batch).compile().as_text()
-  assert "all-gather" not in hlo      # no device ever receives another stage's weights
+  assert "all-gather" not in hlo  # no device ever receives another stage's weights
 
 
 def test_adam_sharded_by_stage_checkpoint_restores_training(tmp_path):
   import orbax.checkpoint as ocp
+
   loss, params, (tokens,) = _gpt()
   batches = _batches(tokens)
   ref = _reference(loss, ADAM, params, batches, 2)
@@ -93,7 +104,7 @@ def test_adam_sharded_by_stage_checkpoint_restores_training(tmp_path):
   stage_sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("stage"))
   for x in state.params.stacked + tuple(jax.tree.leaves(state.opt_state[0].mu.stacked)):
     assert x.sharding.is_equivalent_to(stage_sh, x.ndim)
-    for shard in x.addressable_shards:   # each device holds one stage's layers
+    for shard in x.addressable_shards:  # each device holds one stage's layers
       assert shard.data.shape[0] == 1 and x.shape[0] == 2
   # tied embeddings (read by the first and the last stage) and the final norm:
   # replicated, and updated identically on every device

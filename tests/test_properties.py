@@ -5,32 +5,39 @@ argnums (negative, repeated, out of range), has_aux values (arrays, Python
 scalars, strings, None, nests) and options; either the results agree exactly
 (tree, types, dtype, weak type, value) or both raise the same exception type.
 """
+
 import jax
 import jax.numpy as jnp
-import numpy as np
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import ooojax as ooo
 from tests._same import assert_same, outcome
 
 _LEAVES = {
-    "pyfloat": lambda v: float(v),
-    "f32": lambda v: jnp.full((2,), v, jnp.float32),
-    "f32_scalar": lambda v: jnp.float32(v),
-    "bf16": lambda v: jnp.full((2,), v, jnp.bfloat16),
-    "i32": lambda v: jnp.full((2,), int(v), jnp.int32),
+  "pyfloat": lambda v: float(v),
+  "f32": lambda v: jnp.full((2,), v, jnp.float32),
+  "f32_scalar": lambda v: jnp.float32(v),
+  "bf16": lambda v: jnp.full((2,), v, jnp.bfloat16),
+  "i32": lambda v: jnp.full((2,), int(v), jnp.int32),
 }
 
-leaf = st.builds(lambda kind, v: _LEAVES[kind](v), st.sampled_from(sorted(_LEAVES)),
-                 st.floats(-2, 2, allow_nan=False, width=32))
-tree = st.recursive(leaf, lambda c: st.one_of(st.lists(c, min_size=1, max_size=2),
-                                              st.dictionaries(st.sampled_from("ab"), c,
-                                                              min_size=1, max_size=2)),
-                    max_leaves=3)
+leaf = st.builds(
+  lambda kind, v: _LEAVES[kind](v),
+  st.sampled_from(sorted(_LEAVES)),
+  st.floats(-2, 2, allow_nan=False, width=32),
+)
+tree = st.recursive(
+  leaf,
+  lambda c: st.one_of(
+    st.lists(c, min_size=1, max_size=2),
+    st.dictionaries(st.sampled_from("ab"), c, min_size=1, max_size=2),
+  ),
+  max_leaves=3,
+)
 aux_value = st.sampled_from(["arr", 3, 2.5, "s", None, ("n", 1), "nest"])
-argnums = st.one_of(st.integers(-3, 2), st.lists(st.integers(-3, 2), min_size=1,
-                                                 max_size=2).map(tuple))
+argnums = st.one_of(
+  st.integers(-3, 2), st.lists(st.integers(-3, 2), min_size=1, max_size=2).map(tuple)
+)
 
 
 def _loss(*args):
@@ -49,14 +56,21 @@ def _with_aux(kind):
     loss = _loss(*args)
     aux = {"arr": loss * 2, "nest": {"x": [loss, "t"], "y": 1.5}}.get(kind, kind)
     return loss, aux
+
   return f
 
 
-@settings(max_examples=20, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(args=st.lists(tree, min_size=1, max_size=2), argnums=argnums,
-       aux=st.one_of(st.none(), aux_value), allow_int=st.booleans(),
-       value=st.booleans(), mode=st.sampled_from(["in_order", "single_gpu"]))
+@settings(
+  max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(
+  args=st.lists(tree, min_size=1, max_size=2),
+  argnums=argnums,
+  aux=st.one_of(st.none(), aux_value),
+  allow_int=st.booleans(),
+  value=st.booleans(),
+  mode=st.sampled_from(["in_order", "single_gpu"]),
+)
 def test_matches_jax_grad(args, argnums, aux, allow_int, value, mode):
   has_aux = aux is not None
   f = _with_aux(aux) if has_aux else _loss

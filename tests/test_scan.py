@@ -1,10 +1,11 @@
 """Control flow: loop costs, the B/W scan split, the skewed scan."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from passes import _compat, cost
+from ooojax.passes import _compat, cost
 
 
 def _scanned(w, x):
@@ -47,19 +48,28 @@ def test_nested_scan_cost_multiplies():
 def test_while_with_trip_count_and_cond():
   x = jnp.ones((64, 64))
   one = sum(cost.estimate(e).flops for e in _jaxpr(lambda x: jnp.tanh(x @ x), x).eqns)
-  loop = _jaxpr(lambda x: jax.lax.while_loop(
-      lambda c: c[0] < 5, lambda c: (c[0] + 1, jnp.tanh(c[1] @ c[1])), (0, x))[1], x)
+  loop = _jaxpr(
+    lambda x: jax.lax.while_loop(
+      lambda c: c[0] < 5, lambda c: (c[0] + 1, jnp.tanh(c[1] @ c[1])), (0, x)
+    )[1],
+    x,
+  )
   eqn = [e for e in loop.eqns if e.primitive.name == "while"][0]
   assert cost.while_trips(eqn) == 5
   assert cost.estimate(eqn).flops == pytest.approx(5 * one, rel=0.01)
   # An unknown bound: one trip, never a crash.
-  unknown = _jaxpr(lambda x, n: jax.lax.while_loop(
-      lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] @ c[1]), (0, x))[1], x, 3)
+  unknown = _jaxpr(
+    lambda x, n: jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] @ c[1]), (0, x))[
+      1
+    ],
+    x,
+    3,
+  )
   eqn = [e for e in unknown.eqns if e.primitive.name == "while"][0]
   assert cost.while_trips(eqn) is None
   branchy = _jaxpr(lambda x, p: jax.lax.cond(p > 0, lambda x: x @ x @ x, lambda x: x + 1, x), x, 1)
   eqn = [e for e in branchy.eqns if e.primitive.name == "cond"][0]
-  assert cost.estimate(eqn).flops == pytest.approx(2 * 2 * 64 ** 3)
+  assert cost.estimate(eqn).flops == pytest.approx(2 * 2 * 64**3)
 
 
 # --- scan split ----------------------------------------------------------------
@@ -67,8 +77,8 @@ import flax.linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import ooojax as ooo  # noqa: E402
-from passes.scan import split as scan_split  # noqa: E402
-from passes.hlo import schedule as hlo_schedule  # noqa: E402
+from ooojax.passes.hlo import schedule as hlo_schedule  # noqa: E402
+from ooojax.passes.scan import split as scan_split  # noqa: E402
 from tests import models  # noqa: E402
 from tests.conftest import assert_trees_close  # noqa: E402
 
@@ -76,9 +86,11 @@ from tests.conftest import assert_trees_close  # noqa: E402
 def _scan_prims(fn, *args):
   split = fn._ooo.plan(args, {})[0].split if hasattr(fn, "_ooo") else fn
   eqns = split.jaxpr.jaxpr.eqns
-  return split, [(split.kinds[k].name, _compat.scan_info(e).num_carry)
-                 for k, e in enumerate(eqns)
-                 if e.primitive.name == "scan"]
+  return split, [
+    (split.kinds[k].name, _compat.scan_info(e).num_carry)
+    for k, e in enumerate(eqns)
+    if e.primitive.name == "scan"
+  ]
 
 
 def _check(loss, *args, n_w=1, hlo=False):
@@ -100,9 +112,11 @@ def _mlp_layer(h, p):
 
 def _stack(n=4, d=8, seed=0):
   k = jax.random.split(jax.random.PRNGKey(seed), 3)
-  p = {"w": jax.random.normal(k[0], (n, d, d)) / np.sqrt(d),
-       "b": jax.random.normal(k[1], (n, d)) * 0.1,
-       "out": jax.random.normal(k[2], (d, 3))}
+  p = {
+    "w": jax.random.normal(k[0], (n, d, d)) / np.sqrt(d),
+    "b": jax.random.normal(k[1], (n, d)) * 0.1,
+    "out": jax.random.normal(k[2], (d, 3)),
+  }
   return p, jax.random.normal(jax.random.PRNGKey(9), (5, d))
 
 
@@ -155,8 +169,9 @@ def test_custom_vjp_inside_scanned_body():
   p, x = _stack(n=3, d=4)
 
   def loss(p, x):
-    h, _ = jax.lax.scan(lambda h, p: (act(h @ p["w"] + p["b"]), None), x,
-                        {"w": p["w"], "b": p["b"]})
+    h, _ = jax.lax.scan(
+      lambda h, p: (act(h @ p["w"] + p["b"]), None), x, {"w": p["w"], "b": p["b"]}
+    )
     return jnp.sum(h @ p["out"])
 
   _check(loss, p, x, n_w=2)
@@ -179,9 +194,11 @@ def _flax_stack(remat):
     @nn.compact
     def __call__(self, x):
       x = nn.Dense(8)(x)
-      x, _ = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
-                     length=3)()(x, None)
+      x, _ = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)()(
+        x, None
+      )
       return nn.Dense(2)(x)
+
   return Stack()
 
 
@@ -200,9 +217,12 @@ def test_flax_nn_scan_with_remat_policies(remat):
 def _executed_dots(txt: str) -> int:
   """Dots a compiled module runs: while bodies count x their known trip count."""
   import re
+
   s = hlo_schedule.parse(txt)
-  trips = {m.group(1): int(m.group(2)) for m in re.finditer(
-      r"%([\w.\-]+) = .*? while\(.*?\"known_trip_count\":\{\"n\":\"(\d+)\"", txt)}
+  trips = {
+    m.group(1): int(m.group(2))
+    for m in re.finditer(r"%([\w.\-]+) = .*? while\(.*?\"known_trip_count\":\{\"n\":\"(\d+)\"", txt)
+  }
   memo: dict = {}
 
   def count(comp):
@@ -216,6 +236,7 @@ def _executed_dots(txt: str) -> int:
           n += (trips.get(i.name, 1) if body else 1) * count(c)
       memo[comp] = n
     return memo[comp]
+
   return count(s.entry_name)
 
 
@@ -242,6 +263,7 @@ def test_nnx_scan_stack():
     @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
     def run(x, layer):
       return layer(x)
+
     return jnp.sum(run(x, model) ** 2)
 
   _check(loss, state, x, n_w=2)
@@ -283,6 +305,7 @@ def _skew_loss(reverse=False):
   def loss(p, x):
     h, _ = jax.lax.scan(_mlp_layer, x, {"w": p["w"], "b": p["b"]}, reverse=reverse)
     return jnp.sum((h @ p["out"]) ** 2)
+
   return loss
 
 
@@ -306,34 +329,38 @@ def test_skewed_scan_hlo_cpu_has_stream_call_beside_dx_in_loop_body():
   p, x = _stack(n=4)
   txt = jax.jit(_single_gpu(_skew_loss())).lower(p, x).compile().as_text()
   s = hlo_schedule.parse(txt)
-  bodies = [instrs for name, instrs in s.computations.items()
-            if any(i.stream == "1" and i.op == "call" for i in instrs)
-            and any(i.op in ("dot", "fusion") and "dot_general" in i.op_name and i.stream is None
-                    for i in instrs)]
+  bodies = [
+    instrs
+    for name, instrs in s.computations.items()
+    if any(i.stream == "1" and i.op == "call" for i in instrs)
+    and any(
+      i.op in ("dot", "fusion") and "dot_general" in i.op_name and i.stream is None for i in instrs
+    )
+  ]
   assert bodies, "no loop body holds both a stream-1 call and dX work"
   whiles = [i for i in s.computations.values() for i in i if i.op == "while"]
-  assert any(set(i.calls) & {n for n, c in s.computations.items() if c in bodies}
-             for i in whiles)
+  assert any(set(i.calls) & {n for n, c in s.computations.items() if c in bodies} for i in whiles)
 
 
 def _loop_windows(s):
   """(W call pair, main-stream heavy kernels of its body) per stream-1 call in a while body."""
-  bodies = {c for comp in s.computations.values() for i in comp if i.op == "while"
-            for c in i.calls}
-  return [(q, [i for i in s.computations[q.computation] if i.is_heavy and i.stream is None])
-          for q in s.pairs_of("call")
-          if q.computation in bodies and q.heavy_callee and q.start.stream == "1"]
+  bodies = {c for comp in s.computations.values() for i in comp if i.op == "while" for c in i.calls}
+  return [
+    (q, [i for i in s.computations[q.computation] if i.is_heavy and i.stream is None])
+    for q in s.pairs_of("call")
+    if q.computation in bodies and q.heavy_callee and q.start.stream == "1"
+  ]
 
 
 def test_skewed_scan_compile_only_h100():
   from ooojax import gpu_hlo
+
   reason = gpu_hlo.unavailable_reason()
   if reason is not None:
     pytest.skip(f"compile-only GPU unavailable: {reason}")
   n, d, rows = 4, 256, 64  # the dX GEMM: 2 * 64 * 256 * 256 = 2^23 flops
   S = jax.ShapeDtypeStruct
-  p = {"w": S((n, d, d), jnp.float32), "b": S((n, d), jnp.float32),
-       "out": S((d, 3), jnp.float32)}
+  p = {"w": S((n, d, d), jnp.float32), "b": S((n, d), jnp.float32), "out": S((d, 3), jnp.float32)}
   s = gpu_hlo.schedule(_single_gpu(_skew_loss()), p, S((rows, d), jnp.float32))
   # Inside the loop body, W(i-1)'s call-start .. call-done window holds B(i)'s
   # dX GEMM. (It did not while the new residual was written into its carry
@@ -350,13 +377,15 @@ def test_skewed_scan_compile_only_h100():
 
 def test_skewed_transformer_stack_compile_only_h100():
   from ooojax import gpu_hlo
+
   reason = gpu_hlo.unavailable_reason()
   if reason is not None:
     pytest.skip(f"compile-only GPU unavailable: {reason}")
   from ooojax.models import scanned
+
   loss, args, _ = scanned.make(layers=3, batch=2, seq=64, dim=128, heads=4, vocab=128)
   s = gpu_hlo.schedule(_single_gpu(loss), *args)
-  (q, heavy), = _loop_windows(s)
+  ((q, heavy),) = _loop_windows(s)
   # Every main-stream GEMM of layer i's backward runs inside the window of
   # layer i-1's dW call (10 of 10 on jaxlib 0.10.2).
   assert len(q.overlapped_heavy) >= len(heavy) - 1 >= 4, (len(q.overlapped_heavy), len(heavy))
@@ -364,6 +393,7 @@ def test_skewed_transformer_stack_compile_only_h100():
 
 def test_scanned_stack_costs_like_unrolled_in_explain():
   from ooojax.models import scanned
+
   rep = {}
   for scan in (True, False):
     loss, args, _ = scanned.make(layers=4, batch=2, seq=16, dim=64, heads=4, vocab=64, scan=scan)
@@ -391,5 +421,6 @@ def test_custom_vjp_bwd_is_looked_into():
 
 def test_scan_split_docstring_examples():
   import doctest
+
   result = doctest.testmod(scan_split, optionflags=doctest.ELLIPSIS)
   assert result.attempted > 0 and result.failed == 0

@@ -4,6 +4,7 @@ Each test trains a few steps with `single_gpu.make_train_step` and compares
 losses (every step) and the flushed parameters with `jax.value_and_grad` +
 optax, the synchronous loop.
 """
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -12,8 +13,8 @@ import optax
 import pytest
 
 from ooojax import gpu_hlo, single_gpu
-from passes import defer as defer_pass
-from passes.cost import CostModel
+from ooojax.passes import defer as defer_pass
+from ooojax.passes.cost import CostModel
 from tests.conftest import cpu_backend_only
 from tests.models import tanh_mlp
 
@@ -32,13 +33,19 @@ class _Flax(nn.Module):
 
 def _flax():
   m = _Flax()
-  xs = [(jax.random.normal(jax.random.PRNGKey(t), (16, 8)),
-         jax.random.randint(jax.random.PRNGKey(100 + t), (16,), 0, 4)) for t in range(5)]
+  xs = [
+    (
+      jax.random.normal(jax.random.PRNGKey(t), (16, 8)),
+      jax.random.randint(jax.random.PRNGKey(100 + t), (16,), 0, 4),
+    )
+    for t in range(5)
+  ]
   params = m.init(jax.random.PRNGKey(1), xs[0][0])["params"]
 
   def loss(p, batch):
     x, y = batch
     return optax.softmax_cross_entropy_with_integer_labels(m.apply({"params": p}, x), y).mean()
+
   return params, loss, xs
 
 
@@ -48,6 +55,7 @@ def _plain(loss, tx, params, xs):
     l, g = jax.value_and_grad(loss)(p, x)
     u, o = tx.update(g, o, p)
     return l, optax.apply_updates(p, u), o
+
   o, losses = tx.init(params), []
   for x in xs:
     l, params, o = step(params, o, x)
@@ -63,14 +71,17 @@ def _run(step, state, xs):
   return state, losses
 
 
-OPTIMIZERS = {"adam": lambda: optax.adam(1e-2),
-              "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9)}
+OPTIMIZERS = {
+  "adam": lambda: optax.adam(1e-2),
+  "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9),
+}
 
 
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 @pytest.mark.parametrize("mode", ["in_order", "single_gpu"])
 def test_trajectory_with_checkpoint_restore_matches_plain_loop(opt, mode, tmp_path, close):
   import orbax.checkpoint as ocp
+
   params, loss, xs = _mlp()
   tx = OPTIMIZERS[opt]()
   ref, ref_losses = _plain(loss, tx, params, xs)
@@ -120,8 +131,13 @@ def test_has_aux_with_batch_stats_matches_plain_loop(mode, close):
   """BatchNorm's batch_stats go in with the batch and come back in aux, as with
   `jax.value_and_grad(has_aux=True)`; 3 Adam steps, the last Dense deferred."""
   m = _BN()
-  xs = [(jax.random.normal(jax.random.PRNGKey(t), (8, 6)),
-         jax.random.randint(jax.random.PRNGKey(50 + t), (8,), 0, 4)) for t in range(3)]
+  xs = [
+    (
+      jax.random.normal(jax.random.PRNGKey(t), (8, 6)),
+      jax.random.randint(jax.random.PRNGKey(50 + t), (8,), 0, 4),
+    )
+    for t in range(3)
+  ]
   v = m.init(jax.random.PRNGKey(1), xs[0][0])
 
   def loss(p, batch):
@@ -129,6 +145,7 @@ def test_has_aux_with_batch_stats_matches_plain_loop(mode, close):
     logits, upd = m.apply({"params": p, "batch_stats": stats}, x, mutable=["batch_stats"])
     l = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
     return l, {"batch_stats": upd["batch_stats"], "n": 3}
+
   tx = optax.adam(1e-2)
 
   @jax.jit
@@ -136,6 +153,7 @@ def test_has_aux_with_batch_stats_matches_plain_loop(mode, close):
     (l, aux), g = jax.value_and_grad(loss, has_aux=True)(p, (stats, x, y))
     u, o = tx.update(g, o, p)
     return (l, aux), optax.apply_updates(p, u), o
+
   p, o, stats, want = v["params"], tx.init(v["params"]), v["batch_stats"], []
   for x, y in xs:
     out, p, o = plain(p, o, stats, x, y)
@@ -168,8 +186,11 @@ def test_nothing_deferred_and_a_predicate(close):
 def test_global_norm_clipping_is_refused_or_waits(close):
   params, loss, xs = _mlp()
   tx = optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2))
-  with pytest.raises(ValueError, match=r"optax\.clip_by_global_norm.*the update of \['l0'\]"
-                                       r"\['b'\] reads the gradient of \['l3'\]"):
+  with pytest.raises(
+    ValueError,
+    match=r"optax\.clip_by_global_norm.*the update of \['l0'\]"
+    r"\['b'\] reads the gradient of \['l3'\]",
+  ):
     single_gpu.make_train_step(loss, tx, defer=("l3",)).init(params, xs[0])
   # exact when every update waits for the deferred dW
   ref, ref_losses = _plain(loss, tx, params, xs[:3])
@@ -201,13 +222,15 @@ def test_errors():
 def test_cost_model_defers_late_used_clusters_only():
   """`choose` keeps a cluster only if the simulated steady-state step gets faster."""
   import ooojax as ooo
+
   d, n = 1024, 8
   params = {f"l{i}": jnp.zeros((d, d)) for i in range(n)}
 
   def loss(p, x):
     for i in range(n):
       x = jnp.tanh(x @ p[f"l{i}"])
-    return jnp.mean(x ** 2)
+    return jnp.mean(x**2)
+
   vg = ooo.value_and_grad(loss, mode="single_gpu", device="H100")
   plan, _ = vg.plan((params, jnp.zeros((64, d))), {})
   cm = CostModel("H100")
@@ -236,9 +259,11 @@ def test_h100_deferred_dw_overlaps_the_next_forward():
   def loss(p, x):
     for i in range(n):
       x = jnp.tanh(x @ p[f"l{i}"])
-    return jnp.mean(x ** 2)
-  step = single_gpu.make_train_step(loss, optax.sgd(0.1, momentum=0.9), defer=("l5",),
-                                    mode="single_gpu", device="H100")
+    return jnp.mean(x**2)
+
+  step = single_gpu.make_train_step(
+    loss, optax.sgd(0.1, momentum=0.9), defer=("l5",), mode="single_gpu", device="H100"
+  )
   state = step.abstract_state(params, x)
   sched = gpu_hlo.schedule(step.jitted, state, x, gpu="H100")
   deferred = [p for p in sched.stream_calls() if "ooo_deferred" in p.start.op_name]

@@ -1,10 +1,11 @@
-"""passes.slots: the call plan never asks XLA:GPU for more than two calls in flight.
+"""ooojax.passes.slots: the call plan never asks XLA:GPU for more than two calls in flight.
 
 Pure plan checks (no compile): the compiled proof is tests/test_overlap.py on
 the compile-only H100, on jax 0.11.2 and on the newest jax.
 """
-from passes import slots
-from passes.ir import Call
+
+from ooojax.passes import slots
+from ooojax.passes.ir import Call
 
 MAIN = [f"X{i}" for i in range(8)]
 # anchorable stream-0 equations: (position of their unit in MAIN, equation)
@@ -41,8 +42,10 @@ def test_light_calls_join_a_heavy_call_of_their_anchor():
 def test_light_calls_with_no_heavy_call_share_one():
   calls = [_c("W0", "X0", 20), _c("W1", "X1", 20), _c("W2", "X1", 40)]
   out = slots.fit(calls, MAIN, EQN_UNIT, MARKS, heavy_units={"W2"})
-  assert [(c.units, c.after, c.anchor) for c in out] == [(("W0", "W1"), "X1", 20),
-                                                         (("W2",), "X1", 40)]
+  assert [(c.units, c.after, c.anchor) for c in out] == [
+    (("W0", "W1"), "X1", 20),
+    (("W2",), "X1", 40),
+  ]
 
 
 def test_third_call_waits_for_the_first_and_is_reanchored_after_it():

@@ -1,4 +1,5 @@
 """Every benchmark model's ooo.grad equals jax.grad at a tiny size."""
+
 import jax
 import pytest
 

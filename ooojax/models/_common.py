@@ -1,4 +1,5 @@
 """The image-classification loss shared by the CNN workloads."""
+
 from __future__ import annotations
 
 import jax
@@ -35,7 +36,9 @@ def image_classifier(model, batch: int, image: int, classes: int, real_init: boo
     v = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(init))
 
   def loss_fn(params, batch_stats, x, y):
-    logits, upd = model.apply({"params": params, "batch_stats": batch_stats}, x,
-                              mutable=["batch_stats"])
+    logits, upd = model.apply(
+      {"params": params, "batch_stats": batch_stats}, x, mutable=["batch_stats"]
+    )
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), upd
+
   return loss_fn, (v["params"], v["batch_stats"], x, y), {"has_aux": True}

@@ -1,4 +1,5 @@
 """DenseNet-121 (block config 6/12/24/16), growth rate configurable."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -30,7 +31,12 @@ class DenseNet(nn.Module):
     return nn.Dense(self.classes)(nn.relu(bn()(x)).mean(axis=(1, 2)))
 
 
-def make(batch: int = 32, image: int = 224, growth: int = 32,
-         blocks: Sequence[int] = (6, 12, 24, 16), classes: int = 1000):
+def make(
+  batch: int = 32,
+  image: int = 224,
+  growth: int = 32,
+  blocks: Sequence[int] = (6, 12, 24, 16),
+  classes: int = 1000,
+):
   """Returns `(loss_fn, args, kw)`: `loss_fn(params, batch_stats, x, y)` has aux."""
   return image_classifier(DenseNet(tuple(blocks), growth, classes), batch, image, classes)

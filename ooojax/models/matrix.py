@@ -19,6 +19,7 @@ Modes:
     by ooojax from the unmodified loss, against `jax.value_and_grad` of the
     loss averaged over the microbatches (a model it cannot cut: `CutError`).
 """
+
 from __future__ import annotations
 
 import jax
@@ -30,7 +31,7 @@ from ooojax import gpu_hlo
 from ooojax.models.features import AXIS, Case
 
 MODES = ("in_order", "single_gpu", "dp_shard_map", "dp_pmap", "pipeline", "pipeline_auto")
-DEVICES = 4         # data-axis size for the mapped cells
+DEVICES = 4  # data-axis size for the mapped cells
 STAGES = 2
 
 
@@ -48,8 +49,9 @@ def _grad(case: Case, mode: str, **kw):
     return jax.grad(case.loss, has_aux=True)
   if mode.startswith("dp_"):
     return ooo.grad(case.loss, has_aux=True, mode="data_parallel", axis_name=AXIS, **kw)
-  return ooo.grad(case.loss, has_aux=True, mode=mode,
-                  **({"device": "H100"} if mode == "single_gpu" else {}), **kw)
+  return ooo.grad(
+    case.loss, has_aux=True, mode=mode, **({"device": "H100"} if mode == "single_gpu" else {}), **kw
+  )
 
 
 def _per_device(case: Case, mode: str):
@@ -62,6 +64,7 @@ def _per_device(case: Case, mode: str):
     if not mode.startswith("dp_"):
       grads = jax.lax.pmean(grads, AXIS)
     return grads, aux
+
   return f
 
 
@@ -71,8 +74,15 @@ def _specs(case: Case):
 
 def _shard_map(case: Case, mode: str, devices: int):
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), (AXIS,))
-  return _jit(jax.shard_map(_per_device(case, mode), mesh=mesh, in_specs=_specs(case),
-                            out_specs=(P(), P()), check_vma=False))(*case.args)
+  return _jit(
+    jax.shard_map(
+      _per_device(case, mode),
+      mesh=mesh,
+      in_specs=_specs(case),
+      out_specs=(P(), P()),
+      check_vma=False,
+    )
+  )(*case.args)
 
 
 def _pmap(case: Case, mode: str, devices: int):
@@ -80,9 +90,9 @@ def _pmap(case: Case, mode: str, devices: int):
     if split:
       return a.reshape(devices, -1, *a.shape[1:])
     return jax.tree.map(lambda x: jax.numpy.stack([x] * devices), a)
+
   args = [place(case.params, False)] + [place(a, s) for a, s in zip(case.batch, case.split)]
-  out = jax.pmap(_per_device(case, mode), axis_name=AXIS,
-                 devices=jax.devices()[:devices])(*args)
+  out = jax.pmap(_per_device(case, mode), axis_name=AXIS, devices=jax.devices()[:devices])(*args)
   return jax.tree.map(lambda a: a[0], out)
 
 
@@ -99,6 +109,7 @@ def _per_stage(s, stages: int):
     for j in range(per):
       h = s.stage_fn(jax.tree.map(lambda a, j=j: a[j], p), h)
     return h
+
   return stage_fn, params
 
 
@@ -109,8 +120,9 @@ def _pipeline(case: Case, schedule: str):
   mesh = jax.make_mesh((STAGES,), ("stage",), devices=jax.devices()[:STAGES])
   sched = ooo.pipeline.schedule(schedule, STAGES, 2 * STAGES)
   stage_fn, params = _per_stage(s, sched.virtual_stages)
-  step = ooo.pipeline.value_and_grad(stage_fn, s.loss_fn, mesh=mesh, axis_name="stage",
-                                     schedule=sched, input_fn=s.input_fn)
+  step = ooo.pipeline.value_and_grad(
+    stage_fn, s.loss_fn, mesh=mesh, axis_name="stage", schedule=sched, input_fn=s.input_fn
+  )
   got = _jit(step)(params, (s.inputs, s.targets), s.shared)
 
   # the pipeline's model: the mean over microbatches of the unrolled stack's loss
@@ -118,8 +130,11 @@ def _pipeline(case: Case, schedule: str):
 
   def loss(params, *shared):
     total = 0.0
-    for x, t in zip(*(jax.tree.map(lambda a: a.reshape(micro, -1, *a.shape[1:]), b)
-                      for b in (s.inputs, s.targets))):
+    for x, t in zip(
+      *(
+        jax.tree.map(lambda a: a.reshape(micro, -1, *a.shape[1:]), b) for b in (s.inputs, s.targets)
+      )
+    ):
       h = x if s.input_fn is None else s.input_fn(x, *shared)
       for j in range(sched.virtual_stages):
         h = stage_fn(jax.tree.map(lambda a, j=j: a[j], params), h)
@@ -127,8 +142,7 @@ def _pipeline(case: Case, schedule: str):
     return total / micro
 
   extra = () if s.shared is None else (s.shared,)
-  want = _jit(jax.value_and_grad(loss, argnums=tuple(range(1 + len(extra)))))(params,
-                                                                               *extra)
+  want = _jit(jax.value_and_grad(loss, argnums=tuple(range(1 + len(extra)))))(params, *extra)
   if s.shared is None:
     want = (want[0], want[1][0])
   return got, want
@@ -137,16 +151,18 @@ def _pipeline(case: Case, schedule: str):
 def _pipeline_auto(case: Case, schedule: str):
   mesh = jax.make_mesh((STAGES,), ("stage",), devices=jax.devices()[:STAGES])
   sched = ooo.pipeline.schedule(schedule, STAGES, 2 * STAGES)
-  step = ooo.pipeline.value_and_grad(case.loss, mesh=mesh, axis_name="stage", schedule=sched,
-                                     has_aux=True)
+  step = ooo.pipeline.value_and_grad(
+    case.loss, mesh=mesh, axis_name="stage", schedule=sched, has_aux=True
+  )
   (loss, _), grads = _jit(step)(case.params, *case.batch)
   micro = sched.microbatches
 
-  def mean_loss(params):   # batch leaves split on their leading axis, scalars whole
+  def mean_loss(params):  # batch leaves split on their leading axis, scalars whole
     total = 0.0
     for m in range(micro):
-      part = jax.tree.map(lambda a: a if a.ndim == 0 else
-                          a.reshape(micro, -1, *a.shape[1:])[m], case.batch)
+      part = jax.tree.map(
+        lambda a: a if a.ndim == 0 else a.reshape(micro, -1, *a.shape[1:])[m], case.batch
+      )
       total = total + case.loss(params, *part)[0]
     return total / micro
 
@@ -178,8 +194,14 @@ def h100(case: Case, *, devices: int = DEVICES):
     s = gpu_hlo.schedule(g, *jax.tree.map(sd, case.args))
   else:
     mesh = gpu_hlo.mesh("H100", devices, (AXIS,))
-    fn = jax.jit(jax.shard_map(_per_device(case, "single_gpu"), mesh=mesh,
-                               in_specs=_specs(case), out_specs=(P(), P()),
-                               check_vma=False))
+    fn = jax.jit(
+      jax.shard_map(
+        _per_device(case, "single_gpu"),
+        mesh=mesh,
+        in_specs=_specs(case),
+        out_specs=(P(), P()),
+        check_vma=False,
+      )
+    )
     s = gpu_hlo.schedule(fn, *jax.tree.map(sd, case.args), mesh=mesh)
   return s.heavy_overlap()

@@ -11,6 +11,7 @@ parameters are `{"w1": (V, L/V, D, H), "w2": (V, L/V, H, D)}`.
 >>> params["w1"].shape, batch[0].shape
 ((2, 2, 8, 16), (4, 8))
 """
+
 from __future__ import annotations
 
 import jax
@@ -33,8 +34,14 @@ def loss_fn(y, t):
   return jnp.mean((y - t) ** 2)
 
 
-def make(vstages: int = 4, layers: int = 8, dim: int = 1024, hidden: int = 4096,
-         batch: int = 32, dtype=jnp.float32):
+def make(
+  vstages: int = 4,
+  layers: int = 8,
+  dim: int = 1024,
+  hidden: int = 4096,
+  batch: int = 32,
+  dtype=jnp.float32,
+):
   """`(stage_fn, loss_fn, stage_params, (inputs, targets))`, all arrays as
   `jax.ShapeDtypeStruct`s (shapes are all that explain and compiling need)."""
   if layers % vstages:

@@ -1,4 +1,5 @@
 """ResNet (bottleneck) in flax linen: ResNet-50/101 by `stages`."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -38,12 +39,13 @@ class ResNet(nn.Module):
     x = nn.max_pool(x, (3, 3), (2, 2), "SAME")
     for i, n in enumerate(self.stages):
       for j in range(n):
-        x = Bottleneck(self.width * 2 ** i, 2 if i > 0 and j == 0 else 1)(x, train)
+        x = Bottleneck(self.width * 2**i, 2 if i > 0 and j == 0 else 1)(x, train)
     return nn.Dense(self.classes)(x.mean(axis=(1, 2)))
 
 
-def make(depth: int = 50, batch: int = 8, image: int = 224, width: int = 64,
-         real_init: bool = True):
+def make(
+  depth: int = 50, batch: int = 8, image: int = 224, width: int = 64, real_init: bool = True
+):
   """Returns `(loss_fn, args, kw)`; `loss_fn(params, batch_stats, x, y)` has aux.
 
   `real_init=False` gives zero parameters (shapes only): enough for tracing.

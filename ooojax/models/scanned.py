@@ -4,6 +4,7 @@
 returns `(loss_fn, args, kw)` like the other zoo models; `scan=False` builds
 the same layers unrolled (separate parameters per layer), for comparisons.
 """
+
 from __future__ import annotations
 
 import flax.linen as nn
@@ -15,6 +16,7 @@ from ooojax.models.transformer import Layer, mlm_loss
 
 class _Step(nn.Module):
   """One scan step: `(x, _) -> (Layer(x), None)`."""
+
   dim: int
   heads: int
   causal: bool
@@ -52,9 +54,13 @@ class ScanStack(nn.Module):
     step = _remat(_Step, self.remat)
     args = (self.dim, self.heads, self.causal, self.dropout, train)
     if self.scan:
-      stack = nn.scan(step, variable_axes={"params": 0},
-                      split_rngs={"params": True, "dropout": True},
-                      length=self.layers, unroll=self.unroll)
+      stack = nn.scan(
+        step,
+        variable_axes={"params": 0},
+        split_rngs={"params": True, "dropout": True},
+        length=self.layers,
+        unroll=self.unroll,
+      )
       x, _ = stack(*args, name="layers")(x, None)
     else:
       for i in range(self.layers):
@@ -62,9 +68,18 @@ class ScanStack(nn.Module):
     return emb.attend(nn.LayerNorm()(x))  # tied output projection
 
 
-def make(layers: int = 24, batch: int = 8, seq: int = 128, dim: int = 768, heads: int = 12,
-         vocab: int = 30522, scan: bool = True, remat: str | None = None, unroll: int = 1,
-         dropout: float = 0.1):
+def make(
+  layers: int = 24,
+  batch: int = 8,
+  seq: int = 128,
+  dim: int = 768,
+  heads: int = 12,
+  vocab: int = 30522,
+  scan: bool = True,
+  remat: str | None = None,
+  unroll: int = 1,
+  dropout: float = 0.1,
+):
   """Scanned BERT-like encoder with an MLM loss; `(loss_fn, args, kw)`."""
   model = ScanStack(layers, dim, heads, vocab, False, dropout, scan, remat, unroll)
   tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, seq), 0, vocab)

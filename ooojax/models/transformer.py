@@ -1,4 +1,5 @@
 """BERT-style encoder (MLM loss, dropout) and GPT-style decoder (next-token loss)."""
+
 from __future__ import annotations
 
 import flax.linen as nn
@@ -49,6 +50,7 @@ def _make(causal, layers, batch, seq, dim, heads, vocab):
   params = init_params(lambda: model.init(jax.random.PRNGKey(0), tokens, train=False))
   rng = jax.random.PRNGKey(2)
   if causal:
+
     def loss_fn(params, tokens, rng):
       logits = model.apply(params, tokens, rngs={"dropout": rng})[:, :-1]
       return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
@@ -66,16 +68,29 @@ def mlm_loss(model, tokens):
     logits = model.apply(params, inputs, rngs={"dropout": rng})
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens)
     return jnp.sum(ce * masked) / jnp.maximum(masked.sum(), 1)
+
   return loss_fn
 
 
-def make_bert(layers: int = 12, batch: int = 8, seq: int = 128, dim: int = 768,
-              heads: int = 12, vocab: int = 30522):
+def make_bert(
+  layers: int = 12,
+  batch: int = 8,
+  seq: int = 128,
+  dim: int = 768,
+  heads: int = 12,
+  vocab: int = 30522,
+):
   """BERT-style encoder with an MLM loss; `(loss_fn, args, kw)`."""
   return _make(False, layers, batch, seq, dim, heads, vocab)
 
 
-def make_gpt(layers: int = 12, batch: int = 8, seq: int = 128, dim: int = 768,
-             heads: int = 12, vocab: int = 50257):
+def make_gpt(
+  layers: int = 12,
+  batch: int = 8,
+  seq: int = 128,
+  dim: int = 768,
+  heads: int = 12,
+  vocab: int = 50257,
+):
   """GPT-style decoder with a next-token loss; `(loss_fn, args, kw)`."""
   return _make(True, layers, batch, seq, dim, heads, vocab)

@@ -21,6 +21,7 @@ scan's loop (`passes.collectives.loops`). A bucket whose last dW unit was
 fused into such a loop (an accumulator's W-scan) is issued once its values
 exist.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,9 +31,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from passes import _compat
-from passes.collectives.plan import Bucket, CollectivePlan
-from passes.ir import Kind, Split
+from ooojax.passes import _compat
+from ooojax.passes.collectives.plan import Bucket, CollectivePlan
+from ooojax.passes.ir import Kind, Split
 
 
 def _zero_from(x, dtype):
@@ -67,10 +68,11 @@ def reduce_buffers(vals, axis_name, reduce: str = "mean"):
     # lax.concatenate inserts no vma casts (jnp's does): vary as the most varying
     vma = [_compat.varying_axes(vals[j]) for j in idx]
     axes = tuple(sorted(frozenset().union(*vma), key=str))
-    flat = [_compat.to_varying(vals[j], axes) if v != frozenset(axes) else vals[j]
-            for j, v in zip(idx, vma)]
-    flat = [jax.lax.reshape(x, (n,)) if len(s) != 1 else x
-            for x, s, n in zip(flat, shapes, sizes)]
+    flat = [
+      _compat.to_varying(vals[j], axes) if v != frozenset(axes) else vals[j]
+      for j, v in zip(idx, vma)
+    ]
+    flat = [jax.lax.reshape(x, (n,)) if len(s) != 1 else x for x, s, n in zip(flat, shapes, sizes)]
     buf = flat[0] if len(flat) == 1 else jax.lax.concatenate(flat, 0)
     buf = jax.lax.psum(buf, axis_name)
     if reduce == "mean":
@@ -97,8 +99,14 @@ def chain_after(prev_bufs, vals):
 class BucketEmitter:
   """Emits the bucketed reductions of a `CollectivePlan` during `emit`."""
 
-  def __init__(self, plan: CollectivePlan, split: Split, axis_name, reduce: str = "mean",
-               defer: frozenset = frozenset()):
+  def __init__(
+    self,
+    plan: CollectivePlan,
+    split: Split,
+    axis_name,
+    reduce: str = "mean",
+    defer: frozenset = frozenset(),
+  ):
     self.plan = plan
     self.defer = frozenset(defer)  # leaves returned unreduced (cross-step overlap)
     self.split = split
@@ -108,8 +116,8 @@ class BucketEmitter:
     for b in plan.buckets:
       self._by_unit.setdefault(b.after, []).append(b)
     self._reduced: dict[int, Any] = {}
-    self._prev: Any = None       # the last issued bucket's reduced buffers
-    self._grad_vars = split.jaxpr.jaxpr.outvars[split.grad_out_start:]
+    self._prev: Any = None  # the last issued bucket's reduced buffers
+    self._grad_vars = split.jaxpr.jaxpr.outvars[split.grad_out_start :]
     self._issued: set[int] = set()
     # In-loop leaves by gradient variable (a var shared with a deferred leaf stays out).
     by_var: dict = {}
@@ -120,8 +128,10 @@ class BucketEmitter:
     self._loop_vars = {v: ids for v, ids in by_var.items() if set(ids) <= loop}
     self._loop_done: set[int] = set()
     # what `scan_skew.fuse` looks for first: a backward (dX) scan
-    self._may_fuse = any(e.primitive.name == "scan" and k is Kind.DX
-                         for e, k in zip(split.jaxpr.jaxpr.eqns, split.kinds))
+    self._may_fuse = any(
+      e.primitive.name == "scan" and k is Kind.DX
+      for e, k in zip(split.jaxpr.jaxpr.eqns, split.kinds)
+    )
 
   def reads_after(self, unit: str) -> bool:
     """Whether `after_unit(unit, ...)` may read `env` (emission makes its values first)."""
@@ -136,8 +146,7 @@ class BucketEmitter:
     if not self._may_fuse:
       return
     for b in self.plan.buckets:
-      if b.after and b.index not in self._issued and all(
-          self._available(env, i) for i in b.grads):
+      if b.after and b.index not in self._issued and all(self._available(env, i) for i in b.grads):
         self._issue(b, env)
 
   def reduce_ys(self, w_eqns, ys: list, in_loop: bool = True) -> list:
@@ -162,8 +171,9 @@ class BucketEmitter:
     if in_loop:
       reduced, _ = reduce_buffers(vals, self.axis_name, self.reduce)
     else:
-      reduced, self._prev = reduce_buffers(chain_after(self._prev, vals), self.axis_name,
-                                           self.reduce)
+      reduced, self._prev = reduce_buffers(
+        chain_after(self._prev, vals), self.axis_name, self.reduce
+      )
     ys = [list(y) for y in ys]
     for (i, j), r in zip(where, reduced):
       ys[i][j] = r
@@ -175,8 +185,7 @@ class BucketEmitter:
       if b.index not in self._issued:
         self._issue(b, env)
     # In-loop leaves whose loop was not fused as planned: reduce them here.
-    missed = tuple(i for ids in self._loop_vars.values() for i in ids
-                   if i not in self._loop_done)
+    missed = tuple(i for ids in self._loop_vars.values() for i in ids if i not in self._loop_done)
     if missed:
       self._issue(Bucket(-1, missed, 0, ""), env)
     outs = list(outs)

@@ -26,8 +26,8 @@ e.g. an LSTM's) are partial sums until the last step, so they stay on the
 bucket path, as do leaves in `skip` (reverse first-k / cross-step deferred).
 
 >>> import jax, jax.numpy as jnp
->>> from passes import split as sp, schedule as sc
->>> from passes.cost import CostModel
+>>> from ooojax.passes import split as sp, schedule as sc
+>>> from ooojax.passes.cost import CostModel
 >>> layer = lambda h, wb: (jnp.tanh(h @ wb[0] + wb[1]), None)
 >>> def f(ct, w, b, x):
 ...   y, vjp = jax.vjp(lambda w, b: jnp.sum(jax.lax.scan(layer, x, (w, b))[0]), w, b)
@@ -37,15 +37,16 @@ bucket path, as do leaves in `skip` (reverse first-k / cross-step deferred).
 >>> [(l.grads, l.trips) for l in loop_reductions(s, sc.schedule(s, CostModel("H100"), 1))]
 [((0, 1), 3)]
 """
+
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 
-from passes import _compat
-from passes.scan import skew as scan_skew
-from passes.cost import _nbytes
-from passes.ir import Action, Schedule, Split, Unit, UnitKind
+from ooojax.passes import _compat
+from ooojax.passes.cost import _nbytes
+from ooojax.passes.ir import Action, Schedule, Split, Unit, UnitKind
+from ooojax.passes.scan import skew as scan_skew
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,16 +57,18 @@ class LoopReduce:
   the in-order schedule) and `w_units` the dW units of its W-scans (fused
   into it when emitted); `passes.collectives.plan` prices it from them.
   """
-  index: int               # its SEND units follow the buckets' (see `link_units`)
-  grads: tuple[int, ...]   # gradient leaf positions (0 = first gradient output)
-  nbytes: int              # all layers together
-  trips: int               # the scan's length: one all-reduce per trip
+
+  index: int  # its SEND units follow the buckets' (see `link_units`)
+  grads: tuple[int, ...]  # gradient leaf positions (0 = first gradient output)
+  nbytes: int  # all layers together
+  trips: int  # the scan's length: one all-reduce per trip
   after: str
   w_units: tuple[str, ...] = ()
 
 
-def loop_reductions(split: Split, sched: Schedule,
-                    skip: Iterable[int] = frozenset()) -> tuple[LoopReduce, ...]:
+def loop_reductions(
+  split: Split, sched: Schedule, skip: Iterable[int] = frozenset()
+) -> tuple[LoopReduce, ...]:
   """The in-loop reductions `emit` will issue for `split` (indices from 0).
 
   Args:
@@ -77,7 +80,7 @@ def loop_reductions(split: Split, sched: Schedule,
   fused, _ = scan_skew.fuse(split, sched, stream=None, pin=False)
   if fused is split:
     return ()
-  outs = split.jaxpr.jaxpr.outvars[split.grad_out_start:]
+  outs = split.jaxpr.jaxpr.outvars[split.grad_out_start :]
   leaves: dict = {}
   for i, v in enumerate(outs):
     if isinstance(v, _compat.Var):
@@ -96,23 +99,33 @@ def loop_reductions(split: Split, sched: Schedule,
         if ids and not skip.intersection(ids):  # a var shared with a skipped leaf stays out
           grads += ids
     if grads:
-      w_units = tuple(dict.fromkeys(unit_of[index_of[id(w)]] for w in skew.w_eqns
-                                    if index_of.get(id(w)) in unit_of))
+      w_units = tuple(
+        dict.fromkeys(
+          unit_of[index_of[id(w)]] for w in skew.w_eqns if index_of.get(id(w)) in unit_of
+        )
+      )
       nbytes = sum(_nbytes(outs[i].aval) for i in grads)
-      loops.append(LoopReduce(len(loops), tuple(grads), nbytes,
-                              skew.length, unit_of.get(k, ""),
-                              w_units))
+      loops.append(
+        LoopReduce(len(loops), tuple(grads), nbytes, skew.length, unit_of.get(k, ""), w_units)
+      )
   return tuple(loops)
 
 
 def stacked_grads(w_eqn) -> list:
   """A W-scan's ys outputs (its per-layer results, stacked), DropVars left out."""
-  return [v for v in w_eqn.outvars[_compat.scan_info(w_eqn).num_carry:]
-          if isinstance(v, _compat.Var) and not isinstance(v, _compat.DropVar)]
+  return [
+    v
+    for v in w_eqn.outvars[_compat.scan_info(w_eqn).num_carry :]
+    if isinstance(v, _compat.Var) and not isinstance(v, _compat.DropVar)
+  ]
 
 
-def link_units(loops: Sequence[LoopReduce], first_index: int, order: Sequence[Action],
-               allreduce_seconds: Callable[[float], float]) -> list[Unit]:
+def link_units(
+  loops: Sequence[LoopReduce],
+  first_index: int,
+  order: Sequence[Action],
+  allreduce_seconds: Callable[[float], float],
+) -> list[Unit]:
   """Two `SEND` units per loop for the link simulation (a model, cost-model seconds).
 
   Layers 0..n-2 are reduced while the loop runs: one unit of `trips - 1`
@@ -129,8 +142,7 @@ def link_units(loops: Sequence[LoopReduce], first_index: int, order: Sequence[Ac
     end = max(ends, key=pos.__getitem__) if ends else start
     one = allreduce_seconds(l.nbytes / l.trips)
     if l.trips > 1:
-      units.append(Unit(UnitKind.SEND, i, (), (start,), (l.trips - 1) * one, 0.0,
-                        f"loop{l.index}"))
+      units.append(Unit(UnitKind.SEND, i, (), (start,), (l.trips - 1) * one, 0.0, f"loop{l.index}"))
       i += 1
     units.append(Unit(UnitKind.SEND, i, (), (end,), one, 0.0, f"loop{l.index}.last"))
     i += 1

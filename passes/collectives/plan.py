@@ -27,17 +27,18 @@ one-layer all-reduces from the loop's start plus the last layer's after it.
 
 All times are cost-model estimates.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
 from collections.abc import Sequence
 
-from passes.collectives import loops as scan_collectives
-from passes.cost import CostModel, _nbytes
-from passes.ir import Action, Schedule, Split, Unit, UnitKind
-from passes.collectives.loops import LoopReduce
-from passes.simulate import LINKS, Link, Timeline, simulate
+from ooojax.passes.collectives import loops as scan_collectives
+from ooojax.passes.collectives.loops import LoopReduce
+from ooojax.passes.cost import CostModel, _nbytes
+from ooojax.passes.ir import Action, Schedule, Split, Unit, UnitKind
+from ooojax.passes.simulate import LINKS, Link, Timeline, simulate
 
 REDUCTIONS = ("mean", "sum")
 # Bucket candidates when the cost model chooses (bytes); 0 = one per dW cluster.
@@ -54,29 +55,40 @@ def get_link(link: str | Link | None) -> Link:
   for name, l in LINKS.items():
     if name.lower() == str(link).lower():
       return l
-  raise ValueError(f"unknown link {link!r}; use one of {sorted(LINKS)} or pass a "
-                   "passes.simulate.Link(name, latency_s, bytes_per_s)")
+  raise ValueError(
+    f"unknown link {link!r}; use one of {sorted(LINKS)} or pass a "
+    "ooojax.passes.simulate.Link(name, latency_s, bytes_per_s)"
+  )
 
 
 def validate_options(mode: str, axis_name, reduce: str, bucket_bytes, first_k, link) -> None:
   """Raises `ValueError` for data-parallel options that can never work."""
   if mode == "data_parallel" and axis_name is None:
-    raise ValueError("mode='data_parallel' needs axis_name, the mapped axis the batch is "
-                     "split over, e.g. ooo.grad(loss, mode='data_parallel', axis_name='batch') "
-                     "inside jax.pmap(..., axis_name='batch') or jax.shard_map")
+    raise ValueError(
+      "mode='data_parallel' needs axis_name, the mapped axis the batch is "
+      "split over, e.g. ooo.grad(loss, mode='data_parallel', axis_name='batch') "
+      "inside jax.pmap(..., axis_name='batch') or jax.shard_map"
+    )
   if axis_name is not None and mode != "data_parallel":
-    raise ValueError(f"axis_name={axis_name!r} applies to mode='data_parallel' only "
-                     f"(got mode={mode!r})")
+    raise ValueError(
+      f"axis_name={axis_name!r} applies to mode='data_parallel' only (got mode={mode!r})"
+    )
   if reduce not in REDUCTIONS:
     raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
-  if bucket_bytes is not None and (not isinstance(bucket_bytes, int)
-                                   or isinstance(bucket_bytes, bool) or bucket_bytes <= 0):
-    raise ValueError(f"bucket_bytes must be a positive int (bytes per all-reduce bucket) "
-                     f"or None to let the cost model choose, got {bucket_bytes!r}")
-  if first_k is not None and (not isinstance(first_k, int) or isinstance(first_k, bool)
-                              or first_k < 0):
-    raise ValueError(f"first_k must be an int >= 0 (layers whose dW runs after the dX "
-                     f"chain, in forward order) or None to choose, got {first_k!r}")
+  if bucket_bytes is not None and (
+    not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0
+  ):
+    raise ValueError(
+      f"bucket_bytes must be a positive int (bytes per all-reduce bucket) "
+      f"or None to let the cost model choose, got {bucket_bytes!r}"
+    )
+  if first_k is not None and (
+    not isinstance(first_k, int) or isinstance(first_k, bool) or first_k < 0
+  ):
+    raise ValueError(
+      f"first_k must be an int >= 0 (layers whose dW runs after the dX "
+      f"chain, in forward order) or None to choose, got {first_k!r}"
+    )
   get_link(link)
 
 
@@ -91,27 +103,29 @@ def allreduce_seconds(link: Link, nbytes: float, n_devices: int) -> float:
 @dataclasses.dataclass(frozen=True)
 class Bucket:
   """Gradient leaves reduced by one all-reduce, issued after unit `after`."""
+
   index: int
-  grads: tuple[int, ...]   # gradient leaf positions (0 = first gradient output)
+  grads: tuple[int, ...]  # gradient leaf positions (0 = first gradient output)
   nbytes: int
-  after: str               # compute unit after which it is issued ("" = at the end)
+  after: str  # compute unit after which it is issued ("" = at the end)
 
 
 @dataclasses.dataclass(frozen=True)
 class CollectivePlan:
   """The compute schedule (first-k reversed) plus buckets on a link."""
-  schedule: Schedule          # compute: stream 0 only; emit reads this
+
+  schedule: Schedule  # compute: stream 0 only; emit reads this
   buckets: tuple[Bucket, ...]
-  link_actions: tuple[Action, ...]   # S<b>@1, in issue order
-  units: tuple[Unit, ...]     # compute units + S units (for simulation/plotting)
+  link_actions: tuple[Action, ...]  # S<b>@1, in issue order
+  units: tuple[Unit, ...]  # compute units + S units (for simulation/plotting)
   first_k: int
   n_layers: int
   bucket_bytes: int
   link: Link
   n_devices: int
-  makespan: float             # simulated, compute + link
-  cross_step: float = 0.0     # simulated steady-state step with the first-k reductions
-                              # deferred into the next step's forward (see `cross_step_time`)
+  makespan: float  # simulated, compute + link
+  cross_step: float = 0.0  # simulated steady-state step with the first-k reductions
+  # deferred into the next step's forward (see `cross_step_time`)
   loops: tuple[LoopReduce, ...] = ()  # leaves reduced per layer inside a scan, not bucketed
 
   @property
@@ -144,13 +158,16 @@ def layers_forward(split: Split) -> list[str]:
   return list(reversed(seen))
 
 
-def reverse_first_k(split: Split, units: Sequence[Unit], order: Sequence[Action],
-                    k: int) -> tuple[Action, ...]:
+def reverse_first_k(
+  split: Split, units: Sequence[Unit], order: Sequence[Action], k: int
+) -> tuple[Action, ...]:
   """Moves the first `k` layers' dW actions after the dX chain, in forward order."""
   layers = layers_forward(split)
   if k > len(layers):
-    raise ValueError(f"first_k={k} is larger than the number of layers with weight "
-                     f"gradients ({len(layers)}); use first_k <= {len(layers)}")
+    raise ValueError(
+      f"first_k={k} is larger than the number of layers with weight "
+      f"gradients ({len(layers)}); use first_k <= {len(layers)}"
+    )
   rank = {l: i for i, l in enumerate(layers[:k])}
   by_name = {u.name: u for u in units}
   moved = [a for a in order if a.kind == "W" and layer_of(by_name[a.unit].label) in rank]
@@ -162,12 +179,17 @@ def reverse_first_k(split: Split, units: Sequence[Unit], order: Sequence[Action]
 
 
 def _grad_bytes(split: Split) -> list[int]:
-  outs = split.jaxpr.jaxpr.outvars[split.grad_out_start:]
+  outs = split.jaxpr.jaxpr.outvars[split.grad_out_start :]
   return [_nbytes(v.aval) for v in outs]
 
 
-def make_buckets(split: Split, units: Sequence[Unit], order: Sequence[Action],
-                 bucket_bytes: int, skip: frozenset[int] = frozenset()) -> tuple[Bucket, ...]:
+def make_buckets(
+  split: Split,
+  units: Sequence[Unit],
+  order: Sequence[Action],
+  bucket_bytes: int,
+  skip: frozenset[int] = frozenset(),
+) -> tuple[Bucket, ...]:
   """Groups gradient leaves into buckets in the order their dW clusters finish.
 
   Leaves in `skip` (reduced inside a loop) get no bucket.
@@ -225,8 +247,17 @@ def _link_units(buckets, link, n_devices, order) -> tuple[list[Unit], tuple[Acti
   units, actions = [], []
   for b in buckets:
     deps = (b.after or last,)
-    units.append(Unit(UnitKind.SEND, b.index, (), deps,
-                      allreduce_seconds(link, b.nbytes, n_devices), 0.0, f"bucket{b.index}"))
+    units.append(
+      Unit(
+        UnitKind.SEND,
+        b.index,
+        (),
+        deps,
+        allreduce_seconds(link, b.nbytes, n_devices),
+        0.0,
+        f"bucket{b.index}",
+      )
+    )
     actions.append(Action("S", b.index, LINK_STREAM))
   return units, tuple(actions)
 
@@ -247,8 +278,9 @@ def _with_loop_units(loops, s_units, s_actions, link, n_devices, order):
 def first_k_leaves(split: Split, k: int) -> frozenset[int]:
   """Gradient leaf positions of the first `k` layers (forward order)."""
   first = set(layers_forward(split)[:k])
-  return frozenset(c.grad_out - split.grad_out_start for c in split.clusters
-                   if layer_of(c.param) in first)
+  return frozenset(
+    c.grad_out - split.grad_out_start for c in split.clusters if layer_of(c.param) in first
+  )
 
 
 def cross_step_time(units, order, s_actions, buckets, deferred: frozenset[int]) -> float:
@@ -272,8 +304,16 @@ def cross_step_time(units, order, s_actions, buckets, deferred: frozenset[int]) 
   return max(t_c, t_nd, link_busy, max(t_c, t_nd) + comm - fwd)
 
 
-def build_plan(split: Split, sched: Schedule, k: int, bucket_bytes: int, link: Link,
-               n_devices: int, in_loop: bool = True, cross: bool = True) -> CollectivePlan:
+def build_plan(
+  split: Split,
+  sched: Schedule,
+  k: int,
+  bucket_bytes: int,
+  link: Link,
+  n_devices: int,
+  in_loop: bool = True,
+  cross: bool = True,
+) -> CollectivePlan:
   """The plan for one choice of k and bucket size (what `plan` compares).
 
   `in_loop=False` buckets a scanned stack's dW too (reduced after its loop):
@@ -282,8 +322,9 @@ def build_plan(split: Split, sched: Schedule, k: int, bucket_bytes: int, link: L
   """
   base = sched.units
   order = reverse_first_k(split, base, sched.streams[0], k) if k else tuple(sched.streams[0])
-  loops = (scan_collectives.loop_reductions(split, sched, first_k_leaves(split, k))
-           if in_loop else ())
+  loops = (
+    scan_collectives.loop_reductions(split, sched, first_k_leaves(split, k)) if in_loop else ()
+  )
   skip = frozenset(i for l in loops for i in l.grads)
   buckets = make_buckets(split, base, order, max(bucket_bytes, 1), skip)
   s_units, s_actions = _link_units(buckets, link, n_devices, order)
@@ -291,15 +332,37 @@ def build_plan(split: Split, sched: Schedule, k: int, bucket_bytes: int, link: L
   units = tuple(base) + tuple(s_units)
   t = simulate((order, s_actions), units, 0.0, links=(LINK_STREAM,)).makespan
   compute = dataclasses.replace(sched, streams=(order,), syncs=(), makespan=t)
-  cross = (cross_step_time(units, order, s_actions, buckets, first_k_leaves(split, k))
-           if cross else math.nan)
-  return CollectivePlan(compute, buckets, s_actions, units, k, len(layers_forward(split)),
-                        bucket_bytes, link, n_devices, t, cross, loops)
+  cross = (
+    cross_step_time(units, order, s_actions, buckets, first_k_leaves(split, k))
+    if cross
+    else math.nan
+  )
+  return CollectivePlan(
+    compute,
+    buckets,
+    s_actions,
+    units,
+    k,
+    len(layers_forward(split)),
+    bucket_bytes,
+    link,
+    n_devices,
+    t,
+    cross,
+    loops,
+  )
 
 
-def plan(split: Split, sched: Schedule, cost: CostModel, n_devices: int,
-         link: str | Link | None = None, bucket_bytes: int | None = None,
-         first_k: int | None = None, cross_step: bool = False) -> CollectivePlan:
+def plan(
+  split: Split,
+  sched: Schedule,
+  cost: CostModel,
+  n_devices: int,
+  link: str | Link | None = None,
+  bucket_bytes: int | None = None,
+  first_k: int | None = None,
+  cross_step: bool = False,
+) -> CollectivePlan:
   """Reverse first-k, buckets and the link schedule; see the module docstring.
 
   Args:
@@ -317,7 +380,7 @@ def plan(split: Split, sched: Schedule, cost: CostModel, n_devices: int,
     A `CollectivePlan`. Example:
 
     >>> import jax, jax.numpy as jnp
-    >>> from passes import split as sp, schedule as sc
+    >>> from ooojax.passes import split as sp, schedule as sc
     >>> def f(ct, w0, w1, x):
     ...   y, vjp = jax.vjp(lambda w0, w1: jnp.sum(jnp.tanh(x @ w0) @ w1), w0, w1)
     ...   return (y, *vjp(ct))
@@ -331,8 +394,10 @@ def plan(split: Split, sched: Schedule, cost: CostModel, n_devices: int,
   link = get_link(link)
   n_layers = len(layers_forward(split))
   if first_k is not None and first_k > n_layers:
-    raise ValueError(f"first_k={first_k} is larger than the number of layers with weight "
-                     f"gradients ({n_layers}); use first_k <= {n_layers}")
+    raise ValueError(
+      f"first_k={first_k} is larger than the number of layers with weight "
+      f"gradients ({n_layers}); use first_k <= {n_layers}"
+    )
   sizes = (bucket_bytes,) if bucket_bytes is not None else BUCKET_CANDIDATES
   if first_k is not None:
     ks: Sequence[int] = (first_k,)
@@ -382,10 +447,17 @@ class _Pricer:
       u = self.by_name[a.unit]
       w = a.kind == "W"
       # alone on the device: slowed only past a full share, as in `simulate`
-      self.acts.append((a.unit, u.cost * max(1.0, u.util), leaf_of[u.index] if w else -1,
-                        rank[layer_of(u.label)] if w else -1))
-    self.leaf_rank = {c.grad_out - split.grad_out_start: rank[layer_of(c.param)]
-                      for c in split.clusters}
+      self.acts.append(
+        (
+          a.unit,
+          u.cost * max(1.0, u.util),
+          leaf_of[u.index] if w else -1,
+          rank[layer_of(u.label)] if w else -1,
+        )
+      )
+    self.leaf_rank = {
+      c.grad_out - split.grad_out_start: rank[layer_of(c.param)] for c in split.clusters
+    }
     self.nbytes = _grad_bytes(split)
 
   def _per_k(self, k):
@@ -394,8 +466,11 @@ class _Pricer:
       return got
     if self.in_loop:
       sched = self.sched
-      order = reverse_first_k(self.split, sched.units, sched.streams[0], k) if k else tuple(
-          sched.streams[0])
+      order = (
+        reverse_first_k(self.split, sched.units, sched.streams[0], k)
+        if k
+        else tuple(sched.streams[0])
+      )
       deferred = first_k_leaves(self.split, k)
       loops = scan_collectives.loop_reductions(self.split, sched, deferred)
       ends, t = {}, 0.0
@@ -459,6 +534,7 @@ class _Pricer:
       for a in actions:
         free = max(free, dep[a.unit]) + cost[a.unit]
       return free
+
     if not cross_step:
       return max(t_c, link_end(s_actions))
     late = {f"S{b.index}" for b in buckets if b.grads and set(b.grads) <= deferred}

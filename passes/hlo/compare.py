@@ -9,9 +9,9 @@ side what the schedule predicted (stream, and whether the simulated span
 overlaps dX work) and what the compiled module shows (a stream-annotated
 async call? which kernels are scheduled between its start and done?).
 
->>> from passes.ir import Action, Schedule, Unit, UnitKind
->>> from passes.simulate import simulate
->>> from passes.hlo.schedule import parse
+>>> from ooojax.passes.ir import Action, Schedule, Unit, UnitKind
+>>> from ooojax.passes.simulate import simulate
+>>> from ooojax.passes.hlo.schedule import parse
 >>> units = (Unit(UnitKind.DX, 0, (), (), cost=1.0, util=0.5),
 ...          Unit(UnitKind.DW, 0, (), ("X0",), cost=1.0, util=0.5))
 >>> sched = Schedule(((Action("X", 0, 0),), (Action("W", 0, 1),)), (), units)
@@ -24,14 +24,15 @@ async call? which kernels are scheduled between its start and done?).
 >>> [(u.unit, u.predicted_stream, u.xla_call, u.xla_overlapped) for u in c.units]
 [('W0', 1, 's', False)]
 """
+
 from __future__ import annotations
 
 import dataclasses
 import html
 
-from passes.hlo.schedule import AsyncPair, HloSchedule, Instr
-from passes.ir import Schedule
-from passes.simulate import Timeline
+from ooojax.passes.hlo.schedule import AsyncPair, HloSchedule, Instr
+from ooojax.passes.ir import Schedule
+from ooojax.passes.simulate import Timeline
 
 SCOPE = "ooo_"
 
@@ -43,8 +44,8 @@ def unit_of(instr: Instr) -> str | None:
   (`ooo_W3+W4`); see `units_of`.
   """
   for part in instr.op_name.split("/"):
-    if part.startswith(SCOPE) and part[len(SCOPE):][:1] in ("F", "X", "W", "S"):
-      return part[len(SCOPE):]
+    if part.startswith(SCOPE) and part[len(SCOPE) :][:1] in ("F", "X", "W", "S"):
+      return part[len(SCOPE) :]
   return None
 
 
@@ -57,15 +58,16 @@ def units_of(instr: Instr) -> tuple[str, ...]:
 @dataclasses.dataclass(frozen=True)
 class UnitCompiled:
   """One dW unit: predicted (simulator) vs compiled (XLA)."""
+
   unit: str
-  label: str                      # the parameter path
+  label: str  # the parameter path
   predicted_stream: int
-  predicted_overlap: bool         # its simulated span overlaps a dX span
-  xla_call: str | None            # the call-start carrying it, if any
-  xla_stream: str | None          # that call's stream annotation
-  heavy: bool                     # its kernels include a conv / GEMM
+  predicted_overlap: bool  # its simulated span overlaps a dX span
+  xla_call: str | None  # the call-start carrying it, if any
+  xla_stream: str | None  # that call's stream annotation
+  heavy: bool  # its kernels include a conv / GEMM
   kernels_between: tuple[str, ...] = ()  # main-stream kernels between start and done
-  heavy_between: tuple[str, ...] = ()    # conv / GEMM kernels among them
+  heavy_between: tuple[str, ...] = ()  # conv / GEMM kernels among them
 
   @property
   def xla_overlapped(self) -> bool:
@@ -81,6 +83,7 @@ class UnitCompiled:
 @dataclasses.dataclass(frozen=True)
 class Comparison:
   """Per dW unit, the predicted and the compiled schedule. `hlo` is the parsed module."""
+
   units: tuple[UnitCompiled, ...]
   hlo: HloSchedule = dataclasses.field(compare=False, repr=False)
   gpu: str = ""
@@ -105,18 +108,20 @@ class Comparison:
     k, n = self.heavy_overlap
     pred = sum(u.predicted_overlap for u in self.units)
     real = sum(u.xla_overlapped for u in self.units)
-    lines = [f"compiled for {self.gpu or 'GPU'} (compile-only; order, not timings): "
-             f"{pred} dW units predicted to overlap (simulated), {real} overlapped in "
-             f"XLA's schedule; heavy dW calls overlapped: {k} / {n}",
-             f"  {'unit':<5} {'pred':>4} {'sim':>3} {'xla call':<16} {'heavy':>5} "
-             f"{'between':>7}  param"]
+    lines = [
+      f"compiled for {self.gpu or 'GPU'} (compile-only; order, not timings): "
+      f"{pred} dW units predicted to overlap (simulated), {real} overlapped in "
+      f"XLA's schedule; heavy dW calls overlapped: {k} / {n}",
+      f"  {'unit':<5} {'pred':>4} {'sim':>3} {'xla call':<16} {'heavy':>5} {'between':>7}  param",
+    ]
     for u in self.units:
-      between = (f"{len(u.heavy_between)}h/{len(u.kernels_between)}"
-                 if u.xla_call else "-")
+      between = f"{len(u.heavy_between)}h/{len(u.kernels_between)}" if u.xla_call else "-"
       flag = "" if u.agrees else "  <- differs"
-      lines.append(f"  {u.unit:<5} {'s' + str(u.predicted_stream):>4} "
-                   f"{'yes' if u.predicted_overlap else 'no':>3} {u.xla_call or '(inline)':<16} "
-                   f"{'yes' if u.heavy else 'no':>5} {between:>7}  {u.label}{flag}")
+      lines.append(
+        f"  {u.unit:<5} {'s' + str(u.predicted_stream):>4} "
+        f"{'yes' if u.predicted_overlap else 'no':>3} {u.xla_call or '(inline)':<16} "
+        f"{'yes' if u.heavy else 'no':>5} {between:>7}  {u.label}{flag}"
+      )
     return "\n".join(lines)
 
   def __str__(self) -> str:
@@ -127,12 +132,10 @@ class Comparison:
 
 
 def _overlaps_dx(span, spans) -> bool:
-  return any(s.unit.startswith("X") and s.start < span.end and span.start < s.end
-             for s in spans)
+  return any(s.unit.startswith("X") and s.start < span.end and span.start < s.end for s in spans)
 
 
-def compare(schedule: Schedule, timeline: Timeline, hlo: HloSchedule,
-            gpu: str = "") -> Comparison:
+def compare(schedule: Schedule, timeline: Timeline, hlo: HloSchedule, gpu: str = "") -> Comparison:
   """Matches each dW unit to its compiled stream call (via `ooo_<unit>` op names).
 
   Args:
@@ -165,12 +168,24 @@ def compare(schedule: Schedule, timeline: Timeline, hlo: HloSchedule,
       p = calls.get(a.unit)
       heavy = p.heavy_callee if p is not None else a.unit in heavy_inline
       work = tuple(i.name for i in p.between if i.kind not in ("start", "done")) if p else ()
-      out.append(UnitCompiled(
-          a.unit, units[a.unit].label if a.unit in units else "", a.stream,
+      out.append(
+        UnitCompiled(
+          a.unit,
+          units[a.unit].label if a.unit in units else "",
+          a.stream,
           bool(span is not None and a.stream != 0 and _overlaps_dx(span, timeline.spans)),
-          p.start.name if p else None, p.stream if p else None, heavy, work,
-          tuple(i.name for i in p.overlapped_heavy) if p else ()))
-  order = {a.unit: k for k, a in enumerate(sorted(
-      (a for s in schedule.streams for a in s if a.kind == "W"), key=lambda a: a.index))}
+          p.start.name if p else None,
+          p.stream if p else None,
+          heavy,
+          work,
+          tuple(i.name for i in p.overlapped_heavy) if p else (),
+        )
+      )
+  order = {
+    a.unit: k
+    for k, a in enumerate(
+      sorted((a for s in schedule.streams for a in s if a.kind == "W"), key=lambda a: a.index)
+    )
+  }
   out.sort(key=lambda u: order.get(u.unit, 0))
   return Comparison(tuple(out), hlo, gpu)

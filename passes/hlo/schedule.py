@@ -28,6 +28,7 @@ order IS its schedule. This pass turns that text into plain frozen data:
 >>> [(p.kind, p.start.stream, [i.name for i in p.overlapped_heavy]) for p in s.pairs]
 [('call', '1', ['g'])]
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,24 +36,46 @@ import re
 from collections.abc import Mapping
 
 # Ops that become no kernel (or only bookkeeping): never counted as work.
-TRIVIAL_OPS = frozenset({
-    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier",
-    "after-all", "add-dependency", "partition-id", "replica-id", "iota",
-})
-COLLECTIVE_OPS = frozenset({
-    "all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all",
-    "collective-broadcast", "ragged-all-to-all",
-})
+TRIVIAL_OPS = frozenset(
+  {
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "opt-barrier",
+    "after-all",
+    "add-dependency",
+    "partition-id",
+    "replica-id",
+    "iota",
+  }
+)
+COLLECTIVE_OPS = frozenset(
+  {
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "collective-permute",
+    "all-to-all",
+    "collective-broadcast",
+    "ragged-all-to-all",
+  }
+)
 CONTROL_OPS = frozenset({"while", "conditional"})
 # start op -> done op for the async forms not spelled `<x>-start` / `<x>-done`.
 _EXTRA_PAIRS = {"send": "send-done", "recv": "recv-done"}
 
 _HEADER = re.compile(r"^\s*(ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
-_INSTR = re.compile(r"^\s*(?P<root>ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\s"
-                    r"(?P<op>[a-z][\w\-]*)\((?P<rest>.*)$")
+_INSTR = re.compile(
+  r"^\s*(?P<root>ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\s"
+  r"(?P<op>[a-z][\w\-]*)\((?P<rest>.*)$"
+)
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
-_CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)"
-                    r"=\s*(\{[^}]*\}|%?[\w.\-]+)")
+_CALLS = re.compile(
+  r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)"
+  r"=\s*(\{[^}]*\}|%?[\w.\-]+)"
+)
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _STREAM = re.compile(r'_xla_stream_annotation="([^"]*)"')
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
@@ -65,17 +88,18 @@ _NAME = re.compile(r"%?([\w.\-]+)")
 @dataclasses.dataclass(frozen=True)
 class Instr:
   """One HLO instruction, in scheduled order within its computation."""
+
   name: str
-  op: str                          # HLO opcode: "fusion", "custom-call", "call-start", ...
-  kind: str                        # see the module docstring
-  target: str = ""                 # custom_call_target, or ""
-  is_heavy: bool = False           # a conv or GEMM kernel (kind in {"conv", "gemm"})
-  stream: str | None = None        # `_xla_stream_annotation`, when present
-  op_name: str = ""                # metadata={op_name="..."}: the JAX name stack
-  operands: tuple[str, ...] = ()   # operand instruction names
-  calls: tuple[str, ...] = ()      # called computations (calls=, to_apply=, body=...)
-  shape: str = ""                  # the printed result type
-  sync_of: str = ""                # "all-reduce" for a collective XLA made synchronous
+  op: str  # HLO opcode: "fusion", "custom-call", "call-start", ...
+  kind: str  # see the module docstring
+  target: str = ""  # custom_call_target, or ""
+  is_heavy: bool = False  # a conv or GEMM kernel (kind in {"conv", "gemm"})
+  stream: str | None = None  # `_xla_stream_annotation`, when present
+  op_name: str = ""  # metadata={op_name="..."}: the JAX name stack
+  operands: tuple[str, ...] = ()  # operand instruction names
+  calls: tuple[str, ...] = ()  # called computations (calls=, to_apply=, body=...)
+  shape: str = ""  # the printed result type
+  sync_of: str = ""  # "all-reduce" for a collective XLA made synchronous
 
   @property
   def label(self) -> str:
@@ -93,6 +117,7 @@ class AsyncPair:
   between start and done in `computation`; `overlapped_heavy` the conv/GEMM
   kernels among them (work that can run while the pair is in flight).
   """
+
   kind: str
   start: Instr
   done: Instr
@@ -121,13 +146,16 @@ class AsyncPair:
     body = [i.label for i in self.callee if i.kind != "trivial"]
     stream = f" stream={self.stream}" if self.stream is not None else ""
     heavy = f" heavy={len(self.overlapped_heavy)}" if self.heavy_callee else ""
-    return (f"{self.start.name:<22} {self.kind}{stream} body={_short(body, 4)} | "
-            f"{len(work)} between{heavy}: {_short(work, 6)}")
+    return (
+      f"{self.start.name:<22} {self.kind}{stream} body={_short(body, 4)} | "
+      f"{len(work)} between{heavy}: {_short(work, 6)}"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class HloSchedule:
   """A parsed scheduled HLO module: computations in order, their async pairs."""
+
   entry_name: str
   computations: Mapping[str, tuple[Instr, ...]] = dataclasses.field(compare=False)
   pairs: tuple[AsyncPair, ...] = ()
@@ -139,8 +167,11 @@ class HloSchedule:
 
   def pairs_of(self, kind: str, computation: str | None = None) -> tuple[AsyncPair, ...]:
     """Pairs of one kind ("call", "all-reduce", ...), optionally in one computation."""
-    return tuple(p for p in self.pairs if p.kind == kind
-                 and (computation is None or p.computation == computation))
+    return tuple(
+      p
+      for p in self.pairs
+      if p.kind == kind and (computation is None or p.computation == computation)
+    )
 
   def stream_calls(self) -> tuple[AsyncPair, ...]:
     """Async calls carrying a stream annotation (ooojax's side-stream work)."""
@@ -174,15 +205,17 @@ class HloSchedule:
 
   def loop_bodies(self) -> tuple[str, ...]:
     """Computations that run once per iteration of a while loop (bodies, what they call)."""
-    bodies = [i.calls[-1] for c in self.computations.values() for i in c
-              if i.op == "while" and i.calls]
+    bodies = [
+      i.calls[-1] for c in self.computations.values() for i in c if i.op == "while" and i.calls
+    ]
     return self.reachable(bodies)
 
   def copies(self, computations=None) -> tuple[Instr, ...]:
     """The `copy` / `copy-start` instructions of `computations` (default: all)."""
     names = self.computations if computations is None else computations
-    return tuple(i for c in names for i in self.computations.get(c, ())
-                 if i.op in ("copy", "copy-start"))
+    return tuple(
+      i for c in names for i in self.computations.get(c, ()) if i.op in ("copy", "copy-start")
+    )
 
   def summary(self) -> str:
     """One line per async pair: callee kernels and what runs between start and done."""
@@ -190,8 +223,9 @@ class HloSchedule:
     for i in self.entry:
       kinds[i.kind] = kinds.get(i.kind, 0) + 1
     head = ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()) if k != "trivial")
-    lines = [f"entry {self.entry_name}: {len(self.entry)} instrs ({head}); "
-             f"{len(self.pairs)} async pairs"]
+    lines = [
+      f"entry {self.entry_name}: {len(self.entry)} instrs ({head}); {len(self.pairs)} async pairs"
+    ]
     for p in self.pairs:
       where = "" if p.computation == self.entry_name else f" (in {p.computation})"
       lines.append(f"  {p.summary()}{where}")
@@ -204,9 +238,25 @@ class HloSchedule:
     return self.summary()
 
 
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
-          "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
-          "c64": 8, "c128": 16}
+_BYTES = {
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "f8e4m3fn": 1,
+  "f8e5m2": 1,
+  "s16": 2,
+  "u16": 2,
+  "f16": 2,
+  "bf16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+  "c64": 8,
+  "c128": 16,
+}
 
 
 def shape_bytes(shape: str) -> int:
@@ -237,7 +287,7 @@ def _split_operands(rest: str) -> tuple[str, str]:
     elif ch in ")]}":
       depth -= 1
       if depth == 0:
-        return rest[:k], rest[k + 1:]
+        return rest[:k], rest[k + 1 :]
   return rest, ""
 
 
@@ -295,10 +345,19 @@ def _read(text: str) -> tuple[dict[str, list[_Raw]], str, bool]:
     op_name = _OP_NAME.search(attrs)
     sched = _SCHED_NAME.search(attrs)
     sync_of = sched.group(1) if sched and sched.group(1) == mi.group("op") else ""
-    cur.append(_Raw(mi.group("name"), mi.group("op"), target.group(1) if target else "",
-                    stream.group(1) if stream else None, op_name.group(1) if op_name else "",
-                    _operand_names(operands), _called(attrs), mi.group("type").strip(),
-                    sync_of))
+    cur.append(
+      _Raw(
+        mi.group("name"),
+        mi.group("op"),
+        target.group(1) if target else "",
+        stream.group(1) if stream else None,
+        op_name.group(1) if op_name else "",
+        _operand_names(operands),
+        _called(attrs),
+        mi.group("type").strip(),
+        sync_of,
+      )
+    )
   if not entry and comps:
     entry = list(comps)[-1]  # XLA prints the entry last
   scheduled = bool(re.search(r"^HloModule\b.*\bis_scheduled=true", text, re.M))
@@ -322,7 +381,7 @@ class _Classifier:
     self._heavy: dict[str, str] = {}
 
   def body_kind(self, comp: str, _seen=()) -> str:
-    """"conv" / "gemm" if the computation (recursively) holds one, else ""."""
+    """ "conv" / "gemm" if the computation (recursively) holds one, else ""."""
     if comp in self._heavy:
       return self._heavy[comp]
     if comp in _seen:
@@ -403,8 +462,21 @@ def parse(text: str) -> HloSchedule:
     out = []
     for r in rs:
       k = cls.kind(r)
-      out.append(Instr(r.name, r.op, k, r.target, k in ("conv", "gemm"), r.stream,
-                       r.op_name, r.operands, r.calls, r.shape, r.sync_of))
+      out.append(
+        Instr(
+          r.name,
+          r.op,
+          k,
+          r.target,
+          k in ("conv", "gemm"),
+          r.stream,
+          r.op_name,
+          r.operands,
+          r.calls,
+          r.shape,
+          r.sync_of,
+        )
+      )
     comps[cname] = tuple(out)
 
   def holds_heavy(names) -> bool:
@@ -425,15 +497,30 @@ def parse(text: str) -> HloSchedule:
       start = seq[j]
       if start.op in _EXTRA_PAIRS and done.op != _EXTRA_PAIRS[start.op]:
         continue
-      between = tuple(i for i in seq[j + 1:k] if i.kind != "trivial")
+      between = tuple(i for i in seq[j + 1 : k] if i.kind != "trivial")
       kind = _pair_kind(raw[cname][j], raw)
       # A collective's to_apply is its reducer, not work it runs.
-      callee = (tuple(x for c in start.calls for x in comps.get(c, ()))
-                if kind == "call" or start.op == "async-start" else ())
+      callee = (
+        tuple(x for c in start.calls for x in comps.get(c, ()))
+        if kind == "call" or start.op == "async-start"
+        else ()
+      )
       heavy = holds_heavy(start.calls) if kind == "call" else False
-      pairs.append(((cname != entry, j), AsyncPair(
-          kind, start, done, cname, callee, between, heavy,
-          tuple(i for i in between if i.is_heavy))))
+      pairs.append(
+        (
+          (cname != entry, j),
+          AsyncPair(
+            kind,
+            start,
+            done,
+            cname,
+            callee,
+            between,
+            heavy,
+            tuple(i for i in between if i.is_heavy),
+          ),
+        )
+      )
   # Entry pairs first (the step's own schedule), each computation's by start.
   pairs.sort(key=lambda kp: kp[0])
   return HloSchedule(entry, comps, tuple(p for _, p in pairs), scheduled)

@@ -9,7 +9,7 @@ called computation: a pipeline tick's action switch is one `conditional`
 whose branches hold that tick's GEMMs, so the window counts it as compute
 (`compute`) although `AsyncPair.overlapped_heavy` sees no GEMM at its level.
 
->>> from passes.hlo.schedule import parse
+>>> from ooojax.passes.hlo.schedule import parse
 >>> s = parse('''
 ... ENTRY %main (p: f32[8,8]) -> f32[8,8] {
 ...   %p = f32[8,8]{1,0} parameter(0)
@@ -20,24 +20,26 @@ whose branches hold that tick's GEMMs, so the window counts it as compute
 >>> [(w.name, w.compute, w.kernels) for w in windows(s, "all-reduce")]
 [('s', ('g',), 1)]
 """
+
 from __future__ import annotations
 
 import dataclasses
 
-from passes.hlo.schedule import HloSchedule, shape_bytes
+from ooojax.passes.hlo.schedule import HloSchedule, shape_bytes
 
 
 @dataclasses.dataclass(frozen=True)
 class Window:
   """One collective and the work scheduled while it is in flight."""
-  name: str                    # the start instruction (the done for a synchronous one)
-  kind: str                    # "all-reduce", "collective-permute", ...
-  computation: str             # where it is scheduled
-  in_loop: bool                # inside a while body (a pipeline tick), not the entry
-  nbytes: int                  # bytes of the done's result (what arrives)
-  kernels: int                 # non-trivial instructions between start and done
-  compute: tuple[str, ...]     # those that are or call a conv/GEMM kernel
-  sync: bool = False           # XLA made it one synchronous op: nothing can overlap
+
+  name: str  # the start instruction (the done for a synchronous one)
+  kind: str  # "all-reduce", "collective-permute", ...
+  computation: str  # where it is scheduled
+  in_loop: bool  # inside a while body (a pipeline tick), not the entry
+  nbytes: int  # bytes of the done's result (what arrives)
+  kernels: int  # non-trivial instructions between start and done
+  compute: tuple[str, ...]  # those that are or call a conv/GEMM kernel
+  sync: bool = False  # XLA made it one synchronous op: nothing can overlap
 
   @property
   def overlapped(self) -> bool:
@@ -49,8 +51,10 @@ class Window:
     if self.sync:
       return f"{self.name:<28} {self.kind}{where}: synchronous, nothing inside"
     shown = ", ".join(self.compute[:4]) + (" ..." if len(self.compute) > 4 else "")
-    return (f"{self.name:<28} {self.kind}{where} {self.nbytes} B: {self.kernels} ops inside, "
-            f"{len(self.compute)} with conv/GEMM work" + (f" [{shown}]" if shown else ""))
+    return (
+      f"{self.name:<28} {self.kind}{where} {self.nbytes} B: {self.kernels} ops inside, "
+      f"{len(self.compute)} with conv/GEMM work" + (f" [{shown}]" if shown else "")
+    )
 
 
 def _holds_heavy(hlo: HloSchedule, comps) -> bool:
@@ -63,10 +67,19 @@ def windows(hlo: HloSchedule, kind: str) -> tuple[Window, ...]:
   loop = set(hlo.loop_bodies())
   out = []
   for p in hlo.pairs_of(kind):
-    compute = tuple(i.name for i in p.between
-                    if i.is_heavy or (i.calls and _holds_heavy(hlo, i.calls)))
-    out.append(Window(p.start.name, p.kind, p.computation, p.computation in loop,
-                      shape_bytes(p.done.shape),
-                      sum(i.kind not in ("start", "done") for i in p.between), compute,
-                      p.sync))
+    compute = tuple(
+      i.name for i in p.between if i.is_heavy or (i.calls and _holds_heavy(hlo, i.calls))
+    )
+    out.append(
+      Window(
+        p.start.name,
+        p.kind,
+        p.computation,
+        p.computation in loop,
+        shape_bytes(p.done.shape),
+        sum(i.kind not in ("start", "done") for i in p.between),
+        compute,
+        p.sync,
+      )
+    )
   return tuple(out)

@@ -7,6 +7,7 @@ kinds are compute (F, B, W, the fused BW), the optimizer update U of one
 transfers (SF/RF: send/receive an activation, SB/RB: an input gradient).
 `deps` is the one rule of what a compute or update action waits for.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,6 +23,7 @@ _ACTION_RE = re.compile(r"^(\d+)(BW|SF|RF|SB|RB|F|B|W|U)(\d*)(?:\.(\d+))?(?:@(\d
 class Action:
   """One action of one stage: `kind` of `microbatch` for virtual-stage `chunk`,
   in training step `step` (0 but in a table tiled over several steps)."""
+
   stage: int
   kind: str
   microbatch: int
@@ -38,11 +40,14 @@ class Action:
   def parse(cls, text: str) -> Action:
     m = _ACTION_RE.match(text.strip())
     if m is None or (m.group(3) == "") != (m.group(2) == UPDATE):
-      raise ValueError(f"cannot parse pipeline action {text!r}; expected e.g. '2B5' "
-                       "(stage 2, B of microbatch 5), '0F3.1' (chunk 1), '1W7@2' (step 2) "
-                       "or '0U@1' (stage 0's optimizer update after step 1)")
-    return cls(int(m.group(1)), m.group(2), int(m.group(3) or 0), int(m.group(4) or 0),
-               int(m.group(5) or 0))
+      raise ValueError(
+        f"cannot parse pipeline action {text!r}; expected e.g. '2B5' "
+        "(stage 2, B of microbatch 5), '0F3.1' (chunk 1), '1W7@2' (step 2) "
+        "or '0U@1' (stage 0's optimizer update after step 1)"
+      )
+    return cls(
+      int(m.group(1)), m.group(2), int(m.group(3) or 0), int(m.group(4) or 0), int(m.group(5) or 0)
+    )
 
 
 def vstage_of(S: int, stage: int, chunk: int, placement: str = "modulo") -> int:
@@ -64,8 +69,9 @@ class ScheduleError(ValueError):
   """An invalid pipeline table; the message shows the grid with the bad action marked."""
 
 
-def deps(a: Action, vstage: int, last: int, microbatches: int = 0
-         ) -> list[tuple[str, int, int, int]]:
+def deps(
+  a: Action, vstage: int, last: int, microbatches: int = 0
+) -> list[tuple[str, int, int, int]]:
   """(kind, vstage, microbatch, step) the action `a` (on virtual stage `vstage`
   of `last + 1`) waits for; kind "B" means B or BW, "W" means W or BW.
 

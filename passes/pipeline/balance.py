@@ -22,6 +22,7 @@ stage keeps at least one layer, and the middle ones differ by at most one:
 each distinct count is a stage kind of its own to trace and compile, and the
 stage stacks are padded to the largest count (memory on every device).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,8 +31,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from passes.pipeline.generate import unfuse
-from passes.pipeline.schedule import PipelineSchedule
+from ooojax.passes.pipeline.generate import unfuse
+from ooojax.passes.pipeline.schedule import PipelineSchedule
 
 __all__ = ["Balance", "Phases", "StackCosts", "balance", "even", "price"]
 
@@ -41,6 +42,7 @@ _KIND = {"F": 0, "B": 1, "W": 2}
 @dataclasses.dataclass(frozen=True)
 class Phases:
   """Seconds of one microbatch's F, B (input gradient) and W (weight gradient)."""
+
   f: float = 0.0
   b: float = 0.0
   w: float = 0.0
@@ -52,27 +54,30 @@ class Phases:
 
 @dataclasses.dataclass(frozen=True)
 class StackCosts:
-  layer: Phases       # one layer of the stack
-  prologue: Phases    # what the first virtual stage runs before it (embedding)
-  epilogue: Phases    # what the last runs after it (final norm, head, loss)
+  layer: Phases  # one layer of the stack
+  prologue: Phases  # what the first virtual stage runs before it (embedding)
+  epilogue: Phases  # what the last runs after it (final norm, head, loss)
 
 
 @dataclasses.dataclass(frozen=True)
 class Balance:
   """The layers per virtual stage and how they were chosen (cost model, not measured)."""
-  counts: tuple[int, ...]          # layers of virtual stage v
-  how: str                         # "balanced", "even" or "given"
+
+  counts: tuple[int, ...]  # layers of virtual stage v
+  how: str  # "balanced", "even" or "given"
   stage_seconds: tuple[float, ...]  # per virtual stage: F + B + W of one microbatch
   device_seconds: tuple[float, ...]  # per device: the sum over its virtual stages
-  step_seconds: float              # the lock-step table's makespan with these counts
-  even_step_seconds: float         # ... with the near-even split
+  step_seconds: float  # the lock-step table's makespan with these counts
+  even_step_seconds: float  # ... with the near-even split
 
   def summary(self) -> str:
     ms = lambda xs: ", ".join(f"{x * 1e3:.3f}" for x in xs)  # noqa: E731
-    return (f"layers per virtual stage {self.counts} ({self.how}); per microbatch F+B+W "
-            f"(cost model) {ms(self.stage_seconds)} ms per virtual stage, "
-            f"{ms(self.device_seconds)} ms per device; step {self.step_seconds * 1e3:.3f} "
-            f"ms (simulated, lock-step) vs {self.even_step_seconds * 1e3:.3f} ms even")
+    return (
+      f"layers per virtual stage {self.counts} ({self.how}); per microbatch F+B+W "
+      f"(cost model) {ms(self.stage_seconds)} ms per virtual stage, "
+      f"{ms(self.device_seconds)} ms per device; step {self.step_seconds * 1e3:.3f} "
+      f"ms (simulated, lock-step) vs {self.even_step_seconds * 1e3:.3f} ms even"
+    )
 
   def __str__(self) -> str:
     return self.summary()
@@ -93,8 +98,9 @@ def even(layers: int, vstages: int) -> tuple[int, ...]:
   return tuple(counts)
 
 
-def balance(layers: int, costs: StackCosts, sched: PipelineSchedule,
-            how: str | Sequence[int] = "balanced") -> Balance:
+def balance(
+  layers: int, costs: StackCosts, sched: PipelineSchedule, how: str | Sequence[int] = "balanced"
+) -> Balance:
   """Layers per virtual stage of `sched` (see the module doc).
 
   Args:
@@ -104,7 +110,7 @@ def balance(layers: int, costs: StackCosts, sched: PipelineSchedule,
     how: "balanced" (least simulated makespan), "even" (`even`), or the counts
       themselves (one per virtual stage, each at least 1, summing to L).
 
-  >>> from passes.pipeline.generate import generate
+  >>> from ooojax.passes.pipeline.generate import generate
   >>> heavy_head = StackCosts(Phases(1, 1, 1), Phases(), Phases(3, 3, 3))
   >>> balance(8, heavy_head, generate("1f1b", 2, 4)).counts
   (5, 3)
@@ -113,8 +119,10 @@ def balance(layers: int, costs: StackCosts, sched: PipelineSchedule,
   """
   V = sched.virtual_stages
   if layers < V:
-    raise ValueError(f"the stack has {layers} layers, fewer than the {V} virtual stages "
-                     "(stages x chunks) it would be split over; use fewer stages or chunks")
+    raise ValueError(
+      f"the stack has {layers} layers, fewer than the {V} virtual stages "
+      "(stages x chunks) it would be split over; use fewer stages or chunks"
+    )
   score = _scorer(layers, costs, sched)
   base = even(layers, V)
   if isinstance(how, str):
@@ -124,21 +132,31 @@ def balance(layers: int, costs: StackCosts, sched: PipelineSchedule,
       starts = {base, _fill(layers, costs, V, None), _fill(layers, costs, V, sched)}
       counts = min((_climb(c, score) for c in starts if _tidy(c)), key=score)
     else:
-      raise ValueError(f"layers={how!r}: pass 'balanced', 'even' or a tuple of {V} layer "
-                       "counts, one per virtual stage")
+      raise ValueError(
+        f"layers={how!r}: pass 'balanced', 'even' or a tuple of {V} layer "
+        "counts, one per virtual stage"
+      )
   else:
     counts = tuple(int(n) for n in how)
     if len(counts) != V or min(counts) < 1 or sum(counts) != layers:
-      raise ValueError(f"layers={tuple(how)} must give each of the {V} virtual stages "
-                       f"(stages x chunks) at least one layer and sum to the stack's "
-                       f"{layers} layers, e.g. {base}")
+      raise ValueError(
+        f"layers={tuple(how)} must give each of the {V} virtual stages "
+        f"(stages x chunks) at least one layer and sum to the stack's "
+        f"{layers} layers, e.g. {base}"
+      )
     how = "given"
   t = _times(counts, costs)
   dev = [0.0] * sched.stages
   for v, x in enumerate(t):
     dev[sched.place(v)[0]] += x
-  return Balance(counts, how, tuple(t), tuple(dev), float(score(counts)[0] * score.ref),
-                 float(score(base)[0] * score.ref))
+  return Balance(
+    counts,
+    how,
+    tuple(t),
+    tuple(dev),
+    float(score(counts)[0] * score.ref),
+    float(score(base)[0] * score.ref),
+  )
 
 
 def _extra(costs: StackCosts, V: int) -> np.ndarray:
@@ -159,7 +177,7 @@ def _scorer(layers: int, costs: StackCosts, sched: PipelineSchedule):
   even), the times relative to the whole model's and rounded so float noise ties."""
   V, S = sched.virtual_stages, sched.stages
   u = unfuse(sched)
-  cells = np.full((u.ticks, S), 3 * V, np.int64)       # 3V: idle
+  cells = np.full((u.ticks, S), 3 * V, np.int64)  # 3V: idle
   for s in range(S):
     for t in range(u.ticks):
       a = u.compute(s, t)
@@ -178,8 +196,12 @@ def _scorer(layers: int, costs: StackCosts, sched: PipelineSchedule):
     per_v = cell[:-1].reshape(V, 3).sum(1)
     per_d = np.bincount(owner, per_v, minlength=S)
     r = lambda x: round(float(x) / ref, 9)  # noqa: E731
-    return (r(cell[cells].max(1).sum()), r(per_d.max()), r(per_v.max()),
-            round(float(np.abs(n - mean).sum()), 9))
+    return (
+      r(cell[cells].max(1).sum()),
+      r(per_d.max()),
+      r(per_v.max()),
+      round(float(np.abs(n - mean).sum()), 9),
+    )
 
   score.ref = ref
   return score
@@ -254,7 +276,8 @@ def price(cut, p_avals: Sequence, b_avals: Sequence, device=None) -> StackCosts:
   import jax
   import jax.numpy as jnp
 
-  from passes.cost import CostModel
+  from ooojax.passes.cost import CostModel
+
   cm = CostModel(device)
   secs = lambda f, *a: cm.unit_cost(jax.make_jaxpr(f)(*a).jaxpr.eqns).seconds  # noqa: E731
   sh = tuple(p_avals[i] for i in cut.shared)
@@ -265,15 +288,15 @@ def price(cut, p_avals: Sequence, b_avals: Sequence, device=None) -> StackCosts:
   if cut.scanned:
     row = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in row]
   # side leaves (a mask's tokens): only their shapes matter to the price
-  consts = cut.consts_fn(tuple(jnp.zeros(b_avals[i].shape, b_avals[i].dtype)
-                               for i in cut.side))
+  consts = cut.consts_fn(tuple(jnp.zeros(b_avals[i].shape, b_avals[i].dtype) for i in cut.side))
   ones = lambda y: jax.tree.map(jnp.ones_like, y)  # noqa: E731
 
   def phases(f, wrt_x, *args):
     """F, B, W of `f(x, w)`: B the vjp to `x` alone (when `wrt_x`), W the rest."""
     fwd = secs(f, *args)
-    dx = (secs(lambda *a: jax.vjp(lambda x: f(x, a[1]), a[0])[1](ones(f(*a))), *args)
-          if wrt_x else fwd)
+    dx = (
+      secs(lambda *a: jax.vjp(lambda x: f(x, a[1]), a[0])[1](ones(f(*a))), *args) if wrt_x else fwd
+    )
     full = secs(lambda *a: jax.vjp(f, *a)[1](ones(f(*a))), *args)
     return Phases(fwd, max(dx - fwd, 0.0), max(full - dx, 0.0))
 

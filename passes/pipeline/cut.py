@@ -30,6 +30,7 @@ head) become the executor's `shared` weights. Values of the batch alone that
 the layers read (a padding mask) are side inputs (`passes.pipeline.side`):
 every stage rebuilds them from its microbatch's `Cut.side` batch leaves.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,15 +41,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from passes import _compat, fingerprint
-from passes.pipeline import side as side_pass
-from passes.pipeline.eqns import evaluate as _evaluate, flatten as _flatten
+from ooojax.passes import _compat, fingerprint
+from ooojax.passes.pipeline import side as side_pass
+from ooojax.passes.pipeline.eqns import evaluate as _evaluate, flatten as _flatten
 
 __all__ = ["Cut", "CutError", "cut"]
 
-EXPLICIT = ("; pipeline it with the explicit API instead: ooo.pipeline.value_and_grad("
-            "stage_fn, loss_fn, input_fn=..., mesh=..., axis_name=...) with parameters "
-            "stacked on a stage axis (README, 'Pipeline parallel')")
+EXPLICIT = (
+  "; pipeline it with the explicit API instead: ooo.pipeline.value_and_grad("
+  "stage_fn, loss_fn, input_fn=..., mesh=..., axis_name=...) with parameters "
+  "stacked on a stage axis (README, 'Pipeline parallel')"
+)
 
 
 class CutError(ValueError):
@@ -62,31 +65,34 @@ class Cut:
   Leaf indices refer to the traced function's parameter leaves (`stacked`,
   `shared`) and batch leaves (`inputs`, `targets`).
   """
+
   layers: int
-  scanned: bool                         # one scan: `stacked[0]` leaves carry the layer axis
-  reverse: bool                         # a reverse scan runs layer L-1 first
+  scanned: bool  # one scan: `stacked[0]` leaves carry the layer axis
+  reverse: bool  # a reverse scan runs layer L-1 first
   stacked: tuple[tuple[int, ...], ...]  # per layer (one row when scanned): its leaves
-  shared: tuple[int, ...]               # leaves the prologue or the epilogue read
-  inputs: tuple[int, ...]               # batch leaves the prologue reads
-  targets: tuple[int, ...]              # batch leaves the epilogue reads
-  input_fn: Callable                    # (inputs, shared) -> activation
-  loss_fn: Callable                     # (activation, targets, shared) -> scalar
+  shared: tuple[int, ...]  # leaves the prologue or the epilogue read
+  inputs: tuple[int, ...]  # batch leaves the prologue reads
+  targets: tuple[int, ...]  # batch leaves the epilogue reads
+  input_fn: Callable  # (inputs, shared) -> activation
+  loss_fn: Callable  # (activation, targets, shared) -> scalar
   layer_fn: Callable = dataclasses.field(repr=False)  # (consts, layer_leaves, x) -> x
   consts_fn: Callable = dataclasses.field(repr=False)  # (side) -> the layers' constants
-  side: tuple[int, ...] = ()            # batch leaves every layer reads (a mask's tokens)
+  side: tuple[int, ...] = ()  # batch leaves every layer reads (a mask's tokens)
 
   def stage_fn(self, per: int) -> Callable:
     """`(stage_leaves, x, side=()) -> x` running the first `per` layers of its leaves
     (`(rows, ...)`, rows >= per: the stage stack is padded to the largest count);
     `side` holds the microbatch's `side` batch leaves."""
+
     def stage(p, x, side=()):
-      consts = self.consts_fn(side)   # a mask: rebuilt from this microbatch's leaves
+      consts = self.consts_fn(side)  # a mask: rebuilt from this microbatch's leaves
       if self.scanned:  # keep the user's loop: the split pass cuts scans into B/W scans
         p = tuple(a if a.shape[0] == per else a[:per] for a in p)
         return lax.scan(lambda h, ps: (self.layer_fn(consts, ps, h), None), x, p)[0]
       for j in range(per):
         x = self.layer_fn(consts, tuple(a[j] for a in p), x)
       return x
+
     return stage
 
   def stage_params(self, leaves: Sequence[Any], counts: Sequence[int]) -> tuple:
@@ -97,18 +103,20 @@ class Cut:
       if self.reverse:
         cols = [jnp.flip(a, 0) for a in cols]
     else:
-      cols = [jnp.stack([leaves[row[i]] for row in self.stacked])
-              for i in range(len(self.stacked[0]))]
+      cols = [
+        jnp.stack([leaves[row[i]] for row in self.stacked]) for i in range(len(self.stacked[0]))
+      ]
     V, rows = len(counts), max(counts)
     if min(counts) == rows:
       return tuple(a.reshape(V, rows, *a.shape[1:]) for a in cols)
     at = np.cumsum([0, *counts])
-    pad = lambda a, v: jnp.pad(a[at[v]:at[v + 1]],  # noqa: E731
-                               [(0, rows - counts[v])] + [(0, 0)] * (a.ndim - 1))
+    pad = lambda a, v: jnp.pad(
+      a[at[v] : at[v + 1]],  # noqa: E731
+      [(0, rows - counts[v])] + [(0, 0)] * (a.ndim - 1),
+    )
     return tuple(jnp.stack([pad(a, v) for v in range(V)]) for a in cols)
 
-  def grads(self, leaves: Sequence[Any], stage_grads, shared_grads,
-            counts: Sequence[int]) -> list:
+  def grads(self, leaves: Sequence[Any], stage_grads, shared_grads, counts: Sequence[int]) -> list:
     """The gradient of every parameter leaf, in the leaves' order (zeros for unread
     ones): the inverse of `stage_params` (padding rows dropped)."""
     out: list = [None] * len(leaves)
@@ -125,8 +133,8 @@ class Cut:
 
 
 # --- the program's equations ------------------------------------------------------
-_P, _B = 1, 2            # depends on a parameter / on the batch
-_PINNED = 4              # effectful: never recomputed elsewhere
+_P, _B = 1, 2  # depends on a parameter / on the batch
+_PINNED = 4  # effectful: never recomputed elsewhere
 
 
 def _is_var(v) -> bool:
@@ -136,12 +144,12 @@ def _is_var(v) -> bool:
 @dataclasses.dataclass(frozen=True)
 class _Program:
   eqns: list
-  consts: dict            # constvar -> value
-  param_vars: list        # parameter invars
-  batch_vars: list        # batch invars
-  loss: Any               # the scalar output
-  dep: dict               # var -> _P | _B bits
-  producer: dict          # var -> defining equation index
+  consts: dict  # constvar -> value
+  param_vars: list  # parameter invars
+  batch_vars: list  # batch invars
+  loss: Any  # the scalar output
+  dep: dict  # var -> _P | _B bits
+  producer: dict  # var -> defining equation index
 
   def slice(self, roots, stop=()) -> list[int]:
     """Indices of the equations `roots` need, not looking past the `stop` vars."""
@@ -185,18 +193,18 @@ def _program(closed, n_params: int) -> _Program:
 # --- the stack -----------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class _Stack:
-  x_in: Any                      # the first layer's input (a var)
-  x_out: Any                     # the last layer's output
-  eqns: frozenset                # the stack's equation indices (not its floating definers)
-  layers: tuple                  # per layer: its parameter invars (one row when scanned)
+  x_in: Any  # the first layer's input (a var)
+  x_out: Any  # the last layer's output
+  eqns: frozenset  # the stack's equation indices (not its floating definers)
+  layers: tuple  # per layer: its parameter invars (one row when scanned)
   scanned: bool
   reverse: bool
-  length: int                    # layers
-  layer_eqns: tuple = ()         # layer 0's equations, in order (loop stacks)
-  layer_ins: tuple = ()          # (x, *layer 0's parameter and constant vars) (loop stacks)
-  layer_out: Any = None          # layer 0's output (loop stacks)
-  body: Any = None               # the scan body (scanned)
-  body_consts: tuple = ()        # the scan's consts (vars computed from constants alone)
+  length: int  # layers
+  layer_eqns: tuple = ()  # layer 0's equations, in order (loop stacks)
+  layer_ins: tuple = ()  # (x, *layer 0's parameter and constant vars) (loop stacks)
+  layer_out: Any = None  # layer 0's output (loop stacks)
+  body: Any = None  # the scan body (scanned)
+  body_consts: tuple = ()  # the scan's consts (vars computed from constants alone)
 
 
 def _scan_stack(prog: _Program) -> _Stack | None:
@@ -217,30 +225,48 @@ def _scan_stack(prog: _Program) -> _Stack | None:
   consts, carry, xs = info.split_in(e.invars)
   where = f"the scan over {info.length} layers"
   other = [v for v in xs if not (_is_var(v) and v in params)]
-  rand = side_pass.check([prog.eqns[k] for k in prog.slice(other) if prog.bits(k) == _B],
-                         other, where)
-  if rand:   # per-layer keys split from a key in the batch (nn.scan's split_rngs)
+  rand = side_pass.check(
+    [prog.eqns[k] for k in prog.slice(other) if prog.bits(k) == _B], other, where
+  )
+  if rand:  # per-layer keys split from a key in the batch (nn.scan's split_rngs)
     raise CutError(rand + EXPLICIT)
   if other:
-    raise CutError(f"{where} also scans over {len(other)} per-layer input(s) that are not "
-                   f"parameters ({', '.join(str(v.aval) for v in other)}); automatic "
-                   "cutting scans over parameter leaves only" + EXPLICIT)
+    raise CutError(
+      f"{where} also scans over {len(other)} per-layer input(s) that are not "
+      f"parameters ({', '.join(str(v.aval) for v in other)}); automatic "
+      "cutting scans over parameter leaves only" + EXPLICIT
+    )
   if len(carry) != 1 or not _is_var(carry[0]) or not prog.dep.get(carry[0], 0) & _B:
-    raise CutError(f"{where} carries {len(carry)} value(s) "
-                   f"({', '.join(str(v.aval) for v in carry)}); automatic cutting needs "
-                   "exactly one carry, the activation, computed from the batch" + EXPLICIT)
-  for v in consts:   # values of the batch alone (a mask) are side inputs (`side_pass`)
+    raise CutError(
+      f"{where} carries {len(carry)} value(s) "
+      f"({', '.join(str(v.aval) for v in carry)}); automatic cutting needs "
+      "exactly one carry, the activation, computed from the batch" + EXPLICIT
+    )
+  for v in consts:  # values of the batch alone (a mask) are side inputs (`side_pass`)
     bits = prog.dep.get(v, 0) if _is_var(v) else 0
     if bits & _P and bits & _B:
       raise CutError(side_pass.PARAMS.format(where=where, aval=v.aval) + EXPLICIT)
     if bits & _P:
-      raise CutError(f"{where} reads a parameter in every layer ({v.aval}): weights shared "
-                     "by the layers cannot be split over stages automatically" + EXPLICIT)
+      raise CutError(
+        f"{where} reads a parameter in every layer ({v.aval}): weights shared "
+        "by the layers cannot be split over stages automatically" + EXPLICIT
+      )
     if bits & ~_B:
-      raise CutError(f"{where} reads a value of an effectful equation ({v.aval}); "
-                     "automatic cutting rebuilds side inputs on every stage" + EXPLICIT)
-  return _Stack(carry[0], e.outvars[0], frozenset([best]), (tuple(xs),), True,
-                info.reverse, info.length, body=info.body, body_consts=tuple(consts))
+      raise CutError(
+        f"{where} reads a value of an effectful equation ({v.aval}); "
+        "automatic cutting rebuilds side inputs on every stage" + EXPLICIT
+      )
+  return _Stack(
+    carry[0],
+    e.outvars[0],
+    frozenset([best]),
+    (tuple(xs),),
+    True,
+    info.reverse,
+    info.length,
+    body=info.body,
+    body_consts=tuple(consts),
+  )
 
 
 def _segments(prog: _Program, inputs_live: bool):
@@ -254,8 +280,11 @@ def _segments(prog: _Program, inputs_live: bool):
   loss; a mask every layer reads): such values are recomputed where read, as
   side inputs.
   """
-  data = [k for k in range(len(prog.eqns))
-          if prog.bits(k) & (_B | _PINNED) and (inputs_live or prog.bits(k) != _B)]
+  data = [
+    k
+    for k in range(len(prog.eqns))
+    if prog.bits(k) & (_B | _PINNED) and (inputs_live or prog.bits(k) != _B)
+  ]
   users: dict = {}
   for k in data:
     for v in prog.eqns[k].invars:
@@ -273,7 +302,7 @@ def _segments(prog: _Program, inputs_live: bool):
     for v in prog.eqns[k].invars:
       if _is_var(v) and prog.dep.get(v, 0) & _B and (inputs_live or prog.dep[v] != _B):
         d = pos.get(prog.producer.get(v))
-        first.setdefault(v, i if d is None else d)   # batch inputs: from their first use
+        first.setdefault(v, i if d is None else d)  # batch inputs: from their first use
         last[v] = i
   if _is_var(prog.loss) and prog.producer.get(prog.loss) in pos:
     first.setdefault(prog.loss, pos[prog.producer[prog.loss]])
@@ -286,14 +315,13 @@ def _segments(prog: _Program, inputs_live: bool):
   for v, i in last.items():
     ends.setdefault(i + 1, []).append(v)
   live: set = set()
-  cuts = []                 # (position, the live var or None)
+  cuts = []  # (position, the live var or None)
   for i in range(len(data) + 1):
     live.update(starts.get(i, ()))
     live.difference_update(ends.get(i, ()))
     if len(live) <= 1:
       cuts.append((i, next(iter(live), None)))
-  return [(tuple(data[a:b]), x_in, x_out)
-          for (a, x_in), (b, x_out) in zip(cuts, cuts[1:])]
+  return [(tuple(data[a:b]), x_in, x_out) for (a, x_in), (b, x_out) in zip(cuts, cuts[1:])]
 
 
 def _piece(prog: _Program, ids, x_in, x_out, memo):
@@ -306,11 +334,11 @@ def _piece(prog: _Program, ids, x_in, x_out, memo):
   outer = [v for v in prog.reads(ids) if prog.producer.get(v) not in own]
   acts = [v for v in outer if prog.dep.get(v, 0) & _B and prog.dep[v] != _B]
   sides = [v for v in outer if prog.dep.get(v, 0) == _B]
-  if x_in is None:                     # a raw input read by the first layer
+  if x_in is None:  # a raw input read by the first layer
     x_in = acts[0] if len(acts) == 1 else sides[0] if len(sides) == 1 and not acts else None
   if x_in is None or x_out is None or any(v is not x_in for v in acts):
     return None
-  for v in outer:   # values of parameters and constants, or of the batch, alone
+  for v in outer:  # values of parameters and constants, or of the batch, alone
     if v is not x_in and prog.producer.get(v) is not None:
       pulled.update(prog.slice([v]))
   eqns = sorted(own | pulled)
@@ -320,8 +348,10 @@ def _piece(prog: _Program, ids, x_in, x_out, memo):
       if _is_var(v) and v not in seen and prog.producer.get(v) is None:
         ins.append(v)
         seen.add(v)
-  key = (fingerprint.structure_key([prog.eqns[k] for k in eqns], ins, [x_out], memo),
-         tuple(fingerprint.value_key(prog.consts[v]) for v in ins if v in prog.consts))
+  key = (
+    fingerprint.structure_key([prog.eqns[k] for k in eqns], ins, [x_out], memo),
+    tuple(fingerprint.value_key(prog.consts[v]) for v in ins if v in prog.consts),
+  )
   return eqns, tuple(ins), key
 
 
@@ -343,12 +373,15 @@ def _runs(prog: _Program, inputs_live: bool, memo: dict):
       same = keys[i] is not None and keys[i] == keys[i + per]
       run[i] = run[i + 1] + 1 if same else 0
     for s in range(S - 2 * per + 1):
-      n = run[s] // per + 1                   # layers: the group at s, repeated
+      n = run[s] // per + 1  # layers: the group at s, repeated
       if n < 2 or (s >= per and run[s - per] >= per):
-        continue      # no repeat, or not the start of a run (one starting earlier covers it)
+        continue  # no repeat, or not the start of a run (one starting earlier covers it)
       x_in, x_out = pieces[s][1][0], segs[s + per - 1][2]
-      if (n_par[s + per] == n_par[s] or x_out is None
-          or (x_in.aval.shape, x_in.aval.dtype) != (x_out.aval.shape, x_out.aval.dtype)):
+      if (
+        n_par[s + per] == n_par[s]
+        or x_out is None
+        or (x_in.aval.shape, x_in.aval.dtype) != (x_out.aval.shape, x_out.aval.dtype)
+      ):
         continue
       cand = (int(size[s + n * per] - size[s]), n)
       if cand > score:
@@ -359,8 +392,9 @@ def _runs(prog: _Program, inputs_live: bool, memo: dict):
 def _loop_stack(prog: _Program) -> _Stack | None:
   """The longest run of a repeated group of pieces with parameters, checked."""
   memo: dict = {}
-  segs, pieces, score, best = max((_runs(prog, live, memo) for live in (True, False)),
-                                  key=lambda r: r[2])
+  segs, pieces, score, best = max(
+    (_runs(prog, live, memo) for live in (True, False)), key=lambda r: r[2]
+  )
   params, batch = set(prog.param_vars), set(prog.batch_vars)
   if best is None:
     return None
@@ -371,24 +405,39 @@ def _loop_stack(prog: _Program) -> _Stack | None:
     a, b = s + j * per, s + (j + 1) * per
     ids = [k for ids, _, _ in segs[a:b] for k in ids]
     all_eqns.update(ids)
-    eqns, ins, key = (_piece(prog, ids, pieces[a][1][0], segs[b - 1][2], memo)
-                      or (None, None, None))
+    eqns, ins, key = _piece(prog, ids, pieces[a][1][0], segs[b - 1][2], memo) or (None, None, None)
     if key is None or (key0 is not None and key != key0):
-      raise CutError(f"layers 0 and {j} of the repeated stack ({n} layers) differ in how "
-                     "they use their parameters" + EXPLICIT)
+      raise CutError(
+        f"layers 0 and {j} of the repeated stack ({n} layers) differ in how "
+        "they use their parameters" + EXPLICIT
+      )
     if j == 0:
       key0, layer_eqns, layer_ins = key, eqns, ins
     if [v for v in ins[1:] if v in batch] != [v for v in layer_ins[1:] if v in batch]:
-      raise CutError(f"layers 0 and {j} of the repeated stack ({n} layers) read different "
-                     "batch leaves besides the activation; automatic cutting rebuilds one "
-                     "side input (a mask) for every layer" + EXPLICIT)
+      raise CutError(
+        f"layers 0 and {j} of the repeated stack ({n} layers) read different "
+        "batch leaves besides the activation; automatic cutting rebuilds one "
+        "side input (a mask) for every layer" + EXPLICIT
+      )
     layers.append(tuple(v for v in ins[1:] if v in params))
   used = [v for row in layers for v in row]
   if len(set(used)) != len(used):
-    raise CutError(f"the {n} repeated layers share parameter leaves: weights shared by the "
-                   "layers cannot be split over stages automatically" + EXPLICIT)
-  return _Stack(pieces[s][1][0], segs[s + n * per - 1][2], frozenset(all_eqns), tuple(layers),
-                False, False, n, tuple(layer_eqns), layer_ins, segs[s + per - 1][2])
+    raise CutError(
+      f"the {n} repeated layers share parameter leaves: weights shared by the "
+      "layers cannot be split over stages automatically" + EXPLICIT
+    )
+  return _Stack(
+    pieces[s][1][0],
+    segs[s + n * per - 1][2],
+    frozenset(all_eqns),
+    tuple(layers),
+    False,
+    False,
+    n,
+    tuple(layer_eqns),
+    layer_ins,
+    segs[s + per - 1][2],
+  )
 
 
 def _pick(prog: _Program) -> _Stack | None:
@@ -401,8 +450,11 @@ def _pick(prog: _Program) -> _Stack | None:
     if loop is None:
       raise
     return loop
-  weight = lambda st: sum(int(np.prod(v.aval.shape))  # noqa: E731
-                          for row in st.layers for v in row)
+  weight = lambda st: sum(
+    int(np.prod(v.aval.shape))  # noqa: E731
+    for row in st.layers
+    for v in row
+  )
   if scan is None or (loop is not None and weight(loop) > weight(scan)):
     return loop
   return scan
@@ -413,32 +465,38 @@ def cut(jaxpr, n_params: int) -> Cut:
   prog = _program(jaxpr, n_params)
   stack = _pick(prog)
   if stack is None:
-    rand = side_pass.check([e for k, e in enumerate(prog.eqns) if prog.bits(k) == _B], (),
-                           "the loss")
-    raise CutError("found no repeated stack of layers in the loss: neither a scan over "
-                   "stacked parameters (nn.scan, nnx.scan, lax.scan) nor a run of "
-                   "identical blocks whose parameters have equal shapes (blocks that also "
-                   "read a per-example value computed from parameters and the batch are "
-                   "not cut either)" + (f"; {rand}" if rand else "") + EXPLICIT)
+    rand = side_pass.check(
+      [e for k, e in enumerate(prog.eqns) if prog.bits(k) == _B], (), "the loss"
+    )
+    raise CutError(
+      "found no repeated stack of layers in the loss: neither a scan over "
+      "stacked parameters (nn.scan, nnx.scan, lax.scan) nor a run of "
+      "identical blocks whose parameters have equal shapes (blocks that also "
+      "read a per-example value computed from parameters and the batch are "
+      "not cut either)" + (f"; {rand}" if rand else "") + EXPLICIT
+    )
   pro = prog.slice([stack.x_in])
   epi = prog.slice([prog.loss], stop=[stack.x_out])
   inside = stack.eqns.intersection(pro + epi)
   if inside:
     e = prog.eqns[min(inside)]
-    raise CutError(f"the loss reads a value from inside the stack ({e.primitive.name} -> "
-                   f"{e.outvars[0].aval}, e.g. per-layer outputs or sown intermediates); "
-                   "only the last layer's output may leave the stack" + EXPLICIT)
+    raise CutError(
+      f"the loss reads a value from inside the stack ({e.primitive.name} -> "
+      f"{e.outvars[0].aval}, e.g. per-layer outputs or sown intermediates); "
+      "only the last layer's output may leave the stack" + EXPLICIT
+    )
   index = {v: i for i, v in enumerate(prog.param_vars)}
   b_index = {v: i for i, v in enumerate(prog.batch_vars)}
   stack_params = {v for row in stack.layers for v in row}
   outside = (prog.reads(pro) | prog.reads(epi)) & set(prog.param_vars)
   if outside & stack_params:
     v = next(iter(outside & stack_params))
-    raise CutError(f"a parameter of the stack ({v.aval}) is also read outside it; automatic "
-                   "cutting shares only weights outside the stack" + EXPLICIT)
+    raise CutError(
+      f"a parameter of the stack ({v.aval}) is also read outside it; automatic "
+      "cutting shares only weights outside the stack" + EXPLICIT
+    )
   shared = tuple(sorted(index[v] for v in outside))
-  inputs = tuple(sorted(b_index[v] for v in (prog.reads(pro) | {stack.x_in})
-                        if v in b_index))
+  inputs = tuple(sorted(b_index[v] for v in (prog.reads(pro) | {stack.x_in}) if v in b_index))
   targets = tuple(sorted(b_index[v] for v in prog.reads(epi) if v in b_index))
   consts = prog.consts
   pro_eqns = [prog.eqns[k] for k in pro]
@@ -477,6 +535,7 @@ def cut(jaxpr, n_params: int) -> Cut:
   s_vars = [prog.batch_vars[i] for i in side]
 
   if stack.scanned:
+
     def consts_fn(sd):
       env = dict(consts)
       env.update(zip(s_vars, sd))
@@ -500,6 +559,17 @@ def cut(jaxpr, n_params: int) -> Cut:
       env.update(zip(l_params, p))
       return _evaluate(l_eqns, env, [stack.layer_out])[0]
 
-  return Cut(stack.length, stack.scanned, stack.reverse,
-             tuple(tuple(index[v] for v in row) for row in stack.layers), shared, inputs,
-             targets, input_fn, loss_fn, layer_fn, consts_fn, side)
+  return Cut(
+    stack.length,
+    stack.scanned,
+    stack.reverse,
+    tuple(tuple(index[v] for v in row) for row in stack.layers),
+    shared,
+    inputs,
+    targets,
+    input_fn,
+    loss_fn,
+    layer_fn,
+    consts_fn,
+    side,
+  )

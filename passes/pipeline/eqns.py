@@ -5,9 +5,10 @@ inlined bodies; `consts` maps constvars to values) and `evaluate(eqns, env,
 outs) -> values`. `passes.pipeline.cut` analyses the flat equations and builds
 the stage functions by evaluating subsets of them.
 """
+
 from __future__ import annotations
 
-from passes import _compat
+from ooojax.passes import _compat
 
 __all__ = ["evaluate", "flatten"]
 
@@ -35,8 +36,9 @@ def flatten(closed):
       if call is None:
         outs = e.outvars
         if fresh:
-          outs = [v if isinstance(v, _compat.DropVar) else _compat.new_var(v.aval)
-                  for v in e.outvars]
+          outs = [
+            v if isinstance(v, _compat.DropVar) else _compat.new_var(v.aval) for v in e.outvars
+          ]
           sub.update(zip(e.outvars, outs))
         eqns.append(e.replace(invars=ins, outvars=outs) if fresh or ins != e.invars else e)
         continue

@@ -30,6 +30,7 @@ to the same device (ZB-V's tip) is local. Weights shared by the first and the
 last stage (tied embeddings) get one gradient contribution from each W that
 uses them and a single `psum` at the end.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -38,18 +39,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from passes import _compat
-from passes.pipeline import plan as plan_pass
-from passes.pipeline.flavor import Flavor, make_flavor
-from passes.pipeline.program import (Memory, Program, memory, program, split_microbatches,
-                                     trace)
-from passes.pipeline.schedule import PipelineSchedule
+from ooojax.passes import _compat
+from ooojax.passes.pipeline import plan as plan_pass
+from ooojax.passes.pipeline.flavor import Flavor, make_flavor
+from ooojax.passes.pipeline.program import (
+  Memory,
+  Program,
+  memory,
+  program,
+  split_microbatches,
+  trace,
+)
+from ooojax.passes.pipeline.schedule import PipelineSchedule
 
-__all__ = ["Flavor", "Memory", "Program", "device_order", "lower", "make_flavor", "memory",
-           "program"]
+__all__ = [
+  "Flavor",
+  "Memory",
+  "Program",
+  "device_order",
+  "lower",
+  "make_flavor",
+  "memory",
+  "program",
+]
 
 
 def _read(env, v):
@@ -69,21 +83,29 @@ def _run(jaxpr, eqn_ids, env):
 def _check(sched: PipelineSchedule, mesh, axis_name: str) -> None:
   S, v = sched.stages, sched.chunks
   if axis_name not in mesh.shape:
-    raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
-                     f"{dict(mesh.shape)}")
+    raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
   if mesh.shape[axis_name] != S:
-    raise ValueError(f"the schedule has {S} stages but mesh axis {axis_name!r} has "
-                     f"{mesh.shape[axis_name]} devices; generate it with stages="
-                     f"{mesh.shape[axis_name]}")
+    raise ValueError(
+      f"the schedule has {S} stages but mesh axis {axis_name!r} has "
+      f"{mesh.shape[axis_name]} devices; generate it with stages="
+      f"{mesh.shape[axis_name]}"
+    )
   if S == 1 and v > 1:
     raise ValueError("an interleaved schedule needs at least 2 stages to execute")
   if sched.lag not in (0, 1):
     raise ValueError(f"the executor runs tables with lag 0 or 1, got {sched.lag}")
 
 
-def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
-          axis_name: str, input_fn: Callable | None = None,
-          data_axis: str | None = None, device_major: bool = False) -> Callable:
+def lower(
+  stage_fn: Callable,
+  loss_fn: Callable,
+  sched: PipelineSchedule,
+  mesh,
+  axis_name: str,
+  input_fn: Callable | None = None,
+  data_axis: str | None = None,
+  device_major: bool = False,
+) -> Callable:
   """Returns `step(stage_params, batch, shared=None) -> (loss, grads)`; see the module doc.
 
   `stage_fn` is one function, or a tuple of one per virtual stage (equal ones
@@ -103,29 +125,62 @@ def lower(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
   _check(sched, mesh, axis_name)
   D = _data_size(mesh, axis_name, data_axis)
   if sched.steps != 1 or any(a.kind == "U" for row in sched.grid for c in row for a in c):
-    raise ValueError(f"value_and_grad runs one step's table without updates; "
-                     f"{sched.name!r} holds {sched.steps} steps (from tile): run it with "
-                     "lower_train (ooo.pipeline.train), or pass the one-step table")
+    raise ValueError(
+      f"value_and_grad runs one step's table without updates; "
+      f"{sched.name!r} holds {sched.steps} steps (from tile): run it with "
+      "lower_train (ooo.pipeline.train), or pass the one-step table"
+    )
   M = sched.microbatches
 
   def step(stage_params, batch, shared=None):
     inputs_m, targets_m, side_m = split_microbatches(batch, M, D)
-    local = lambda t: jax.tree.map(  # noqa: E731 - one data replica's slice
-        lambda x: jax.ShapeDtypeStruct((M, x.shape[1] // D, *x.shape[2:]), x.dtype), t)
-    prog = trace(stage_fn, loss_fn, input_fn, sched, stage_params, local(inputs_m),
-                 local(targets_m), shared, local(side_m))
-    body = _body(prog, sched.stages, sched.chunks, M, axis_name, sched.lag,
-                 data_axis=data_axis)
-    loss, gp, gsh = _shard(body, sched, mesh, axis_name, stage_params, shared,
-                           (inputs_m, targets_m, side_m), [fl.consts for fl in prog.flavors],
-                           data_axis=data_axis, device_major=device_major)
+    local = (
+      lambda t: jax.tree.map(  # noqa: E731 - one data replica's slice
+        lambda x: jax.ShapeDtypeStruct((M, x.shape[1] // D, *x.shape[2:]), x.dtype), t
+      )
+    )
+    prog = trace(
+      stage_fn,
+      loss_fn,
+      input_fn,
+      sched,
+      stage_params,
+      local(inputs_m),
+      local(targets_m),
+      shared,
+      local(side_m),
+    )
+    body = _body(prog, sched.stages, sched.chunks, M, axis_name, sched.lag, data_axis=data_axis)
+    loss, gp, gsh = _shard(
+      body,
+      sched,
+      mesh,
+      axis_name,
+      stage_params,
+      shared,
+      (inputs_m, targets_m, side_m),
+      [fl.consts for fl in prog.flavors],
+      data_axis=data_axis,
+      device_major=device_major,
+    )
     return loss, (gp if shared is None else (gp, gsh))
 
   return step
 
 
-def _shard(body, sched, mesh, axis_name, stage_params, shared, batch_m, consts,
-           opt_state=None, data_axis=None, device_major=False):
+def _shard(
+  body,
+  sched,
+  mesh,
+  axis_name,
+  stage_params,
+  shared,
+  batch_m,
+  consts,
+  opt_state=None,
+  data_axis=None,
+  device_major=False,
+):
   """Runs `body` under `shard_map`: each device gets its chunks' weights (and
   optimizer states); returns what it returns, per-chunk trees back in
   virtual-stage order."""
@@ -134,17 +189,25 @@ def _shard(body, sched, mesh, axis_name, stage_params, shared, batch_m, consts,
   # chunk, so a device's chunk weights arrive as their own buffers (no slicing).
   idx = np.array([[sched.vstage(s, c) for s in range(S)] for c in range(v)])
   inv = np.argsort(idx.ravel())
-  split = lambda tree: tuple(jax.tree.map(lambda x, c=c: _take(x, idx[c]), tree)  # noqa: E731
-                             for c in range(v))
+  split = lambda tree: tuple(
+    jax.tree.map(lambda x, c=c: _take(x, idx[c]), tree)  # noqa: E731
+    for c in range(v)
+  )
   from_dev = lambda *xs: _untake(xs, idx, inv)  # noqa: E731
   if device_major and v > 1:  # device s's chunks at rows s * v + c: a local slice
-    split = lambda tree: tuple(jax.tree.map(  # noqa: E731
-        lambda x, c=c: x.reshape(S, v, *x.shape[1:])[:, c], tree) for c in range(v))
+    split = (
+      lambda tree: tuple(
+        jax.tree.map(  # noqa: E731
+          lambda x, c=c: x.reshape(S, v, *x.shape[1:])[:, c], tree
+        )
+        for c in range(v)
+      )
+    )
     from_dev = lambda *xs: jnp.stack(xs, 1).reshape(S * v, *xs[0].shape[1:])  # noqa: E731
   p_spec = tuple(jax.tree.map(lambda _: P(axis_name), stage_params) for _ in range(v))
   rep = lambda t: jax.tree.map(lambda _: P(), t)  # noqa: E731
   dat = lambda t: jax.tree.map(lambda _: P(None, data_axis), t)  # noqa: E731
-  per_mb = dat if data_axis else rep     # (microbatch, rows, ...): rows over the data axis
+  per_mb = dat if data_axis else rep  # (microbatch, rows, ...): rows over the data axis
   # every device gets the whole batch (inputs, targets, side): a stage slices its microbatch
   specs = (p_spec, rep(shared), per_mb(batch_m), rep(consts))
   args = (split(stage_params), shared, batch_m, consts)
@@ -157,8 +220,7 @@ def _shard(body, sched, mesh, axis_name, stage_params, shared, batch_m, consts,
     out_specs = (P(), p_spec, rep(shared), o_spec, rep(o_rep))
   fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)
   if _explicit(mesh):  # explicit-sharding meshes want arguments already placed
-    args = tuple(jax.tree.map(lambda x, sp: jax.reshard(x, NamedSharding(mesh, sp)), args,
-                              specs))
+    args = tuple(jax.tree.map(lambda x, sp: jax.reshard(x, NamedSharding(mesh, sp)), args, specs))
   loss, per_chunk, last, *opt = fn(*args)
   trees = (per_chunk,) if opt_state is None else (per_chunk, opt[0])
   out = []
@@ -174,16 +236,17 @@ def _shard(body, sched, mesh, axis_name, stage_params, shared, batch_m, consts,
 def device_order(sched: PipelineSchedule) -> np.ndarray:
   """The virtual stage at each row of a device-major stack: device s's chunk c at
   row s * chunks + c (the identity without chunks)."""
-  return np.array([sched.vstage(s, c) for s in range(sched.stages)
-                   for c in range(sched.chunks)])
+  return np.array([sched.vstage(s, c) for s in range(sched.stages) for c in range(sched.chunks)])
 
 
 def _data_size(mesh, axis_name, data_axis) -> int:
   if data_axis is None:
     return 1
   if data_axis not in mesh.shape or data_axis == axis_name:
-    raise ValueError(f"data_axis={data_axis!r} must be a mesh axis other than the stage "
-                     f"axis {axis_name!r}; the mesh has {dict(mesh.shape)}")
+    raise ValueError(
+      f"data_axis={data_axis!r} must be a mesh axis other than the stage "
+      f"axis {axis_name!r}; the mesh has {dict(mesh.shape)}"
+    )
   return mesh.shape[data_axis]
 
 
@@ -192,9 +255,9 @@ def _take(x, ids):
   would make XLA materialise every stage's weights on every device."""
   a = int(ids[0])
   if list(ids) == list(range(a, a + len(ids))):
-    return x if len(ids) == x.shape[0] else x[a:a + len(ids)]
+    return x if len(ids) == x.shape[0] else x[a : a + len(ids)]
   if list(ids) == list(range(a, a - len(ids), -1)):
-    return jnp.flip(x[a - len(ids) + 1:a + 1], 0)
+    return jnp.flip(x[a - len(ids) + 1 : a + 1], 0)
   return x[ids]
 
 
@@ -213,8 +276,9 @@ def _explicit(mesh) -> bool:
   return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ()))
 
 
-def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_axis=None,
-          owners=None):
+def _body(
+  prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_axis=None, owners=None
+):
   """The per-device program. With an `updater` (a table tiled over `steps`),
   the weights (shared ones too) and optimizer states are loop state, updated at
   the ticks whose `upd` bits name a chunk; otherwise the weights are loop
@@ -222,8 +286,7 @@ def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_ax
   shared leaf j, updated at that chunk's U there and broadcast at the end, or
   None (read by the first and the last stage: updated at `sync` ticks)."""
   F = plan_pass.F
-  flavors, pl, x_aval, fres, bres = (prog.flavors, prog.plan, prog.x_aval, prog.fres,
-                                     prog.bres)
+  flavors, pl, x_aval, fres, bres = (prog.flavors, prog.plan, prog.x_aval, prog.fres, prog.bres)
   train = updater is not None
 
   def body(chunks, shared, batch_m, consts, opt=None, opt_rep=None):
@@ -234,22 +297,22 @@ def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_ax
     sh_leaves = jax.tree.leaves(shared)
     in_leaves, tg_leaves = jax.tree.leaves(inputs_m), jax.tree.leaves(targets_m)
     sd_leaves = jax.tree.leaves(side_m)
-    table = jnp.asarray(pl.rows)[:, lax.axis_index(axis_name)]   # (ticks, fields)
+    table = jnp.asarray(pl.rows)[:, lax.axis_index(axis_name)]  # (ticks, fields)
 
     def stack(n, shape, dtype):
-      return jnp.zeros((n + 1, *shape), dtype)                     # +1: the trash slot
+      return jnp.zeros((n + 1, *shape), dtype)  # +1: the trash slot
 
     bufs = {
-        "act": stack(pl.counts["act"], x_aval.shape, x_aval.dtype),
-        "grad": stack(pl.counts["grad"], x_aval.shape, x_aval.dtype),
-        # Records have no trash slot: only the ticks that produce one write it.
-        "fres": {dt: jnp.zeros((max(pl.counts["fres"], 1), w), dt)
-                 for dt, w in fres.widths.items()},
-        "bres": {dt: jnp.zeros((max(pl.counts["bres"], 1), w), dt)
-                 for dt, w in bres.widths.items()},
+      "act": stack(pl.counts["act"], x_aval.shape, x_aval.dtype),
+      "grad": stack(pl.counts["grad"], x_aval.shape, x_aval.dtype),
+      # Records have no trash slot: only the ticks that produce one write it.
+      "fres": {dt: jnp.zeros((max(pl.counts["fres"], 1), w), dt) for dt, w in fres.widths.items()},
+      "bres": {dt: jnp.zeros((max(pl.counts["bres"], 1), w), dt) for dt, w in bres.widths.items()},
     }
-    acc = {"gp": [[jnp.zeros_like(x) for x in ws] for ws in chunk_w],
-           "gsh": [jnp.zeros_like(x) for x in sh_leaves]}
+    acc = {
+      "gp": [[jnp.zeros_like(x) for x in ws] for ws in chunk_w],
+      "gsh": [jnp.zeros_like(x) for x in sh_leaves],
+    }
     no_out = jnp.zeros(x_aval.shape, x_aval.dtype)
     zero = jnp.zeros((), jnp.float32)
 
@@ -268,7 +331,7 @@ def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_ax
         vals += [get(x, r[F["mb"]]) for x in in_leaves]
       if fl.last:
         vals += [get(x, r[F["mb"]]) for x in tg_leaves]
-      vals += [get(x, r[F["mb"]]) for x in sd_leaves]   # every stage: its microbatch's side
+      vals += [get(x, r[F["mb"]]) for x in sd_leaves]  # every stage: its microbatch's side
       assert len(vals) == len(fl.static), (len(vals), len(fl.static))
       return dict(zip(fl.static, vals))
 
@@ -280,7 +343,7 @@ def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_ax
 
       def run(r, bufs, acc, f_rec, b_rec, w):
         out, loss = no_out, zero
-        ws = (chunk_w, sh_leaves) if w is None else w   # constants, or training's state
+        ws = (chunk_w, sh_leaves) if w is None else w  # constants, or training's state
         env = env_of(i, fl, c, r, ws)
         if kind == "F":
           if fl.x is not None:
@@ -295,8 +358,9 @@ def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_ax
         env.update(zip(fl.fres, fres.unpack(i, records(bufs, "fres", r[F["fres"]]))))
         if kind in ("B", "BW"):
           ct = fl.jaxpr.invars[0]
-          env[ct] = (jnp.asarray(1.0 / M, ct.aval.dtype) if fl.last
-                     else get(bufs["grad"], r[F["in_slot"]]))
+          env[ct] = (
+            jnp.asarray(1.0 / M, ct.aval.dtype) if fl.last else get(bufs["grad"], r[F["in_slot"]])
+          )
           _run(fl.jaxpr, fl.b_eqns, env)
           if fl.dx is not None:
             out = jnp.broadcast_to(_read(env, fl.dx), x_aval.shape).astype(x_aval.dtype)
@@ -332,9 +396,11 @@ def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_ax
         return no_out
       if lag:
         return lax.ppermute(out, axis_name, full)
-      return lax.switch(r[F[f"{name}_pat"]], [
-          (lambda o, p=p: lax.ppermute(o, axis_name, list(p)) if p else no_out)
-          for p in pats], out)
+      return lax.switch(
+        r[F[f"{name}_pat"]],
+        [(lambda o, p=p: lax.ppermute(o, axis_name, list(p)) if p else no_out) for p in pats],
+        out,
+      )
 
     def send(out, r):
       """What arrives from below (stage s - 1) and from above (s + 1)."""
@@ -346,9 +412,12 @@ def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_ax
 
     def keep(bufs, name, slot, rec):
       """`rec` into slot `slot` of stack `name`, only on the ticks that produced one."""
-      return lax.cond(slot < pl.counts[name],
-                      lambda st: {dt: put(b, slot, rec[dt]) for dt, b in st.items()},
-                      lambda st: st, bufs[name])
+      return lax.cond(
+        slot < pl.counts[name],
+        lambda st: {dt: put(b, slot, rec[dt]) for dt, b in st.items()},
+        lambda st: st,
+        bufs[name],
+      )
 
     def update(r, w, o, acc):
       """Each chunk whose bit is set in `upd`: its update on its summed gradients
@@ -358,14 +427,18 @@ def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_ax
       the stages."""
       (ws, sh), (oc, orep), gp = (list(w[0]), w[1]), (list(o[0]), o[1]), list(acc["gp"])
       for c in range(v):
+
         def apply(args, c=c):
           wc, occ, orp, gc = args
           wc, occ, orp = updater.chunk(c, wc, gc, occ, orp)
           return list(wc), occ, orp, [jnp.zeros_like(g) for g in gc]
-        ws[c], oc[c], orep, gp[c] = lax.cond(((r[F["upd"]] >> c) & 1) == 1, apply,
-                                             lambda a: a, (ws[c], oc[c], orep, gp[c]))
+
+        ws[c], oc[c], orep, gp[c] = lax.cond(
+          ((r[F["upd"]] >> c) & 1) == 1, apply, lambda a: a, (ws[c], oc[c], orep, gp[c])
+        )
       gsh = acc["gsh"]
-      for key, (d, c, js) in groups.items():   # the owner's update, or all at a sync
+      for key, (d, c, js) in groups.items():  # the owner's update, or all at a sync
+
         def shared_update(args, key=key, js=js):
           shl, orp, g = list(args[0]), args[1], list(args[2])
           gj = [g[j] if key is not None else lax.psum(g[j], axis_name) for j in js]
@@ -373,8 +446,12 @@ def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_ax
           for j, x in zip(js, new):
             shl[j], g[j] = x, jnp.zeros_like(g[j])
           return shl, orp, g
-        pred = (r[F["sync"]] == 1 if key is None else
-                (((r[F["upd"]] >> c) & 1) == 1) & (lax.axis_index(axis_name) == d))
+
+        pred = (
+          r[F["sync"]] == 1
+          if key is None
+          else (((r[F["upd"]] >> c) & 1) == 1) & (lax.axis_index(axis_name) == d)
+        )
         sh, orep, gsh = lax.cond(pred, shared_update, lambda a: a, (sh, orep, gsh))
       return (ws, sh), (oc, orep), {"gp": gp, "gsh": gsh}
 
@@ -382,18 +459,22 @@ def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_ax
       bufs, acc, loss, out, f_rec, b_rec, w, o = carry
       if lag:  # the last tick's output travels while this tick computes
         below, above = send(out, r)
-      out, dl, acc, f_rec, b_rec = lax.switch(r[F["branch"]], branches, r, bufs, acc, f_rec,
-                                              b_rec, w)
+      out, dl, acc, f_rec, b_rec = lax.switch(
+        r[F["branch"]], branches, r, bufs, acc, f_rec, b_rec, w
+      )
       if not lag:
         below, above = send(out, r)
       act, grad = bufs["act"], bufs["grad"]
-      act = put(put(put(act, r[F["loc_act"]], out), r[F["up_act"]], below),
-                r[F["dn_act"]], above)
-      grad = put(put(put(grad, r[F["loc_grad"]], out), r[F["up_grad"]], below),
-                 r[F["dn_grad"]], above)
-      bufs = {"act": act, "grad": grad,
-              "fres": keep(bufs, "fres", r[F["f_write"]], f_rec),
-              "bres": keep(bufs, "bres", r[F["b_write"]], b_rec)}
+      act = put(put(put(act, r[F["loc_act"]], out), r[F["up_act"]], below), r[F["dn_act"]], above)
+      grad = put(
+        put(put(grad, r[F["loc_grad"]], out), r[F["up_grad"]], below), r[F["dn_grad"]], above
+      )
+      bufs = {
+        "act": act,
+        "grad": grad,
+        "fres": keep(bufs, "fres", r[F["f_write"]], f_rec),
+        "bres": keep(bufs, "bres", r[F["b_write"]], b_rec),
+      }
       if train:
         w, o, acc = update(r, w, o, acc)
         loss = loss.at[r[F["step"]]].add(dl)
@@ -401,7 +482,7 @@ def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_ax
         loss = loss + dl
       return (bufs, acc, loss, out, f_rec, b_rec, w, o), None
 
-    groups = {}   # None (tied: sync) or owner vstage -> (device, chunk, leaf indices)
+    groups = {}  # None (tied: sync) or owner vstage -> (device, chunk, leaf indices)
     for j, own in enumerate(owners or [None] * len(sh_leaves)):
       key, d, c = (None, 0, 0) if own is None else (own[2], own[0], own[1])
       groups.setdefault(key, (d, c, []))[2].append(j)
@@ -426,12 +507,15 @@ def _body(prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_ax
       for key, (_, _, js) in groups.items():
         for j in js:
           sh[j] = bcast(key, sh[j])
-      return (loss, tuple(p_tree.unflatten([x[None] for x in ws]) for ws in w[0]),
-              jax.tree.unflatten(jax.tree.structure(shared), sh),
-              tuple(jax.tree.map(lambda x: x[None], oc) for oc in o[0]),
-              updater.finish(o[1], bcast))
+      return (
+        loss,
+        tuple(p_tree.unflatten([x[None] for x in ws]) for ws in w[0]),
+        jax.tree.unflatten(jax.tree.structure(shared), sh),
+        tuple(jax.tree.map(lambda x: x[None], oc) for oc in o[0]),
+        updater.finish(o[1], bcast),
+      )
     gsh = [lax.psum(g, axis_name) for g in acc["gsh"]]
-    if data_axis is not None:   # the mean over the data replicas' slices
+    if data_axis is not None:  # the mean over the data replicas' slices
       loss, gsh = lax.pmean(loss, data_axis), [lax.pmean(g, data_axis) for g in gsh]
       acc["gp"] = [[lax.pmean(g, data_axis) for g in gs] for gs in acc["gp"]]
     gp = tuple(p_tree.unflatten([g[None] for g in gs]) for gs in acc["gp"])

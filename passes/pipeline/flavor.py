@@ -32,6 +32,7 @@ B-scan that feeds a single stacked parameter is part of that parameter's
 cluster and runs in W, as the dX matmuls of unrolled layers there do.) The W-scans of a phase then run as ONE loop
 over the layers (`passes.scan.merge`) instead of one loop per parameter.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,29 +41,29 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from passes import _compat
-from passes.scan import merge as scan_merge
-from passes import split as split_pass
-from passes.ir import Kind
+from ooojax.passes import _compat, split as split_pass
+from ooojax.passes.ir import Kind
+from ooojax.passes.scan import merge as scan_merge
 
 
 @dataclasses.dataclass(frozen=True)
 class Flavor:
   """One stage kind cut into F / B / W phases (all indices into `jaxpr.eqns`)."""
+
   first: bool
   last: bool
-  jaxpr: Any                  # flat Jaxpr: (ct, *consts, *leaves) -> (y, *grads)
+  jaxpr: Any  # flat Jaxpr: (ct, *consts, *leaves) -> (y, *grads)
   consts: tuple
-  static: tuple               # invars given at every phase: consts, params, shared, data
-  x: Any                      # the received-activation invar (None on the first stage)
+  static: tuple  # invars given at every phase: consts, params, shared, data
+  x: Any  # the received-activation invar (None on the first stage)
   f_eqns: tuple[int, ...]
   b_eqns: tuple[int, ...]
   w_eqns: tuple[int, ...]
-  fres: tuple                 # vars F saves for B and W
-  bres: tuple                 # vars B saves for W
-  dx: Any                     # outvar of the input cotangent (None on the first stage)
-  grads: tuple                # outvars of the parameter (then shared) gradients
-  n_shared: int               # how many of `grads` are shared-weight gradients
+  fres: tuple  # vars F saves for B and W
+  bres: tuple  # vars B saves for W
+  dx: Any  # outvar of the input cotangent (None on the first stage)
+  grads: tuple  # outvars of the parameter (then shared) gradients
+  n_shared: int  # how many of `grads` are shared-weight gradients
 
 
 def _vars_read(jaxpr, ids):
@@ -93,13 +94,23 @@ def _definers(jaxpr, phase, pc_def) -> set:
     k = pc_def[todo.pop()]
     if k not in need and k not in phase:
       need.add(k)
-      todo += [v for v in jaxpr.eqns[k].invars
-               if isinstance(v, _compat.Var) and v in pc_def]
+      todo += [v for v in jaxpr.eqns[k].invars if isinstance(v, _compat.Var) and v in pc_def]
   return need
 
 
-def make_flavor(first: bool, last: bool, stage_fn, loss_fn, input_fn, p_aval, sh_aval,
-                x_aval, in_aval, tg_aval, sd_aval=None) -> Flavor:
+def make_flavor(
+  first: bool,
+  last: bool,
+  stage_fn,
+  loss_fn,
+  input_fn,
+  p_aval,
+  sh_aval,
+  x_aval,
+  in_aval,
+  tg_aval,
+  sd_aval=None,
+) -> Flavor:
   """Traces one stage kind's forward + vjp and cuts it with the split pass."""
   has_sh = sh_aval is not None and (last or (first and input_fn is not None))
   p_leaves, p_tree = jax.tree.flatten(p_aval)
@@ -107,8 +118,14 @@ def make_flavor(first: bool, last: bool, stage_fn, loss_fn, input_fn, p_aval, sh
   in_leaves, in_tree = jax.tree.flatten(in_aval if first else ())
   tg_leaves, tg_tree = jax.tree.flatten(tg_aval if last else ())
   sd_leaves, sd_tree = jax.tree.flatten(sd_aval)
-  n = [len(p_leaves), len(sh_leaves), 0 if first else 1, len(in_leaves), len(tg_leaves),
-       len(sd_leaves)]
+  n = [
+    len(p_leaves),
+    len(sh_leaves),
+    0 if first else 1,
+    len(in_leaves),
+    len(tg_leaves),
+    len(sd_leaves),
+  ]
   side_arg = lambda sd: () if sd_aval is None else (sd,)  # noqa: E731
   extra = lambda sh: (sh,) if sh_aval is not None else ()  # noqa: E731
 
@@ -135,22 +152,24 @@ def make_flavor(first: bool, last: bool, stage_fn, loss_fn, input_fn, p_aval, sh
     return (y, *dx, *jax.tree.leaves(dp), *jax.tree.leaves(dsh))
 
   ct_aval = jax.ShapeDtypeStruct((), jnp.float32) if last else x_aval
-  avals = [ct_aval, *p_leaves, *sh_leaves, *([x_aval] * n[2]), *in_leaves, *tg_leaves,
-           *sd_leaves]
+  avals = [ct_aval, *p_leaves, *sh_leaves, *([x_aval] * n[2]), *in_leaves, *tg_leaves, *sd_leaves]
   n_grads = n[2] + n[0] + n[1]
-  names = [*(["dx"] * n[2]), *(f"param{i}" for i in range(n[0])),
-           *(f"shared{i}" for i in range(n[1]))]
+  names = [
+    *(["dx"] * n[2]),
+    *(f"param{i}" for i in range(n[0])),
+    *(f"shared{i}" for i in range(n[1])),
+  ]
   sp = split_pass.split(flat_fun, avals, n_grads, names)
   jaxpr = sp.jaxpr.jaxpr
   invars = jaxpr.invars
   ct = invars[0]
   n_consts = len(sp.consts)
-  leaves = invars[1 + n_consts:]
+  leaves = invars[1 + n_consts :]
   x_var = leaves[n[0] + n[1]] if not first else None
-  static = tuple(invars[1:1 + n_consts]) + tuple(v for v in leaves if v is not x_var)
+  static = tuple(invars[1 : 1 + n_consts]) + tuple(v for v in leaves if v is not x_var)
   gs = sp.grad_out_start
   dx_var = jaxpr.outvars[gs] if not first else None
-  grads = tuple(jaxpr.outvars[gs + n[2]:])
+  grads = tuple(jaxpr.outvars[gs + n[2] :])
   # B: the critical dX equations (reach >= 2 gradients) and the dx-only cluster.
   b_set = {k for k, kind in enumerate(sp.kinds) if kind is Kind.DX}
   w_set = set()
@@ -185,20 +204,32 @@ def make_flavor(first: bool, last: bool, stage_fn, loss_fn, input_fn, p_aval, sh
   # a transpose) are recomputed in each phase that reads them, never stored
   # per microbatch: a stored copy would cost a stage's weights per slot.
   # Values of the side input alone (a mask) are cheap to rebuild: the same.
-  side_vars = set(leaves[len(leaves) - n[5]:]) if n[5] else set()
-  pc_def = _param_only(jaxpr, set(invars[1:1 + n_consts + n[0] + n[1]]) | side_vars)
+  side_vars = set(leaves[len(leaves) - n[5] :]) if n[5] else set()
+  pc_def = _param_only(jaxpr, set(invars[1 : 1 + n_consts + n[0] + n[1]]) | side_vars)
   for phase in (b_set, w_set):
     phase.update(_definers(jaxpr, phase, pc_def))
   f_def = {v for k in f_set for v in jaxpr.eqns[k].outvars} | ({x_var} if x_var else set())
   b_def = {v for k in b_set for v in jaxpr.eqns[k].outvars} | {ct}
   later = _vars_read(jaxpr, b_set) | _vars_read(jaxpr, w_set) | need_b | need_w
-  order = {v: i for i, v in enumerate(
-      [*invars, *(v for e in jaxpr.eqns for v in e.outvars)])}
+  order = {v: i for i, v in enumerate([*invars, *(v for e in jaxpr.eqns for v in e.outvars)])}
   fres = tuple(sorted((f_def & later) - set(pc_def), key=order.get))
-  bres = tuple(sorted((b_def & (_vars_read(jaxpr, w_set) | need_w)) - set(pc_def),
-                      key=order.get))
-  fl = Flavor(first, last, jaxpr, tuple(sp.consts), static, x_var, tuple(sorted(f_set)),
-              tuple(sorted(b_set)), tuple(sorted(w_set)), fres, bres, dx_var, grads, n[1])
+  bres = tuple(sorted((b_def & (_vars_read(jaxpr, w_set) | need_w)) - set(pc_def), key=order.get))
+  fl = Flavor(
+    first,
+    last,
+    jaxpr,
+    tuple(sp.consts),
+    static,
+    x_var,
+    tuple(sorted(f_set)),
+    tuple(sorted(b_set)),
+    tuple(sorted(w_set)),
+    fres,
+    bres,
+    dx_var,
+    grads,
+    n[1],
+  )
   return merge_w_scans(fl)
 
 
@@ -212,5 +243,6 @@ def merge_w_scans(fl: Flavor) -> Flavor:
   if jaxpr is fl.jaxpr:
     return fl
   remap = lambda ids: tuple(sorted({new[k] for k in ids}))  # noqa: E731
-  return dataclasses.replace(fl, jaxpr=jaxpr, f_eqns=remap(fl.f_eqns),
-                             b_eqns=remap(fl.b_eqns), w_eqns=remap(fl.w_eqns))
+  return dataclasses.replace(
+    fl, jaxpr=jaxpr, f_eqns=remap(fl.f_eqns), b_eqns=remap(fl.b_eqns), w_eqns=remap(fl.w_eqns)
+  )

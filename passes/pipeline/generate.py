@@ -7,22 +7,30 @@ allows: what has priority, how many activations may be held and how deep the
 warm-up goes, when W runs. The grid is the as-soon-as-possible tick placement
 of those per-stage orders; `_lower_comms` adds the transfers.
 """
+
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
 
-from passes.pipeline.actions import UPDATE, deps
-from passes.pipeline.schedule import (Action, PipelineSchedule, ScheduleError, place_of,
-                                      vstage_of)
+from ooojax.passes.pipeline.actions import UPDATE, deps
+from ooojax.passes.pipeline.schedule import (
+  Action,
+  PipelineSchedule,
+  ScheduleError,
+  place_of,
+  vstage_of,
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
   """How the greedy generator chooses. `limit[s]`: in-flight activation bound."""
-  fused: bool             # B and W as one BW action
-  first: str              # "F": forwards before backwards (GPipe); "B": backward first
-  w: str                  # "fill" (when idle), "eager" (right after B), "lazy" (when forced)
-  limit: tuple[int, ...]   # activations held (F done, W not): the memory bound
+
+  fused: bool  # B and W as one BW action
+  first: str  # "F": forwards before backwards (GPipe); "B": backward first
+  w: str  # "fill" (when idle), "eager" (right after B), "lazy" (when forced)
+  limit: tuple[int, ...]  # activations held (F done, W not): the memory bound
   limit_b: tuple[int, ...]  # forwards ahead of their B (F done, B not): the warm-up depth
   lazy_stages: tuple[int, ...] = ()  # stages whose W is "lazy" whatever `w` says
 
@@ -44,8 +52,7 @@ def _policy(name: str, S: int, M: int, v: int) -> Policy:
   if name == "zb-h2":
     # Deeper warm-up (2(S - s) - 1) and 2S - 1 held: no idle tick between a
     # stage's first and last action (the parallelogram of Zero Bubble's ZB-H2).
-    return Policy(False, "B", "fill", (2 * S - 1,) * S,
-                  tuple(2 * (S - s) - 1 for s in range(S)))
+    return Policy(False, "B", "fill", (2 * S - 1,) * S, tuple(2 * (S - s) - 1 for s in range(S)))
   if name == "zb-v":
     # Two chunks per device in a V (device s holds layer blocks s and 2S-1-s);
     # within 1F1B's peak memory: 2S chunk activations = S whole-stage ones.
@@ -60,8 +67,9 @@ def _policy(name: str, S: int, M: int, v: int) -> Policy:
 SCHEDULES = ("gpipe", "1f1b", "ooo", "zb-h1", "zb-h2", "interleaved", "zb-v")
 
 
-def generate(name: str, stages: int, microbatches: int, chunks: int | None = None,
-             lag: int = 0, costs=None) -> PipelineSchedule:
+def generate(
+  name: str, stages: int, microbatches: int, chunks: int | None = None, lag: int = 0, costs=None
+) -> PipelineSchedule:
   """Generates and validates a named schedule.
 
   Args:
@@ -104,8 +112,16 @@ def generate(name: str, stages: int, microbatches: int, chunks: int | None = Non
   if lag not in (0, 1):
     raise ValueError(f"lag must be 0 or 1, got {lag!r}")
   grid = _place(stages, microbatches, chunks, orders, lag, placement)
-  sched = PipelineSchedule(name, stages, microbatches, chunks, _lower_comms(
-      stages, chunks, grid, lag, placement), pol.limit, lag, placement)
+  sched = PipelineSchedule(
+    name,
+    stages,
+    microbatches,
+    chunks,
+    _lower_comms(stages, chunks, grid, lag, placement),
+    pol.limit,
+    lag,
+    placement,
+  )
   return sched.validate()
 
 
@@ -135,17 +151,20 @@ def unfuse(sched: PipelineSchedule) -> PipelineSchedule:
           out.append(a)
     orders.append(out)
   S, v = sched.stages, sched.chunks
-  extra = shared_dep(S * v - 1) if synced(sched) else None   # keep tile(shared=True)'s
+  extra = shared_dep(S * v - 1) if synced(sched) else None  # keep tile(shared=True)'s
   grid = _place(S, sched.microbatches, v, orders, sched.lag, sched.placement, extra)
   return dataclasses.replace(
-      sched, grid=_lower_comms(S, v, grid, sched.lag, sched.placement)).validate()
+    sched, grid=_lower_comms(S, v, grid, sched.lag, sched.placement)
+  ).validate()
 
 
 def shared_dep(last: int):
   """`_place`'s extra dependency of `tile(shared=True)`: the first virtual stage's
   forwards of step t wait for the last virtual stage's update of step t - 1."""
+
   def extra(a, vs):
     return [(UPDATE, last, 0, a.step - 1)] if a.kind == "F" and vs == 0 and a.step else []
+
   return extra
 
 
@@ -164,18 +183,23 @@ def synced(sched: PipelineSchedule) -> bool:
   return all(f0[n] > ul[n - 1] for n in range(1, sched.steps)) if ul else False
 
 
-def _greedy(S: int, M: int, v: int, pol: Policy, placement: str = "modulo",
-            costs=None) -> list[list[Action]]:
+def _greedy(
+  S: int, M: int, v: int, pol: Policy, placement: str = "modulo", costs=None
+) -> list[list[Action]]:
   """Event-driven list scheduling under the policy; durations from `costs`
   (per whole stage, default F = B = W = 1; a chunk costs 1 / v; BW = B + W)."""
   V = S * v
   c = {"F": 1.0, "B": 1.0, "W": 1.0, **(costs or {})}
   dur_of = {"F": c["F"] / v, "B": c["B"] / v, "W": c["W"] / v, "BW": (c["B"] + c["W"]) / v}
-  fin: dict[tuple[str, int, int], float] = {}   # finish time
+  fin: dict[tuple[str, int, int], float] = {}  # finish time
   free = [0] * S
   live = [0] * S
-  fwd_order = [sorted(((m, c) for m in range(M) for c in range(v)),
-                      key=lambda mc: (mc[0] // S, mc[1], mc[0] % S)) for _ in range(S)]
+  fwd_order = [
+    sorted(
+      ((m, c) for m in range(M) for c in range(v)), key=lambda mc: (mc[0] // S, mc[1], mc[0] % S)
+    )
+    for _ in range(S)
+  ]
   nf = [0] * S
   pending_b: list[list[tuple[int, int]]] = [[] for _ in range(S)]
   pending_w: list[list[tuple[int, int]]] = [[] for _ in range(S)]
@@ -192,21 +216,25 @@ def _greedy(S: int, M: int, v: int, pol: Policy, placement: str = "modulo",
       if free[s] > t:
         continue
       # candidates
-      b_ok = [(m, c) for m, c in pending_b[s]
-              if (vs := vstage_of(S, s, c, placement)) == V - 1 or ready(("B", vs + 1, m))]
+      b_ok = [
+        (m, c)
+        for m, c in pending_b[s]
+        if (vs := vstage_of(S, s, c, placement)) == V - 1 or ready(("B", vs + 1, m))
+      ]
       b_ok.sort(key=lambda mc: (mc[0] // S, -mc[1], mc[0] % S))
+
       def f_ready(mc):
         vs = vstage_of(S, s, mc[1], placement)
         return vs == 0 or ready(("F", vs - 1, mc[0]))
-      rest = fwd_order[s][nf[s]:]
+
+      rest = fwd_order[s][nf[s] :]
       if placement == "v":  # any arrived forward, the deeper chunk first
         cands = sorted((mc for mc in rest if f_ready(mc)), key=lambda mc: (-mc[1], mc[0]))
         f_next = cands[0] if cands else (rest[0] if rest else None)
       else:
         f_next = rest[0] if rest else None
       f_in = f_next is not None and f_ready(f_next)
-      f_ok = (f_in and live[s] < pol.limit[s]
-              and len(pending_b[s]) < pol.limit_b[s])
+      f_ok = f_in and live[s] < pol.limit[s] and len(pending_b[s]) < pol.limit_b[s]
       wpol = "lazy" if s in pol.lazy_stages else pol.w
       choice = None
       if pending_w[s] and wpol == "eager":
@@ -251,14 +279,23 @@ def _greedy(S: int, M: int, v: int, pol: Policy, placement: str = "modulo",
     later = [x for x in (*free, *fin.values()) if x > t]
     idle = 0 if progressed or later else idle + 1
     if idle > 2 or (not later and not progressed):
-      raise ScheduleError(f"schedule generation deadlocked at tick {t} (policy {pol}); "
-                          "use more microbatches or another schedule")
+      raise ScheduleError(
+        f"schedule generation deadlocked at tick {t} (policy {pol}); "
+        "use more microbatches or another schedule"
+      )
     t = min(later) if later else t + 1  # the next finish: nothing changes before it
   return orders
 
 
-def _place(S: int, M: int, v: int, orders: Sequence[Sequence[Action]], lag: int = 0,
-           placement: str = "modulo", extra=None) -> list[list[list[Action]]]:
+def _place(
+  S: int,
+  M: int,
+  v: int,
+  orders: Sequence[Sequence[Action]],
+  lag: int = 0,
+  placement: str = "modulo",
+  extra=None,
+) -> list[list[list[Action]]]:
   """As-soon-as-possible unit-tick placement of per-stage orders (with `U`
   updates, placed in the cell of the W they follow). `extra(action, vstage)`:
   further (kind, vstage, microbatch, step) an action waits for."""
@@ -291,15 +328,23 @@ def _place(S: int, M: int, v: int, orders: Sequence[Sequence[Action]], lag: int 
 
   t = idle = 0
   while any(pos[s] < len(orders[s]) for s in range(S)):
-    placed = [orders[s][pos[s]] for s in range(S) if pos[s] < len(orders[s])
-              and orders[s][pos[s]].kind != UPDATE and ready(orders[s][pos[s]], t, False)]
+    placed = [
+      orders[s][pos[s]]
+      for s in range(S)
+      if pos[s] < len(orders[s])
+      and orders[s][pos[s]].kind != UPDATE
+      and ready(orders[s][pos[s]], t, False)
+    ]
     for s in range(S):
       grid[s].append([])
     for a in placed:
       mark(a, t)
     for s in range(S):  # an update joins the cell of its last W
-      while pos[s] < len(orders[s]) and orders[s][pos[s]].kind == UPDATE and ready(
-          orders[s][pos[s]], t, True):
+      while (
+        pos[s] < len(orders[s])
+        and orders[s][pos[s]].kind == UPDATE
+        and ready(orders[s][pos[s]], t, True)
+      ):
         placed.append(orders[s][pos[s]])
         mark(orders[s][pos[s]], t)
     idle = 0 if placed else idle + 1
@@ -309,8 +354,9 @@ def _place(S: int, M: int, v: int, orders: Sequence[Sequence[Action]], lag: int 
   return grid
 
 
-def _lower_comms(S: int, v: int, grid, lag: int = 0, placement: str = "modulo"
-                 ) -> tuple[tuple[tuple[Action, ...], ...], ...]:
+def _lower_comms(
+  S: int, v: int, grid, lag: int = 0, placement: str = "modulo"
+) -> tuple[tuple[tuple[Action, ...], ...], ...]:
   """Adds the send/receive pair of every value crossing devices, at its producer's tick."""
   V = S * v
   out = [[list(cell) for cell in row] for row in grid]

@@ -11,6 +11,7 @@ microbatch. Slot `count` of a receive stack is a trash slot: what a ring
 carries that this device does not keep goes there, so every tick runs the
 same writes; a record slot `count` means "this tick writes no record".
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,7 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from passes.pipeline.schedule import PipelineSchedule
+from ooojax.passes.pipeline.schedule import PipelineSchedule
 
 KINDS = ("F", "B", "W", "BW")
 BUFFERS = ("act", "grad", "fres", "bres")
@@ -36,16 +37,34 @@ BUFFERS = ("act", "grad", "fres", "bres")
 # tip of ZB-V's V) is written to.
 # `up_pat` / `dn_pat` (the same on every device) index `Plan.patterns[ring]`:
 # which (sender, receiver) pairs of that ring carry a value at this tick.
-FIELDS = ("branch", "mb", "step", "upd", "sync", "in_slot", "fres", "bres", "f_write", "b_write",
-          "up_act", "up_grad", "dn_act", "dn_grad", "loc_act", "loc_grad", "up_pat", "dn_pat")
+FIELDS = (
+  "branch",
+  "mb",
+  "step",
+  "upd",
+  "sync",
+  "in_slot",
+  "fres",
+  "bres",
+  "f_write",
+  "b_write",
+  "up_act",
+  "up_grad",
+  "dn_act",
+  "dn_grad",
+  "loc_act",
+  "loc_grad",
+  "up_pat",
+  "dn_pat",
+)
 F = {name: i for i, name in enumerate(FIELDS)}
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  rows: np.ndarray                              # (ticks, stages, len(FIELDS)) int32
-  branches: tuple[tuple[int, str, int], ...]    # (flavor, kind, chunk) per branch >= 1
-  counts: dict                                  # slots per buffer (without trash)
+  rows: np.ndarray  # (ticks, stages, len(FIELDS)) int32
+  branches: tuple[tuple[int, str, int], ...]  # (flavor, kind, chunk) per branch >= 1
+  counts: dict  # slots per buffer (without trash)
   patterns: dict = dataclasses.field(default_factory=dict)  # ring -> ((src, dst) pairs, ...)
 
 
@@ -120,7 +139,7 @@ def plan(sched: PipelineSchedule, flavor_of: Callable[[int, int], int]) -> Plan:
   rows[:, :, F["b_write"]] = counts["bres"]
   branches: dict[tuple[int, str, int], int] = {}
   ring_of = lambda s, other: "up" if s == (other + 1) % S else "dn"  # noqa: E731
-  sync: dict[int, int] = {}   # step -> the tick of its later end-of-stack update
+  sync: dict[int, int] = {}  # step -> the tick of its later end-of-stack update
   for s, row in enumerate(sched.grid):
     for t, cell in enumerate(row):
       for a in cell:
@@ -168,10 +187,14 @@ def _patterns(rows, counts, S) -> dict:
   for ring, src in (("up", lambda d: (d - 1) % S), ("dn", lambda d: (d + 1) % S)):
     pats: dict[tuple, int] = {(): 0}
     for t in range(rows.shape[0]):
-      pairs = tuple(sorted(
-          (src(d), d) for d in range(S)
+      pairs = tuple(
+        sorted(
+          (src(d), d)
+          for d in range(S)
           if rows[t, d, F[f"{ring}_act"]] < counts["act"]
-          or rows[t, d, F[f"{ring}_grad"]] < counts["grad"]))
+          or rows[t, d, F[f"{ring}_grad"]] < counts["grad"]
+        )
+      )
       rows[t, :, F[f"{ring}_pat"]] = pats.setdefault(pairs, len(pats))
     out[ring] = tuple(sorted(pats, key=pats.get))
   return out

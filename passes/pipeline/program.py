@@ -7,6 +7,7 @@ the residual record layouts) and `memory(...) -> Memory` (bytes per device),
 from shapes alone. `passes.pipeline.execute` lowers a `Program` to the tick
 loop; `ooo.pipeline.memory` and `ooo.pipeline.explain` read it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,99 +18,123 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from passes.pipeline import plan as plan_pass
-from passes.pipeline import records as records_pass
-from passes.pipeline.flavor import Flavor, make_flavor
-from passes.pipeline.generate import unfuse
-from passes.pipeline.schedule import PipelineSchedule
+from ooojax.passes.pipeline import plan as plan_pass, records as records_pass
+from ooojax.passes.pipeline.flavor import Flavor, make_flavor
+from ooojax.passes.pipeline.generate import unfuse
+from ooojax.passes.pipeline.schedule import PipelineSchedule
 
-__all__ = ["Memory", "Program", "memory", "memory_of", "program", "split_microbatches",
-           "trace"]
+__all__ = ["Memory", "Program", "memory", "memory_of", "program", "split_microbatches", "trace"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Program:
   """What the executor runs for one set of shapes: cut stages, rows, record layouts."""
+
   flavors: tuple[Flavor, ...]
   plan: plan_pass.Plan
-  x_aval: jax.ShapeDtypeStruct        # the activation passed between stages
-  fres: records_pass.Records          # F's residual record (what B and W read)
-  bres: records_pass.Records          # B's record (what W reads)
+  x_aval: jax.ShapeDtypeStruct  # the activation passed between stages
+  fres: records_pass.Records  # F's residual record (what B and W read)
+  bres: records_pass.Records  # B's record (what W reads)
 
 
 def split_microbatches(batch, M, D=1):
   """(inputs, targets[, side]) -> each leaf (M, rows, ...), rows split further over D
   data replicas; `side` (what every stage reads besides the activation) is None if absent."""
   if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
-    raise TypeError("batch must be (inputs, targets) or (inputs, targets, side); got "
-                    f"{type(batch).__name__}" + (f" of {len(batch)}" if isinstance(
-                        batch, (tuple, list)) else ""))
+    raise TypeError(
+      "batch must be (inputs, targets) or (inputs, targets, side); got "
+      f"{type(batch).__name__}" + (f" of {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+    )
   inputs, targets, side = (*batch, None)[:3]
   bsz = {jnp.shape(x)[0] for x in jax.tree.leaves((inputs, targets, side))}
   if len(bsz) != 1 or next(iter(bsz)) % (M * D):
     per = f"microbatches={M}" + (f" x {D} data replicas" if D > 1 else "")
-    raise ValueError(f"inputs, targets and side need one leading batch size divisible by "
-                     f"{per}; got leading sizes {sorted(bsz)}")
-  return jax.tree.map(lambda x: jnp.reshape(x, (M, x.shape[0] // M, *x.shape[1:])),
-                      (inputs, targets, side))
+    raise ValueError(
+      f"inputs, targets and side need one leading batch size divisible by "
+      f"{per}; got leading sizes {sorted(bsz)}"
+    )
+  return jax.tree.map(
+    lambda x: jnp.reshape(x, (M, x.shape[0] // M, *x.shape[1:])), (inputs, targets, side)
+  )
 
 
-def trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m,
-           shared, side_m=None) -> Program:
+def trace(
+  stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m, shared, side_m=None
+) -> Program:
   V = sched.virtual_stages
   for leaf in jax.tree.leaves(stage_params):
     if jnp.ndim(leaf) < 1 or jnp.shape(leaf)[0] != V:
-      raise ValueError(f"stage_params leaves must be stacked on a leading axis of "
-                       f"{V} (virtual) stages; got a leaf of shape {jnp.shape(leaf)}")
+      raise ValueError(
+        f"stage_params leaves must be stacked on a leading axis of "
+        f"{V} (virtual) stages; got a leaf of shape {jnp.shape(leaf)}"
+      )
   aval = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))  # noqa: E731
-  one = lambda t: jax.tree.map(  # noqa: E731
-      lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x)), t)
+  one = (
+    lambda t: jax.tree.map(  # noqa: E731
+      lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x)), t
+    )
+  )
   p_aval, in_aval, tg_aval = one(stage_params), one(inputs_m), one(targets_m)
-  sd_aval = None if side_m is None else one(side_m)   # stage_fn(p, x, side)
+  sd_aval = None if side_m is None else one(side_m)  # stage_fn(p, x, side)
   sd = () if sd_aval is None else (sd_aval,)
   sh_aval = None if shared is None else jax.tree.map(aval, shared)
   extra = () if shared is None else (sh_aval,)
-  x_aval = (jax.eval_shape(input_fn, in_aval, *extra) if input_fn is not None else in_aval)
+  x_aval = jax.eval_shape(input_fn, in_aval, *extra) if input_fn is not None else in_aval
   if not isinstance(x_aval, jax.ShapeDtypeStruct):
-    raise TypeError("the activation passed between stages must be one array; got "
-                    f"{x_aval}")
+    raise TypeError(f"the activation passed between stages must be one array; got {x_aval}")
   # One stage function for every virtual stage, or one each (equal ones share a
   # flavor): automatic cutting runs a different layer count per virtual stage.
   fns = tuple(stage_fn) if isinstance(stage_fn, (tuple, list)) else (stage_fn,) * V
   if len(fns) != V:
-    raise ValueError(f"stage_fn gives {len(fns)} functions for {V} virtual stages; pass "
-                     "one function, or one per virtual stage")
+    raise ValueError(
+      f"stage_fn gives {len(fns)} functions for {V} virtual stages; pass "
+      "one function, or one per virtual stage"
+    )
   uniq = list(dict.fromkeys(fns))
   for fn in uniq:
     y_aval = jax.eval_shape(fn, p_aval, x_aval, *sd)
     if (getattr(y_aval, "shape", None), getattr(y_aval, "dtype", None)) != (
-        x_aval.shape, x_aval.dtype):
-      raise ValueError(f"stage_fn must map the activation to one of the same shape and "
-                       f"dtype ({x_aval.shape} {x_aval.dtype}); got {y_aval}")
+      x_aval.shape,
+      x_aval.dtype,
+    ):
+      raise ValueError(
+        f"stage_fn must map the activation to one of the same shape and "
+        f"dtype ({x_aval.shape} {x_aval.dtype}); got {y_aval}"
+      )
   x_aval = jax.ShapeDtypeStruct(x_aval.shape, x_aval.dtype)
   kind_of = lambda vs: (vs == 0, vs == V - 1, uniq.index(fns[vs]))  # noqa: E731
-  kinds = sorted({kind_of(vs) for vs in range(V)},
-                 key=lambda k: (not k[0], not k[1], k[2]))   # first, last, middles
-  flavors = tuple(make_flavor(fi, la, uniq[i], loss_fn, input_fn, p_aval, sh_aval, x_aval,
-                              in_aval, tg_aval, sd_aval) for fi, la, i in kinds)
+  kinds = sorted(
+    {kind_of(vs) for vs in range(V)}, key=lambda k: (not k[0], not k[1], k[2])
+  )  # first, last, middles
+  flavors = tuple(
+    make_flavor(
+      fi, la, uniq[i], loss_fn, input_fn, p_aval, sh_aval, x_aval, in_aval, tg_aval, sd_aval
+    )
+    for fi, la, i in kinds
+  )
   flavor_of = lambda s, c: kinds.index(kind_of(sched.vstage(s, c)))  # noqa: E731
   # The executor is lock-step (a tick lasts as long as its slowest cell): it
   # runs a fused BW as B then W in consecutive ticks (`generate.unfuse`).
-  return Program(flavors, plan_pass.plan(unfuse(sched), flavor_of), x_aval,
-                 records_pass.layout([fl.fres for fl in flavors]),
-                 records_pass.layout([fl.bres for fl in flavors]))
+  return Program(
+    flavors,
+    plan_pass.plan(unfuse(sched), flavor_of),
+    x_aval,
+    records_pass.layout([fl.fres for fl in flavors]),
+    records_pass.layout([fl.bres for fl in flavors]),
+  )
 
 
 @dataclasses.dataclass(frozen=True)
 class Memory:
   """Bytes per device of a pipelined step (the largest device)."""
-  weights: int            # the device's stage weights
-  grads: int              # their gradient accumulators
-  fres: int               # F's residual record of one microbatch on one (virtual) stage
-  bres: int               # B's record (what W reads)
-  peak: int               # the table's peak live microbatches per device (peak_activations)
-  slots: dict             # slots per buffer (receive stacks add one trash slot)
-  activation: int         # bytes of one activation (a receive slot)
+
+  weights: int  # the device's stage weights
+  grads: int  # their gradient accumulators
+  fres: int  # F's residual record of one microbatch on one (virtual) stage
+  bres: int  # B's record (what W reads)
+  peak: int  # the table's peak live microbatches per device (peak_activations)
+  slots: dict  # slots per buffer (receive stacks add one trash slot)
+  activation: int  # bytes of one activation (a receive slot)
 
   @property
   def bound(self) -> int:
@@ -119,23 +144,42 @@ class Memory:
   @property
   def allocated(self) -> int:
     """What the executor's buffers hold: accumulators, record and receive slots."""
-    return (self.grads + (self.slots["fres"] + 1) * self.fres
-            + (self.slots["bres"] + 1) * self.bres    # +1: the record being produced
-            + (self.slots["act"] + self.slots["grad"] + 2) * self.activation)
+    return (
+      self.grads
+      + (self.slots["fres"] + 1) * self.fres
+      + (self.slots["bres"] + 1) * self.bres  # +1: the record being produced
+      + (self.slots["act"] + self.slots["grad"] + 2) * self.activation
+    )
 
 
-def program(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, stage_params,
-            batch, shared=None, input_fn: Callable | None = None) -> Program:
+def program(
+  stage_fn: Callable,
+  loss_fn: Callable,
+  sched: PipelineSchedule,
+  stage_params,
+  batch,
+  shared=None,
+  input_fn: Callable | None = None,
+) -> Program:
   """The `Program` a step runs for these shapes (cut stages, rows, records), untraced
   by any mesh: what `memory` and `ooo.pipeline.explain` read."""
   inputs_m, targets_m, side_m = jax.eval_shape(
-      lambda b: split_microbatches(b, sched.microbatches), batch)
-  return trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m, shared,
-               side_m)
+    lambda b: split_microbatches(b, sched.microbatches), batch
+  )
+  return trace(
+    stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m, shared, side_m
+  )
 
 
-def memory(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, stage_params,
-           batch, shared=None, input_fn: Callable | None = None) -> Memory:
+def memory(
+  stage_fn: Callable,
+  loss_fn: Callable,
+  sched: PipelineSchedule,
+  stage_params,
+  batch,
+  shared=None,
+  input_fn: Callable | None = None,
+) -> Memory:
   """The memory a pipelined step needs per device (`Memory`), from shapes alone."""
   prog = program(stage_fn, loss_fn, sched, stage_params, batch, shared, input_fn)
   return memory_of(prog, sched, stage_params)
@@ -144,9 +188,17 @@ def memory(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, stage
 def memory_of(prog: Program, sched: PipelineSchedule, stage_params) -> Memory:
   """`memory` of an already cut `Program`."""
   rec = lambda r: sum(w * np.dtype(dt).itemsize for dt, w in r.widths.items())  # noqa: E731
-  per_v = sum(math.prod(jnp.shape(x)[1:]) * jnp.result_type(x).itemsize
-              for x in jax.tree.leaves(stage_params))
+  per_v = sum(
+    math.prod(jnp.shape(x)[1:]) * jnp.result_type(x).itemsize for x in jax.tree.leaves(stage_params)
+  )
   wb = per_v * sched.chunks
   x = prog.x_aval
-  return Memory(wb, wb, rec(prog.fres), rec(prog.bres), max(sched.peak_activations()),
-                dict(prog.plan.counts), math.prod(x.shape) * x.dtype.itemsize)
+  return Memory(
+    wb,
+    wb,
+    rec(prog.fres),
+    rec(prog.bres),
+    max(sched.peak_activations()),
+    dict(prog.plan.counts),
+    math.prod(x.shape) * x.dtype.itemsize,
+  )

@@ -10,6 +10,7 @@ F of every stage kind returns a record of the same per-dtype widths (the max
 over kinds, zero-padded), written into one slot stack per dtype outside the
 switch.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +23,8 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Records:
-  widths: dict                  # dtype -> elements per record (max over the lists)
-  places: tuple                 # per list: ((dtype, offset, shape), ...) per var
+  widths: dict  # dtype -> elements per record (max over the lists)
+  places: tuple  # per list: ((dtype, offset, shape), ...) per var
 
   def empty(self) -> dict:
     return {dt: jnp.zeros((w,), dt) for dt, w in self.widths.items()}
@@ -43,17 +44,20 @@ class Records:
 
   def unpack(self, i: int, rows: dict) -> list:
     """The values of list `i` from `rows` (dtype -> one record)."""
-    return [jnp.reshape(rows[dt][off:off + math.prod(shape)], shape)
-            for dt, off, shape in self.places[i]]
+    return [
+      jnp.reshape(rows[dt][off : off + math.prod(shape)], shape)
+      for dt, off, shape in self.places[i]
+    ]
 
 
 def _dtype(var):
   dt = var.aval.dtype
   if jax.dtypes.issubdtype(dt, jax.dtypes.extended):
     raise NotImplementedError(
-        f"a pipeline stage keeps a value of dtype {dt} (e.g. a PRNG key) between its "
-        "forward and backward; pass raw key data (jax.random.key_data) through the stage "
-        "and wrap it (jax.random.wrap_key_data) where it is used")
+      f"a pipeline stage keeps a value of dtype {dt} (e.g. a PRNG key) between its "
+      "forward and backward; pass raw key data (jax.random.key_data) through the stage "
+      "and wrap it (jax.random.wrap_key_data) where it is used"
+    )
   return np.dtype(dt)
 
 

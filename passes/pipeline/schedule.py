@@ -28,16 +28,36 @@ tables. The validator, the simulator
 (`passes.pipeline.simulate`), `plot()` and the executor
 (`passes.pipeline.execute`) all read the same grid.
 """
+
 from __future__ import annotations
 
 import dataclasses
 
-from passes.pipeline import simulate as _simulate
-from passes.pipeline.actions import (COMMS, COMPUTE, UPDATE, Action, ScheduleError, deps,
-                                     place_of, vstage_of)
+from ooojax.passes.pipeline import simulate as _simulate
+from ooojax.passes.pipeline.actions import (
+  COMMS,
+  COMPUTE,
+  UPDATE,
+  Action,
+  ScheduleError,
+  deps,
+  place_of,
+  vstage_of,
+)
 
-__all__ = ["COMMS", "COMPUTE", "UPDATE", "Action", "PipelineSchedule", "ScheduleError",
-           "place_of", "render", "validate", "vstage_of"]
+__all__ = [
+  "COMMS",
+  "COMPUTE",
+  "UPDATE",
+  "Action",
+  "PipelineSchedule",
+  "ScheduleError",
+  "place_of",
+  "render",
+  "validate",
+  "vstage_of",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class PipelineSchedule:
@@ -50,6 +70,7 @@ class PipelineSchedule:
   transfer with that tick's compute). `steps`: training steps in the table
   (more than 1 only from `tile`); `microbatches` is per step.
   """
+
   name: str
   stages: int
   microbatches: int
@@ -57,7 +78,7 @@ class PipelineSchedule:
   grid: tuple[tuple[tuple[Action, ...], ...], ...]
   bound: tuple[int, ...]
   lag: int = 0
-  placement: str = "modulo"   # or "v" (ZB-V)
+  placement: str = "modulo"  # or "v" (ZB-V)
   steps: int = 1
 
   # --- shape --------------------------------------------------------------
@@ -95,16 +116,20 @@ class PipelineSchedule:
 
   def orders(self) -> tuple[tuple[Action, ...], ...]:
     """Per stage, its compute and update (U) actions in tick order."""
-    return tuple(tuple(a for cell in row for a in cell if a.kind in COMPUTE or a.kind == UPDATE)
-                 for row in self.grid)
+    return tuple(
+      tuple(a for cell in row for a in cell if a.kind in COMPUTE or a.kind == UPDATE)
+      for row in self.grid
+    )
 
   # --- text form ----------------------------------------------------------
   def to_text(self) -> str:
-    head = (f"# {self.name} stages={self.stages} microbatches={self.microbatches} "
-            f"chunks={self.chunks} bound={','.join(map(str, self.bound))}"
-            + (f" lag={self.lag}" if self.lag else "")
-            + (f" placement={self.placement}" if self.placement != "modulo" else "")
-            + (f" steps={self.steps}" if self.steps != 1 else ""))
+    head = (
+      f"# {self.name} stages={self.stages} microbatches={self.microbatches} "
+      f"chunks={self.chunks} bound={','.join(map(str, self.bound))}"
+      + (f" lag={self.lag}" if self.lag else "")
+      + (f" placement={self.placement}" if self.placement != "modulo" else "")
+      + (f" steps={self.steps}" if self.steps != 1 else "")
+    )
     rows = [" ".join("+".join(map(str, cell)) or "." for cell in row) for row in self.grid]
     return "\n".join([head, *rows])
 
@@ -113,15 +138,28 @@ class PipelineSchedule:
     """Inverse of `to_text()`; does not validate (call `.validate()`)."""
     lines = [l for l in text.strip().splitlines() if l.strip()]
     if not lines or not lines[0].startswith("#"):
-      raise ValueError("a pipeline table starts with '# name stages=S microbatches=M "
-                       "chunks=V bound=b0,b1,...'")
+      raise ValueError(
+        "a pipeline table starts with '# name stages=S microbatches=M chunks=V bound=b0,b1,...'"
+      )
     name, *fields = lines[0][1:].split()
     kv = dict(f.split("=", 1) for f in fields)
-    grid = tuple(tuple(() if tok == "." else tuple(Action.parse(a) for a in tok.split("+"))
-                       for tok in line.split()) for line in lines[1:])
-    return cls(name, int(kv["stages"]), int(kv["microbatches"]), int(kv["chunks"]),
-               grid, tuple(int(b) for b in kv["bound"].split(",")), int(kv.get("lag", 0)),
-               kv.get("placement", "modulo"), int(kv.get("steps", 1)))
+    grid = tuple(
+      tuple(
+        () if tok == "." else tuple(Action.parse(a) for a in tok.split("+")) for tok in line.split()
+      )
+      for line in lines[1:]
+    )
+    return cls(
+      name,
+      int(kv["stages"]),
+      int(kv["microbatches"]),
+      int(kv["chunks"]),
+      grid,
+      tuple(int(b) for b in kv["bound"].split(",")),
+      int(kv.get("lag", 0)),
+      kv.get("placement", "modulo"),
+      int(kv.get("steps", 1)),
+    )
 
   def __str__(self) -> str:
     return render(self)
@@ -155,12 +193,14 @@ class PipelineSchedule:
   # --- several steps (passes.pipeline.steps) -----------------------------
   def tile(self, steps: int) -> PipelineSchedule:
     """`steps` consecutive steps of this table in one; see `passes.pipeline.steps.tile`."""
-    from passes.pipeline import steps as _steps
+    from ooojax.passes.pipeline import steps as _steps
+
     return _steps.tile(self, steps)
 
   def steady_state(self, steps: int = 4, costs=None, comm: float = 0.0):
     """Per-step times and bubbles of this table tiled over `steps` (simulated)."""
-    from passes.pipeline import steps as _steps
+    from ooojax.passes.pipeline import steps as _steps
+
     return _steps.steady_state(self, steps, costs, comm)
 
   def steady_bubble(self, steps: int = 4, costs=None, comm: float = 0.0) -> float:
@@ -178,8 +218,9 @@ def _cell_text(cell) -> str:
   return txt or "."
 
 
-def render(sched: PipelineSchedule, mark: tuple[int, int] | None = None,
-           max_ticks: int = 64) -> str:
+def render(
+  sched: PipelineSchedule, mark: tuple[int, int] | None = None, max_ticks: int = 64
+) -> str:
   """The stage x tick grid of compute actions; `mark=(stage, tick)` is flagged `>..<`."""
   t0 = 0
   if mark is not None and mark[1] >= max_ticks:
@@ -187,8 +228,10 @@ def render(sched: PipelineSchedule, mark: tuple[int, int] | None = None,
   t1 = min(sched.ticks, t0 + max_ticks)
   width = max([len(_cell_text(c)) for row in sched.grid for c in row] + [3]) + 2
   steps = f", {sched.steps} steps" if sched.steps != 1 else ""
-  lines = [f"{sched.name}: {sched.stages} stages x {sched.ticks} ticks, "
-           f"{sched.microbatches} microbatches, {sched.chunks} chunk(s){steps}"]
+  lines = [
+    f"{sched.name}: {sched.stages} stages x {sched.ticks} ticks, "
+    f"{sched.microbatches} microbatches, {sched.chunks} chunk(s){steps}"
+  ]
   lines.append("tick  " + "".join(str(t).center(width) for t in range(t0, t1)))
   for s, row in enumerate(sched.grid):
     cells = []
@@ -208,8 +251,7 @@ def _at(step: int) -> str:
 
 
 def _deps(sched: PipelineSchedule, a: Action) -> list[tuple[str, int, int, int]]:
-  return deps(a, sched.vstage(a.stage, a.chunk), sched.virtual_stages - 1,
-              sched.microbatches)
+  return deps(a, sched.vstage(a.stage, a.chunk), sched.virtual_stages - 1, sched.microbatches)
 
 
 def validate(sched: PipelineSchedule) -> None:
@@ -218,8 +260,7 @@ def validate(sched: PipelineSchedule) -> None:
   S, M, V, N = sched.stages, sched.microbatches, sched.chunks, sched.steps
 
   def fail(msg, where=None):
-    raise ScheduleError(f"invalid pipeline schedule {sched.name!r}: {msg}\n"
-                        + render(sched, where))
+    raise ScheduleError(f"invalid pipeline schedule {sched.name!r}: {msg}\n" + render(sched, where))
 
   if len(sched.grid) != S or len({len(r) for r in sched.grid}) > 1:
     fail(f"the grid must have {S} rows of equal length (one per stage)")
@@ -238,8 +279,9 @@ def validate(sched: PipelineSchedule) -> None:
         if a.stage != s:
           fail(f"{a} is in row {s}; an action sits in its own stage's row", (s, t))
         if not (0 <= a.microbatch < M and 0 <= a.chunk < V and 0 <= a.step < N):
-          fail(f"{a}: microbatch must be in [0, {M}), chunk in [0, {V}) and step in "
-               f"[0, {N})", (s, t))
+          fail(
+            f"{a}: microbatch must be in [0, {M}), chunk in [0, {V}) and step in [0, {N})", (s, t)
+          )
         vs = sched.vstage(s, a.chunk)
         if a.kind in COMPUTE:
           n_compute += 1
@@ -265,19 +307,25 @@ def validate(sched: PipelineSchedule) -> None:
   # exactly once
   updates = any(k[0] == UPDATE for k in done)
   if N > 1 and not updates:
-    fail(f"a table of {N} steps needs each stage's update U after each step's last W; "
-         "build it with tile(sched, steps)")
+    fail(
+      f"a table of {N} steps needs each stage's update U after each step's last W; "
+      "build it with tile(sched, steps)"
+    )
   for step in range(N):
     for vs in range(sched.virtual_stages):
       st, c = sched.place(vs)
       for m in range(M):
         for k in ("F", "B", "W"):
           if (k, vs, m, step) not in done:
-            fail(f"{Action(st, k, m, c, step)} is missing; every F, B and W runs exactly "
-                 "once" + (" per step" if N > 1 else ""))
+            fail(
+              f"{Action(st, k, m, c, step)} is missing; every F, B and W runs exactly "
+              "once" + (" per step" if N > 1 else "")
+            )
       if updates and (UPDATE, vs, 0, step) not in done:
-        fail(f"{Action(st, UPDATE, 0, c, step)} is missing; with updates in the table "
-             "every (stage, chunk) has one per step")
+        fail(
+          f"{Action(st, UPDATE, 0, c, step)} is missing; with updates in the table "
+          "every (stage, chunk) has one per step"
+        )
   # dependencies and transfers
   bw = {a for a in sched.compute_actions() if a.kind == "BW"}
   for t in range(sched.ticks):  # in tick order: the earliest violation is reported
@@ -292,31 +340,46 @@ def validate(sched: PipelineSchedule) -> None:
           ps, pc = sched.place(dvs)
           # An update runs after its W in the same tick; everything else a tick later.
           if tp > t or (tp == t and a.kind != UPDATE):
-            why = ("; step t + 1's forwards read the weights that stage's update of step "
-                   "t writes" if kind == UPDATE else
-                   "; a stage's update waits for every W of its step" if a.kind == UPDATE
-                   else "")
-            fail(f"{a} at tick {t} needs {Action(ps, kind, m, pc, step)} (tick {tp}) "
-                 f"first{why}", (s, t))
+            why = (
+              "; step t + 1's forwards read the weights that stage's update of step t writes"
+              if kind == UPDATE
+              else "; a stage's update waits for every W of its step"
+              if a.kind == UPDATE
+              else ""
+            )
+            fail(
+              f"{a} at tick {t} needs {Action(ps, kind, m, pc, step)} (tick {tp}) first{why}",
+              (s, t),
+            )
           if ps != s:  # crosses devices: needs a send at tp and a receive at tp
             ch = "F" if kind == "F" else "B"
             if sends.get((ch, dvs, m, step)) != (ps, tp):
-              fail(f"{a} needs S{ch}{m}{_at(step)} from stage {ps} at tick {tp} "
-                   "(missing send)", (s, t))
+              fail(
+                f"{a} needs S{ch}{m}{_at(step)} from stage {ps} at tick {tp} (missing send)", (s, t)
+              )
             if recvs.get((ch, sched.vstage(s, a.chunk), m, step)) != (s, tp + sched.lag):
-              fail(f"{a} needs R{ch} of microbatch {m}{_at(step)} on stage {s} at tick "
-                   f"{tp + sched.lag} (missing receive)", (s, t))
+              fail(
+                f"{a} needs R{ch} of microbatch {m}{_at(step)} on stage {s} at tick "
+                f"{tp + sched.lag} (missing receive)",
+                (s, t),
+              )
             if tp + sched.lag >= t:
-              fail(f"{a} at tick {t} runs before its input arrives (tick "
-                   f"{tp + sched.lag}, lag {sched.lag})", (s, t))
+              fail(
+                f"{a} at tick {t} runs before its input arrives (tick "
+                f"{tp + sched.lag}, lag {sched.lag})",
+                (s, t),
+              )
   for (ch, vs, m, step), (s, t) in sends.items():
     tvs = vs + 1 if ch == "F" else vs - 1
     if not 0 <= tvs < sched.virtual_stages:
       fail(f"S{ch}{m}{_at(step)} on stage {s} has no destination stage", (s, t))
     ds, _ = sched.place(tvs)
     if recvs.get((ch, tvs, m, step)) != (ds, t + sched.lag):
-      fail(f"the send {s}S{ch}{m}{_at(step)} at tick {t} has no matching receive on stage {ds} "
-           f"at tick {t + sched.lag}", (s, t))
+      fail(
+        f"the send {s}S{ch}{m}{_at(step)} at tick {t} has no matching receive on stage {ds} "
+        f"at tick {t + sched.lag}",
+        (s, t),
+      )
     if done.get((ch, vs, m, step)) != t:
       fail(f"the send {s}S{ch}{m}{_at(step)} at tick {t} is not at its producer's tick", (s, t))
   for (ch, vs, m, step), (s, t) in recvs.items():
@@ -338,8 +401,9 @@ def _peaks(sched: PipelineSchedule, bound=None, fail=None) -> tuple[int, ...]:
           live += 1
           peak = max(peak, live)
           if bound is not None and live > bound[s]:
-            fail(f"stage {s} holds {live} activations at tick {t}, over its bound "
-                 f"{bound[s]}", (s, t))
+            fail(
+              f"stage {s} holds {live} activations at tick {t}, over its bound {bound[s]}", (s, t)
+            )
         elif a.kind in ("W", "BW"):
           live -= 1
     peaks.append(peak)

@@ -18,28 +18,42 @@ refused:
   microbatch's shape differ from those drawn for the whole batch, so no
   pipeline can reproduce `jax.grad` of the loss on the whole batch.
 """
+
 from __future__ import annotations
 
 import jax
 
-from passes import _compat
+from ooojax.passes import _compat
 
 __all__ = ["PARAMS", "RANDOM", "check"]
 
 # Primitives that turn a key into bits (or a new key): their result depends on the
 # shape drawn, which a microbatch changes.
-_RANDOM_PRIMS = frozenset({"random_bits", "random_seed", "random_wrap", "random_unwrap",
-                           "random_split", "random_fold_in", "threefry2x32"})
+_RANDOM_PRIMS = frozenset(
+  {
+    "random_bits",
+    "random_seed",
+    "random_wrap",
+    "random_unwrap",
+    "random_split",
+    "random_fold_in",
+    "threefry2x32",
+  }
+)
 
-PARAMS = ("{where} reads a per-example value computed from parameters too ({aval}, e.g. "
-          "a learned bias indexed by positions); a side input (a mask, positions, "
-          "segment ids) is rebuilt on every stage from its microbatch's batch leaves, so "
-          "it must depend on the batch alone: compute it from the batch only, or move the "
-          "parameter into the layers")
-RANDOM = ("{where} reads random bits drawn from a key in the batch ({what}, e.g. "
-          "dropout): bits drawn for a microbatch differ from those drawn for the whole "
-          "batch, so no pipeline can match jax.grad of the loss; cut it with dropout off "
-          "(deterministic=True), or draw the bits inside an explicit stage_fn")
+PARAMS = (
+  "{where} reads a per-example value computed from parameters too ({aval}, e.g. "
+  "a learned bias indexed by positions); a side input (a mask, positions, "
+  "segment ids) is rebuilt on every stage from its microbatch's batch leaves, so "
+  "it must depend on the batch alone: compute it from the batch only, or move the "
+  "parameter into the layers"
+)
+RANDOM = (
+  "{where} reads random bits drawn from a key in the batch ({what}, e.g. "
+  "dropout): bits drawn for a microbatch differ from those drawn for the whole "
+  "batch, so no pipeline can match jax.grad of the loss; cut it with dropout off "
+  "(deterministic=True), or draw the bits inside an explicit stage_fn"
+)
 
 
 def _is_key(aval) -> bool:
@@ -55,6 +69,7 @@ def check(eqns, side_vars, where: str) -> str | None:
       return RANDOM.format(where=where, what=f"a key {v.aval}")
   for e in eqns:
     if e.primitive.name in _RANDOM_PRIMS or any(
-        isinstance(v, _compat.Var) and _is_key(v.aval) for v in e.invars):
+      isinstance(v, _compat.Var) and _is_key(v.aval) for v in e.invars
+    ):
       return RANDOM.format(where=where, what=f"{e.primitive.name} -> {e.outvars[0].aval}")
   return None

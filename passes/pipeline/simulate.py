@@ -9,24 +9,24 @@ default 1 each, and `"U"`, a stage's optimizer update in a multi-step table,
 default 0); an interleaved chunk costs `1 / chunks` of them and the fused BW
 costs B + W. The result is a cost-model estimate, never a measurement.
 """
+
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-
 from typing import TYPE_CHECKING
 
-from passes.pipeline.actions import UPDATE, Action, ScheduleError, deps
+from ooojax.passes.pipeline.actions import UPDATE, Action, ScheduleError, deps
 
 if TYPE_CHECKING:
-  from passes.pipeline.schedule import PipelineSchedule
+  from ooojax.passes.pipeline.schedule import PipelineSchedule
 
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "BW": "#C44E52", "U": "#8172B3"}
 
 
 @dataclasses.dataclass(frozen=True)
 class PipelineTimeline:
-  spans: tuple[tuple[Action, float, float], ...]   # (action, start, end)
+  spans: tuple[tuple[Action, float, float], ...]  # (action, start, end)
   makespan: float
   stages: int
 
@@ -60,19 +60,20 @@ def _cost(costs: Mapping[str, float], kind: str, chunks: int) -> float:
   return costs[kind] / chunks
 
 
-def simulate(sched: PipelineSchedule, costs: Mapping[str, float] | None = None,
-             comm: float = 0.0, extra=None) -> PipelineTimeline:
+def simulate(
+  sched: PipelineSchedule, costs: Mapping[str, float] | None = None, comm: float = 0.0, extra=None
+) -> PipelineTimeline:
   """Event replay of the table's per-stage orders (`extra(action, vstage)`: further
   dependencies, as in `generate._place`; `steps.steady_state(shared=True)`'s).
 
-  >>> from passes.pipeline.generate import generate
+  >>> from ooojax.passes.pipeline.generate import generate
   >>> simulate(generate("gpipe", 2, 2)).makespan   # 3 ticks of F, then BW = 2 x 3
   9.0
   """
   costs = {"F": 1.0, "B": 1.0, "W": 1.0, UPDATE: 0.0, **(costs or {})}
   orders = sched.orders()
   S, M = sched.stages, sched.microbatches
-  fin: dict[tuple[str, int, int, int], float] = {}   # (kind, vstage, mb, step) -> end
+  fin: dict[tuple[str, int, int, int], float] = {}  # (kind, vstage, mb, step) -> end
   pos, free = [0] * S, [0.0] * S
   spans = []
   remaining = sum(len(o) for o in orders)
@@ -110,13 +111,15 @@ def simulate(sched: PipelineSchedule, costs: Mapping[str, float] | None = None,
   return PipelineTimeline(tuple(spans), makespan, S)
 
 
-def plot(sched: PipelineSchedule, costs: Mapping[str, float] | None = None, ax=None,
-         comm: float = 0.0):
+def plot(
+  sched: PipelineSchedule, costs: Mapping[str, float] | None = None, ax=None, comm: float = 0.0
+):
   """Stages x time, F / B / W (and fused BW) coloured, microbatch numbers inside.
 
   Returns the matplotlib Axes.
   """
   import matplotlib.pyplot as plt
+
   tl = simulate(sched, costs, comm)
   if ax is None:
     _, ax = plt.subplots(figsize=(min(2 + tl.makespan * 0.35, 24), 0.5 + 0.45 * sched.stages))
@@ -125,8 +128,15 @@ def plot(sched: PipelineSchedule, costs: Mapping[str, float] | None = None, ax=N
       ax.plot([b, b], [a.stage - 0.45, a.stage + 0.45], color="black", lw=1.5)
       continue
     # Alternate steps are drawn lighter, so a tiled table shows where steps overlap.
-    ax.barh(a.stage, e - b, left=b, color=COLORS[a.kind], edgecolor="white", height=0.9,
-            alpha=0.55 if a.step % 2 else 1.0)
+    ax.barh(
+      a.stage,
+      e - b,
+      left=b,
+      color=COLORS[a.kind],
+      edgecolor="white",
+      height=0.9,
+      alpha=0.55 if a.step % 2 else 1.0,
+    )
     if a.kind == UPDATE:
       continue
     label = f"{a.microbatch}" + (f".{a.chunk}" if sched.chunks > 1 else "")
@@ -137,11 +147,19 @@ def plot(sched: PipelineSchedule, costs: Mapping[str, float] | None = None, ax=N
   ax.invert_yaxis()
   ax.set_xlabel("time (cost units, simulated)")
   steps = f" x {sched.steps} steps (alternate steps lighter, | = update)" if sched.steps > 1 else ""
-  ax.set_title(f"{sched.name}{steps}: bubble {tl.bubble_fraction:.1%}, "
-               f"peak activations {max(sched.peak_activations())}")
-  kinds = sorted({a.kind for a, b, e in tl.spans if a.kind != UPDATE or e > b},
-                 key="F B W BW U".split().index)
+  ax.set_title(
+    f"{sched.name}{steps}: bubble {tl.bubble_fraction:.1%}, "
+    f"peak activations {max(sched.peak_activations())}"
+  )
+  kinds = sorted(
+    {a.kind for a, b, e in tl.spans if a.kind != UPDATE or e > b}, key="F B W BW U".split().index
+  )
   from matplotlib.patches import Patch
-  ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in kinds],
-            loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+
+  ax.legend(
+    handles=[Patch(color=COLORS[k], label=k) for k in kinds],
+    loc="upper left",
+    bbox_to_anchor=(1.0, 1.0),
+    fontsize=7,
+  )
   return ax

@@ -32,14 +32,15 @@ so that costs it nothing; ZB-H2 defers the last stage's W into the drain, so
 stage 0 waits for the whole step: with F = B = W its steady bubble is its
 one-step bubble again (`steady_state(..., shared=True)`), the tiling gain gone.
 """
+
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
 
-from passes.pipeline.actions import COMPUTE, UPDATE, Action
-from passes.pipeline.generate import _lower_comms, _place, shared_dep
-from passes.pipeline.schedule import PipelineSchedule
+from ooojax.passes.pipeline.actions import COMPUTE, UPDATE, Action
+from ooojax.passes.pipeline.generate import _lower_comms, _place, shared_dep
+from ooojax.passes.pipeline.schedule import PipelineSchedule
 
 __all__ = ["SteadyState", "steady_state", "tile", "with_updates"]
 
@@ -58,7 +59,7 @@ def tile(sched: PipelineSchedule, steps: int, shared: bool = False) -> PipelineS
     (`1F0@1`), and each (stage, chunk) has one update `U` per step in the cell
     of its last W. Example:
 
-    >>> from passes.pipeline.generate import generate
+    >>> from ooojax.passes.pipeline.generate import generate
     >>> one = generate("zb-h2", stages=4, microbatches=8)
     >>> two = tile(one, 2)
     >>> two.steps, two.ticks, 2 * one.ticks          # step 1 starts before step 0 ends
@@ -71,8 +72,10 @@ def tile(sched: PipelineSchedule, steps: int, shared: bool = False) -> PipelineS
   if not (isinstance(steps, int) and steps >= 1):
     raise ValueError(f"steps must be an int >= 1, got {steps!r}")
   if sched.steps != 1:
-    raise ValueError(f"tile a one-step table; {sched.name!r} already holds {sched.steps} "
-                     "steps (tile the table it was tiled from)")
+    raise ValueError(
+      f"tile a one-step table; {sched.name!r} already holds {sched.steps} "
+      "steps (tile the table it was tiled from)"
+    )
   if steps == 1:
     return sched
   return _tiled(sched, steps, shared)
@@ -82,14 +85,15 @@ def with_updates(sched: PipelineSchedule) -> PipelineSchedule:
   """A one-step table with each (stage, chunk)'s update `U` after its last W: what
   a training program of one step runs (`tile(sched, 1)` is `sched` itself).
 
-  >>> from passes.pipeline.generate import generate
+  >>> from ooojax.passes.pipeline.generate import generate
   >>> one = with_updates(generate("1f1b", stages=2, microbatches=2))
   >>> one.steps, [str(a) for a in one.grid[0][one.ticks - 1]]
   (1, ['0BW1', '0U'])
   """
   if sched.steps != 1:
-    raise ValueError(f"with_updates takes a one-step table; {sched.name!r} holds "
-                     f"{sched.steps} steps")
+    raise ValueError(
+      f"with_updates takes a one-step table; {sched.name!r} holds {sched.steps} steps"
+    )
   return _tiled(sched, 1, False)
 
 
@@ -108,10 +112,18 @@ def _tiled(sched: PipelineSchedule, steps: int, shared: bool) -> PipelineSchedul
         out += [Action(s, UPDATE, 0, c, t) for c in sorted(last) if last[c] == i]
     orders.append(out)
   S, v = sched.stages, sched.chunks
-  grid = _place(S, sched.microbatches, v, orders, sched.lag, sched.placement,
-                shared_dep(S * v - 1) if shared else None)
-  return dataclasses.replace(sched, grid=_lower_comms(S, v, grid, sched.lag, sched.placement),
-                             steps=steps).validate()
+  grid = _place(
+    S,
+    sched.microbatches,
+    v,
+    orders,
+    sched.lag,
+    sched.placement,
+    shared_dep(S * v - 1) if shared else None,
+  )
+  return dataclasses.replace(
+    sched, grid=_lower_comms(S, v, grid, sched.lag, sched.placement), steps=steps
+  ).validate()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,13 +135,14 @@ class SteadyState:
   `stages x step_times[t]` given step t's work. The first step pays the
   warm-up; later ones show the steady state.
   """
+
   name: str
   stages: int
   steps: int
   step_times: tuple[float, ...]
   step_bubbles: tuple[float, ...]
-  bubble: float            # idle share over the whole tiled run
-  one_step_bubble: float   # the one-step table alone: synchronous steps
+  bubble: float  # idle share over the whole tiled run
+  one_step_bubble: float  # the one-step table alone: synchronous steps
 
   @property
   def steady_bubble(self) -> float:
@@ -137,15 +150,19 @@ class SteadyState:
     return self.step_bubbles[-1]
 
 
-def steady_state(sched: PipelineSchedule, steps: int = 4,
-                 costs: Mapping[str, float] | None = None, comm: float = 0.0,
-                 shared: bool = False) -> SteadyState:
+def steady_state(
+  sched: PipelineSchedule,
+  steps: int = 4,
+  costs: Mapping[str, float] | None = None,
+  comm: float = 0.0,
+  shared: bool = False,
+) -> SteadyState:
   """Simulates `tile(sched, steps, shared)` and splits the timeline by step.
 
   `costs` as in `simulate` (`"U"`: a stage's optimizer update, default 0).
   `shared=True`: weights the first and the last stage share (tied embeddings).
 
-  >>> from passes.pipeline.generate import generate
+  >>> from ooojax.passes.pipeline.generate import generate
   >>> st = steady_state(generate("zb-h2", 4, 8), steps=4)
   >>> round(st.one_step_bubble, 3), [round(b, 3) for b in st.step_bubbles]
   (0.111, [0.111, 0.0, 0.0, 0.0])
@@ -157,9 +174,11 @@ def steady_state(sched: PipelineSchedule, steps: int = 4,
   one = tile(sched, 1)  # the one-step table (and the argument checks)
   if steps < 2:
     raise ValueError(f"steady_state needs steps >= 2 to see a steady step, got {steps!r}")
-  from passes.pipeline.simulate import simulate
-  tl = simulate(tile(one, steps, shared), costs, comm,
-                shared_dep(one.virtual_stages - 1) if shared else None)
+  from ooojax.passes.pipeline.simulate import simulate
+
+  tl = simulate(
+    tile(one, steps, shared), costs, comm, shared_dep(one.virtual_stages - 1) if shared else None
+  )
   end = [0.0] * steps
   work = [0.0] * steps
   for a, b, e in tl.spans:
@@ -168,6 +187,12 @@ def steady_state(sched: PipelineSchedule, steps: int = 4,
   times = tuple(e - p for e, p in zip(end, [0.0] + end[:-1]))
   S = sched.stages
   bubbles = tuple(1.0 - w / (S * d) if d > 0 else 0.0 for w, d in zip(work, times))
-  return SteadyState(sched.name, S, steps, times, bubbles, tl.bubble_fraction,
-                     one.bubble_fraction({k: x for k, x in (costs or {}).items()
-                                          if k != UPDATE}, comm))
+  return SteadyState(
+    sched.name,
+    S,
+    steps,
+    times,
+    bubbles,
+    tl.bubble_fraction,
+    one.bubble_fraction({k: x for k, x in (costs or {}).items() if k != UPDATE}, comm),
+  )

@@ -9,6 +9,7 @@ opt_state, losses)`: the weights and optimizer states are loop state of
 updated once per step at the plan's `sync` tick (the automatic form's tiled
 train step, `ooojax._pipeline_tiled`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from passes.pipeline import plan as plan_pass
-from passes.pipeline.execute import _body, _check, _shard
-from passes.pipeline.program import Program, split_microbatches, trace
-from passes.pipeline.schedule import PipelineSchedule
+from ooojax.passes.pipeline import plan as plan_pass
+from ooojax.passes.pipeline.execute import _body, _check, _shard
+from ooojax.passes.pipeline.program import Program, split_microbatches, trace
+from ooojax.passes.pipeline.schedule import PipelineSchedule
 
 __all__ = ["Updater", "lower_train", "lower_updates"]
 
@@ -44,14 +45,22 @@ class Updater:
   * `start(o_rep)` / `finish(o_rep, bcast)`: `opt_rep` into the loop state and
     back; `bcast(key, x)` gives every device the owner's `x`.
   """
+
   chunk: Callable
   shared: Callable | None = None
   start: Callable = lambda o: o  # noqa: E731
   finish: Callable = lambda o, bcast: o  # noqa: E731
 
 
-def lower_train(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
-                axis_name: str, optimizer, input_fn: Callable | None = None) -> Callable:
+def lower_train(
+  stage_fn: Callable,
+  loss_fn: Callable,
+  sched: PipelineSchedule,
+  mesh,
+  axis_name: str,
+  optimizer,
+  input_fn: Callable | None = None,
+) -> Callable:
   """Returns `train(stage_params, opt_state, batches) -> (stage_params, opt_state, losses)`
   running a table tiled over `sched.steps` steps (`tile`), with each stage's
   optimizer update inside the tick loop at its `U` action (a one-step table
@@ -68,6 +77,7 @@ def lower_train(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, 
   across the stages before their update: neither is supported here (the
   automatic form's `make_train_step(steps=n)` updates shared weights exactly).
   """
+
   def train(stage_params, opt_state, batches):
     tree = jax.tree.structure(stage_params)
 
@@ -83,9 +93,17 @@ def lower_train(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, 
   return train
 
 
-def lower_updates(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule, mesh,
-                  axis_name: str, updater: Updater, input_fn: Callable | None = None,
-                  device_major: bool = False, owners=None) -> Callable:
+def lower_updates(
+  stage_fn: Callable,
+  loss_fn: Callable,
+  sched: PipelineSchedule,
+  mesh,
+  axis_name: str,
+  updater: Updater,
+  input_fn: Callable | None = None,
+  device_major: bool = False,
+  owners=None,
+) -> Callable:
   """`run(stage_params, shared, opt_stage, opt_rep, batches) -> (stage_params, shared,
   opt_stage, opt_rep, losses)`: `lower_train`'s program with the updates of
   `updater`. `shared` (weights read outside the stack, or None): `owners[j]`
@@ -94,33 +112,53 @@ def lower_updates(stage_fn: Callable, loss_fn: Callable, sched: PipelineSchedule
   stages and updated at the plan's `sync` ticks, which needs a table tiled
   with `tile(sched, steps, shared=True)` (checked)."""
   _check(sched, mesh, axis_name)
-  if sched.steps == 1 and not any(a.kind == "U" for row in sched.grid for c in row
-                                  for a in c):
-    from passes.pipeline.steps import with_updates
+  if sched.steps == 1 and not any(a.kind == "U" for row in sched.grid for c in row for a in c):
+    from ooojax.passes.pipeline.steps import with_updates
+
     sched = with_updates(sched)
   M, N = sched.microbatches, sched.steps
 
   def run(stage_params, shared, opt_stage, opt_rep, batches):
     lead = {jnp.shape(x)[0] for x in jax.tree.leaves(batches)}
     if lead != {N}:
-      raise ValueError(f"batches need a leading axis of {N} steps (the table's steps); "
-                       f"got leading sizes {sorted(lead)}")
+      raise ValueError(
+        f"batches need a leading axis of {N} steps (the table's steps); "
+        f"got leading sizes {sorted(lead)}"
+      )
     if jax.tree.leaves(shared) and updater.shared is None:
       raise ValueError("shared weights need an updater with a shared update")
     flat = jax.tree.map(lambda x: jnp.reshape(x, (-1, *jnp.shape(x)[2:])), batches)
     # index step * M + microbatch; side: what every stage reads besides the activation
     inputs_m, targets_m, side_m = split_microbatches(flat, N * M)
-    prog = trace(stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m,
-                 shared, side_m)
+    prog = trace(
+      stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m, shared, side_m
+    )
     own = list(owners or [None] * len(jax.tree.leaves(shared)))
     if None in own:
       _check_sync(prog, sched)
-    body = _body(prog, sched.stages, sched.chunks, M, axis_name, sched.lag,
-                 updater=updater, steps=N,
-                 owners=[None if o is None else (*sched.place(o), o) for o in own])
-    return _shard(body, sched, mesh, axis_name, stage_params, shared,
-                  (inputs_m, targets_m, side_m), [fl.consts for fl in prog.flavors], (opt_stage, opt_rep),
-                  device_major=device_major)
+    body = _body(
+      prog,
+      sched.stages,
+      sched.chunks,
+      M,
+      axis_name,
+      sched.lag,
+      updater=updater,
+      steps=N,
+      owners=[None if o is None else (*sched.place(o), o) for o in own],
+    )
+    return _shard(
+      body,
+      sched,
+      mesh,
+      axis_name,
+      stage_params,
+      shared,
+      (inputs_m, targets_m, side_m),
+      [fl.consts for fl in prog.flavors],
+      (opt_stage, opt_rep),
+      device_major=device_major,
+    )
 
   return run
 
@@ -138,6 +176,7 @@ def _check_sync(prog: Program, sched: PipelineSchedule) -> None:
       n = rows[t, d, F["step"]]
       if (n and t <= syncs[n - 1]) or t > syncs[n]:
         raise ValueError(
-            f"{sched.name!r} tiled over {sched.steps} steps runs a stage that reads the "
-            f"shared weights (tied embeddings, head) at tick {t} of step {n}, across the "
-            "update of those weights; tile it with tile(sched, steps, shared=True)")
+          f"{sched.name!r} tiled over {sched.steps} steps runs a stage that reads the "
+          f"shared weights (tied embeddings, head) at tick {t} of step {n}, across the "
+          "update of those weights; tile it with tile(sched, steps, shared=True)"
+        )

@@ -9,7 +9,8 @@ unrolled layers.
 * `merge`: independent scans over the same layers run as one loop.
 * `skew`: one loop whose step i runs B(i) beside W(i-1).
 """
-from passes import split as _split
-from passes.scan.split import split_scan_rule as _split_scan_rule
+
+from ooojax.passes import split as _split
+from ooojax.passes.scan.split import split_scan_rule as _split_scan_rule
 
 _split.REWRITE_RULES.setdefault("scan", _split_scan_rule)

@@ -20,16 +20,18 @@ nothing is computed twice or in a different order within a body.
 ...   return jax.lax.scan(f, h, w)[1], jax.lax.scan(f, h, v)[1]
 >>> j = jax.make_jaxpr(two)(jnp.ones((3, 2)), jnp.ones((3, 2)), jnp.ones(2)).jaxpr
 >>> m = merge_scans(j.eqns)
->>> from passes._compat import scan_info
+>>> from ooojax.passes._compat import scan_info
 >>> scan_info(m).length, scan_info(m).num_carry, len(m.outvars)
 (3, 2, 4)
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from passes import _compat
+from ooojax.passes import _compat
+
 
 def _vars(atoms):
   return [v for v in atoms if isinstance(v, _compat.Var)]
@@ -41,8 +43,11 @@ def _key(eqn):
 
 def mergeable(eqn) -> bool:
   """A scan without effects (its body's equations are free to interleave)."""
-  return _compat.is_scan(eqn) and not eqn.effects and not any(
-      e.effects for e in _compat.scan_info(eqn).body.jaxpr.eqns)
+  return (
+    _compat.is_scan(eqn)
+    and not eqn.effects
+    and not any(e.effects for e in _compat.scan_info(eqn).body.jaxpr.eqns)
+  )
 
 
 def merge_scans(eqns: Sequence[Any]):
@@ -68,7 +73,7 @@ def merge_scans(eqns: Sequence[Any]):
   if any(v in outs for e in eqns for v in _vars(e.invars)):
     return None  # one reads another: they must run one after the other
   # Bodies are copied with fresh variables (two scans may share one traced body).
-  consts: dict = {}   # outer atom -> (merged body var, outer atom)
+  consts: dict = {}  # outer atom -> (merged body var, outer atom)
   xs: dict = {}
   carries: list = []  # (merged body var, outer atom)
   constvars, constvals = [], []
@@ -96,8 +101,9 @@ def merge_scans(eqns: Sequence[Any]):
       sub[v] = pool[key][0]
     for be in body.eqns:
       ins = [sub.get(v, v) if isinstance(v, _compat.Var) else v for v in be.invars]
-      new_outs = [v if isinstance(v, _compat.DropVar) else _compat.new_var(v.aval)
-                  for v in be.outvars]
+      new_outs = [
+        v if isinstance(v, _compat.DropVar) else _compat.new_var(v.aval) for v in be.outvars
+      ]
       sub.update(zip(be.outvars, new_outs))
       body_eqns.append(be.replace(invars=ins, outvars=new_outs))
     fix = lambda v, sub=sub: sub.get(v, v) if isinstance(v, _compat.Var) else v  # noqa: E731
@@ -108,12 +114,20 @@ def merge_scans(eqns: Sequence[Any]):
   if dbg is not None and hasattr(dbg, "with_unknown_names"):
     dbg = dbg.with_unknown_names()
   ins = [*consts.values(), *carries, *xs.values()]
-  j = _compat.open_jaxpr(constvars, [v for v, _ in ins], [*carry_out, *ys_out], body_eqns,
-                         first.effects, dbg)
-  outvars = ([v for e, i in zip(eqns, infos) for v in e.outvars[:i.num_carry]]
-             + [v for e, i in zip(eqns, infos) for v in e.outvars[i.num_carry:]])
-  return _compat.scan_eqn(eqns[0], body=_compat.closed(j, constvals), num_consts=len(consts),
-                          num_carry=len(carries), invars=[a for _, a in ins], outvars=outvars)
+  j = _compat.open_jaxpr(
+    constvars, [v for v, _ in ins], [*carry_out, *ys_out], body_eqns, first.effects, dbg
+  )
+  outvars = [v for e, i in zip(eqns, infos) for v in e.outvars[: i.num_carry]] + [
+    v for e, i in zip(eqns, infos) for v in e.outvars[i.num_carry :]
+  ]
+  return _compat.scan_eqn(
+    eqns[0],
+    body=_compat.closed(j, constvals),
+    num_consts=len(consts),
+    num_carry=len(carries),
+    invars=[a for _, a in ins],
+    outvars=outvars,
+  )
 
 
 def merge_runs(jaxpr, ids: Sequence[int]):
@@ -133,9 +147,13 @@ def merge_runs(jaxpr, ids: Sequence[int]):
   runs: list[list[int]] = []
   for k in ids:
     e = jaxpr.eqns[k]
-    if (runs and mergeable(e) and mergeable(jaxpr.eqns[runs[-1][-1]])
-        and _key(e) == _key(jaxpr.eqns[runs[-1][-1]])
-        and not set(_vars(e.invars)) & {v for i in runs[-1] for v in jaxpr.eqns[i].outvars}):
+    if (
+      runs
+      and mergeable(e)
+      and mergeable(jaxpr.eqns[runs[-1][-1]])
+      and _key(e) == _key(jaxpr.eqns[runs[-1][-1]])
+      and not set(_vars(e.invars)) & {v for i in runs[-1] for v in jaxpr.eqns[i].outvars}
+    ):
       runs[-1].append(k)
     else:
       runs.append([k])

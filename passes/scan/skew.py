@@ -19,6 +19,7 @@ exactly the B-scan's and W-scans' outputs (the same variables).
 `ooo.grad(..., mode="single_gpu")` emits it; `tests/test_scan.py` checks the
 compiled loop body on CPU and on a compile-only H100.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,15 +30,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from passes import _compat
-from passes.cost import CostModel
-from passes.ir import Action, Kind, Schedule, Split, Unit, UnitKind
-from passes.simulate import simulate
+from ooojax.passes import _compat
+from ooojax.passes.cost import CostModel
+from ooojax.passes.ir import Action, Kind, Schedule, Split, Unit, UnitKind
+from ooojax.passes.simulate import simulate
 
 
 @dataclasses.dataclass(frozen=True)
 class _Body:
   """A scan equation's body as a function of (consts, carries, x slices)."""
+
   eqn: Any
 
   @property
@@ -59,14 +61,22 @@ def _at(x, i):
 
 def _then_ys(unpack, fn):
   """`unpack` (bufs -> (carries, ys)) with `fn` applied to its ys."""
+
   def run(bufs):
     k, ys = unpack(bufs)
     return k, fn(ys)
+
   return run
 
 
-def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
-                stream: int | None = 1, pin: bool = True, reduce_ys=None) -> dict:
+def skewed_scan(
+  b_eqn,
+  w_eqns: Sequence[Any],
+  read: Callable[[Any], Any],
+  stream: int | None = 1,
+  pin: bool = True,
+  reduce_ys=None,
+) -> dict:
   """Runs a B-scan and its W-scans as one skewed scan; returns {outvar: value}.
 
   `reduce_ys(w_eqns, ys, in_loop) -> ys`, if given, is applied to each
@@ -94,7 +104,7 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
   b_c, b_k, b_x = B.split_in([read(v) for v in b_eqn.invars])
   nbk = len(b_k)
   n_res = len(b_eqn.outvars) - nbk - _n_b_ys(b_eqn, w_eqns)
-  res_vars = list(b_eqn.outvars[len(b_eqn.outvars) - n_res:])
+  res_vars = list(b_eqn.outvars[len(b_eqn.outvars) - n_res :])
   res_pos = {v: i for i, v in enumerate(res_vars)}
   is_res = lambda a: isinstance(a, _compat.Var) and a in res_pos
   # Per W: its consts, accumulator inits, plain xs, and which residuals it reads.
@@ -102,8 +112,15 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
   for w in Ws:
     c, k, xs_atoms = w.split_in(list(w.eqn.invars))
     xs_plain = [a for a in xs_atoms if not is_res(a)]
-    w_in.append(([read(a) for a in c], [read(a) for a in k], [read(a) for a in xs_plain],
-                 [res_pos[a] for a in xs_atoms if is_res(a)], len(xs_plain)))
+    w_in.append(
+      (
+        [read(a) for a in c],
+        [read(a) for a in k],
+        [read(a) for a in xs_plain],
+        [res_pos[a] for a in xs_atoms if is_res(a)],
+        len(xs_plain),
+      )
+    )
 
   first = length - 1 if reverse else 0
   last = 0 if reverse else length - 1
@@ -114,6 +131,7 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
 
   def w_call(w_carries, w_xs, res):
     """Issues W; returns (call operands, flat results, unpack -> (carries, ys))."""
+
     def f(*flat):
       it = iter(flat)
       cs = [[next(it) for _ in w_in[i][1]] for i in range(len(Ws))]
@@ -159,7 +177,7 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
       outs = []
       for sh, i in meta:
         n = int(np.prod(sh))
-        outs.append(bufs[i][offset[i]:offset[i] + n].reshape(sh))
+        outs.append(bufs[i][offset[i] : offset[i] + n].reshape(sh))
         offset[i] += n
       return split(outs)
 
@@ -175,12 +193,16 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
   b_ys0, res0 = b_out[:n_bys], b_out[n_bys:]
   w_k = [list(k) for _, k, _, _, _ in w_in]
 
-  b_rest = [jax.lax.slice_in_dim(x, 0 if reverse else 1, length - 1 if reverse else length)
-            for x in b_x]
-  w_rest = [[jax.lax.slice_in_dim(x, 1 if reverse else 0, length if reverse else length - 1)
-             for x in plain] for _, _, plain, _, _ in w_in]
+  b_rest = [
+    jax.lax.slice_in_dim(x, 0 if reverse else 1, length - 1 if reverse else length) for x in b_x
+  ]
+  w_rest = [
+    [jax.lax.slice_in_dim(x, 1 if reverse else 0, length if reverse else length - 1) for x in plain]
+    for _, _, plain, _, _ in w_in
+  ]
 
   if length > 1:
+
     def body(carry, xs):
       bk, wk, res = carry
       bx, wx = xs
@@ -190,7 +212,7 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
       if bufs is not None and pin:
         # B(i) may not start before W's operands are ready (the start goes first)...
         _, (bk, bx) = jax.lax.optimization_barrier((ops, (list(bk), list(bx))))
-      nbk_, b_out = B(b_c, bk, bx)          # B(i): the dX chain
+      nbk_, b_out = B(b_c, bk, bx)  # B(i): the dX chain
       if bufs is not None and pin:
         # ...and W's done may not come before B(i)'s dX carry (tied twice: XLA
         # drops an unused barrier element whose only user is the barrier).
@@ -203,8 +225,7 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
         anchor = list(nbk_) or list(b_out)
         late, res_new = jnp.array(True), list(b_out[n_bys:])
         for _ in range(2):
-          (bufs, late, res_new), _ = jax.lax.optimization_barrier(
-              ((bufs, late, res_new), anchor))
+          (bufs, late, res_new), _ = jax.lax.optimization_barrier(((bufs, late, res_new), anchor))
         res_new = [_rewrite(r, late) for r in res_new]
       else:
         res_new = b_out[n_bys:]
@@ -212,8 +233,8 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
       return (nbk_, nwk, res_new), (b_out[:n_bys], w_ys)
 
     (bk, w_k, res_last), (b_ys_rest, w_ys_rest) = jax.lax.scan(
-        body, (bk, w_k, res0), (b_rest, w_rest), reverse=reverse,
-        unroll=B.p.unroll)
+      body, (bk, w_k, res0), (b_rest, w_rest), reverse=reverse, unroll=B.p.unroll
+    )
   else:
     res_last, b_ys_rest, w_ys_rest = res0, [], [[] for _ in Ws]
 
@@ -231,7 +252,7 @@ def skewed_scan(b_eqn, w_eqns: Sequence[Any], read: Callable[[Any], Any],
   out: dict = {}
   for v, x in zip(b_eqn.outvars[:nbk], bk):
     out[v] = x
-  b_ys_vars = b_eqn.outvars[nbk:nbk + n_bys]
+  b_ys_vars = b_eqn.outvars[nbk : nbk + n_bys]
   for j, v in enumerate(b_ys_vars):
     out[v] = stack(b_ys0[j], b_ys_rest[j] if length > 1 else None, not reverse)
   for i, w in enumerate(Ws):
@@ -256,7 +277,7 @@ def _rewrite(x, late):
 def _n_b_ys(b_eqn, w_eqns) -> int:
   """How many of the B-scan's ys are its own (the rest are residuals for W)."""
   read = {v for e in w_eqns for v in e.invars if isinstance(v, _compat.Var)}
-  ys = b_eqn.outvars[_compat.scan_info(b_eqn).num_carry:]
+  ys = b_eqn.outvars[_compat.scan_info(b_eqn).num_carry :]
   n = len(ys)
   while n and ys[n - 1] in read:
     n -= 1
@@ -271,6 +292,7 @@ class SkewedScan:
   It holds what it fuses itself (the equation's params stay empty: only JAX's
   primitives have params, read in `passes._compat`).
   """
+
   b_eqn: Any
   w_eqns: tuple
   stream: int | None = 1
@@ -302,13 +324,14 @@ def _fused_inputs(b_eqn, w_eqns):
 
 def _fused_outputs(b_eqn, w_eqns):
   n_res = len(b_eqn.outvars) - _compat.scan_info(b_eqn).num_carry - _n_b_ys(b_eqn, w_eqns)
-  outs = list(b_eqn.outvars[:len(b_eqn.outvars) - n_res])
+  outs = list(b_eqn.outvars[: len(b_eqn.outvars) - n_res])
   outs += [v for e in w_eqns for v in e.outvars]
   return [v for v in outs if not isinstance(v, _compat.DropVar)]
 
 
-def fuse(split: Split, sched: Schedule, stream: int | None = 1,
-         pin: bool = True, reduce_ys=None) -> tuple[Split, Schedule]:
+def fuse(
+  split: Split, sched: Schedule, stream: int | None = 1, pin: bool = True, reduce_ys=None
+) -> tuple[Split, Schedule]:
   """Replaces each split backward scan (a dX B-scan and its dW W-scans) by one skewed scan.
 
   `stream` is where the W part of each step runs (None: inline, one stream);
@@ -319,8 +342,7 @@ def fuse(split: Split, sched: Schedule, stream: int | None = 1,
   the schedule. Returns the split and schedule unchanged when nothing fuses.
   """
   eqns = list(split.jaxpr.jaxpr.eqns)
-  if not any(e.primitive.name == "scan" and split.kinds[k] is Kind.DX
-             for k, e in enumerate(eqns)):
+  if not any(e.primitive.name == "scan" and split.kinds[k] is Kind.DX for k, e in enumerate(eqns)):
     return split, sched  # no B-scan: skip building the producer map
   producer = {v: k for k, e in enumerate(eqns) for v in e.outvars}
   fused_w: set[int] = set()
@@ -330,35 +352,53 @@ def fuse(split: Split, sched: Schedule, stream: int | None = 1,
       continue
     nk = _compat.scan_info(e).num_carry
     outs = set(e.outvars[nk:])
-    ws = [j for j, w in enumerate(eqns) if j > k and not isinstance(w.primitive, SkewedScan)
-          and w.primitive.name == "scan" and split.kinds[j] is Kind.DW
-          and any(isinstance(v, _compat.Var) and v in outs for v in w.invars)
-          and all(producer.get(v, -1) < k or producer.get(v) == k for v in w.invars
-                  if isinstance(v, _compat.Var))]
+    ws = [
+      j
+      for j, w in enumerate(eqns)
+      if j > k
+      and not isinstance(w.primitive, SkewedScan)
+      and w.primitive.name == "scan"
+      and split.kinds[j] is Kind.DW
+      and any(isinstance(v, _compat.Var) and v in outs for v in w.invars)
+      and all(
+        producer.get(v, -1) < k or producer.get(v) == k
+        for v in w.invars
+        if isinstance(v, _compat.Var)
+      )
+    ]
     if not ws or _n_b_ys(e, [eqns[j] for j in ws]) + nk == len(e.outvars):
       continue
     w_eqns = tuple(eqns[j] for j in ws)
     # Every residual must go to the fused W-scans only.
-    res = e.outvars[nk + _n_b_ys(e, w_eqns):]
+    res = e.outvars[nk + _n_b_ys(e, w_eqns) :]
     res_set = set(res)
-    users = {j for j, u in enumerate(eqns) for v in u.invars
-             if isinstance(v, _compat.Var) and v in res_set}
+    users = {
+      j for j, u in enumerate(eqns) for v in u.invars if isinstance(v, _compat.Var) and v in res_set
+    }
     if not users <= set(ws):
       continue
-    eqns[k] = e.replace(primitive=SkewedScan(e, w_eqns, stream, pin, reduce_ys), params={},
-                        invars=_fused_inputs(e, w_eqns), outvars=_fused_outputs(e, w_eqns))
+    eqns[k] = e.replace(
+      primitive=SkewedScan(e, w_eqns, stream, pin, reduce_ys),
+      params={},
+      invars=_fused_inputs(e, w_eqns),
+      outvars=_fused_outputs(e, w_eqns),
+    )
     fused_w.update(ws)
     changed = True
   if not changed:
     return split, sched
   jaxpr = split.jaxpr.jaxpr.replace(eqns=eqns)
   new_split = dataclasses.replace(split, jaxpr=_compat.closed(jaxpr, split.jaxpr.consts))
-  units = tuple(dataclasses.replace(u, eqns=tuple(i for i in u.eqns if i not in fused_w))
-                for u in sched.units)
+  units = tuple(
+    dataclasses.replace(u, eqns=tuple(i for i in u.eqns if i not in fused_w)) for u in sched.units
+  )
   empty = {u.name for u in units if not u.eqns and u.kind.value == "W"}
   streams = tuple(tuple(a for a in s if a.unit not in empty) for s in sched.streams)
-  calls = tuple(dataclasses.replace(c, units=kept) for c in sched.calls
-                if (kept := tuple(u for u in c.units if u not in empty)))
+  calls = tuple(
+    dataclasses.replace(c, units=kept)
+    for c in sched.calls
+    if (kept := tuple(u for u in c.units if u not in empty))
+  )
   return new_split, dataclasses.replace(sched, units=units, streams=streams, calls=calls)
 
 
@@ -377,10 +417,15 @@ def predict(split: Split, cost: CostModel) -> tuple[float, float]:
     if e.primitive.name != "scan" or split.kinds[k] is not Kind.DX:
       continue
     info = _compat.scan_info(e)
-    outs = set(e.outvars[info.num_carry:])
-    ws = [w for j, w in enumerate(eqns) if j > k and w.primitive.name == "scan"
-          and split.kinds[j] is Kind.DW
-          and any(isinstance(v, _compat.Var) and v in outs for v in w.invars)]
+    outs = set(e.outvars[info.num_carry :])
+    ws = [
+      w
+      for j, w in enumerate(eqns)
+      if j > k
+      and w.primitive.name == "scan"
+      and split.kinds[j] is Kind.DW
+      and any(isinstance(v, _compat.Var) and v in outs for v in w.invars)
+    ]
     if not ws:
       continue
     n = float(info.length)

@@ -35,17 +35,18 @@ cotangent of its output), as when dW of unrolled layers runs late.
 >>> jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(jnp.ones((3, 4, 4)), jnp.ones((2, 4)))
 >>> bwd = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"][-1]
 >>> s = split_scan(bwd)
->>> from passes._compat import scan_info
+>>> from ooojax.passes._compat import scan_info
 >>> len(s.w_eqns), scan_info(s.b_eqn).num_carry, scan_info(s.w_eqns[0]).num_carry
 (1, 1, 0)
 """
+
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from passes import _compat
+from ooojax.passes import _compat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +58,10 @@ class ScanSplit:
   the original equation's remaining outputs. Together they define exactly the
   original equation's outputs (same variables).
   """
+
   b_eqn: Any
   w_eqns: tuple[Any, ...]
-  residuals: tuple[Any, ...]   # outer variables, B-scan -> W-scans
+  residuals: tuple[Any, ...]  # outer variables, B-scan -> W-scans
 
   @property
   def eqns(self) -> tuple[Any, ...]:
@@ -114,8 +116,9 @@ def _inline_body(closed):
       invars = [sub.get(v, v) if isinstance(v, _compat.Var) else v for v in e.invars]
       call = _compat.call_body(e)
       if call is None:
-        outvars = [v if isinstance(v, _compat.DropVar) else _compat.new_var(v.aval)
-                   for v in e.outvars]
+        outvars = [
+          v if isinstance(v, _compat.DropVar) else _compat.new_var(v.aval) for v in e.outvars
+        ]
         sub.update(zip(e.outvars, outvars))
         out.append(e.replace(invars=invars, outvars=outvars))
         continue
@@ -150,7 +153,7 @@ def split_scan(eqn) -> ScanSplit | None:
   >>> import jax, jax.numpy as jnp
   >>> j = jax.make_jaxpr(lambda c, xs: jax.lax.scan(lambda c, x: (c * 2, x * c), c, xs))
   >>> s = split_scan(j(1.0, jnp.ones(3)).jaxpr.eqns[0])
-  >>> from passes._compat import scan_info
+  >>> from ooojax.passes._compat import scan_info
   >>> [scan_info(e).num_carry for e in s.eqns]
   [1, 0]
   """
@@ -162,8 +165,7 @@ def split_scan(eqn) -> ScanSplit | None:
   if body.effects or any(e.effects for e in body.eqns):
     return None
   nc, nk = info.num_consts, info.num_carry
-  consts_in, carry_in, xs_in = (body.invars[:nc], body.invars[nc:nc + nk],
-                                body.invars[nc + nk:])
+  consts_in, carry_in, xs_in = (body.invars[:nc], body.invars[nc : nc + nk], body.invars[nc + nk :])
   carry_out, ys_out = body.outvars[:nk], body.outvars[nk:]
   eqns = body.eqns
   producer = {v: k for k, e in enumerate(eqns) for v in e.outvars}
@@ -188,7 +190,8 @@ def split_scan(eqn) -> ScanSplit | None:
   # W outputs: ("y", i) or ("c", c); each with its slice of W equations.
   def is_w_value(v):
     return isinstance(v, _compat.Var) and (
-        (v in producer and producer[v] not in b_set) or v in w_carry_in)
+      (v in producer and producer[v] not in b_set) or v in w_carry_in
+    )
 
   w_outs = [("c", c) for c in w_carries]
   w_outs += [("y", i) for i, v in enumerate(ys_out) if is_w_value(v)]
@@ -255,21 +258,31 @@ def split_scan(eqn) -> ScanSplit | None:
     return [v for v in dict.fromkeys(rd) if v not in defined]
 
   group_reads = [reads(ks, [out_var[o] for o in g]) for ks, g in zip(w_eqn_sets, groups_list)]
-  residuals = [v for v in dict.fromkeys(v for r in group_reads for v in r)
-               if (v in producer and producer[v] in b_set) or v in b_carry_in]
+  residuals = [
+    v
+    for v in dict.fromkeys(v for r in group_reads for v in r)
+    if (v in producer and producer[v] in b_set) or v in b_carry_in
+  ]
 
   length = info.length
   outer_in = eqn.invars
-  outer_consts, outer_init, outer_xs = (outer_in[:nc], outer_in[nc:nc + nk], outer_in[nc + nk:])
+  outer_consts, outer_init, outer_xs = (outer_in[:nc], outer_in[nc : nc + nk], outer_in[nc + nk :])
   dbg = getattr(body, "debug_info", None)
   if dbg is not None and hasattr(dbg, "with_unknown_names"):
     dbg = dbg.with_unknown_names()
 
   def make_scan(b_eqns, consts, carries, xs, outs, outer_ins, outer_outs):
-    j = _compat.open_jaxpr(body.constvars, [*consts, *carries, *xs], outs, b_eqns,
-                           body.effects, dbg)
-    return _compat.scan_eqn(eqn, body=_compat.closed(j, closed.consts), num_consts=len(consts),
-                            num_carry=len(carries), invars=outer_ins, outvars=outer_outs)
+    j = _compat.open_jaxpr(
+      body.constvars, [*consts, *carries, *xs], outs, b_eqns, body.effects, dbg
+    )
+    return _compat.scan_eqn(
+      eqn,
+      body=_compat.closed(j, closed.consts),
+      num_consts=len(consts),
+      num_carry=len(carries),
+      invars=outer_ins,
+      outvars=outer_outs,
+    )
 
   # B-scan.
   b_ks = sorted(b_set)
@@ -280,10 +293,16 @@ def split_scan(eqn) -> ScanSplit | None:
   b_xs = [v for v in xs_in if v in b_need]
   res_outer = [_compat.new_var(_compat.stacked_aval(length, v.aval)) for v in residuals]
   b_eqn = make_scan(
-      [eqns[k] for k in b_ks], b_consts, [carry_in[c] for c in b_carries], b_xs, b_outs,
-      [outer_consts[consts_pos[v]] for v in b_consts]
-      + [outer_init[c] for c in b_carries] + [outer_xs[xs_pos[v]] for v in b_xs],
-      [eqn.outvars[c] for c in b_carries] + [eqn.outvars[nk + i] for i in b_ys] + res_outer)
+    [eqns[k] for k in b_ks],
+    b_consts,
+    [carry_in[c] for c in b_carries],
+    b_xs,
+    b_outs,
+    [outer_consts[consts_pos[v]] for v in b_consts]
+    + [outer_init[c] for c in b_carries]
+    + [outer_xs[xs_pos[v]] for v in b_xs],
+    [eqn.outvars[c] for c in b_carries] + [eqn.outvars[nk + i] for i in b_ys] + res_outer,
+  )
 
   # W-scans.
   res_outer_of = dict(zip(residuals, res_outer))
@@ -294,12 +313,20 @@ def split_scan(eqn) -> ScanSplit | None:
     w_consts = [v for v in consts_in if v in rd]
     w_xs = [v for v in xs_in if v in rd]
     w_res = [v for v in residuals if v in rd]
-    w_eqns.append(make_scan(
-        [eqns[k] for k in ks], w_consts, [carry_in[c] for c in cs], w_xs + w_res,
+    w_eqns.append(
+      make_scan(
+        [eqns[k] for k in ks],
+        w_consts,
+        [carry_in[c] for c in cs],
+        w_xs + w_res,
         [carry_out[c] for c in cs] + [ys_out[i] for i in ys],
-        [outer_consts[consts_pos[v]] for v in w_consts] + [outer_init[c] for c in cs]
-        + [outer_xs[xs_pos[v]] for v in w_xs] + [res_outer_of[v] for v in w_res],
-        [eqn.outvars[c] for c in cs] + [eqn.outvars[nk + i] for i in ys]))
+        [outer_consts[consts_pos[v]] for v in w_consts]
+        + [outer_init[c] for c in cs]
+        + [outer_xs[xs_pos[v]] for v in w_xs]
+        + [res_outer_of[v] for v in w_res],
+        [eqn.outvars[c] for c in cs] + [eqn.outvars[nk + i] for i in ys],
+      )
+    )
   return ScanSplit(b_eqn, tuple(w_eqns), tuple(res_outer))
 
 
