@@ -32,10 +32,11 @@ V=(--variants "jax.grad" "ooo single_gpu" "ooo single_gpu (none)" "ooo in_order"
 if [ -n "$DRY" ]; then  # tiny sizes, two variants: every step runs through, fast, on CPU
   V=(--variants "jax.grad" "ooo single_gpu")
   SIZE=(--tiny --batch 4 --no-sim-check) ROUNDS=(--rounds 1 --iters 1) CHECK=(--batch 4)
-  SCHED=(--tiny --batch 4) SCAN=(--layers 2 --seq 8 --dim 16 --heads 2 --vocab 32 --rounds 1 --iters 1 --sim-layers 2)
+  SCHED=(--tiny --batch 4) MECH=(--model demo_cnn --batch 4) SCAN=(--layers 2 --seq 8 --dim 16 --heads 2 --vocab 32 --rounds 1 --iters 1 --sim-layers 2)
   PYTEST=(--collect-only)  # the suite runs in CI already: check that the command works
 else
   SIZE=(--batch 32) ROUNDS=(--rounds 5) CHECK=(--batch 32) SCHED=(--batch 32) SCAN=(--sim-layers 4)
+  MECH=(--model resnet50 --batch 32)
   PYTEST=()
 fi
 
@@ -60,6 +61,13 @@ unset XLA_FLAGS
 step step_time_demo_cnn 90 "${ST[@]}" --model demo_cnn "${SIZE[@]}"
 step step_time_mobilenet_v3_small 90 "${ST[@]}" --model mobilenet_v3_small "${SIZE[@]}" --no-sim-check
 step step_time_resnet50 90 "${ST[@]}" --model resnet50 "${SIZE[@]}" --no-sim-check
+# 1b. The single-GPU mechanisms (docs/guides/single-gpu-on-jax-0.12.md): ooojax's own
+# emission under default options, then with the latency-hiding scheduler off, then with
+# four async calls allowed in flight; jax.grad under the same options beside each.
+step single_gpu_mechanisms 120 $PY -m benchmarks.step_time --variants "jax.grad" "ooo single_gpu" \
+  "${ROUNDS[@]}" "${MECH[@]}" --no-sim-check \
+  --also-with xla_gpu_enable_latency_hiding_scheduler=false \
+  --also-with xla_gpu_experimental_parallel_async_compute_limit=4
 # 2. Each ordering compiles on this GPU and matches jax.grad; heavy dW overlap as compiled here.
 step gpu_check 120 $PY -m benchmarks.gpu_check "${CHECK[@]}"
 # 3. The compiled schedule on this device (autotuned layouts) vs the compile-only H100's.

@@ -7,6 +7,9 @@ markdown table; `--write` appends it to benchmarks/RESULTS.md.
   python -m benchmarks.step_time                       # the demo SmallCNN
   python -m benchmarks.step_time --model mobilenet_v3_small --batch 32
   python -m benchmarks.step_time --model densenet121 --tiny   # a CPU-sized copy
+  # each variant also under XLA options, all alternating in one process:
+  python -m benchmarks.step_time --variants jax.grad "ooo single_gpu" \
+      --also-with xla_gpu_enable_latency_hiding_scheduler=false
 """
 
 from __future__ import annotations
@@ -42,14 +45,13 @@ def _demo_case(batch):
   return loss_fn, (v["params"], v["batch_stats"], x, y), {"has_aux": True}
 
 
-def _sgd_step(grad_fn, loss_fn, kw):
-  @jax.jit
+def _sgd_step(grad_fn, loss_fn, kw, compiler_options=None):
   def step(*args):
     g = grad_fn(loss_fn, **kw)(*args)
     g = g[0] if kw.get("has_aux") else g
     return jax.tree.map(lambda p, d: p - 0.01 * d, args[0], g)
 
-  return step
+  return jax.jit(step, compiler_options=compiler_options or None)
 
 
 def main(argv=None):
@@ -60,6 +62,14 @@ def main(argv=None):
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+  ap.add_argument(
+    "--also-with",
+    action="append",
+    default=[],
+    metavar="NAME=VALUE[,NAME=VALUE]",
+    help="also time every variant compiled with these XLA options (repeatable): "
+    "the single-GPU mechanisms of docs/guides/single-gpu-on-jax-0.12.md",
+  )
   ap.add_argument("--no-sim-check", action="store_true")
   ap.add_argument("--write", action="store_true")
   a = ap.parse_args(argv)
@@ -73,24 +83,31 @@ def main(argv=None):
       sizes["batch"] = a.batch
     loss_fn, args, kw = make(**sizes)
     desc = f"{a.model} ({'tiny' if a.tiny else 'full'} size), batch {sizes['batch']}"
+  from ooojax._hlo_cli import parse_kv
+
+  option_sets = [("", {})] + [(f" [{o}]", parse_kv(o.split(","))) for o in a.also_with]
   steps = {}
-  for name in a.variants:
-    opts = VARIANTS[name]
-    g = jax.grad if opts is None else (lambda o: lambda f, **k: ooo.grad(f, **o, **k))(opts)
-    steps[name] = _sgd_step(g, loss_fn, kw)
+  for suffix, copts in option_sets:
+    for name in a.variants:
+      opts = VARIANTS[name]
+      g = jax.grad if opts is None else (lambda o: lambda f, **k: ooo.grad(f, **o, **k))(opts)
+      steps[name + suffix] = _sgd_step(g, loss_fn, kw, copts)
   times, failed = _report.compile_then_alternate(steps, args, a.rounds, a.iters)
   med = {k: float(np.median(t)) for k, t in times.items()}
   base = med.get("jax.grad")
   lines = _report.header(f"Step time, {desc}") + [
     f"Measured: jitted SGD step, median of {a.rounds} rounds x {a.iters} steps, "
     "variants alternating in one process. Ratio = jax.grad time / variant time "
-    "(>1 means faster than jax.grad).",
+    "(>1 means faster than jax.grad; a variant in [XLA options] against jax.grad "
+    "under the same options).",
     "",
     "| variant | step ms | ratio vs jax.grad |",
     "|---|---|---|",
   ]
   for k, t in med.items():
-    ratio = f"{base / t:.3f}x" if base else "-"
+    # against jax.grad under the same options
+    b = med.get("jax.grad" + k[len(k.split(" [")[0]) :], base)
+    ratio = f"{b / t:.3f}x" if b else "-"
     lines.append(f"| {k} | {t * 1e3:.2f} | {ratio} |")
   for k, why in failed.items():
     lines.append(f"| {k} | failed to compile or run: {why} | - |")

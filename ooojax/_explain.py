@@ -152,7 +152,8 @@ class Report:
       ]
       lines.append(
         f"  side-stream calls: {len(s.calls)} (window: issued after a dX segment, "
-        f"done after a dX conv/matmul): {'; '.join(shown)}"
+        f"done after a dX conv/matmul; at most two in flight, as XLA:GPU keeps): "
+        f"{'; '.join(shown)}"
         f"{' ...' if len(s.calls) > 4 else ''}"
       )
     return "\n".join(lines)

@@ -10,12 +10,13 @@ Under `jax.jit` the result is an XLA module that carries the schedule:
   async call on another stream. Its outputs leave the call flattened, so a
   layout change (a conv filter comes back in cuDNN's layout) happens inside
   the call on the side stream rather than as a transpose right after it;
-* the call's window is pinned by data, because XLA:GPU's latency-hiding
-  scheduler never moves these calls (see `passes.ir.Call`): "barriers" ties
-  the call's inputs to the anchor equation's inputs (the anchor cannot run
-  before the call starts) and the call's outputs to the anchor's output (the
-  done cannot come before the anchor), with `lax.optimization_barrier`,
-  which compiles to tuples, not kernels;
+* the call's window is pinned by data (see `passes.ir.Call`): "barriers"
+  ties the call's inputs to the anchor equation's inputs (the anchor cannot
+  run before the call starts) and the call's outputs to the anchor's output,
+  whose readers read the tied copy (the done comes after the anchor and
+  before its readers), with `lax.optimization_barrier`, which compiles to
+  tuples, not kernels; a call that waits (`Call.wait`, at most two in
+  flight: `passes.slots`) ties its inputs to the awaited call's outputs;
 * "control_deps" adds XLA control edges between consecutive side calls where
   XLA can keep them (the CPU compiler's control-dep-rewriter); the choice is
   made per lowering platform, so one trace compiles for CPU and for GPU;
@@ -192,11 +193,10 @@ def _run_eqns(eqns, env, skip=None, anchors=None, life=None, stacks=None):
     _compat.emit_eqns(run, env, stacks)
     run = []
     invals = hook.before([_read(env, v) for v in eqn.invars])
-    outs = _compat.bind_eqn(eqn, invals)
+    outs = hook.after(list(_compat.bind_eqn(eqn, invals)))
     for v, x in zip(eqn.outvars, outs):
       if not isinstance(v, _compat.DropVar):
         env[v] = x
-    hook.after(outs)
   if deferred:
     life.add(run)
     life.take([k for k, _ in eqns])
@@ -268,6 +268,7 @@ def emit(
   for c in calls_of(sched, units):
     calls_after.setdefault(c.after, []).append(c)
   anchors: dict[int, Anchor] = {}
+  done: dict = {}  # unit name -> its call's tied buffers (`Call.wait`)
   side_outs: list = []
   life = _Lifetimes(jaxpr, env, dead, consume)
   if late is not None:
@@ -298,11 +299,12 @@ def emit(
         continue
       # the call runs beside the next segment: it shares that segment's group
       pinned = barriers and c.anchor >= 0
+      wait = next((done[w] for w in c.wait if w in done), ()) if barriers else ()
       with jax.named_scope(f"ooo_{label}"), meta(group + 1):
-        ins, outs, flat, unpack = on_stream(jaxpr, eqn_ids, env, c.stream, life, pinned)
+        ins, outs, flat, unpack = on_stream(jaxpr, eqn_ids, env, c.stream, life, pinned, wait)
       if pinned and outs:
-        hook = anchors.setdefault(c.anchor, Anchor(env))
-        hook.calls.append((ins, outs, flat, unpack))
+        hook = anchors.setdefault(c.anchor, Anchor(env, done))
+        hook.calls.append((ins, outs, flat, unpack, c.units))
       if flat:
         side_outs.append(flat[0])
         if life.stager.ok and edges:

@@ -108,23 +108,29 @@ class Action:
 class Call:
   """One asynchronous call on a side stream and the window XLA must leave it.
 
-  XLA:GPU's latency-hiding scheduler never moves stream-annotated calls (they
-  run on the caller's own execution thread), so the window is set by data:
-  the call's inputs are pinned before main-stream unit `after` hands its
-  result on (the start goes early), and its outputs are tied to the output of
-  main-stream equation `anchor` (the done goes late), so the main-stream work
-  in between runs beside the call. `anchor` is an equation index of the split
-  jaxpr, or -1 for no anchor. Side units issued after the same main unit
-  share one call, so one cross-stream sync covers them all.
+  The window is set by data: the call's inputs are pinned before main-stream
+  unit `after` hands its result on (the start goes early), and its outputs are
+  tied to the output of main-stream equation `anchor` (the done goes late), so
+  the main-stream work in between runs beside the call. `anchor` is an
+  equation index of the split jaxpr, or -1 for no anchor. `wait` names the
+  units of an earlier call whose done this call's start follows (its inputs
+  are tied to that call's outputs): XLA:GPU's latency-hiding scheduler keeps
+  at most two such calls in flight (jax >= 0.12), so the plan never asks for
+  more (`passes.slots`). Side units issued after the same main unit share one
+  call, so one cross-stream sync covers them all.
   """
 
   units: tuple[str, ...]  # side-stream units, in order
   stream: int
   after: str  # the main-stream unit the call is issued after
   anchor: int = -1  # main-stream equation the done waits for
+  wait: tuple[str, ...] = ()  # units of the call whose done the start waits for
 
   def __str__(self) -> str:
-    return f"call({' '.join(self.units)})@{self.stream} after {self.after} until e{self.anchor}"
+    wait = f" once {'+'.join(self.wait)} is done" if self.wait else ""
+    return (
+      f"call({' '.join(self.units)})@{self.stream} after {self.after}{wait} until e{self.anchor}"
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,9 @@ Side units issued after the same segment form one asynchronous `Call` (one
 sync pays for a conv's dW and its bias's). Each call's window is chosen from
 the simulated timeline: its done is tied to the first heavy stream-0 equation
 expected to end after the call does, so XLA keeps that much dX work between
-the call's start and done. If the simulated two-stream schedule is not faster
+the call's start and done. The calls are then fitted to the two that XLA:GPU
+keeps in flight (`passes.slots`: light calls folded into heavy ones, call k
+started after call k-2's done). If the simulated two-stream schedule is not faster
 than the in-order one, the in-order schedule is returned. Linear in the
 number of equations, plus two simulations.
 """
@@ -28,7 +30,7 @@ import bisect
 import dataclasses
 from collections.abc import Sequence
 
-from ooojax.passes import _compat
+from ooojax.passes import _compat, slots
 from ooojax.passes.cost import MATMUL_PRIMS, CostModel, estimate
 from ooojax.passes.ir import Action, Call, Kind, Schedule, Split, Unit, UnitKind
 from ooojax.passes.simulate import Timeline, simulate
@@ -191,14 +193,23 @@ def _admit(units: Sequence[Unit], heavy: dict, sync: float) -> set[str]:
 
 
 def plan_calls(
-  streams, units: Sequence[Unit], timeline: Timeline | None = None, heavy: dict | None = None
+  streams,
+  units: Sequence[Unit],
+  timeline: Timeline | None = None,
+  heavy: dict | None = None,
+  heavy_side: set[str] | None = None,
+  eqn_unit: dict[int, int] | None = None,
+  main_heavy: dict | None = None,
 ) -> tuple[Call, ...]:
   """Groups side-stream actions into calls and picks each call's anchor.
 
   Side units issued after the same stream-0 unit share a call. With a
   `timeline` and the `heavy` equations of each dX unit, the anchor is the
   first heavy stream-0 equation expected to end after the call does (else
-  the last heavy one after its issue point); without them, no anchor.
+  the last heavy one after its issue point); without them, no anchor. With
+  `heavy_side` (the side units holding a conv or matmul) and `eqn_unit`
+  (stream-0 equation -> position of its unit), the calls are then fitted to
+  the two XLA:GPU keeps in flight (`passes.slots.fit`).
   """
   if len(streams) < 2:
     return ()
@@ -233,6 +244,10 @@ def plan_calls(
         anchor = cands[min(j, len(cands) - 1)][1]
       calls.append(Call(tuple(group), s_idx, after, anchor))
       group = []
+  if heavy_side is not None and eqn_unit is not None and spans:
+    every = {**(main_heavy or {}), **(heavy or {})}
+    marks_at = [(pos_of, k) for pos_of, name in enumerate(main) for _, k in every.get(name, ())]
+    calls = list(slots.fit(calls, main, eqn_unit, marks_at, heavy_side))
   return tuple(calls)
 
 
@@ -259,7 +274,27 @@ def schedule(split: Split, cost: CostModel, streams: int = 2) -> Schedule:
       tl = simulate(cand, units, spec.sync)
       if tl.makespan < t_base:
         best, t_best = cand, tl.makespan
-        calls = plan_calls(cand, units, tl, heavy)
+        heavy_side = {
+          u.name
+          for u in units
+          if u.kind is UnitKind.DW and any(is_heavy(split.jaxpr.jaxpr.eqns[k]) for k in u.eqns)
+        }
+        main = [a.unit for a in cand[0]]
+        by = {u.name: u for u in units}
+        eqn_unit = {k: i for i, n in enumerate(main) for k in by[n].eqns}
+        eqns = split.jaxpr.jaxpr.eqns
+        # a conv's or matmul's filter gradient stays a kernel of its own however
+        # small its output (the first layer's), so ANCHOR_MIN_ELEMS does not apply
+        main_heavy = {
+          n: [
+            (1.0, k)
+            for k in by[n].eqns
+            if is_heavy(eqns[k]) and estimate(eqns[k]).flops >= ANCHOR_MIN_FLOPS
+          ]
+          for n in main
+          if by[n].kind is UnitKind.DW
+        }
+        calls = plan_calls(cand, units, tl, heavy, heavy_side, eqn_unit, main_heavy)
   best = tuple(s for s in best if s) or ((),)
   return Schedule(best, _syncs(best, units), units, t_best, t_base, spec.name, calls)
 

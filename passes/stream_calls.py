@@ -7,16 +7,17 @@ equations.
   for a GPU side stream (`StreamCall`, traced once per distinct cluster and
   copied to every equal one); `side_call` does the same for a whole jaxpr.
 * `Anchor` ties the calls whose window closes at one main-stream equation to
-  that equation with `lax.optimization_barrier` (XLA:GPU never moves such a
-  call, so data is the only thing that bounds its window).
+  that equation with `lax.optimization_barrier`, on both sides: data is what
+  bounds each window (jax 0.11's XLA:GPU never moves such a call; 0.12's
+  latency-hiding scheduler places it within these bounds, see `passes.slots`).
 * `LateLeaves` / `Late`: input leaves bound mid-emission, after a forward
   equation (the single-GPU deferred-dW step binds the deferred parameters
   this way, see `ooojax.single_gpu`).
 
 The hooks (`Anchor`, `Late`) share one interface that `passes.emit` calls:
 `stage(eqn, life)` under a staging trace, else `before(invals)` /
-`after(outs)` around binding the equation; `unpin(life)` for an anchor that
-cannot be staged.
+`after(outs) -> outs` around binding the equation; `unpin(life)` for an
+anchor that cannot be staged.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def _out_positions(jaxpr) -> dict:
 
 
 def on_stream(
-  jaxpr, eqn_ids, env, stream: int, life, pinned: bool = False
+  jaxpr, eqn_ids, env, stream: int, life, pinned: bool = False, wait: Sequence[Any] = ()
 ) -> tuple[list, list, list, Any]:
   """Binds the equations as one stream-annotated call.
 
@@ -88,6 +89,9 @@ def on_stream(
   before its first user, and the element reads of a multi-output done are
   users that the memory scheduler places early; a single output's first user
   is whatever the emitter ties it to.
+
+  `wait`: outputs of an earlier call (as `Anchor` tied them); the inputs are
+  tied to them, so this call starts after that one's done (`passes.slots`).
 
   Returns (the call's operands, output vars, the flat buffers, unpack)
   where `unpack(buffers)` gives the outputs in their shapes; `env` gets
@@ -102,7 +106,12 @@ def on_stream(
   if site is None:
     site = life.sites[key] = StreamCall(eqns, ins, outs, stream, life.stacks)
   if life.stager.ok:  # as equations, staged with the rest (see `_Lifetimes`)
-    flat = site.pack.staged([life.subst.get(v, v) for v in ins], life)
+    in_vars = [life.subst.get(v, v) for v in ins]
+    if wait and in_vars:
+      b, tied = stage.barrier_eqn([*in_vars, *wait])
+      life.add([b])
+      in_vars = tied[: len(in_vars)]
+    flat = site.pack.staged(in_vars, life)
     life.take(eqn_ids)
     if pinned:
       # Its anchor reads these later, maybe after a flush (an equation the stager
@@ -115,7 +124,10 @@ def on_stream(
       life.alias(outs, vals)
       return vals
   else:
-    flat = site.pack([env[v] for v in ins], life.stacks)
+    vals = [env[v] for v in ins]
+    if wait and vals:
+      vals, _ = lax.optimization_barrier((vals, list(wait)))
+    flat = site.pack(vals, life.stacks)
     life.done(eqn_ids)
 
     def unpack(bufs):
@@ -240,12 +252,17 @@ class Anchor:
 
   `before` ties the calls' inputs to the equation's inputs, so the equation
   cannot run before the calls start; `after` ties the calls' flat outputs to
-  its output, so the calls' dones cannot be scheduled before it.
+  its output, so the calls' dones cannot be scheduled before it, and returns
+  the tied copy of the output for its readers, so the dones cannot be
+  scheduled after them either. `done` collects each call's tied buffers by
+  unit name, for a later call that waits for it (`Call.wait`).
   """
 
-  def __init__(self, env):
+  def __init__(self, env, done: dict | None = None):
     self.env = env
-    self.calls: list = []  # (input values, output vars, flat buffers, unpack)
+    self.calls: list = []  # (input values, output vars, flat buffers, unpack, units)
+    # unit name -> its call's tied buffers, for a later call's `wait` (vars when staged)
+    self.done = {} if done is None else done
 
   def stage(self, eqn, life) -> None:
     """`before`, the equation and `after` as equations pending in `life` (vars, not values)."""
@@ -258,15 +275,21 @@ class Anchor:
     b2, t2 = stage.barrier_eqn([*flats, out])
     b3, t3 = stage.barrier_eqn([*t2[:-1], out])  # chained: see `after`
     life.add([b1, anchor, b2, b3])
+    life.alias([out], [t3[-1]])  # readers read the tied copy: see `after`
     if life.uses.get(out, 0):  # the barriers' two reads are not the program's: its
       life.keep(out)  # readers may come after a flush (an unstageable equation)
     it = iter(t3[:-1])
     for c in self.calls:
-      c[3]([next(it) for _ in c[2]])
+      bufs = [next(it) for _ in c[2]]
+      c[3](bufs)
+      for v in bufs:  # a waiting call may read them after a flush
+        life.keep(v)
+      self.done.update(dict.fromkeys(c[4], bufs))
 
   def unpin(self, life) -> None:  # pragma: no cover - see `passes.emit._run_eqns`
     for c in self.calls:
       c[3](c[2])
+      self.done.update(dict.fromkeys(c[4], c[2]))
 
   def before(self, invals):
     ins = [x for c in self.calls for x in c[0]]
@@ -280,9 +303,15 @@ class Anchor:
     # Again, chained: XLA's simplifier drops an unused barrier element whose
     # only user is the barrier (e.g. a layout bitcast of the anchor made for
     # it); two barriers make two users, so the anchor stays in both.
-    tied, _ = jax.lax.optimization_barrier((tied, outs[0]))
-    for (_, out_vars, _, unpack), flat in zip(self.calls, tied):
+    tied, out = jax.lax.optimization_barrier((tied, outs[0]))
+    for (_, out_vars, _, unpack, names), flat in zip(self.calls, tied):
       self.env.update(zip(out_vars, unpack(flat)))
+      self.done.update(dict.fromkeys(names, list(flat)))
+    # The equation's readers read the tied copy, so the dones come before them
+    # too: the window closes at the anchor. Left open, XLA:GPU's latency-hiding
+    # scheduler (jax >= 0.12) stretches a done down to the next call that waits
+    # for it, and then places that call's start after its own anchor.
+    return [out, *outs[1:]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,3 +359,4 @@ class Late:
 
   def after(self, outs):
     self.bind(outs[0])
+    return outs

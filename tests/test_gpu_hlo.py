@@ -242,9 +242,10 @@ def test_single_gpu_demo_cnn_has_stream_calls():
   g = ooo.grad(loss_fn, has_aux=True, mode="single_gpu", ordering="none", device="H100")
   s = gpu_hlo.schedule(g, *args, gpu="H100")
   calls = s.stream_calls()
-  # one stream call per side-stream Call of the schedule (merged clusters)
+  # one stream call per side-stream Call of the schedule (merged clusters; the
+  # BatchNorm/bias ones joined a conv's or a Dense's: passes.slots)
   sched = ooo.explain(loss_fn, *args, has_aux=True, mode="single_gpu", device="H100").schedule
-  assert len(calls) == len(s.pairs_of("call")) == len(sched.calls) >= 6
+  assert len(calls) == len(s.pairs_of("call")) == len(sched.calls) >= 4
   assert all(p.stream == "1" and p.computation == s.entry_name for p in calls)
   heavy = [p for p in calls if p.heavy_callee]
   kinds = sorted(next(i.kind for i in p.callee if i.is_heavy) for p in heavy)
