@@ -385,7 +385,7 @@ def _call_local(vg, fun, args, kwargs, scatter):
 
 def call(vg, args, kwargs):
   """`vg(*args, **kwargs)` for an unbound data axis: the per-shard gradient in a shard_map."""
-  from ooojax._api import _is_dynamic, _resolve_argnums
+  from ooojax._args import _is_dynamic, _resolve_argnums
 
   idx = _resolve_argnums(vg.argnums, len(args))
   flat, tree = jax.tree_util.tree_flatten((args, kwargs))

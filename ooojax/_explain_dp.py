@@ -371,7 +371,7 @@ def explain_dp(
   """`ooo.explain` for mode="data_parallel"; `args` are one device's shard."""
   from ooojax._api import _check_argnums, _make_options, _resolve_argnums, value_and_grad
   from ooojax._compiled import Call
-  from ooojax._explain import Report
+  from ooojax._report import Report
   from ooojax.passes.cost import CostModel
 
   opts = _make_options(options)  # TypeError / ValueError as ooo.grad raises them

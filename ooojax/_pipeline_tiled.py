@@ -322,7 +322,7 @@ class TiledTrainStep(PipelineTrainStep):
     first = jax.tree.map(lambda x: x[0], batches)
     prog = self._program_with(list(lay.avals), lay.treedef, first, lowering)
     c = prog.cut
-    from ooojax.pipeline import is_key, microbatch_keys
+    from ooojax._pipeline_auto import is_key, microbatch_keys
 
     def per_step(x):  # a scalar per step as a row per example (a key: per microbatch)
       if is_key(x):
@@ -355,7 +355,7 @@ class TiledTrainStep(PipelineTrainStep):
     ), losses
 
   def _program_with(self, avals, treedef, batch, lowering):
-    from ooojax.pipeline import _auto_program
+    from ooojax._pipeline_auto import _auto_program
 
     return _auto_program(
       self.loss_fn,

@@ -25,7 +25,6 @@ they are exact. `step.params(state)` converts back to the user's structure
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -38,7 +37,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ooojax.passes.pipeline.balance import Balance
 from ooojax.passes.pipeline.cut import Cut
 from ooojax.passes.pipeline.execute import device_order
-from ooojax.passes.pipeline.schedule import PipelineSchedule
 
 
 class StageParams(struct.PyTreeNode):
@@ -91,7 +89,7 @@ class PipelineTrainStep:
 
   # --- layout ----------------------------------------------------------------------
   def _program(self, avals, treedef, batch, layers=None):
-    from ooojax.pipeline import _auto_program  # the automatic form's cut and executor
+    from ooojax._pipeline_auto import _auto_program  # the automatic form's cut and executor
 
     return _auto_program(
       self.loss_fn,
@@ -265,106 +263,3 @@ class PipelineTrainStep:
 
   def __call__(self, state: PipelineTrainState, *batch) -> tuple[PipelineTrainState, Any]:
     return self._jitted(state)(state, *batch)
-
-
-def make_train_step(
-  loss_fn: Callable,
-  optimizer: optax.GradientTransformation,
-  *,
-  mesh,
-  axis_name: str,
-  schedule: str | PipelineSchedule = "ooo",
-  microbatches: int | None = None,
-  chunks: int | None = None,
-  data_axis: str | None = None,
-  has_aux: bool = False,
-  compiler_options: dict | None = None,
-  layers: str | tuple[int, ...] | None = None,
-  steps: int = 1,
-  aux_reduce: Callable | None = None,
-) -> PipelineTrainStep:
-  """A jitted pipelined train step of a plain loss, the optimizer applied per stage.
-
-  The stages are cut from `loss_fn` as in `value_and_grad(loss_fn, mesh=...,
-  axis_name=...)`; each step is one pipelined gradient (the mean over
-  microbatches, and over data replicas with `data_axis`) followed by the
-  optimizer's update, applied where each parameter lives: the stack's layers
-  sharded on the stage axis, shared (tied) weights replicated and updated
-  identically on every stage. Any optax transformation works, including those
-  that reduce over every leaf (`clip_by_global_norm`: exact). Transformations
-  that look at the parameters' structure (`optax.masked` with a tree of flags)
-  see the state's `StageParams` layout, not the user's tree.
-
-  Args:
-    loss_fn: `loss_fn(params, *batch) -> scalar`, the plain loss (a mean over
-      examples); with `has_aux`, `(loss, aux)`: the step returns `state, (loss,
-      aux)` (`steps > 1`: each aux leaf with a leading axis of steps), the aux
-      reduced over microbatches by `aux_reduce` as in `value_and_grad`.
-    optimizer: the optax optimizer.
-    mesh, axis_name, schedule, microbatches, chunks, data_axis, layers: as in
-      `value_and_grad`. The split is fixed at `init` (`step.balance`); the cost
-      model prices the local device, so pin `layers=step.balance.counts` to
-      restore a checkpoint on another kind of device.
-    compiler_options: passed to `jax.jit` (e.g. XLA's optimization level).
-    steps: training steps per call. `steps > 1` runs them as one table tiled
-      over steps (`ooojax._pipeline_tiled.TiledTrainStep`): step t + 1's
-      warm-up under step t's drain, each stage's update at its own tick; the
-      batch leaves (of `init` and of each call) are stacked on a leading axis
-      of `steps`, the call returns the `(steps,)` losses. Needs an optimizer
-      that acts leaf by leaf (`clip_by_global_norm` is refused: use steps=1).
-
-  Returns:
-    A `PipelineTrainStep`: `state = step.init(params, *batch)`, `state, loss =
-    step(state, *batch)`, `params = step.params(state)` (the user's structure).
-    The state is a pytree that orbax saves and restores (`step.abstract_state(
-    params, *batch)` is the restore target, from shapes alone). `loss, grads =
-    step.value_and_grad(state, *batch)` is the gradient without the update, in
-    the state's layout (with `steps=1`).
-
-  >>> import jax, jax.numpy as jnp, optax
-  >>> mesh = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
-  >>> def loss(w, x, t):
-  ...   h = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, w)[0]
-  ...   return jnp.mean((h - t) ** 2)
-  >>> step = make_train_step(loss, optax.sgd(0.1), mesh=mesh, axis_name="stage",
-  ...                        schedule="1f1b", microbatches=2)
-  >>> x, t = jnp.ones((4, 3)), jnp.zeros((4, 3))
-  >>> state = step.init(jnp.ones((2, 3, 3)) * 0.1, x, t)
-  >>> state.params.stacked[0].shape      # (stages, layers per stage, 3, 3)
-  (2, 1, 3, 3)
-  >>> step.balance.counts                # layers per virtual stage (`Balance`)
-  (1, 1)
-  >>> state, l0 = step(state, x, t)
-  >>> state, l1 = step(state, x, t)
-  >>> bool(l1 < l0), step.params(state).shape
-  (True, (2, 3, 3))
-  """
-  from ooojax.pipeline import _table
-
-  if axis_name not in mesh.shape:
-    raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
-  if data_axis is not None and (data_axis not in mesh.shape or data_axis == axis_name):
-    raise ValueError(
-      f"data_axis={data_axis!r} must be a mesh axis other than the stage "
-      f"axis {axis_name!r}; the mesh has {dict(mesh.shape)}"
-    )
-  sched = _table(schedule, mesh.shape[axis_name], microbatches, chunks)
-  args = (
-    loss_fn,
-    optimizer,
-    sched,
-    mesh,
-    axis_name,
-    data_axis,
-    has_aux,
-    compiler_options,
-    layers,
-    aux_reduce,
-  )
-  if not (isinstance(steps, int) and steps >= 1):
-    raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-  if steps > 1:
-    from ooojax._pipeline_tiled import TiledTrainStep
-
-    return TiledTrainStep(*args, steps=steps)
-  return PipelineTrainStep(*args)
