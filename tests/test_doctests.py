@@ -24,7 +24,7 @@ MODULES = [
   "ooojax.passes.pipeline.steps",
   "ooojax.single_gpu",
   "ooojax.passes.fingerprint",
-  "ooojax._pipeline_train",
+  "ooojax._pipeline_auto",
   "ooojax.passes.pipeline.balance",
   "ooojax.passes.pipeline.eqns",
   "ooojax._pipeline_tiled",

@@ -7,6 +7,8 @@ executor all read.
 * `actions`: the action IR and its dependency rules.
 * `schedule`: the table (`PipelineSchedule`), its validator and text form.
 * `generate`: the named schedules (gpipe, 1f1b, ooo, zb-h1, zb-h2, interleaved, zb-v).
+* `place`: per-stage orders placed on ticks and their transfers lowered (for
+  `generate` and `steps`).
 * `simulate`: a table's timeline under per-kind costs, and its plot.
 * `steps`: a table tiled over several training steps (per-stage updates U),
   and its steady-state bubble per step.

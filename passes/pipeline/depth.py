@@ -81,7 +81,8 @@ def _candidates(S: int, M: int, gen_costs, budget: int, lag: int, comm: float = 
   """(form, extra, table) of every candidate, generated as if each transfer took
   `comm` (a delay: the replay on the link then prices the queueing); cached, so
   a sweep over links and modes generates them once per `comm`."""
-  from ooojax.passes.pipeline.generate import Policy, _greedy, _lower_comms, _place, generate
+  from ooojax.passes.pipeline.generate import Policy, _greedy, generate
+  from ooojax.passes.pipeline.place import _lower_comms, _place
   from ooojax.passes.pipeline.schedule import PipelineSchedule, ScheduleError
 
   gc = dict(gen_costs) if gen_costs is not None else None

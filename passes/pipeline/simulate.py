@@ -64,7 +64,7 @@ def simulate(
   sched: PipelineSchedule, costs: Mapping[str, float] | None = None, comm: float = 0.0, extra=None
 ) -> PipelineTimeline:
   """Event replay of the table's per-stage orders (`extra(action, vstage)`: further
-  dependencies, as in `generate._place`; `steps.steady_state(shared=True)`'s).
+  dependencies, as in `place._place`; `steps.steady_state(shared=True)`'s).
 
   >>> from ooojax.passes.pipeline.generate import generate
   >>> simulate(generate("gpipe", 2, 2)).makespan   # 3 ticks of F, then BW = 2 x 3

@@ -37,10 +37,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from ooojax.passes.pipeline.actions import COMPUTE, UPDATE, Action
-from ooojax.passes.pipeline.generate import _lower_comms, _place, shared_dep
-from ooojax.passes.pipeline.schedule import PipelineSchedule
+from ooojax.passes.pipeline.place import _lower_comms, _place, shared_dep
+
+if TYPE_CHECKING:  # `schedule` calls `tile` / `steady_state` (its methods): no import back
+  from ooojax.passes.pipeline.schedule import PipelineSchedule
 
 __all__ = ["SteadyState", "steady_state", "tile", "with_updates"]
 
