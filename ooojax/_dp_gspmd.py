@@ -209,16 +209,20 @@ def sum_outputs(jaxpr, start: int, n: int) -> tuple[bool, ...]:
   return tuple(out)
 
 
-def combine_aux(x, axis, batch_rows: frozenset, is_sum: bool = False):
+def combine_aux(x, axis, batch_rows: frozenset, is_sum: bool = False, per_shard: bool = True):
   """One shard's aux leaf combined over the data axis (the same on every device).
 
   A leaf whose leading dimension is the shard's batch size (per-example
   values) is gathered back to the full batch; a leaf computed last by a sum
   (a token count, a total) and integer leaves are summed; other floating
   leaves are averaged (like the loss); a bool leaf is true where any shard's is.
+  A leaf computed from the replicated inputs alone (`per_shard` False: nnx's
+  RNG keys and counts carried through) is the same on every device: device 0's.
   """
   if not hasattr(x, "dtype") or not _compat.is_tracer(x):
     return x
+  if not per_shard:  # the same on every device: device 0's, made invariant
+    return _first_device(x, axis)
   if jnp.issubdtype(x.dtype, jnp.bool_):
     return jax.lax.psum(x.astype(jnp.int32), axis) > 0
   if not jnp.issubdtype(x.dtype, jnp.number):
@@ -235,6 +239,41 @@ def combine_aux(x, axis, batch_rows: frozenset, is_sum: bool = False):
   if jnp.issubdtype(x.dtype, jnp.inexact) and not is_sum:
     return jax.lax.pmean(x, axis)
   return jax.lax.psum(x, axis)
+
+
+def _first_device(x, axis):
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    data = _first_device(jax.random.key_data(x), axis)
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+  mine = jax.lax.axis_index(axis) == 0
+  if jnp.issubdtype(x.dtype, jnp.bool_):
+    return jax.lax.psum(jnp.where(mine, x, False).astype(jnp.int32), axis) > 0
+  return jax.lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), axis)
+
+
+def _per_shard(closed, split: list, consts: set) -> list:
+  """Per output of `closed` (the forward, a ClosedJaxpr), whether it may differ
+  between shards: all but those computed from the replicated inputs alone
+  (an nnx RNG key or count carried through). An output computed from no input
+  may still read the batch's shape (a row count): per shard."""
+
+  def reach(seed) -> set:
+    dep = set(seed)
+    for e in closed.jaxpr.eqns:
+      if any(isinstance(v, _compat.Var) and v in dep for v in e.invars):
+        dep.update(e.outvars)
+    return dep
+
+  const_vars = list(zip(closed.jaxpr.constvars, closed.consts))
+  on_batch = reach(
+    [v for v, d in zip(closed.jaxpr.invars, split) if d]
+    + [v for v, c in const_vars if id(c) in consts]
+  )
+  on_replicated = reach([v for v, d in zip(closed.jaxpr.invars, split) if not d])
+  return [
+    not isinstance(v, _compat.Var) or v in on_batch or v not in on_replicated
+    for v in closed.jaxpr.outvars
+  ]
 
 
 def with_closure(fun, swap: dict, hits: set, depth: int = 4):
@@ -299,13 +338,16 @@ def _drop_axis(spec, axis):
   return P(*(entry(e) for e in spec))
 
 
-def _in_shard(fun, axis, had_mesh: bool):
+def _in_shard(fun, axis, had_mesh: bool, rows: frozenset = frozenset()):
   """`fun` with sharding constraints on `axis` dropped while it is traced.
 
   Inside the shard_map the data axis is manual, and each device holds its
   shard: a constraint the model applies for the global view holds there by
   construction, but naming a manual axis in it is an error. Constraints on
-  the other axes are kept. Without a context mesh outside (`had_mesh`),
+  the other axes are kept; so are `reshard`, `out_sharding=` and `auto_axes`
+  requests, less the data axis (`_compat.manual_axis_dropped`). Random draws
+  over the shard's `rows` (dropout) take this shard's rows of the full
+  batch's draw (`_compat.per_example_draws`). Without a context mesh outside (`had_mesh`),
   constraints given as a bare `PartitionSpec` are dropped: the shard_map
   sets a mesh the user's program did not have, and code that constrains
   only when a mesh is set (flax's `nn.with_partitioning` boxes) would
@@ -336,7 +378,8 @@ def _in_shard(fun, axis, had_mesh: bool):
 
     jax.lax.with_sharding_constraint = constrain
     try:
-      return fun(*a, **k)
+      with _compat.manual_axis_dropped(axis), _compat.per_example_draws(axis, rows):
+        return fun(*a, **k)
     finally:
       jax.lax.with_sharding_constraint = orig
 
@@ -407,12 +450,12 @@ def call(vg, args, kwargs):
     a, k = rebuild(vals)
     return vg.fun(*a, **k)
 
-  consts = [
-    c
-    for c in jax.make_jaxpr(forward)(*leaves).consts
-    if _compat.is_tracer(c) or isinstance(c, jax.Array)
-  ]
+  closed = jax.make_jaxpr(forward)(*leaves)
+  consts = [c for c in closed.consts if _compat.is_tracer(c) or isinstance(c, jax.Array)]
   lay = layout(vg.options, leaves, diff, positional, consts, _boxed_specs(args, idx))
+  # which outputs (the loss, then the aux leaves) depend on the split batch
+  split = [_dim_on(sp, lay.axis) is not None and g is None for sp, g in zip(lay.specs, lay.gather)]
+  per_shard = _per_shard(closed, split, {id(c) for c in lay.split_consts})[1:]
   had_mesh = _compat.context_mesh() is not None
   inner = _bound_to(vg, lay.axis)
   ax = lay.axis
@@ -440,7 +483,7 @@ def call(vg, args, kwargs):
         "function's closure, a functools.partial or a pytree there); pass it as an "
         "argument of the differentiated function instead"
       )
-    (out, g), sums = _call_local(inner, _in_shard(fun, ax, had_mesh), a, k, scatter)
+    (out, g), sums = _call_local(inner, _in_shard(fun, ax, had_mesh, rows), a, k, scatter)
     if vg.has_aux:
       val, aux = out
       leaves, aux_tree = jax.tree.flatten(aux)
@@ -448,8 +491,8 @@ def call(vg, args, kwargs):
       aux = jax.tree.unflatten(
         aux_tree,
         [
-          combine_aux(x, ax, rows, next(it, False) if _compat.is_tracer(x) else False)
-          for x in leaves
+          combine_aux(x, ax, rows, next(it, False) if _compat.is_tracer(x) else False, p)
+          for x, p in zip(leaves, per_shard)
         ],
       )
     else:

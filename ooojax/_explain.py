@@ -43,6 +43,12 @@ def explain(fun, *args, argnums=0, has_aux=False, **options):
   BatchNorm outside `pmap`) with `mesh=` (a `Mesh`, `AbstractMesh` or
   `{name: size}`) and `axis_name=`: the loss is traced with the axis bound,
   shapes only. In data-parallel mode `axis_name` and `axis_size` bind it.
+
+  Data parallel as a sharded-jit (GSPMD) user holds it: `mode="data_parallel",
+  mesh=mesh` takes the axis size from the mesh and the data axis from
+  `axis_name=` or else from the batch's own sharding (the mesh axis its
+  leading dimension is split over); such a batch is the global one, explained
+  as one device's shard of it.
   """
   from ooojax import _explain_inputs as inputs
 
@@ -51,7 +57,15 @@ def explain(fun, *args, argnums=0, has_aux=False, **options):
   mode = options.get("mode", "auto")
   axes = inputs.mesh_axes(mesh) if mesh is not None else {}
   bound = None
-  if mode == "data_parallel":
+  if mode == "data_parallel" and mesh is not None and "axis_size" not in options:
+    # as a GSPMD user holds it: the data axis named, or found from the batch's sharding
+    from ooojax._api import _check_argnums, _resolve_argnums
+
+    idx = _resolve_argnums(_check_argnums(argnums), len(args))
+    name = options["axis_name"] = inputs.data_axis(args, idx, axes, options.get("axis_name"))
+    options["axis_size"] = axes[name]
+    args = inputs.local_args(tuple(args), idx, name, axes[name])
+  elif mode == "data_parallel":
     name = options.get("axis_name")
     if name is not None and name in axes and "axis_size" not in options:
       options["axis_size"] = axes[name]

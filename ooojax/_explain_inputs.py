@@ -176,3 +176,62 @@ def int_leaves_note(err: TypeError) -> TypeError:
     "nnx.split(model, nnx.Param, ...), and differentiate params."
   )
   return err
+
+
+def _leading_axes(x) -> tuple:
+  """The mesh axes `x`'s own sharding splits its leading dimension over."""
+  s = getattr(x, "sharding", None)
+  spec = getattr(s, "spec", None)
+  if not isinstance(s, jax.sharding.NamedSharding) or not spec or not getattr(x, "ndim", 0):
+    return ()
+  e = spec[0]
+  return () if e is None else tuple(e) if isinstance(e, tuple) else (e,)
+
+
+def data_axis(args: tuple, idx: tuple[int, ...], axes: Mapping[str, int], axis_name) -> str:
+  """The data axis of `explain(mode="data_parallel", mesh=...)`: `axis_name`, or
+  the one mesh axis the non-differentiated arguments' arrays (the batch) are
+  sharded over on their leading dimension, as a GSPMD user holds them."""
+  if axis_name is not None:
+    if axis_name not in axes:
+      raise ValueError(
+        f"explain(mode='data_parallel'): axis_name={axis_name!r} is not an axis of "
+        f"mesh= (its axes: {list(axes)})"
+      )
+    return axis_name
+  seen = {
+    a
+    for i, a_ in enumerate(args)
+    if i not in idx
+    for x in jax.tree_util.tree_leaves(a_)
+    for a in _leading_axes(x)
+    if a in axes
+  }
+  if len(seen) == 1:
+    return seen.pop()
+  why = (
+    "no argument's sharding splits its leading dimension over a mesh axis"
+    if not seen
+    else f"the batch is split over several mesh axes {sorted(seen)}"
+  )
+  raise ValueError(
+    f"explain(mode='data_parallel', mesh=...): {why}. Pass axis_name= naming the mesh "
+    f"axis the batch is split over (the mesh's axes: {list(axes)}), e.g. "
+    f"ooo.explain(loss, params, batch, mode='data_parallel', mesh=mesh, "
+    f"axis_name={next(iter(axes), 'data')!r}), or pass the batch placed on the mesh: "
+    "jax.device_put(batch, NamedSharding(mesh, P('data')))"
+  )
+
+
+def local_args(args: tuple, idx: tuple[int, ...], axis: str, n: int) -> tuple:
+  """`args` as one device's shard: a non-differentiated array whose own sharding
+  splits its leading dimension over `axis` (the global batch of a sharded jit)
+  becomes a struct of its per-device shape. Other leaves are kept (data-parallel
+  explain takes them as one device's already)."""
+
+  def local(x):
+    if axis not in _leading_axes(x):
+      return x
+    return jax.ShapeDtypeStruct((x.shape[0] // n, *x.shape[1:]), x.dtype)
+
+  return tuple(a if i in idx else jax.tree.map(local, a) for i, a in enumerate(args))

@@ -822,3 +822,98 @@ def pinning_effects(eqn) -> set:
   """`eqn`'s effects other than naming a mapped axis (`axis_index`, `psum` over the
   data axis): those a pass must not duplicate or move across a stage boundary."""
   return {e for e in eqn.effects if not isinstance(e, _core.NamedAxisEffect)}
+
+
+def _without_axis(s, axis):
+  """`s` (a `PartitionSpec` or `NamedSharding`) with `axis` removed from its entries."""
+  P = jax.sharding.PartitionSpec
+
+  def entry(e):
+    kept = tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a is not None and a != axis)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+
+  if isinstance(s, P):
+    return P(*(entry(e) for e in s))
+  if isinstance(s, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(s.mesh, _without_axis(s.spec, axis))
+  return s
+
+
+@contextlib.contextmanager
+def manual_axis_dropped(axis: str) -> Iterator[None]:
+  """While tracing inside a `shard_map` manual over `axis` (the data axis of a
+  sharded jit), sharding requests that name `axis` (the `out_sharding=` of
+  `dot_general`, `einsum`, `jnp` constructors, `reshard`, `auto_axes`) drop it.
+
+  The model was written for the global view: there `P('data', None)` says
+  the rows are split, which inside the shard_map holds by construction, but
+  naming a manual axis is an error ("cannot contain axis names that are of
+  type Auto or Manual"). `auto_axes` / `explicit_axes` without `axes=` switch
+  every mesh axis, and a manual one cannot be switched: they switch the other
+  axes. JAX resolves every such request through `canonicalize_sharding`,
+  which its modules import by name, so each module's reference is replaced.
+  """
+  import sys
+
+  from jax._src import mesh as _mesh, pjit as _pjit, sharding_impls as _si
+
+  orig = _si.canonicalize_sharding
+
+  def canonicalize(sharding, *a, **k):
+    if axis in _mesh.get_abstract_mesh().manual_axes:
+      sharding = _without_axis(sharding, axis)
+    return orig(sharding, *a, **k)
+
+  orig_new_mesh = _pjit._get_new_mesh
+
+  def new_mesh(axes, *a, **k):
+    cur = _mesh.get_abstract_mesh()
+    if axes is None and axis in cur.manual_axes:
+      axes = tuple(n for n in cur.axis_names if n not in cur.manual_axes)
+    return orig_new_mesh(axes, *a, **k)
+
+  holders = [
+    m
+    for name, m in list(sys.modules.items())
+    if name.startswith("jax._src") and getattr(m, "canonicalize_sharding", None) is orig
+  ]
+  for m in holders:
+    m.canonicalize_sharding = canonicalize
+  _pjit._get_new_mesh = new_mesh
+  try:
+    yield
+  finally:
+    for m in holders:
+      m.canonicalize_sharding = orig
+    _pjit._get_new_mesh = orig_new_mesh
+
+
+@contextlib.contextmanager
+def per_example_draws(axis: str, rows: frozenset) -> Iterator[None]:
+  """While tracing one shard of a batch split over `axis`, a random draw from a
+  single key whose leading dimension is the shard's batch size (`rows`: dropout
+  masks, per-example noise) is drawn at the full batch's shape and this
+  shard's rows are kept.
+
+  So each shard sees the rows of the draw `jax.value_and_grad` makes on the
+  whole batch (with `jax_threefry_partitionable`, a draw's values do not
+  depend on its sharding), instead of the same first rows on every shard.
+  The draw costs the full batch's random bits on every device.
+  """
+  from jax._src.random import prng as _prng
+
+  orig = _prng.random_bits
+
+  def bits(keys, bit_width, shape):
+    if not getattr(keys, "shape", ()) and shape and shape[0] in rows:
+      n = jax.lax.axis_size(axis)
+      full = orig(keys, bit_width, (n * shape[0], *shape[1:]))
+      at = jax.lax.axis_index(axis) * shape[0]
+      return jax.lax.dynamic_slice_in_dim(full, at, shape[0], 0)
+    return orig(keys, bit_width, shape)
+
+  _prng.random_bits = bits
+  try:
+    yield
+  finally:
+    _prng.random_bits = orig

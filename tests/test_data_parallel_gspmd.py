@@ -264,3 +264,32 @@ def test_make_train_step_takes_nnx_graphdef_and_params(close):
   gd, got = step.held(state)
   assert gd == graphdef
   close(got, ref)
+
+
+def test_explain_takes_the_mesh_and_finds_the_data_axis():
+  """explain(mode="data_parallel", mesh=) on nanodo's loss as its user holds it
+  (no named axis in the loss, the global batch placed on the mesh): the axis
+  size comes from the mesh, the axis from the batch's sharding or axis_name=,
+  and the report is that of one device's shard."""
+  cfg = nd.DoConfig(**_CFG, fsdp_enabled=False)
+  mesh = nd.mesh(N)
+  if False not in _INIT:
+    _INIT[False] = nd.init_train_state(cfg, mesh)
+  state = _INIT[False][1]
+
+  def loss(params, batch):
+    return nd.get_default_loss_fn(batch, state.apply_fn, None)(params)
+
+  tokens = nd.batches(cfg, 2 * N, 1)[0]
+  batch = jax.device_put(tokens, NamedSharding(mesh, P("data")))
+  kw = dict(has_aux=True, mode="data_parallel")
+  found = ooo.explain(loss, state.params, batch, mesh=mesh, **kw)
+  named = ooo.explain(loss, state.params, batch, mesh=mesh, axis_name="data", **kw)
+  shard = ooo.explain(loss, state.params, tokens[:2], axis_name="data", axis_size=N, **kw)
+  assert found.axis_name == "data" and found.plan.n_devices == N
+  assert repr(found) == repr(named) == repr(shard)
+  # nothing shows the data axis: the error names axis_name= and the mesh's axes
+  with pytest.raises(ValueError, match=r"axis_name=.*\['data'\]"):
+    ooo.explain(loss, state.params, tokens, mesh=mesh, **kw)
+  with pytest.raises(ValueError, match=r"axis_name='batch' is not an axis of mesh="):
+    ooo.explain(loss, state.params, batch, mesh=mesh, axis_name="batch", **kw)

@@ -350,18 +350,38 @@ def minigpt_reference():
     return mesh, _nnx_loop(jax.value_and_grad, model, tokens)
 
 
-@pytest.mark.parametrize("mode", ["in_order", "single_gpu"])
-def test_nnx_minigpt_explicit_sharding_five_adam_steps(mode, minigpt_reference):
+@pytest.mark.parametrize(
+  "mode,kw",
+  [
+    ("in_order", {}),
+    ("single_gpu", {}),
+    ("data_parallel", {}),
+    ("data_parallel", {"axis_name": "batch"}),
+  ],
+  ids=["in_order", "single_gpu", "data_parallel", "data_parallel-axis_name"],
+)
+def test_nnx_minigpt_explicit_sharding_five_adam_steps(mode, kw, minigpt_reference):
+  """flax's MiniGPT as its notebook writes it: explicit sharding under
+  `jax.set_mesh`, `reshard`, dropout from `nnx.Rngs`. data_parallel finds the
+  data axis from the tokens' sharding (or takes `axis_name=`) inside the same
+  sharded jit."""
   mesh, (want_params, want_losses) = minigpt_reference
   with jax.set_mesh(mesh):
     model, tokens = _minigpt(mesh)
-    vg = lambda f, has_aux: ooo.value_and_grad(f, has_aux=has_aux, mode=mode)  # noqa: E731
+    vg = lambda f, has_aux: ooo.value_and_grad(f, has_aux=has_aux, mode=mode, **kw)  # noqa: E731
     params, losses = _nnx_loop(vg, model, tokens)
   np.testing.assert_allclose(losses, want_losses, rtol=2e-5)
   assert losses[-1] < losses[0]
-  for g, w in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
-    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+  for (path, g), w in zip(
+    jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(want_params)
+  ):
     assert g.sharding.is_equivalent_to(w.sharding, g.ndim)
+    if mode == "data_parallel" and "'key']['bias'" in jax.tree_util.keystr(path):
+      # its gradient is 0 up to rounding (softmax is shift invariant); adam scales
+      # the rounding, which depends on the order of the sums, to lr-sized steps
+      assert np.max(np.abs(g)) < 5 * 1e-2
+      continue
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
 
 def test_explain_nnx_module_and_graphdef_state():

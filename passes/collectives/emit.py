@@ -46,8 +46,17 @@ def _zero_from(x, dtype):
   fold `convert(pred) * 0` (into `select(p, 0, 0)`), so the finite value is
   taken with a select: `where(isfinite(x0), x0, 0) * 0`. One scalar op.
   """
-  x0 = jax.lax.index_in_dim(jax.lax.reshape(x, (x.size,)), 0, keepdims=False)  # lax: cheap
+  if _typed_sharded(x):  # flattening would reshard it: a (small) reduction instead
+    x0 = jnp.sum(x)
+  else:
+    x0 = jax.lax.index_in_dim(jax.lax.reshape(x, (x.size,)), 0, keepdims=False)  # lax: cheap
   return (jnp.where(jnp.isfinite(x0), x0, 0) * 0).astype(dtype)
+
+
+def _typed_sharded(x) -> bool:
+  """Whether `x`'s type splits a dimension over a mesh axis (explicit sharding)."""
+  spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+  return spec is not None and any(e is not None for e in spec)
 
 
 def reduce_buffers(vals, axis_name, reduce: str = "mean", scatter=None):
@@ -56,17 +65,30 @@ def reduce_buffers(vals, axis_name, reduce: str = "mean", scatter=None):
   `scatter`: per value, None or the dimension it is reduce-scattered over
   (FSDP: the parameter's sharded dimension); those values go into one
   `psum_scatter` per dtype instead, each coming back as this device's slice.
+  Values whose type is sharded over another mesh axis (explicit sharding)
+  go into one multi-operand `psum` per dtype, unflattened.
   Returns `(reduced values, the reduced flat buffers)`.
   """
   scatter = scatter or [None] * len(vals)
   groups: dict = {}
   for j, x in enumerate(vals):
-    groups.setdefault((jnp.result_type(x), scatter[j] is not None), []).append(j)
+    kind = "scatter" if scatter[j] is not None else "typed" if _typed_sharded(x) else "flat"
+    groups.setdefault((jnp.result_type(x), kind), []).append(j)
   out: list = [None] * len(vals)
   bufs = []
-  for (_, scattered), idx in groups.items():
-    if scattered:
+  for (_, kind), idx in groups.items():
+    if kind == "scatter":
       bufs.append(_reduce_scatter(vals, idx, scatter, out, axis_name, reduce))
+      continue
+    if kind == "typed":
+      # sharded over other mesh axes in their type (explicit sharding): flattening
+      # them together would reshard them; one all-reduce of several operands
+      red = jax.lax.psum([vals[j] for j in idx], axis_name)
+      if reduce == "mean":
+        red = [r / jax.lax.axis_size(axis_name) for r in red]
+      for j, r in zip(idx, red):
+        out[j] = r
+      bufs.append(red[0])
       continue
     # lax ops, one split per buffer: fewer equations to trace and lower than
     # jnp's ravel and a slice per leaf
