@@ -253,7 +253,8 @@ class SingleGPUStep:
     vg = self._vg()
     plan, dyn = vg.plan((state.params, batch), {})
     dfr = defer_pass.defer(plan.split, plan.schedule, p.deferred)
-    if dfr.carried != p.carried:  # pragma: no cover - a program unlike init's
+    # shapes and dtypes only: the step's trace may carry the jit's shardings, init's none
+    if _shapes(dfr.carried) != _shapes(p.carried):  # pragma: no cover - unlike init's
       raise ValueError("the step traced a different program than init: call init again")
     if late is not None:
       late = dataclasses.replace(late, anchor=dfr.anchor)
@@ -403,3 +404,7 @@ def make_train_step(
   if not isinstance(has_aux, bool):
     raise TypeError(f"has_aux must be a bool, got {has_aux!r}")
   return SingleGPUStep(loss_fn, tx, defer, coupled, has_aux, dict(ooo_options))
+
+
+def _shapes(avals) -> tuple:
+  return tuple((tuple(a.shape), a.dtype) for a in avals)
