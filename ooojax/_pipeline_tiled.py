@@ -320,7 +320,7 @@ class TiledTrainStep(PipelineTrainStep):
       )
 
     first = jax.tree.map(lambda x: x[0], batches)
-    prog = self._program_with(list(lay.avals), lay.treedef, first, lowering)
+    prog = self._program(list(lay.avals), lay.treedef, first, lay.balance.counts, lowering)
     c = prog.cut
     from ooojax._pipeline_auto import is_key, microbatch_keys
 
@@ -353,21 +353,3 @@ class TiledTrainStep(PipelineTrainStep):
     return PipelineTrainState(
       state.step + self.steps, StageParams(tuple(p), tuple(sh), tuple(rest)), opt_state
     ), losses
-
-  def _program_with(self, avals, treedef, batch, lowering):
-    from ooojax._pipeline_auto import _auto_program
-
-    return _auto_program(
-      self.loss_fn,
-      self.has_aux,
-      self.sched,
-      self.mesh,
-      self.axis_name,
-      self.data_axis,
-      avals,
-      treedef,
-      batch,
-      device_major=True,
-      layers=self._layout.balance.counts,
-      lowering=lowering,
-    )

@@ -88,7 +88,7 @@ class PipelineTrainStep:
     self._step = self._grad = None
 
   # --- layout ----------------------------------------------------------------------
-  def _program(self, avals, treedef, batch, layers=None):
+  def _program(self, avals, treedef, batch, layers=None, lowering=None):
     from ooojax._pipeline_auto import _auto_program  # the automatic form's cut and executor
 
     return _auto_program(
@@ -103,6 +103,7 @@ class PipelineTrainStep:
       batch,
       device_major=True,
       layers=self.layers if layers is None else layers,
+      lowering=lowering,
     )
 
   def _plan(self, params, batch) -> _Layout:
