@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ooojax.passes import _compat
 from ooojax.passes.pipeline.balance import Balance, balance as _balance, price as _price
 from ooojax.passes.pipeline.cut import EXPLICIT as _EXPLICIT, Cut, CutError, cut
-from ooojax.passes.pipeline.execute import lower
+from ooojax.passes.pipeline.execute import device_order, lower
 from ooojax.passes.pipeline.generate import SCHEDULES, generate
 from ooojax.passes.pipeline.schedule import PipelineSchedule
 
@@ -75,10 +75,30 @@ class _AutoProgram:
   batch: tuple
   balance: Balance  # layers per virtual stage (`cut.stage_params(leaves, counts)`)
   aux_tree: object = None  # the aux's treedef (`has_aux`); `run`'s loss is then (loss, aux)
+  # model state (`state_argnums`): the stage columns after the parameters' (the
+  # layers' state, then zero probes: `Cut.stage_state`), in the executor's row order
+  state_cols: tuple = ()
+  microbatches: int = 1
+  lead: int = 1  # microbatches x data replicas: the aux leaves' leading size
+  order: object = None  # the stage rows' order when not virtual-stage order
 
-  def split(self, out):
-    """`(loss, aux leaves stacked over microbatches)` of `run`'s first output."""
-    return out if self.cut.n_aux else (out, ())
+  def split(self, out, gp=None):
+    """`(loss, aux leaves stacked over microbatches, the parameters' stage grads)` of
+    `run`'s outputs (`gp`, its stage grads, give the updated state in the aux)."""
+    c = self.cut
+    loss, aux = out if c.n_aux else (out, ())
+    if not c.emits:
+      return loss, aux, gp
+    n = len(c.stacked[0])
+    probes = gp[n + len(c.state[0]) :]
+    if self.order is not None:  # back to virtual-stage order
+      probes = [g[np.argsort(self.order)] for g in probes]
+    new = c.emitted(probes, self.balance.counts, self.microbatches)
+    full = tuple(
+      aux[k] if kind == "epilogue" else jnp.broadcast_to(new[i], (self.lead, *new[i].shape))
+      for i, (kind, k) in enumerate(c.aux_at)
+    )
+    return loss, full, gp[:n]
 
   def aux(self, stacked, reduce=None):
     """The aux tree of `split`'s stacked leaves, reduced (default `mean_aux`)."""
@@ -127,19 +147,21 @@ def _auto_parts(
   batch,
   layers=None,
   data_axis=None,
+  state=(),
 ) -> _AutoParts:
   """Traces `loss_fn` at one data replica's slice of one microbatch (what each device
   runs; `D` data replicas over `data_axis`, bound while tracing), cuts it
   (`passes.pipeline.cut`) and balances its layers; `batch` may hold
   `jax.ShapeDtypeStruct`s (shapes only)."""
   with _compat.axis_env([(data_axis, D)] if data_axis else []):
-    return _auto_parts_bound(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers)
+    return _auto_parts_bound(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers, state)
 
 
-def _auto_parts_bound(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers):
+def _auto_parts_bound(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers, state):
   M, V = sched.microbatches, sched.virtual_stages
   b_leaves, b_tree = jax.tree.flatten(batch)
-  scalar = [jnp.ndim(x) == 0 for x in b_leaves]  # passed whole to every microbatch
+  # passed whole to every microbatch: scalars, and model state (`state_argnums`)
+  scalar = [jnp.ndim(x) == 0 or i in state for i, x in enumerate(b_leaves)]
   rows = {jnp.shape(x)[0] for x, sc in zip(b_leaves, scalar) if not sc}
   if len(rows) != 1 or next(iter(rows)) % (M * D):
     per = f"microbatches={M}" + (f" x {D} data replicas" if D > 1 else "")
@@ -152,9 +174,9 @@ def _auto_parts_bound(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers
         "key (jax.random.key), which each microbatch gets folded with its "
         "index"
         if raw
-        else "; model state passed in the batch (BatchNorm "
-        "batch_stats, a mutable collection) is not pipelined yet: see "
-        "docs/guides/pipeline-real-losses.md"
+        else "; model state passed in the batch (BatchNorm batch_stats, a "
+        "mutable collection) is not split: name its argument with "
+        "state_argnums (docs/guides/pipeline-real-losses.md)"
         if len(rows) > 1
         else ""
       )
@@ -180,7 +202,7 @@ def _auto_parts_bound(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers
     return (out[0], *aux)
 
   closed = jax.make_jaxpr(flat)(*p_avals, *b_avals)
-  c = cut(closed, n, len(closed.jaxpr.outvars) - 1)
+  c = cut(closed, n, len(closed.jaxpr.outvars) - 1, state)
   if c.layers < V:
     raise CutError(
       f"the stack has {c.layers} layers, fewer than the {V} virtual stages "
@@ -222,7 +244,7 @@ def _auto_parts_bound(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers
     row = lambda ids: tuple(  # noqa: E731
       microbatch_keys(b_leaves[i], B, M)
       if scalar[i] and is_key(b_leaves[i])
-      else jnp.broadcast_to(b_leaves[i], (B,))
+      else jnp.broadcast_to(b_leaves[i], (B, *jnp.shape(b_leaves[i])))
       if scalar[i]
       else b_leaves[i]
       for i in ids
@@ -248,6 +270,7 @@ def _auto_program(
   device_major: bool = False,
   layers=None,
   lowering=None,
+  state_argnums=(),
 ) -> _AutoProgram:
   """`_auto_parts` lowered (`execute.lower`, or `lowering(cut, stage_fn, loss_fn,
   input_fn)`: the tiled train step's)."""
@@ -262,6 +285,7 @@ def _auto_program(
     batch,
     layers,
     data_axis if D > 1 or data_axis in mesh.shape else None,
+    state_leaves(batch, state_argnums),
   )
   c, fns = parts.cut, parts.fns
   if lowering is not None:
@@ -270,7 +294,41 @@ def _auto_program(
     run = lower(
       fns[0], fns[1], sched, mesh, axis_name, fns[2], data_axis, device_major, has_aux=c.n_aux > 0
     )
-  return _AutoProgram(c, run, parts.rowed(jax.tree.leaves(batch)), parts.balance, parts.aux_tree)
+  b_leaves = jax.tree.leaves(batch)
+  order = device_order(sched) if device_major and sched.chunks > 1 else None
+  cols = c.stage_state(b_leaves, parts.balance.counts)
+  if order is not None:
+    cols = tuple(x[order] for x in cols)
+  return _AutoProgram(
+    c,
+    run,
+    parts.rowed(b_leaves),
+    parts.balance,
+    parts.aux_tree,
+    cols,
+    sched.microbatches,
+    sched.microbatches * D,
+    order,
+  )
+
+
+def state_leaves(batch, state_argnums) -> tuple[int, ...]:
+  """The batch leaves of the loss's arguments `state_argnums` (1: the first after the
+  parameters), model state: passed whole, not differentiated, per layer."""
+  nums = (state_argnums,) if isinstance(state_argnums, int) else tuple(state_argnums or ())
+  bad = [a for a in nums if not (isinstance(a, int) and 1 <= a <= len(batch))]
+  if bad:
+    raise ValueError(
+      f"state_argnums={state_argnums!r} must name the loss's arguments after the "
+      f"parameters (1 to {len(batch)} here: argument 0 is the parameters)"
+    )
+  out, at = [], 0
+  for i, b in enumerate(batch):
+    n = len(jax.tree.leaves(b))
+    if i + 1 in nums:
+      out += range(at, at + n)
+    at += n
+  return tuple(out)
 
 
 def _auto(
@@ -282,6 +340,7 @@ def _auto(
   data_axis: str | None,
   layers=None,
   aux_reduce: Callable | None = None,
+  state_argnums=(),
 ) -> Callable:
   """`step(params, *batch)` of a plain loss (`_auto_program`). The loss is traced on
   every call of `step` (once per `jax.jit` trace): a cached trace would keep the
@@ -291,7 +350,17 @@ def _auto(
     leaves, p_tree = jax.tree.flatten(params)
     p_avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves]
     return _auto_program(
-      loss_fn, has_aux, sched, mesh, axis_name, data_axis, p_avals, p_tree, batch, layers=layers
+      loss_fn,
+      has_aux,
+      sched,
+      mesh,
+      axis_name,
+      data_axis,
+      p_avals,
+      p_tree,
+      batch,
+      layers=layers,
+      state_argnums=state_argnums,
     )
 
   def step(params, *batch, **kwargs):
@@ -305,17 +374,20 @@ def _auto(
         data_axis,
         layers,
         aux_reduce,
+        state_argnums,
       )
       return named(params, *batch, kwargs)
     leaves, p_tree = jax.tree.flatten(params)
     prog = program(params, batch)
     c, counts = prog.cut, prog.balance.counts
     out, (gp, gsh) = prog.run(
-      c.stage_params(leaves, counts), prog.batch, tuple(leaves[i] for i in c.shared)
+      c.stage_params(leaves, counts) + prog.state_cols,
+      prog.batch,
+      tuple(leaves[i] for i in c.shared),
     )
-    loss, aux = prog.split(out)
     if _explicit(mesh):  # stage axes come back sharded; the user's leaves are whole
       gp = jax.tree.map(lambda g: jax.reshard(g, NamedSharding(mesh, P())), gp)
+    loss, aux, gp = prog.split(out, gp)
     grads = p_tree.unflatten(c.grads(leaves, gp, gsh, counts))
     return ((loss, prog.aux(aux, aux_reduce)), grads) if has_aux else (loss, grads)
 

@@ -216,6 +216,13 @@ class TiledTrainStep(PipelineTrainStep):
 
   def __init__(self, *args, steps: int):
     super().__init__(*args)
+    if self.state_argnums:
+      raise ValueError(
+        "make_train_step(steps>1) does not carry model state (state_argnums: "
+        "BatchNorm statistics): each step's state is the previous step's update, "
+        "which a tiled table would need inside the call; use steps=1 and pass the "
+        "state returned in each step's aux to the next"
+      )
     if self.data_axis is not None:
       raise ValueError(
         "make_train_step(steps>1) runs one data replica: drop data_axis, or "
@@ -339,7 +346,7 @@ class TiledTrainStep(PipelineTrainStep):
       {"h": o_rep["h"], "n": o_rep["n"]},
       (stacked(c.inputs), stacked(c.targets), *((stacked(c.side),) if c.side else ())),
     )
-    losses, aux = prog.split(out)
+    losses, aux, _ = prog.split(out)
     if self.has_aux:  # (steps * M, ...) per leaf: each step's microbatches reduced
       aux = jax.vmap(lambda a: prog.aux(a, self.aux_reduce))(
         tuple(x.reshape(self.steps, -1, *x.shape[1:]) for x in aux)

@@ -79,11 +79,12 @@ class PipelineTrainStep:
     compiler_options,
     layers=None,
     aux_reduce=None,
+    state_argnums=(),
   ):
     self.loss_fn, self.optimizer, self.sched = loss_fn, optimizer, sched
     self.mesh, self.axis_name, self.data_axis, self.has_aux = (mesh, axis_name, data_axis, has_aux)
     self.compiler_options, self.layers = compiler_options, layers
-    self.aux_reduce = aux_reduce
+    self.aux_reduce, self.state_argnums = aux_reduce, state_argnums
     self._layout: _Layout | None = None
     self._step = self._grad = None
 
@@ -104,6 +105,7 @@ class PipelineTrainStep:
       device_major=True,
       layers=self.layers if layers is None else layers,
       lowering=lowering,
+      state_argnums=self.state_argnums,
     )
 
   def _plan(self, params, batch) -> _Layout:
@@ -243,8 +245,8 @@ class PipelineTrainStep:
     lay = self._layout
     prog = self._program(list(lay.avals), lay.treedef, batch, lay.balance.counts)
     sp = state.params
-    out, (gp, gsh) = prog.run(sp.stacked, prog.batch, sp.shared)
-    loss, aux = prog.split(out)
+    out, (gp, gsh) = prog.run(tuple(sp.stacked) + prog.state_cols, prog.batch, sp.shared)
+    loss, aux, gp = prog.split(out, gp)
     if self.has_aux:
       loss = (loss, prog.aux(aux, self.aux_reduce))
     return loss, StageParams(tuple(gp), tuple(gsh), tuple(jnp.zeros_like(x) for x in sp.rest))

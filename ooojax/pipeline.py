@@ -162,6 +162,7 @@ def value_and_grad(
   layers: str | tuple[int, ...] | None = None,
   layout: str | None = None,
   aux_reduce: Callable | None = None,
+  state_argnums: int | tuple[int, ...] = (),
 ) -> Callable:
   """Pipelined loss and gradients: of a plain loss (stages cut automatically), or
   of a stack of stages written by hand.
@@ -221,6 +222,16 @@ def value_and_grad(
     aux_reduce: (automatic form, with `has_aux`) `f(stacked) -> aux`, `stacked`
       the aux tree with every leaf stacked over the microbatches (then the data
       replicas, microbatch-major): `(M * D, ...)`. Default `mean_aux`.
+    state_argnums: (automatic form) the loss's arguments (1: the first after the
+      parameters) that hold model state, such as BatchNorm's `batch_stats`
+      (`model.apply({"params": p, "batch_stats": s}, x, mutable=["batch_stats"])`,
+      the updated collection returned in the aux): passed whole to every
+      microbatch, not differentiated; each layer of the stack keeps its own
+      leaves on its stage. Each microbatch normalises with its own statistics
+      (GPipe), and an aux leaf a layer updates is the mean over microbatches of
+      each microbatch's update (over data replicas too): what `mean_aux` makes
+      of the microbatch loop's aux. Such leaves reach `aux_reduce` already
+      averaged (every microbatch's entry is the mean).
     data_axis: a second mesh axis (e.g. `("data", "stage")`) over which each
       microbatch's rows are split: every data replica runs the pipeline on its
       slice, and the loss and gradients are the mean over the replicas.
@@ -284,8 +295,10 @@ def value_and_grad(
         "loss_fn, input_fn=...); the automatic form value_and_grad(loss_fn) "
         "finds the embedding itself"
       )
-    return _auto(fn, sched, mesh, axis_name, has_aux, data_axis, layers, aux_reduce)
-  if has_aux or layers is not None or aux_reduce is not None:
+    return _auto(
+      fn, sched, mesh, axis_name, has_aux, data_axis, layers, aux_reduce, state_argnums
+    )
+  if has_aux or layers is not None or aux_reduce is not None or state_argnums:
     raise TypeError(
       f"{'has_aux' if has_aux else 'layers'} belongs to the automatic form "
       "value_and_grad(loss_fn, ...); the explicit form's loss_fn returns a "
@@ -401,6 +414,7 @@ def make_train_step(
   layers: str | tuple[int, ...] | None = None,
   steps: int = 1,
   aux_reduce: Callable | None = None,
+  state_argnums: int | tuple[int, ...] = (),
 ) -> PipelineTrainStep:
   """A jitted pipelined train step of a plain loss, the optimizer applied per stage.
 
@@ -425,6 +439,9 @@ def make_train_step(
       model prices the local device, so pin `layers=step.balance.counts` to
       restore a checkpoint on another kind of device.
     compiler_options: passed to `jax.jit` (e.g. XLA's optimization level).
+    state_argnums: model state arguments (BatchNorm statistics), as in
+      `value_and_grad`: pass the state in each call's batch and take the updated
+      state from the aux (`steps=1` only).
     steps: training steps per call. `steps > 1` runs them as one table tiled
       over steps (`ooojax._pipeline_tiled.TiledTrainStep`): step t + 1's
       warm-up under step t's drain, each stage's update at its own tick; the
@@ -477,6 +494,7 @@ def make_train_step(
     compiler_options,
     layers,
     aux_reduce,
+    state_argnums,
   )
   if not (isinstance(steps, int) and steps >= 1):
     raise ValueError(f"steps must be an int >= 1, got {steps!r}")

@@ -43,7 +43,7 @@ import numpy as np
 from jax import lax
 
 from ooojax.passes import _compat, fingerprint
-from ooojax.passes.pipeline import side as side_pass
+from ooojax.passes.pipeline import side as side_pass, state as state_pass
 from ooojax.passes.pipeline.eqns import evaluate as _evaluate, flatten as _flatten
 
 __all__ = ["Cut", "CutError", "cut"]
@@ -85,6 +85,14 @@ class Cut:
   n_aux: int = 0  # aux outputs (`epilogue`)
   epilogue: Callable | None = dataclasses.field(default=None, repr=False)
   # ^ (activation, targets, shared) -> (scalar, aux outputs): the loss and the aux
+  # model state (`passes.pipeline.state`): per layer, the batch leaves of its state
+  # (stage columns after the parameters'), and the loss's aux outputs it updates
+  # (`emits`, one zero probe column each, after the state's); `aux_at[i]`: where
+  # aux output i comes from, ("epilogue", k) or ("layer", slot)
+  state: tuple[tuple[int, ...], ...] = ()
+  emits: tuple[tuple[int, ...], ...] = ()
+  emit_avals: tuple = ()
+  aux_at: tuple = ()
 
   def stage_fn(self, per: int) -> Callable:
     """`(stage_leaves, x, side=(), first=0) -> x` running the first `per` layers of
@@ -116,22 +124,32 @@ class Cut:
       cols = [
         jnp.stack([leaves[row[i]] for row in self.stacked]) for i in range(len(self.stacked[0]))
       ]
-    V, rows = len(counts), max(counts)
-    if min(counts) == rows:
-      return tuple(a.reshape(V, rows, *a.shape[1:]) for a in cols)
-    at = np.cumsum([0, *counts])
-    pad = lambda a, v: jnp.pad(
-      a[at[v] : at[v + 1]],  # noqa: E731
-      [(0, rows - counts[v])] + [(0, 0)] * (a.ndim - 1),
-    )
-    return tuple(jnp.stack([pad(a, v) for v in range(V)]) for a in cols)
+    return state_pass.columns(cols, counts)
+
+  def stage_state(self, b_leaves: Sequence[Any], counts: Sequence[int]) -> tuple:
+    """The stage columns after `stage_params`': the layers' state (batch leaves), then
+    a zero probe per updated leaf (`passes.pipeline.state`); `()` without state."""
+    width = len(self.state[0]) if self.state else 0
+    cols = [jnp.stack([b_leaves[row[i]] for row in self.state]) for i in range(width)]
+    cols += [jnp.zeros((self.layers, *a.shape), a.dtype) for a in self.emit_avals]
+    return state_pass.columns(cols, counts) if cols else ()
+
+  def emitted(self, probe_grads, counts: Sequence[int], microbatches: int) -> dict:
+    """`{aux index: updated leaf}` from the probes' summed gradients: the mean over
+    microbatches of each layer's update."""
+    out = {}
+    for k, g in enumerate(probe_grads):
+      g = state_pass.rows_of(g, counts) / microbatches
+      for j, row in enumerate(self.emits):
+        out[row[k]] = g[j].astype(self.emit_avals[k].dtype)
+    return out
 
   def grads(self, leaves: Sequence[Any], stage_grads, shared_grads, counts: Sequence[int]) -> list:
     """The gradient of every parameter leaf, in the leaves' order (zeros for unread
     ones): the inverse of `stage_params` (padding rows dropped)."""
     out: list = [None] * len(leaves)
-    for k, g in enumerate(stage_grads):
-      g = jnp.concatenate([g[v, :n] for v, n in enumerate(counts)])
+    for k, g in enumerate(stage_grads[: len(self.stacked[0])]):  # not state's columns
+      g = state_pass.rows_of(g, counts)
       if self.scanned:
         out[self.stacked[0][k]] = jnp.flip(g, 0) if self.reverse else g
       else:
@@ -162,6 +180,7 @@ class _Program:
   dep: dict  # var -> _P | _B bits
   producer: dict  # var -> defining equation index
   lits: frozenset = frozenset()  # constvars that were a fold_in's literal (`_per_layer_data`)
+  state_vars: frozenset = frozenset()  # batch invars of model state (dep `_P`: per layer)
 
   def slice(self, roots, stop=()) -> list[int]:
     """Indices of the equations `roots` need, not looking past the `stop` vars."""
@@ -208,11 +227,13 @@ def _per_layer_data(e, dep, consts, lits, eqns, producer):
   return e
 
 
-def _program(closed, n_params: int, n_aux: int = 0) -> _Program:
+def _program(closed, n_params: int, n_aux: int = 0, state: Sequence[int] = ()) -> _Program:
   eqns, outs, consts = _flatten(closed)
   invars = list(closed.jaxpr.invars)
   dep = {v: _P for v in invars[:n_params]}
   dep.update({v: _B for v in invars[n_params:]})
+  state_vars = frozenset(invars[n_params + i] for i in state)
+  dep.update({v: _P for v in state_vars})  # model state goes with its layer, as weights do
   producer = {}
   lits: set = set()
   for k, e in enumerate(eqns):
@@ -241,6 +262,7 @@ def _program(closed, n_params: int, n_aux: int = 0) -> _Program:
     dep,
     producer,
     frozenset(lits),
+    state_vars,
   )
 
 
@@ -260,6 +282,8 @@ class _Stack:
   body: Any = None  # the scan body (scanned)
   body_consts: tuple = ()  # the scan's consts (vars computed from constants alone)
   lits: tuple = ()  # per layer: its values of layer 0's `prog.lits` inputs
+  state: tuple = ()  # per layer: its model-state invars (loop stacks)
+  layer_ids: tuple = ()  # per layer: its equations, position i of each alike (loop stacks)
 
 
 def _scan_stack(prog: _Program) -> _Stack | None:
@@ -279,6 +303,11 @@ def _scan_stack(prog: _Program) -> _Stack | None:
   info = _compat.scan_info(e)
   consts, carry, xs = info.split_in(e.invars)
   where = f"the scan over {info.length} layers"
+  if any(_is_var(v) and v in prog.state_vars for v in (*consts, *xs)):
+    raise CutError(
+      f"{where} reads model state (state_argnums: BatchNorm statistics); automatic "
+      "cutting carries per-layer state through a Python loop of blocks, not a scan" + EXPLICIT
+    )
   other = [v for v in xs if not (_is_var(v) and v in params)]
   rand = side_pass.check(
     [prog.eqns[k] for k in prog.slice(other) if prog.bits(k) == _B], other, where
@@ -459,11 +488,11 @@ def _loop_stack(prog: _Program) -> _Stack | None:
   segs, pieces, score, best = max(
     (_runs(prog, live, memo) for live in (True, False)), key=lambda r: r[2]
   )
-  params, batch = set(prog.param_vars), set(prog.batch_vars)
+  params, batch = set(prog.param_vars), set(prog.batch_vars) - prog.state_vars
   if best is None:
     return None
   s, per, n = best
-  layers, all_eqns, lits = [], set(), []
+  layers, all_eqns, lits, states, layer_ids = [], set(), [], [], []
   key0 = None
   for j in range(n):
     a, b = s + j * per, s + (j + 1) * per
@@ -484,8 +513,10 @@ def _loop_stack(prog: _Program) -> _Stack | None:
         "side input (a mask) for every layer" + EXPLICIT
       )
     layers.append(tuple(v for v in ins[1:] if v in params))
+    states.append(tuple(v for v in ins[1:] if v in prog.state_vars))
+    layer_ids.append(tuple(eqns))
     lits.append(tuple(prog.consts[v] for v in ins[1:] if v in prog.lits))
-  used = [v for row in layers for v in row]
+  used = [v for row in (*layers, *states) for v in row]
   if len(set(used)) != len(used):
     raise CutError(
       f"the {n} repeated layers share parameter leaves: weights shared by the "
@@ -503,6 +534,8 @@ def _loop_stack(prog: _Program) -> _Stack | None:
     layer_ins,
     segs[s + per - 1][2],
     lits=tuple(lits) if lits and lits[0] else (),
+    state=tuple(states) if states and states[0] else (),
+    layer_ids=tuple(layer_ids),
   )
 
 
@@ -526,10 +559,40 @@ def _pick(prog: _Program) -> _Stack | None:
   return scan
 
 
-def cut(jaxpr, n_params: int, n_aux: int = 0) -> Cut:
+def _emits(prog: _Program, stack: _Stack):
+  """The aux outputs the stack's layers compute (updated model state), as
+  `(per layer: its aux indices by slot, the slots' avals, the other aux indices)`;
+  a slot is (position in the layer's equations, output), alike in every layer."""
+  where = {k: (j, i) for j, ids in enumerate(stack.layer_ids) for i, k in enumerate(ids)}
+  found: dict = {}  # layer -> {slot: aux index}
+  rest = []
+  for a, v in enumerate(prog.aux):
+    k = prog.producer.get(v) if _is_var(v) else None
+    if k is None or k not in where or not stack.state:
+      rest.append(a)
+      continue
+    j, i = where[k]
+    found.setdefault(j, {})[(i, prog.eqns[k].outvars.index(v))] = a
+  if not found:
+    return (), (), tuple(rest)
+  slots = sorted(found.get(0, {}))
+  if len(found) != stack.length or any(sorted(f) != slots for f in found.values()):
+    raise CutError(
+      f"the aux returns values computed inside {len(found)} of the stack's "
+      f"{stack.length} layers, or different ones per layer; updated model state "
+      "must come from every layer alike" + EXPLICIT
+    )
+  emits = tuple(tuple(found[j][sl] for sl in slots) for j in range(stack.length))
+  avals = tuple(prog.aux[a].aval for a in emits[0])
+  return emits, avals, tuple(rest)
+
+
+def cut(jaxpr, n_params: int, n_aux: int = 0, state: Sequence[int] = ()) -> Cut:
   """Cuts `jaxpr` (`(*param_leaves, *batch_leaves) -> (loss, *aux)`) into prologue,
-  stack, epilogue (which computes the aux outputs too)."""
-  prog = _program(jaxpr, n_params, n_aux)
+  stack, epilogue (which computes the aux outputs too). `state`: batch leaves of
+  model state (BatchNorm statistics), each read by one layer of the stack (or by the
+  prologue or epilogue, then passed whole): see `passes.pipeline.state`."""
+  prog = _program(jaxpr, n_params, n_aux, state)
   stack = _pick(prog)
   if stack is None:
     rand = side_pass.check(
@@ -542,9 +605,13 @@ def cut(jaxpr, n_params: int, n_aux: int = 0) -> Cut:
       "read a per-example value computed from parameters and the batch are "
       "not cut either)" + (f"; {rand}" if rand else "") + EXPLICIT
     )
+  emits, emit_avals, rest = _emits(prog, stack)
+  aux = [prog.aux[a] for a in rest]  # computed by the epilogue; the others by the layers
+  aux_at = {a: ("epilogue", k) for k, a in enumerate(rest)}
+  aux_at.update({a: ("layer", k) for row in emits for k, a in enumerate(row)})
   pro = prog.slice([stack.x_in])
   epi = prog.slice([prog.loss], stop=[stack.x_out])
-  epi_aux = prog.slice([prog.loss, *prog.aux], stop=[stack.x_out])
+  epi_aux = prog.slice([prog.loss, *aux], stop=[stack.x_out])
   inside = stack.eqns.intersection(pro + epi_aux)
   if inside:
     e = prog.eqns[min(inside)]
@@ -552,8 +619,8 @@ def cut(jaxpr, n_params: int, n_aux: int = 0) -> Cut:
     raise CutError(
       f"{what} reads a value from inside the stack ({e.primitive.name} -> "
       f"{e.outvars[0].aval}, e.g. per-layer outputs, sown intermediates or "
-      "mutated batch statistics); only the last layer's output may leave the "
-      "stack" + EXPLICIT
+      "mutated batch statistics: name their argument with state_argnums); only "
+      "the last layer's output may leave the stack" + EXPLICIT
     )
   index = {v: i for i, v in enumerate(prog.param_vars)}
   b_index = {v: i for i, v in enumerate(prog.batch_vars)}
@@ -565,6 +632,12 @@ def cut(jaxpr, n_params: int, n_aux: int = 0) -> Cut:
     raise CutError(
       f"a parameter of the stack ({v.aval}) is also read outside it; automatic "
       "cutting shares only weights outside the stack" + EXPLICIT
+    )
+  stack_state = {v for row in stack.state for v in row}
+  if stack_state & (prog.reads(pro) | prog.reads(epi_aux) | direct):
+    raise CutError(
+      "model state a layer of the stack reads is also read outside it; automatic "
+      "cutting keeps each layer's state with its layer" + EXPLICIT
     )
   shared = tuple(sorted(index[v] for v in outside))
   inputs = tuple(sorted(b_index[v] for v in (prog.reads(pro) | {stack.x_in}) if v in b_index))
@@ -593,8 +666,8 @@ def cut(jaxpr, n_params: int, n_aux: int = 0) -> Cut:
     env.update(zip([prog.batch_vars[i] for i in targets], tg))
     env.update(zip(shared_vars, sh))
     env[stack.x_out] = y
-    loss, *aux = _evaluate(aux_eqns, env, [prog.loss, *prog.aux])
-    return loss, tuple(aux)
+    loss, *out = _evaluate(aux_eqns, env, [prog.loss, *aux])
+    return loss, tuple(out)
 
   # side inputs: values of the batch alone every layer reads (a mask), rebuilt per
   # microbatch from the batch leaves `side` on every stage (`passes.pipeline.side`)
@@ -606,7 +679,7 @@ def cut(jaxpr, n_params: int, n_aux: int = 0) -> Cut:
     side_eqns = [prog.eqns[k] for k in c_ids if prog.bits(k) == _B]
     why = side_pass.check(side_eqns, [v for v in c_vars if prog.dep.get(v) == _B], "the stack")
   else:
-    side_vars = [v for v in stack.layer_ins[1:] if v in b_index]
+    side_vars = [v for v in stack.layer_ins[1:] if v in b_index and v not in stack_state]
     side_eqns = [prog.eqns[k] for k in stack.layer_eqns if prog.bits(k) == _B]
     why = side_pass.check(side_eqns, side_vars, "the stack")
   if why:
@@ -629,6 +702,9 @@ def cut(jaxpr, n_params: int, n_aux: int = 0) -> Cut:
     l_eqns = [prog.eqns[k] for k in stack.layer_eqns]
     l_params = [v for v in stack.layer_ins[1:] if v in stack_params]
     l_lits = [v for v in stack.layer_ins[1:] if v in prog.lits]
+    l_state = list(stack.state[0]) if stack.state else []
+    l_emits = [prog.aux[a] for a in emits[0]] if emits else []
+    n_p, n_s = len(l_params), len(l_state)
 
     def consts_fn(sd):
       return sd
@@ -637,9 +713,16 @@ def cut(jaxpr, n_params: int, n_aux: int = 0) -> Cut:
       env = dict(consts)
       env.update(zip(s_vars, cs))
       env[stack.layer_ins[0]] = x
-      env.update(zip(l_params, p))
+      env.update(zip(l_params, p[:n_p]))
+      # state (p[n_p:n_p + n_s]) is not differentiated; the updated state leaves by
+      # the probes (p[n_p + n_s:]) (`passes.pipeline.state`)
+      env.update(zip(l_state, (lax.stop_gradient(a) for a in p[n_p : n_p + n_s])))
       env.update(zip(l_lits, own))
-      return _evaluate(l_eqns, env, [stack.layer_out])[0]
+      y, *news = _evaluate(l_eqns, env, [stack.layer_out, *l_emits])
+      if not news:
+        return y
+      news = tuple(lax.stop_gradient(a) for a in news)
+      return state_pass.emit(y, tuple(p[n_p + n_s :]), news)
 
   return Cut(
     stack.length,
@@ -655,6 +738,10 @@ def cut(jaxpr, n_params: int, n_aux: int = 0) -> Cut:
     consts_fn,
     side,
     tuple(np.stack(col) for col in zip(*stack.lits)) if stack.lits else (),
-    n_aux,
+    len(rest),
     epilogue,
+    tuple(tuple(b_index[v] for v in row) for row in stack.state),
+    emits,
+    emit_avals,
+    tuple(aux_at[a] for a in range(len(prog.aux))),
   )
