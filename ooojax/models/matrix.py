@@ -173,6 +173,16 @@ def _pipeline_auto(case: Case, schedule: str):
   return (loss, grads), _jit(jax.value_and_grad(mean_loss))(case.params)
 
 
+def _state_argnums(case: Case) -> tuple[int, ...]:
+  """The batch arguments that are model state (BatchNorm statistics): arrays the
+  case does not split over the data axis."""
+  return tuple(
+    i + 1
+    for i, (a, s) in enumerate(zip(case.batch, case.split))
+    if not s and not any(jax.numpy.ndim(x) == 0 for x in jax.tree.leaves(a))
+  )
+
+
 def _micro(a, micro: int, m: int):
   """Microbatch m of a batch leaf: its rows, a scalar whole, a scalar key folded
   with m (what the pipeline hands microbatch m)."""
@@ -187,11 +197,17 @@ def _pipeline_auto_data(case: Case, schedule: str):
   """A loss that names the data axis: data x stage mesh (`data_axis`), against the
   microbatch loop in `shard_map` over the data axis (replica d of microbatch m gets
   its rows [m, d]), pmean-ed."""
-  data = DEVICES // STAGES
+  data, state = DEVICES // STAGES, _state_argnums(case)
   mesh = jax.make_mesh((data, STAGES), (AXIS, "stage"), devices=jax.devices()[:DEVICES])
   sched = ooo.pipeline.schedule(schedule, STAGES, 2 * STAGES)
   step = ooo.pipeline.value_and_grad(
-    case.loss, mesh=mesh, axis_name="stage", schedule=sched, has_aux=True, data_axis=AXIS
+    case.loss,
+    mesh=mesh,
+    axis_name="stage",
+    schedule=sched,
+    has_aux=True,
+    data_axis=AXIS,
+    state_argnums=state,
   )
   (loss, _), grads = _jit(step)(case.params, *case.batch)
   micro = sched.microbatches
@@ -205,7 +221,10 @@ def _pipeline_auto_data(case: Case, schedule: str):
     def mean_loss(p):
       total = 0.0
       for m in range(micro):
-        part = [b[0, m] if s else _micro(b, micro, m) for b, s in zip(batch, case.split)]
+        part = [
+          b[0, m] if s else b if i + 1 in state else _micro(b, micro, m)
+          for i, (b, s) in enumerate(zip(batch, case.split))
+        ]
         total = total + case.loss(p, *part)[0]
       return total / micro
 
