@@ -81,6 +81,7 @@ class _AutoProgram:
   microbatches: int = 1
   lead: int = 1  # microbatches x data replicas: the aux leaves' leading size
   order: object = None  # the stage rows' order when not virtual-stage order
+  whole: Callable = lambda g: g  # a stage-sharded array replicated (explicit meshes)
 
   def split(self, out, gp=None):
     """`(loss, aux leaves stacked over microbatches, the parameters' stage grads)` of
@@ -90,7 +91,7 @@ class _AutoProgram:
     if not c.emits:
       return loss, aux, gp
     n = len(c.stacked[0])
-    probes = gp[n + len(c.state[0]) :]
+    probes = [self.whole(g) for g in gp[n + len(c.state[0]) :]]
     if self.order is not None:  # back to virtual-stage order
       probes = [g[np.argsort(self.order)] for g in probes]
     new = c.emitted(probes, self.balance.counts, self.microbatches)
@@ -201,7 +202,16 @@ def _auto_parts_bound(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers
     aux, box["tree"] = jax.tree.flatten(out[1])
     return (out[0], *aux)
 
-  closed = jax.make_jaxpr(flat)(*p_avals, *b_avals)
+  try:
+    closed = jax.make_jaxpr(flat)(*p_avals, *b_avals)
+  except (TypeError, ValueError) as e:
+    if not state:
+      e.add_note(
+        "ooojax traced the loss at one microbatch, every batch leaf split on its "
+        "leading axis; model state passed in the batch (BatchNorm batch_stats) "
+        "is not: name its argument with state_argnums"
+      )
+    raise
   c = cut(closed, n, len(closed.jaxpr.outvars) - 1, state)
   if c.layers < V:
     raise CutError(
@@ -309,6 +319,7 @@ def _auto_program(
     sched.microbatches,
     sched.microbatches * D,
     order,
+    (lambda g: jax.reshard(g, NamedSharding(mesh, P()))) if _explicit(mesh) else (lambda g: g),
   )
 
 

@@ -295,9 +295,7 @@ def value_and_grad(
         "loss_fn, input_fn=...); the automatic form value_and_grad(loss_fn) "
         "finds the embedding itself"
       )
-    return _auto(
-      fn, sched, mesh, axis_name, has_aux, data_axis, layers, aux_reduce, state_argnums
-    )
+    return _auto(fn, sched, mesh, axis_name, has_aux, data_axis, layers, aux_reduce, state_argnums)
   if has_aux or layers is not None or aux_reduce is not None or state_argnums:
     raise TypeError(
       f"{'has_aux' if has_aux else 'layers'} belongs to the automatic form "

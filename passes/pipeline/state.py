@@ -60,8 +60,10 @@ def columns(cols: Sequence, counts: Sequence[int]) -> tuple:
   if min(counts) == rows:
     return tuple(a.reshape(V, rows, *a.shape[1:]) for a in cols)
   at = np.cumsum([0, *counts])
-  pad = lambda a, v: jnp.pad(  # noqa: E731
-    a[at[v] : at[v + 1]], [(0, rows - counts[v])] + [(0, 0)] * (a.ndim - 1)
+  pad = (
+    lambda a, v: jnp.pad(  # noqa: E731
+      a[at[v] : at[v + 1]], [(0, rows - counts[v])] + [(0, 0)] * (a.ndim - 1)
+    )
   )
   return tuple(jnp.stack([pad(a, v) for v in range(V)]) for a in cols)
 
