@@ -82,6 +82,7 @@ class PipelineTrainStep:
     state_argnums=(),
   ):
     self.loss_fn, self.optimizer, self.sched = loss_fn, optimizer, sched
+    self._user_optimizer = optimizer  # its masks in the user's tree (`_pipeline_masks`)
     self.mesh, self.axis_name, self.data_axis, self.has_aux = (mesh, axis_name, data_axis, has_aux)
     self.compiler_options, self.layers = compiler_options, layers
     self.aux_reduce, self.state_argnums = aux_reduce, state_argnums
@@ -151,10 +152,38 @@ class PipelineTrainStep:
       tuple(stacked), tuple(leaves[i] for i in c.shared), tuple(leaves[i] for i in lay.rest)
     )
 
+  def _flags_in_layout(self, flags) -> StageParams:
+    """One mask flag or label per user leaf, laid out as `StageParams`."""
+    lay = self._layout
+    c = lay.cut
+    cols = []
+    for k in range(len(c.stacked[0])):
+      vals = [flags[row[k]] for row in c.stacked]
+      if any(v != vals[0] for v in vals):
+        paths = [
+          jax.tree_util.keystr(p)
+          for p, _ in jax.tree_util.tree_flatten_with_path(lay.treedef.unflatten(lay.avals))[0]
+        ]
+        j = next(j for j, v in enumerate(vals) if v != vals[0])
+        raise ValueError(
+          f"the optimizer's mask or labels give the stack's layers different values "
+          f"({paths[c.stacked[0][k]]}: {vals[0]!r}, {paths[c.stacked[j][k]]}: "
+          f"{vals[j]!r}); a pipelined stack updates each leaf of all its layers as "
+          "one array: give every layer the same"
+        )
+      cols.append(vals[0])
+    return StageParams(
+      tuple(cols), tuple(flags[i] for i in c.shared), tuple(flags[i] for i in lay.rest)
+    )
+
   # --- public ----------------------------------------------------------------------
   def _make(self, params, batch):
+    from ooojax._pipeline_masks import in_layout
+
     self._layout = self._plan(params, batch)
     self._step = self._grad = None
+    # masks and labels of the user's tree (optax.masked, partition), laid out by stage
+    self.optimizer = in_layout(self._user_optimizer, params, self._flags_in_layout)
 
     def make(p):
       sp = self._to_stages(jax.tree.leaves(p))
@@ -166,13 +195,13 @@ class PipelineTrainStep:
       if "StageParams" not in str(e):
         raise
       raise ValueError(
-        "the optimizer compares a tree in your parameters' structure (optax.masked, "
-        "multi_transform, a weight-decay mask) with the train state's layout: "
-        "make_train_step's optimizer sees StageParams(stacked, shared, rest), the "
-        "stack's leaves stacked by stage. Give the mask or labels as a function of "
-        "that StageParams, use a transform without one, or take the gradients in your "
-        "tree from ooo.pipeline.value_and_grad and apply your optimizer to them "
-        "(docs/guides/pipeline-real-losses.md)"
+        "the optimizer compares a tree in your parameters' structure with the train "
+        "state's layout: make_train_step's optimizer sees StageParams(stacked, shared, "
+        "rest), the stack's leaves stacked by stage. The masks and labels of "
+        "optax.masked and optax.partition / multi_transform (adamw's mask too) are "
+        "laid out for it; this tree is kept elsewhere. Use one of those, or take the "
+        "gradients in your tree from ooo.pipeline.value_and_grad and apply your "
+        "optimizer to them (docs/guides/pipeline-real-losses.md)"
       ) from e
     return make, self._shardings(shape)
 

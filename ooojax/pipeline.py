@@ -423,8 +423,10 @@ def make_train_step(
   sharded on the stage axis, shared (tied) weights replicated and updated
   identically on every stage. Any optax transformation works, including those
   that reduce over every leaf (`clip_by_global_norm`: exact). Transformations
-  that look at the parameters' structure (`optax.masked` with a tree of flags)
-  see the state's `StageParams` layout, not the user's tree.
+  that look at the parameters' structure see the user's tree: the masks and
+  labels of `optax.masked` and `optax.partition` / `multi_transform` (a tree or
+  a function, as in `adamw(mask=...)`) are evaluated on the user's parameters
+  and laid out for the state's `StageParams` (the stack's layers must agree).
 
   Args:
     loss_fn: `loss_fn(params, *batch) -> scalar`, the plain loss (a mean over

@@ -184,16 +184,60 @@ def test_explain_tiled_on_a_causal_lm_every_schedule():
     assert r.steady_state().steps == 2 and r.cut.layers == 8, schedule
 
 
-def test_masked_optimizer_names_the_layout():
-  # a weight-decay mask in the user's tree: make_train_step's optimizer sees StageParams
+def _masked_opts(params):
+  decay = jax.tree.map(lambda x: x.ndim > 1, params)  # the user's tree
+  labels = jax.tree.map(lambda x: "fast" if x.ndim > 1 else "slow", params)
+  return [
+    # a mask function sees the user's tree: on the stacked layout it would see
+    # the biases as 3-d and decay them
+    optax.chain(
+      optax.masked(optax.add_decayed_weights(0.5), lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+      optax.sgd(0.1),
+    ),
+    optax.adamw(1e-2, weight_decay=0.5, mask=decay),  # a mask tree, inside adamw
+    optax.partition({"fast": optax.sgd(0.2), "slow": optax.sgd(0.01)}, labels),
+  ]
+
+
+@pytest.mark.parametrize("k", range(3))
+def test_masked_optimizers_see_the_users_tree(k):
+  # optax.masked (a function; a tree, in adamw) and partition labels, made for the
+  # user's parameters, against the same optimizer on the microbatch loop's gradients
   from tests.test_pipeline_auto import _mlp
 
   loss, params, batch = _mlp()
-  opt = optax.masked(optax.add_decayed_weights(0.1), jax.tree.map(lambda x: x.ndim > 1, params))
+  opt = _masked_opts(params)[k]
+  step = ooo.pipeline.make_train_step(
+    loss,
+    opt,
+    mesh=_mesh(2),
+    axis_name="stage",
+    schedule="1f1b",
+    microbatches=2,
+    compiler_options=O0,
+  )
+  state = step.init(params, *batch)
+  run = jax.jit(jax.value_and_grad(lambda p, *b: _loop(lambda *a: (loss(*a), {}), 2)(p, *b)[0][0]))
+  o, p = opt.init(params), params
+  for _ in range(2):
+    state, _ = step(state, *batch)
+    g = run(p, *batch)[1]
+    u, o = opt.update(g, o, p)
+    p = optax.apply_updates(p, u)
+  assert_trees_close(step.params(state), p)
+
+
+def test_masks_that_differ_between_layers_are_refused():
+  from tests.test_pipeline_auto import _mlp
+
+  loss, params, batch = _mlp()
+  mask = jax.tree.map(lambda x: False, params)
+  mask["layers"][1]["w"] = True  # one layer's weight decayed, the others not
+  opt = optax.masked(optax.add_decayed_weights(0.1), mask)
   step = ooo.pipeline.make_train_step(
     loss, opt, mesh=_mesh(2), axis_name="stage", schedule="1f1b", microbatches=2
   )
-  with pytest.raises(ValueError, match="sees StageParams"):
+  with pytest.raises(ValueError, match="different values"):
     step.init(params, *batch)
 
 
