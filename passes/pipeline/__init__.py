@@ -15,5 +15,7 @@ executor all read.
 * `flavor`: a stage's forward + vjp cut into F, B and W phases.
 * `execute`: a table lowered to one SPMD `shard_map` program.
 * `cut`, `balance`: a plain loss cut into prologue, layers and epilogue, and its
-  layers split over the virtual stages by the cost model.
+  layers split over the virtual stages by the cost model; `stack` finds the
+  layers in the loss's equations, `side` the per-example values they read,
+  `state` the model state (BatchNorm statistics) that travels with them.
 """
