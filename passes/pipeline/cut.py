@@ -1,8 +1,10 @@
 """pipeline.cut: a plain loss's jaxpr cut into prologue, a stack of layers, epilogue.
 
-Contract: `cut(jaxpr, n_params, n_aux=0) -> Cut` for `jaxpr = make_jaxpr(flat_loss)(
-*param_leaves, *batch_leaves)` with one scalar output, then `n_aux` aux outputs
-(metrics, computed by the epilogue: `Cut.epilogue`); raises `CutError` (a `ValueError`) when
+Contract: `cut(jaxpr, n_params, n_aux=0, state=()) -> Cut` for `jaxpr =
+make_jaxpr(flat_loss)(*param_leaves, *batch_leaves)` with one scalar output, then
+`n_aux` aux outputs (metrics, computed by the epilogue: `Cut.epilogue`, or updated
+model state, computed by the layers: `Cut.emits`); `state` names the batch leaves
+of model state; raises `CutError` (a `ValueError`) when
 the program holds no stack it can pipeline. Read by `ooojax.pipeline`, which
 hands `Cut.input_fn`, `Cut.stage_fn(n)` per layer count (`passes.pipeline.balance`)
 and `Cut.loss_fn` to `passes.pipeline.execute.lower`.
