@@ -336,6 +336,7 @@ def explain(
   compiler_options=None,
   steps: int = 1,
   budget: int | None = None,
+  state_argnums=(),
 ) -> PipelineReport:
   """The schedule, its simulated bubble and the memory per stage for this model.
 
@@ -363,8 +364,9 @@ def explain(
       (default GPipe's: the microbatches).
     gpu: "H100" / "H200" / "A100": also compile the step for compile-only
       GPUs (`ooojax.gpu_hlo`) and read the collective-permute windows.
-    stages, mesh, axis_name, layers, has_aux: (automatic form) the stage count
-      (or the mesh axis that sets it) and `value_and_grad`'s `layers`, `has_aux`.
+    stages, mesh, axis_name, layers, has_aux, state_argnums: (automatic form) the
+      stage count (or the mesh axis that sets it) and `value_and_grad`'s
+      `layers`, `has_aux`, `state_argnums`.
     steps: >= 2 also simulates the table tiled over that many training steps
       (`passes.pipeline.steps`): the per-step bubble beside the one-step
       bubble, and which actions of step t run during step t + 1's warm-up.
@@ -414,7 +416,12 @@ def explain(
     auto = {
       k: v
       for k, v in dict(
-        stages=stages, mesh=mesh, axis_name=axis_name, layers=layers, has_aux=has_aux
+        stages=stages,
+        mesh=mesh,
+        axis_name=axis_name,
+        layers=layers,
+        has_aux=has_aux,
+        state_argnums=state_argnums,
       ).items()
       if v
     }
@@ -452,6 +459,7 @@ def explain(
     axis_name,
     layers,
     has_aux,
+    state_argnums=state_argnums,
     **kw,
   )
 
@@ -473,11 +481,12 @@ def _explain_auto(
   *,
   microbatches,
   chunks,
+  state_argnums=(),
   **kw,
 ) -> PipelineReport:
   """The automatic form: `loss_fn` cut and balanced by `ooojax._pipeline_auto._auto_parts`
   (what the automatic `value_and_grad` runs), then the explicit form's report."""
-  from ooojax._pipeline_auto import _auto_parts, _table
+  from ooojax._pipeline_auto import _auto_parts, _table, state_leaves
   from ooojax._pipeline_tiled import _owners
 
   if (stages is None) == (mesh is None):
@@ -492,12 +501,26 @@ def _explain_auto(
   sds = lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x))  # noqa: E731
   p_avals = [sds(x) for x in leaves]
   b_avals = jax.tree.map(sds, batch)
-  parts = _auto_parts(loss_fn, has_aux, sched, 1, p_avals, p_tree, b_avals, layers)
+  parts = _auto_parts(
+    loss_fn,
+    has_aux,
+    sched,
+    1,
+    p_avals,
+    p_tree,
+    b_avals,
+    layers,
+    state=state_leaves(batch, state_argnums),
+  )
   c, counts, (stage_fn, lfn, ifn) = parts.cut, parts.balance.counts, parts.fns
   epi = lfn  # the loss and the aux (with has_aux): what the last stage reads
   if c.n_aux:  # the aux is a few values of the last stage's F: priced with the loss
     lfn = lambda y, tg, sh: epi(y, tg, sh)[0]  # noqa: E731
-  stage_params = jax.eval_shape(lambda ls: c.stage_params(ls, counts), p_avals)
+  stage_params = jax.eval_shape(  # with model state: its columns and probes after
+    lambda ls, bs: c.stage_params(ls, counts) + c.stage_state(bs, counts),
+    p_avals,
+    jax.tree.leaves(b_avals),
+  )
   rows = jax.eval_shape(lambda bs: parts.rowed(bs), jax.tree.leaves(b_avals))
   shared = tuple(p_avals[i] for i in c.shared)
   report = _explain(

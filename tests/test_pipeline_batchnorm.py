@@ -132,3 +132,11 @@ def test_batchnorm_refusals(bn):
   # the tiled step: each step's statistics are the previous step's update
   with pytest.raises(ValueError, match="does not carry model state"):
     ooo.pipeline.make_train_step(loss, optax.sgd(0.1), steps=2, state_argnums=1, **kw)
+
+
+def test_explain_with_batchnorm_state(bn):
+  loss, params, stats, x, y = bn
+  r = ooo.pipeline.explain(
+    loss, params, stats, x, y, stages=2, schedule="1f1b", has_aux=True, state_argnums=1
+  )
+  assert r.cut.layers == 4
