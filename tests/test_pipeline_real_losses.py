@@ -1,5 +1,6 @@
-"""Pipelines of the losses people write: aux metrics, dropout keys, and the tiled
-explain on a causal LM whose targets are its inputs.
+"""Pipelines of the losses people write: aux metrics, dropout keys, the tiled
+explain on a causal LM whose targets are its inputs, and optimizers with masks of
+the user's tree (BatchNorm: `test_pipeline_batchnorm.py`).
 
 Reference (`_loop`): the loss run microbatch by microbatch, microbatch m with the
 key `fold_in(key, m)`, its loss and floating aux averaged (`jax.value_and_grad` of
