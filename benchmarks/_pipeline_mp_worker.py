@@ -129,17 +129,19 @@ def _median_s(f, *args, reps: int = 15) -> float:
 class _Calibration:
   """Measured inputs of the simulator, taken at startup (before the timed rounds:
   the prediction is made from them) and again between the rounds (to show the
-  drift). Per microbatch count, on this process's stage (the first or the last):
+  drift). Per microbatch count, on this process's stage (the first or the last),
+  each a jitted loop over the microbatches (no per-call dispatch in the figure):
 
-  - F, B (dX) and W (dW) of one microbatch as jitted calls on this core (an empty
-    jitted call's time subtracted: the dispatch), then scaled by the executor
-    itself: a one-stage `ooo` table (F, B, W split) over this stage's layers and
-    the same microbatches, on this process's own device (no link), against M x
-    (F + B + W). That factor holds what the executor adds to each action
-    (record packing, slot writes, its loop).
-  - The link: a loop of one-way permutes of one activation (and of four)
-    alternating 0 -> 1 and 1 -> 0, as the executor's CPU exchange sends them
-    (`execute.one_way`); per transfer.
+  - F, B (dX) and W (dW): a loop of forwards, of forward + dX, of forward + dX +
+    dW; F = the first / M, B and W the differences. They are then scaled by the
+    executor itself: a one-stage `ooo` table (F, B, W split) over this stage's
+    layers and the same microbatches, on this process's own device (no link),
+    against M x (F + B + W). That factor holds what the executor adds to each
+    action (record packing, slot writes, its loop).
+  - The link, as a transfer costs inside the executor: a loop of ticks that each
+    run this stage's forward on a microbatch and then send it one way
+    (alternating 0 -> 1 and 1 -> 0, as the executor's CPU exchange sends,
+    `execute.one_way`), less the same loop without the sends; per transfer.
   """
 
   LOOP = 20
@@ -152,48 +154,80 @@ class _Calibration:
     self.fns, self.samples = {}, {}
     full = model.make_params(nproc, cfg["layers"], cfg["dim"], cfg["hidden"])
     p = {k: jnp.asarray(a[pid]) for k, a in full.items()}
-    call = jax.jit(lambda pb, g: pb(g))
-    empty = jax.jit(lambda a: a + 0)
     one = jax.sharding.Mesh(np.array(jax.local_devices()[:1]), ("stage",))
     xb, tb = (jnp.asarray(a) for a in model.make_batch(cfg["batch"], cfg["dim"]))
     p1 = {k: a[None] for k, a in p.items()}
+    last = pid == nproc - 1
+    L = self.LOOP
 
-    def pingpong():
-      L = self.LOOP
-
-      def body(a):
-        def step(c, i):
-          return lax.switch(
-            i % 2,
-            [
-              lambda c: lax.ppermute(c, "stage", [(0, 1)]),
-              lambda c: lax.ppermute(c, "stage", [(1, 0)]),
-            ],
-            c,
-          ), None
-
-        return lax.scan(step, a, jnp.arange(L))[0]
-
-      return jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=Ps("stage"), out_specs=Ps("stage"), check_vma=False)
+    def ticks(send: bool, rows: int):
+      """L ticks of this stage's forward on `rows` rows, each then sent one way."""
+      pp = jax.make_array_from_process_local_data(
+        NamedSharding(mesh, P("stage")),
+        np.stack([full["w1"][pid]]),
+        (nproc, *full["w1"].shape[1:]),
       )
+
+      def body(a, w1):
+        def tick(c, i):
+          y = model.stage_fn({"w1": w1[0], "w2": jnp.swapaxes(w1[0], -1, -2)}, c)
+          if send:
+            y = lax.switch(
+              i % 2,
+              [
+                lambda c: lax.ppermute(c, "stage", [(0, 1)]),
+                lambda c: lax.ppermute(c, "stage", [(1, 0)]),
+              ],
+              y,
+            )
+          return y * 0.5, None
+
+        return lax.scan(tick, a, jnp.arange(L))[0]
+
+      f = jax.jit(
+        jax.shard_map(
+          body,
+          mesh=mesh,
+          in_specs=(Ps("stage"), Ps("stage")),
+          out_specs=Ps("stage"),
+          check_vma=False,
+        )
+      )
+      a = jax.make_array_from_process_local_data(
+        NamedSharding(mesh, P("stage")),
+        np.ones((rows, cfg["dim"]), np.float32),
+        (nproc * rows, cfg["dim"]),
+      )
+      return f, (a, pp)
 
     for m in cfg["microbatches"]:
       rows = cfg["batch"] // m
-      x, t = (jnp.asarray(a[:rows]) for a in model.make_batch(cfg["batch"], cfg["dim"]))
-      last = pid == nproc - 1
-      f = (lambda p, x, t=t: model.loss_fn(model.stage_fn(p, x), t)) if last else model.stage_fn
-      y, pb_x = jax.vjp(lambda x, f=f: f(p, x), x)
-      _, pb_all = jax.vjp(f, p, x)
-      g = jnp.ones_like(y)
-      acts = {
-        n: jax.make_array_from_process_local_data(
-          NamedSharding(mesh, P("stage")),
-          np.ones((n * rows, cfg["dim"]), np.float32),
-          (nproc * n * rows, cfg["dim"]),
-        )
-        for n in (1, 4)
-      }
+      xs, ts = (a.reshape(m, rows, -1) for a in (xb, tb))
+      f = (
+        (lambda p, x, t: model.loss_fn(model.stage_fn(p, x), t))
+        if last
+        else (lambda p, x, t: model.stage_fn(p, x))
+      )
+
+      def loop(kind, f=f):
+        def run(p, xs, ts):
+          def one(acc, xt):
+            x, t = xt
+            if kind == "F":
+              y = f(p, x, t)
+              return acc + jnp.sum(y), None
+            y, pb = jax.vjp(lambda p, x: f(p, x, t), p, x)
+            g = jnp.ones_like(y)
+            if kind == "FB":  # dX only: the weights' cotangent is never formed
+              _, pbx = jax.vjp(lambda x: f(p, x, t), x)
+              return acc + jnp.sum(pbx(g)[0]), None
+            dp, dx = pb(g)
+            return acc + jnp.sum(dx) + sum(jnp.sum(v) for v in jax.tree.leaves(dp)), None
+
+          return lax.scan(one, jnp.zeros((), jnp.float32), (xs, ts))[0]
+
+        return jax.jit(run)
+
       exe = jax.jit(
         ooo.pipeline.value_and_grad(
           model.stage_fn,
@@ -203,22 +237,20 @@ class _Calibration:
           schedule=ooo.pipeline.schedule("ooo", stages=1, microbatches=m),
         )
       )
-      # W alone reads what B saved (the executor's split): the whole backward less B
       self.fns[m] = {
-        "F": (jax.jit(f), (p, x)),
-        "B": (call, (pb_x, g)),
-        "BW": (call, (pb_all, g)),
-        "empty": (empty, (g,)),
+        "F": (loop("F"), (p, xs, ts)),
+        "FB": (loop("FB"), (p, xs, ts)),
+        "FBW": (loop("FBW"), (p, xs, ts)),
         "exec": (exe, (p1, (xb, tb))),
-        "pp1": (pingpong(), (acts[1],)),
-        "pp4": (pingpong(), (acts[4],)),
+        "gap0": ticks(False, rows),
+        "gap1": ticks(True, rows),
       }
       self.samples[m] = {k: [] for k in self.fns[m]}
 
   def sample(self, reps: int) -> None:
     for m, fns in self.fns.items():
       for k, (f, args) in fns.items():
-        if k.startswith("pp"):  # collectives: both processes together
+        if k.startswith("gap"):  # collectives: both processes together
           multihost_utils.sync_global_devices("probe")
         self.samples[m][k].append(_median_s(f, *args, reps=reps))
 
@@ -229,21 +261,21 @@ class _Calibration:
     res = {}
     for m, sm in self.samples.items():
       med = {k: float(v[0] if first else stat(v)) for k, v in sm.items()}
-      f, b = med["F"] - med["empty"], med["B"] - med["empty"]
-      raw = [max(f, 1e-6), max(b, 1e-6), max(med["BW"] - med["empty"] - b, 1e-6)]
+      f = med["F"] / m
+      raw = [max(f, 1e-6), max(med["FB"] / m - f, 1e-6), max((med["FBW"] - med["FB"]) / m, 1e-6)]
       scale = med["exec"] / (m * sum(raw))
       ph = [x * scale for x in raw] + [scale]
       allph = np.asarray(multihost_utils.process_allgather(np.array(ph), tiled=False))
-      lk = [med["pp1"] / self.LOOP, med["pp4"] / self.LOOP]
+      L = self.LOOP
+      lk = [(med["gap1"] - med["gap0"]) / L, med["gap0"] / L]
       # process 0's probe on every process: both must plan the same table
       got = np.asarray(multihost_utils.process_allgather(np.array(lk), tiled=False))[0]
       res[str(m)] = {
         "phases": allph[:, :3].tolist(),
         "scale": allph[:, 3].tolist(),
         "link": {
-          "pp1": float(got[0]),
-          "pp4": float(got[1]),
-          "loop": self.LOOP,
+          "transfer": max(float(got[0]), 0.0),
+          "gap": float(got[1]),
           "nbytes": cfg["batch"] // m * cfg["dim"] * 4,
         },
       }

@@ -72,6 +72,11 @@ def worker_env() -> dict:
 
 def _pinned(core: int | None, cfg: dict) -> list[str]:
   cmd = [sys.executable, WORKER, json.dumps(cfg)]
+  # --rt: SCHED_FIFO, so that a worker woken by its peer's bytes preempts whatever
+  # else runs on its core at once (the kernel's fair scheduler lets the running
+  # task finish its slice first: ms per wake-up on a shared host)
+  if os.environ.get("PIPELINE_MP_RT") and shutil.which("chrt"):
+    cmd = ["chrt", "-f", os.environ["PIPELINE_MP_RT"], *cmd]
   if core is None or shutil.which("taskset") is None:
     return cmd
   return ["taskset", "-c", str(core), *cmd]
@@ -177,30 +182,27 @@ def tbf_burst(gbit: float) -> float:
 
 
 def link_model(calib: dict, gbit: float | None):
-  """The measured link: per one-way transfer, the probe's loop of one (and four)
-  activations alternating direction; bandwidth the tbf rate where shaped (its
-  bucket: `tbf_burst`), else fitted from one vs four activations. `latency` is
-  what a transfer costs beyond its wire time (the rendezvous, the peer's
-  wake-up). One resource both ways where shaped (one qdisc on lo)."""
+  """The measured link: what one transfer costs inside the executor (`transfer`:
+  the probe's ticks of a stage forward then a one-way send, less the same ticks
+  without the sends), less its wire time, is the latency (the rendezvous, the
+  peer's wake-up). Where shaped, the bandwidth is the tbf rate and its bucket
+  (`tbf_burst`) lets the bytes saved up during a tick through at once; one
+  resource both ways (one qdisc on lo). Unshaped, the wire is free."""
   import math
 
   from ooojax.passes.pipeline.link import LinkModel
 
   lk = calib["link"]
-  n, L = lk["nbytes"], lk.get("loop", 1)
-  if "pp1" not in lk:  # a run saved before the loop probe: single calls
+  n = lk["nbytes"]
+  if "transfer" not in lk:  # a run saved before this probe
     return _old_link_model(lk, gbit)
   burst = tbf_burst(gbit) if gbit else 0.0
-  if gbit:
-    bw = gbit * 1e9 / 8
-    wire_loop = max(L * n - burst, 0.0) / bw / L  # the probe's transfers back to back
-  else:
-    extra = lk["pp4"] - lk["pp1"]
-    bw = 3 * n / extra if extra > 1e-7 else math.inf
-    wire_loop = n / bw
-  lat = max(lk["pp1"] - wire_loop, 0.0)
+  bw = gbit * 1e9 / 8 if gbit else math.inf
+  # in the probe each send follows a forward (`gap`): the bucket refilled meanwhile
+  saved = min(burst, lk["gap"] * bw) if gbit else 0.0
+  wire = max(n - saved, 0.0) / bw if gbit else 0.0
   return LinkModel(
-    lat,
+    max(lk["transfer"] - wire, 0.0),
     bw,
     n,
     duplex=gbit is None,
@@ -214,6 +216,9 @@ def _old_link_model(lk: dict, gbit):
   from ooojax.passes.pipeline.link import LinkModel
 
   n = lk["nbytes"]
+  if "pp1" in lk:  # a loop of back-to-back one-way permutes
+    bw = gbit * 1e9 / 8 if gbit else float("inf")
+    return LinkModel(max(lk["pp1"] - n / bw, 0.0), bw, n, duplex=gbit is None, one_way=True)
   bw = gbit * 1e9 / 8 if gbit else 3 * n / max(lk["four"] - lk["one"], 1e-9)
   wire = n / bw
   return LinkModel(max(lk["one"] - wire, 0.0), bw, n, duplex=gbit is None)
@@ -456,6 +461,14 @@ def main(argv=None):
     help="measure phase costs and the link in each run, add ooo planned on "
     "that link (ooo-link), print predicted (simulated) beside measured",
   )
+  ap.add_argument(
+    "--rt",
+    type=int,
+    default=0,
+    metavar="PRIO",
+    help="run the workers SCHED_FIFO at this priority (root; chrt): on a shared "
+    "host a woken stage then preempts the other tenants at once",
+  )
   ap.add_argument("--json", help="save all raw timings here")
   ap.add_argument("--from-json", help="print the tables of a run saved with --json")
   ap.add_argument("--write", action="store_true")
@@ -465,6 +478,8 @@ def main(argv=None):
     a = json.loads(args._spawn)
     run_workers(a["cfg"], a["n"], a["cores"], a["timeout"])
     return
+  if args.rt:
+    os.environ["PIPELINE_MP_RT"] = str(args.rt)  # the workers' launchers read it
   n = args.stages
   cores = args.cores or list(range(n))
   if len(cores) != n:
