@@ -4,6 +4,7 @@
   python -m benchmarks.pipeline_mp --link-gbit 1     # and again over a 1 Gbit/s loopback
   python -m benchmarks.pipeline_mp --write           # append the tables to RESULTS.md
   python -m benchmarks.pipeline_mp --tiled 4         # training: 4 steps per call, tiled
+  python -m benchmarks.pipeline_mp --predict --rt 1  # predicted beside measured, SCHED_FIFO
 
 Starts `--stages` worker processes (benchmarks/_pipeline_mp_worker.py), each
 pinned to its own core (`taskset`) with one CPU device, joined by
