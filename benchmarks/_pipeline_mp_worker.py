@@ -127,83 +127,155 @@ def _median_s(f, *args, reps: int = 15) -> float:
 
 
 class _Calibration:
-  """Measured inputs of the simulator, sampled between the timed rounds so that the
-  machine's drift hits them as it hits the steps: per microbatch count, this
-  process's stage (the first or the last) on one microbatch, F, B (dX) and W (dW)
-  as jitted calls on this core; and the link, a jitted ppermute of one
-  activation (and of four) from process 0 to 1, and both ways at once. Every
-  time has an empty jitted call's subtracted (the dispatch)."""
+  """Measured inputs of the simulator, taken at startup (before the timed rounds:
+  the prediction is made from them) and again between the rounds (to show the
+  drift). Per microbatch count, on this process's stage (the first or the last),
+  each a jitted loop over the microbatches (no per-call dispatch in the figure):
+
+  - F, B (dX) and W (dW): a loop of forwards, of forward + dX, of forward + dX +
+    dW; F = the first / M, B and W the differences. They are then scaled by the
+    executor itself: a one-stage `ooo` table (F, B, W split) over this stage's
+    layers and the same microbatches, on this process's own device (no link),
+    against M x (F + B + W). That factor holds what the executor adds to each
+    action (record packing, slot writes, its loop).
+  - The link, as a transfer costs inside the executor: a loop of ticks that each
+    run this stage's forward on a microbatch and then send it one way
+    (alternating 0 -> 1 and 1 -> 0, as the executor's CPU exchange sends,
+    `execute.one_way`), less the same loop without the sends; per transfer.
+  """
+
+  LOOP = 20
 
   def __init__(self, mesh):
     import jax.numpy as jnp
+    from jax import lax
     from jax.sharding import PartitionSpec as Ps
 
     self.fns, self.samples = {}, {}
     full = model.make_params(nproc, cfg["layers"], cfg["dim"], cfg["hidden"])
     p = {k: jnp.asarray(a[pid]) for k, a in full.items()}
-    call = jax.jit(lambda pb, g: pb(g))
-    empty = jax.jit(lambda a: a + 0)
+    one = jax.sharding.Mesh(np.array(jax.local_devices()[:1]), ("stage",))
+    xb, tb = (jnp.asarray(a) for a in model.make_batch(cfg["batch"], cfg["dim"]))
+    p1 = {k: a[None] for k, a in p.items()}
+    last = pid == nproc - 1
+    L = self.LOOP
 
-    def perm(pairs):
-      body = lambda a: jax.lax.ppermute(a, "stage", pairs)  # noqa: E731
-      return jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=Ps("stage"), out_specs=Ps("stage"), check_vma=False)
+    def ticks(send: bool, rows: int):
+      """L ticks of this stage's forward on `rows` rows, each then sent one way."""
+      pp = jax.make_array_from_process_local_data(
+        NamedSharding(mesh, P("stage")),
+        np.stack([full["w1"][pid]]),
+        (nproc, *full["w1"].shape[1:]),
       )
+
+      def body(a, w1):
+        def tick(c, i):
+          y = model.stage_fn({"w1": w1[0], "w2": jnp.swapaxes(w1[0], -1, -2)}, c)
+          if send:
+            y = lax.switch(
+              i % 2,
+              [
+                lambda c: lax.ppermute(c, "stage", [(0, 1)]),
+                lambda c: lax.ppermute(c, "stage", [(1, 0)]),
+              ],
+              y,
+            )
+          return y * 0.5, None
+
+        return lax.scan(tick, a, jnp.arange(L))[0]
+
+      f = jax.jit(
+        jax.shard_map(
+          body,
+          mesh=mesh,
+          in_specs=(Ps("stage"), Ps("stage")),
+          out_specs=Ps("stage"),
+          check_vma=False,
+        )
+      )
+      a = jax.make_array_from_process_local_data(
+        NamedSharding(mesh, P("stage")),
+        np.ones((rows, cfg["dim"]), np.float32),
+        (nproc * rows, cfg["dim"]),
+      )
+      return f, (a, pp)
 
     for m in cfg["microbatches"]:
       rows = cfg["batch"] // m
-      x, t = (jnp.asarray(a[:rows]) for a in model.make_batch(cfg["batch"], cfg["dim"]))
-      last = pid == nproc - 1
-      f = (lambda p, x, t=t: model.loss_fn(model.stage_fn(p, x), t)) if last else model.stage_fn
-      y, pb_x = jax.vjp(lambda x, f=f: f(p, x), x)
-      _, pb_all = jax.vjp(f, p, x)
-      g = jnp.ones_like(y)
-      acts = {
-        n: jax.make_array_from_process_local_data(
-          NamedSharding(mesh, P("stage")),
-          np.ones((n * rows, cfg["dim"]), np.float32),
-          (nproc * n * rows, cfg["dim"]),
+      xs, ts = (a.reshape(m, rows, -1) for a in (xb, tb))
+      f = (
+        (lambda p, x, t: model.loss_fn(model.stage_fn(p, x), t))
+        if last
+        else (lambda p, x, t: model.stage_fn(p, x))
+      )
+
+      def loop(kind, f=f):
+        def run(p, xs, ts):
+          def one(acc, xt):
+            x, t = xt
+            if kind == "F":
+              y = f(p, x, t)
+              return acc + jnp.sum(y), None
+            y, pb = jax.vjp(lambda p, x: f(p, x, t), p, x)
+            g = jnp.ones_like(y)
+            if kind == "FB":  # dX only: the weights' cotangent is never formed
+              _, pbx = jax.vjp(lambda x: f(p, x, t), x)
+              return acc + jnp.sum(pbx(g)[0]), None
+            dp, dx = pb(g)
+            return acc + jnp.sum(dx) + sum(jnp.sum(v) for v in jax.tree.leaves(dp)), None
+
+          return lax.scan(one, jnp.zeros((), jnp.float32), (xs, ts))[0]
+
+        return jax.jit(run)
+
+      exe = jax.jit(
+        ooo.pipeline.value_and_grad(
+          model.stage_fn,
+          model.loss_fn,
+          mesh=one,
+          axis_name="stage",
+          schedule=ooo.pipeline.schedule("ooo", stages=1, microbatches=m),
         )
-        for n in (1, 4)
-      }
-      # W alone reads what B saved (the executor's split): the whole backward less B
+      )
       self.fns[m] = {
-        "F": (jax.jit(f), (p, x)),
-        "B": (call, (pb_x, g)),
-        "BW": (call, (pb_all, g)),
-        "empty": (empty, (g,)),
-        "one": (perm([(0, 1)]), (acts[1],)),
-        "four": (perm([(0, 1)]), (acts[4],)),
-        "both": (perm([(0, 1), (1, 0)]), (acts[1],)),
-        "empty_link": (empty, (acts[1],)),
+        "F": (loop("F"), (p, xs, ts)),
+        "FB": (loop("FB"), (p, xs, ts)),
+        "FBW": (loop("FBW"), (p, xs, ts)),
+        "exec": (exe, (p1, (xb, tb))),
+        "gap0": ticks(False, rows),
+        "gap1": ticks(True, rows),
       }
       self.samples[m] = {k: [] for k in self.fns[m]}
 
   def sample(self, reps: int) -> None:
     for m, fns in self.fns.items():
       for k, (f, args) in fns.items():
-        if k in ("one", "four", "both"):  # collectives: both processes together
+        if k.startswith("gap"):  # collectives: both processes together
           multihost_utils.sync_global_devices("probe")
         self.samples[m][k].append(_median_s(f, *args, reps=reps))
 
-  def result(self, stat=np.median) -> dict:
-    """Per microbatch count (str): every process's [F, B, W] and process 0's link,
-    `stat` (median, or min: the least disturbed sample) over the samples."""
+  def result(self, stat=np.median, first: bool = False) -> dict:
+    """Per microbatch count (str): every process's [F, B, W] (executor-scaled) and
+    process 0's link probe, `stat` over the samples (`first`: the startup sample
+    alone, what the prediction uses)."""
     res = {}
     for m, sm in self.samples.items():
-      med = {k: float(stat(v)) for k, v in sm.items()}
-      f, b = med["F"] - med["empty"], med["B"] - med["empty"]
-      ph = [max(f, 1e-6), max(b, 1e-6), max(med["BW"] - med["empty"] - b, 1e-6)]
-      lk = [max(med[k] - med["empty_link"], 1e-6) for k in ("one", "four", "both")]
+      med = {k: float(v[0] if first else stat(v)) for k, v in sm.items()}
+      f = med["F"] / m
+      raw = [max(f, 1e-6), max(med["FB"] / m - f, 1e-6), max((med["FBW"] - med["FB"]) / m, 1e-6)]
+      scale = med["exec"] / (m * sum(raw))
+      ph = [x * scale for x in raw] + [scale]
       allph = np.asarray(multihost_utils.process_allgather(np.array(ph), tiled=False))
+      L = self.LOOP
+      lk = [(med["gap1"] - med["gap0"]) / L, med["gap0"] / L]
       # process 0's probe on every process: both must plan the same table
       got = np.asarray(multihost_utils.process_allgather(np.array(lk), tiled=False))[0]
       res[str(m)] = {
-        "phases": allph.tolist(),
+        "phases": allph[:, :3].tolist(),
+        "scale": allph[:, 3].tolist(),
         "link": {
-          "one": float(got[0]),
-          "four": float(got[1]),
-          "both": float(got[2]),
+          "transfer": max(float(got[0]), 0.0),
+          "gap": float(got[1]),
           "nbytes": cfg["batch"] // m * cfg["dim"] * 4,
         },
       }
@@ -235,9 +307,9 @@ def _pipeline():
   batch = tuple(jax.make_array_from_process_local_data(rep, a, a.shape) for a in (x, t))
   runs, out = {}, {}
   cal = _Calibration(mesh) if cfg.get("predict") else None
-  if cal is not None:  # a first sample, to plan ooo-link on
+  if cal is not None:  # the startup sample: ooo-link is planned and every cell predicted on it
     cal.sample(reps=10)
-  calib = cal.result() if cal is not None else {}
+  calib = cal.result(first=True) if cal is not None else {}
   for name in cfg["schedules"]:
     for m in cfg["microbatches"]:
       key = f"{name}/{m}"
@@ -291,7 +363,8 @@ def _pipeline():
       cal.sample(reps=3)
   out["_link"] = {"ppermute_ms": probe.ms, "bytes": probe.bytes}
   if cal is not None:
-    out["_calibration"] = cal.result()
+    out["_calibration"] = calib  # the startup sample
+    out["_calibration_median"] = cal.result()
     out["_calibration_min"] = cal.result(np.min)
   return out
 
@@ -310,16 +383,21 @@ def _ticks(sched, params, batch) -> dict:
 
 
 def _ppermute_probe(mesh, row_bytes, micro):
-  """A loop of 50 lag-0-style ppermutes of one activation (both directions), in one
-  program: `probe()` times it, `probe.ms` collects ms per ppermute. What each of a
-  step's transfers costs on this link (latency, the processes' wake-ups)."""
+  """A loop of 50 lag-0-style exchanges of one activation around the ring (each
+  device sends one and receives one), sent as the executor sends them on CPU
+  (one-way permutes in a row, `execute.one_way`), in one program: `probe()`
+  times it, `probe.ms` collects ms per exchange. What each of a step's
+  transfer ticks costs on this link (latency, the processes' wake-ups)."""
+  from ooojax.passes.pipeline.link import one_way_groups
+
   n, rows = 50, cfg["batch"] // micro
-  ring = [(k, (k + 1) % nproc) for k in range(nproc)]
+  groups = one_way_groups([(k, (k + 1) % nproc) for k in range(nproc)])
+
+  def exchange(c, _):
+    return sum(jax.lax.ppermute(c, "stage", list(g)) for g in groups), None
 
   def body(x):
-    return jax.lax.scan(lambda c, _: (jax.lax.ppermute(c, "stage", ring), None), x, None, length=n)[
-      0
-    ]
+    return jax.lax.scan(exchange, x, None, length=n)[0]
 
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("stage"), out_specs=P("stage")))
   x = jax.make_array_from_process_local_data(

@@ -132,6 +132,15 @@ def _group_size(rest: str, devices: int) -> int:
   return dims[-1]
 
 
+def _pairs(rest: str) -> tuple:
+  pm = _PAIRS.search(rest)
+  if not pm:
+    return ()
+  return tuple(
+    tuple(int(x) for x in p.split(",")) for p in re.findall(r"\{(\d+,\d+)\}", pm.group(1))
+  )
+
+
 def traffic(text: str, plan=None, lag: int = 0, devices: int = 2) -> Traffic:
   """Every collective of `text` (a compiled step's HLO) with its bytes per step.
 
@@ -141,6 +150,7 @@ def traffic(text: str, plan=None, lag: int = 0, devices: int = 2) -> Traffic:
   group size of a collective that names no replica groups."""
   import numpy as np
 
+  from ooojax.passes.pipeline.link import one_way_groups
   from ooojax.passes.pipeline.plan import F
 
   comps = _computations(text)
@@ -161,8 +171,15 @@ def traffic(text: str, plan=None, lag: int = 0, devices: int = 2) -> Traffic:
       pats = plan.patterns.get(ring, ())
       counts = np.bincount(plan.rows[:, 0, F[f"{ring}_pat"]], minlength=len(pats))
       for p, k in zip(pats, counts):
-        if p:
-          runs_of[frozenset(p)] = runs_of.get(frozenset(p), 0) + int(k)
+        # on CPU the executor sends a pattern as one-way permutes (execute.one_way)
+        for g in {p, *one_way_groups(p)} if p else ():
+          runs_of[frozenset(g)] = runs_of.get(frozenset(g), 0) + int(k)
+  found = {}  # pairs -> in-loop permutes sending them (branches of several patterns)
+  for cname, lines in comps.items():
+    for line in lines:
+      m = _INSTR.match(line)
+      if m and m.group("op") == "collective-permute" and cname in loops:
+        found.setdefault(_pairs(m.group("rest")), []).append((cname, line))
   out = []
   for cname, lines in comps.items():
     for line in lines:
@@ -171,14 +188,7 @@ def traffic(text: str, plan=None, lag: int = 0, devices: int = 2) -> Traffic:
         continue
       op, shape, rest = m.group("op"), m.group("type"), m.group("rest")
       if op == "collective-permute":
-        pm = _PAIRS.search(rest)
-        pairs = (
-          tuple(
-            tuple(int(x) for x in p.split(",")) for p in re.findall(r"\{(\d+,\d+)\}", pm.group(1))
-          )
-          if pm
-          else ()
-        )
+        pairs = _pairs(rest)
         shape = shape if not shape.startswith("(") else shape[1:].split(", ")[0]
         size = _shape_bytes(shape) * sum(a != b for a, b in pairs)
       else:
@@ -190,6 +200,10 @@ def traffic(text: str, plan=None, lag: int = 0, devices: int = 2) -> Traffic:
       runs = 1
       if in_loop:  # a lag-0 pattern's ticks, else every tick
         runs = runs_of.get(frozenset(pairs), trips.get(cname, 1))
+        same = found.get(pairs, [(cname, line)])
+        if frozenset(pairs) in runs_of and len(same) > 1:  # the pattern's ticks, shared out
+          i = same.index((cname, line))
+          runs = runs // len(same) + (i < runs % len(same))
       out.append(Collective(op, shape, cname, in_loop, pairs, runs, size * runs))
   return Traffic(tuple(out))
 

@@ -4,6 +4,7 @@
   python -m benchmarks.pipeline_mp --link-gbit 1     # and again over a 1 Gbit/s loopback
   python -m benchmarks.pipeline_mp --write           # append the tables to RESULTS.md
   python -m benchmarks.pipeline_mp --tiled 4         # training: 4 steps per call, tiled
+  python -m benchmarks.pipeline_mp --predict --rt 1  # predicted beside measured, SCHED_FIFO
 
 Starts `--stages` worker processes (benchmarks/_pipeline_mp_worker.py), each
 pinned to its own core (`taskset`) with one CPU device, joined by
@@ -72,6 +73,11 @@ def worker_env() -> dict:
 
 def _pinned(core: int | None, cfg: dict) -> list[str]:
   cmd = [sys.executable, WORKER, json.dumps(cfg)]
+  # --rt: SCHED_FIFO, so that a worker woken by its peer's bytes preempts whatever
+  # else runs on its core at once (the kernel's fair scheduler lets the running
+  # task finish its slice first: ms per wake-up on a shared host)
+  if os.environ.get("PIPELINE_MP_RT") and shutil.which("chrt"):
+    cmd = ["chrt", "-f", os.environ["PIPELINE_MP_RT"], *cmd]
   if core is None or shutil.which("taskset") is None:
     return cmd
   return ["taskset", "-c", str(core), *cmd]
@@ -167,68 +173,75 @@ def measure(cfg: dict, n: int, cores, gbit: float | None) -> dict:
 
 def stage_costs(calib: dict, n: int) -> list[dict]:
   """Measured phase seconds per virtual stage (one stage per process) from a
-  worker's calibration (`_pipeline_mp_worker._calibration`, one microbatch count)."""
+  worker's calibration (`_pipeline_mp_worker._Calibration`, one microbatch count)."""
   return [dict(zip("FBW", calib["phases"][s])) for s in range(n)]
 
 
+def tbf_burst(gbit: float) -> float:
+  """Bytes the `tbf` qdisc above lets through at once after an idle spell."""
+  return float(max(int(gbit * 1e9 / 8 / 1000), 8 * 1514))
+
+
 def link_model(calib: dict, gbit: float | None):
-  """The measured link (`_probe`): latency and bandwidth fitted to a one-way
-  ppermute of one and of four activations; one resource for both directions
-  where two transfers at once take longer than one (the shaped loopback)."""
+  """The measured link: what one transfer costs inside the executor (`transfer`:
+  the probe's ticks of a stage forward then a one-way send, less the same ticks
+  without the sends), less its wire time, is the latency (the rendezvous, the
+  peer's wake-up). Where shaped, the bandwidth is the tbf rate and its bucket
+  (`tbf_burst`) lets the bytes saved up during a tick through at once; one
+  resource both ways (one qdisc on lo). Unshaped, the wire is free."""
+  import math
+
   from ooojax.passes.pipeline.link import LinkModel
 
   lk = calib["link"]
   n = lk["nbytes"]
-  extra = max(lk["four"] - lk["one"], 1e-9)
-  bw = 3 * n / extra
-  if gbit is not None:  # the tbf rate is known: trust it over a noisy fit
-    bw = gbit * 1e9 / 8
-  wire = n / bw
-  lat = max(lk["one"] - wire, 0.0)
-  shared = lk["both"] > lk["one"] + 0.5 * wire
+  if "transfer" not in lk:  # a run saved before this probe
+    return _old_link_model(lk, gbit)
+  burst = tbf_burst(gbit) if gbit else 0.0
+  bw = gbit * 1e9 / 8 if gbit else math.inf
+  # in the probe each send follows a forward (`gap`): the bucket refilled meanwhile
+  saved = min(burst, lk["gap"] * bw) if gbit else 0.0
+  wire = max(n - saved, 0.0) / bw if gbit else 0.0
   return LinkModel(
-    lat,
+    max(lk["transfer"] - wire, 0.0),
     bw,
     n,
-    duplex=not shared,
+    duplex=gbit is None,
+    one_way=True,
+    burst=burst,
     name=f"measured ({'shaped ' + format(gbit, 'g') + ' Gbit/s' if gbit else 'unshaped'})",
   )
 
 
-STATS = {"median": ("_calibration", np.median), "min": ("_calibration_min", np.min)}
+def _old_link_model(lk: dict, gbit):
+  from ooojax.passes.pipeline.link import LinkModel
+
+  n = lk["nbytes"]
+  if "pp1" in lk:  # a loop of back-to-back one-way permutes
+    bw = gbit * 1e9 / 8 if gbit else float("inf")
+    return LinkModel(max(lk["pp1"] - n / bw, 0.0), bw, n, duplex=gbit is None, one_way=True)
+  bw = gbit * 1e9 / 8 if gbit else 3 * n / max(lk["four"] - lk["one"], 1e-9)
+  wire = n / bw
+  return LinkModel(max(lk["one"] - wire, 0.0), bw, n, duplex=gbit is None)
 
 
-def fit_tick(results: dict, n: int, stat: str = "median") -> float:
-  """Seconds each executor tick costs besides its action (the loop body: switch,
-  slot writes), fitted by least squares to the cells of one run (the unshaped
-  one: the shaped runs are then predicted with it, not fitted)."""
-  p0, p1 = (predicted(results, n, None, t, stat) for t in (0.0, 1e-3))
-  num = den = 0.0
-  for key, t0 in p0.items():
-    if results[key]["schedule"] in WEIGHTS_CROSS:
-      continue
-    slope = (p1[key] - t0) / 1e-3  # makespan grows ~ticks x tick
-    num += slope * (float(STATS[stat][1](results[key]["ms"])) / 1e3 - t0)
-    den += slope * slope
-  return max(num / den, 0.0) if den else 0.0
+# Which calibration predicts: the startup sample (before any timed round), the
+# median of all samples (startup and between rounds), the fastest of them.
+STATS = {
+  "startup": "_calibration",
+  "median": "_calibration_median",
+  "min": "_calibration_min",
+}
 
 
-# Their stage parameters are stacked in virtual-stage order, so weights and gradients
-# cross the processes every step: traffic the replay does not price (issue 34, part 4).
-WEIGHTS_CROSS = ("interleaved", "zb-v")
-
-
-def predicted(
-  results: dict, n: int, gbit: float | None, tick: float = 0.0, stat: str = "median"
-) -> dict:
+def predicted(results: dict, n: int, gbit: float | None, stat: str = "startup") -> dict:
   """`{key: simulated seconds}` of every measured cell: its table replayed on the
-  measured link with the measured phase costs (`passes.pipeline.link`, executor mode)."""
-  import dataclasses
-
+  measured link with the measured phase costs (`passes.pipeline.link`, executor
+  mode); nothing is fitted to the measured steps."""
   from ooojax.passes.pipeline.link import simulate_link
   from ooojax.passes.pipeline.schedule import PipelineSchedule
 
-  calib = results.get(STATS[stat][0], {})
+  calib = results.get(STATS[stat], {})
   out = {}
   for key, r in results.items():
     if key.startswith("_") or "error" in r or str(r["microbatches"]) not in calib:
@@ -242,8 +255,7 @@ def predicted(
     costs = stage_costs(c, n)
     if sched.chunks > 1:  # whole-stage costs on each chunk's device (a chunk: 1 / chunks)
       costs = [costs[sched.place(vs)[0]] for vs in range(sched.virtual_stages)]
-    lk = dataclasses.replace(link_model(c, gbit), tick=tick)
-    out[key] = simulate_link(sched, costs, lk, "executor").makespan
+    out[key] = simulate_link(sched, costs, link_model(c, gbit), "executor").makespan
   return out
 
 
@@ -257,51 +269,45 @@ def _sched(name: str, n: int, m: int, calib: dict, gbit):
   return generate(name, n, m)
 
 
-def predict_table(results: dict, n: int, link: str, gbit, ticks: dict) -> list[str]:
-  """Predicted (simulated) beside measured step time, per cell: from the median of
-  the samples and from their min (the least disturbed round, of the steps and of
-  the calibration alike)."""
-  pred = {st: predicted(results, n, gbit, ticks[st], st) for st in STATS}
+def predict_table(results: dict, n: int, link: str, gbit) -> list[str]:
+  """Predicted (simulated, from the startup calibration: before any timed round)
+  beside the measured median and min step time, per cell."""
+  pred = predicted(results, n, gbit, "startup")
   calib = results.get("_calibration", {})
   lines = [
     f"Link: {link}. Predicted: the table replayed by `passes.pipeline.link` (executor "
-    "mode) with the phase costs and the link measured in the same run (medians "
-    "shown), and a cost per tick fitted to the unshaped run's cells ("
-    + ", ".join(f"{st} {t * 1e6:.0f} us" for st, t in ticks.items())
-    + "); the min "
-    "columns take the fastest sample of every step, cost and probe:"
+    "mode) with the phase costs and the link measured at the start of the run, "
+    "before any timed step (nothing fitted to the steps):"
   ]
   for m, c in sorted(calib.items(), key=lambda kv: int(kv[0])):
     lk = link_model(c, gbit)
     ph = "; ".join(
       f"stage {s}: F {p[0] * 1e3:.2f} B {p[1] * 1e3:.2f} W {p[2] * 1e3:.2f}"
+      + (f" (x{c['scale'][s]:.2f})" if "scale" in c else "")
       for s, p in enumerate(c["phases"])
     )
     lines.append(
-      f"- {m} microbatches: {ph} ms; link: latency {lk.latency * 1e6:.0f} us, "
-      f"{lk.nbytes / 1e3:.0f} kB per transfer, wire {lk.wire * 1e3:.3f} ms, "
-      f"{'duplex' if lk.duplex else 'one resource both ways'}."
+      f"- {m} microbatches: {ph} ms (in brackets: the executor's factor over the "
+      f"bare calls); link: {lk.latency * 1e6:.0f} us per transfer beyond its wire, "
+      f"{lk.nbytes / 1e3:.0f} kB per transfer, wire {lk.wire * 1e3:.3f} ms"
+      + (f" (bucket {lk.burst / 1e3:.0f} kB)" if lk.burst else "")
+      + f", {'duplex' if lk.duplex else 'one resource both ways'}."
     )
   lines += [
     "",
-    "| schedule | microbatches | measured, median (ms) | predicted | predicted / "
-    "measured | measured, min (ms) | predicted | predicted / measured | within 15% "
-    "(median / min) |",
-    "|---|---|---|---|---|---|---|---|---|",
+    "| schedule | microbatches | predicted (ms) | measured, median (ms) | predicted / "
+    "measured | measured, min (ms) | predicted / min | within 15% (median) |",
+    "|---|---|---|---|---|---|---|---|",
   ]
   for key, r in results.items():
-    if key.startswith("_") or key not in pred["median"]:
+    if key.startswith("_") or key not in pred:
       continue
-    cells, ok = [], []
-    for st, (_, fn) in STATS.items():
-      ms, p = float(fn(r["ms"])), pred[st].get(key, float("nan")) * 1e3
-      cells.append(f"{ms:.1f} | {p:.1f} | {p / ms:.2f}")
-      ok.append("yes" if abs(p / ms - 1) <= 0.15 else "no")
-    note = " (weights cross: not priced)" if r["schedule"] in WEIGHTS_CROSS else ""
+    p = pred[key] * 1e3
+    med, lo = float(np.median(r["ms"])), float(np.min(r["ms"]))
+    ok = "yes" if abs(p / med - 1) <= 0.15 else "no"
     lines.append(
-      f"| {r['schedule']} | {r['microbatches']} | "
-      + " | ".join(cells)
-      + f" | {' / '.join(ok)}{note} |"
+      f"| {r['schedule']} | {r['microbatches']} | {p:.1f} | {med:.1f} | {p / med:.2f} | "
+      f"{lo:.1f} | {p / lo:.2f} | {ok} |"
     )
   return lines
 
@@ -456,6 +462,14 @@ def main(argv=None):
     help="measure phase costs and the link in each run, add ooo planned on "
     "that link (ooo-link), print predicted (simulated) beside measured",
   )
+  ap.add_argument(
+    "--rt",
+    type=int,
+    default=0,
+    metavar="PRIO",
+    help="run the workers SCHED_FIFO at this priority (root; chrt): on a shared "
+    "host a woken stage then preempts the other tenants at once",
+  )
   ap.add_argument("--json", help="save all raw timings here")
   ap.add_argument("--from-json", help="print the tables of a run saved with --json")
   ap.add_argument("--write", action="store_true")
@@ -465,6 +479,8 @@ def main(argv=None):
     a = json.loads(args._spawn)
     run_workers(a["cfg"], a["n"], a["cores"], a["timeout"])
     return
+  if args.rt:
+    os.environ["PIPELINE_MP_RT"] = str(args.rt)  # the workers' launchers read it
   n = args.stages
   cores = args.cores or list(range(n))
   if len(cores) != n:
@@ -515,11 +531,10 @@ def main(argv=None):
   ]
   gbits = dict(zip(runs, [None, *args.link_gbit]))
   args.predict = args.predict or any("_calibration" in r for r in runs.values())
-  ticks = {st: fit_tick(runs["unshaped localhost"], n, st) for st in STATS} if args.predict else {}
   for link, res in runs.items():
     lines += table(res, base, n, link) + [""] + verdict(res, link) + [""]
     if args.predict:
-      lines += predict_table(res, n, link, gbits[link], ticks) + [""]
+      lines += predict_table(res, n, link, gbits[link]) + [""]
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"baseline": base, "runs": runs, "gbits": args.link_gbit}, f, indent=1)

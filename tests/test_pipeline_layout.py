@@ -56,6 +56,9 @@ def _assert_only_activations(text, plan, act_shape, reduced_shapes):
   tr = traffic(text, plan)
   loop = [c for c in tr.collectives if c.in_loop]
   assert loop and all(c.op == "collective-permute" for c in loop), loop
+  for c in loop:  # on CPU (gloo) each permute is one-way: no device sends and receives
+    moved = [(a, b) for a, b in c.pairs if a != b]
+    assert not {a for a, _ in moved} & {b for _, b in moved}, c
   assert {s for c in loop for s in c.shapes} == {act_shape}, loop
   out = [c for c in tr.collectives if not c.in_loop]
   assert all(c.op == "all-reduce" for c in out), out  # no weight moves, no gather

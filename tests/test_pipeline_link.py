@@ -73,6 +73,41 @@ def test_both_directions_share_a_shaped_loopback():
   )
 
 
+def test_token_bucket_lets_a_burst_through():
+  """GPipe 2 x 4, wire 2 per transfer, a tbf bucket of 2 (one transfer) refilling at
+  the bandwidth (1): F0 leaves at 1 on a full bucket and arrives at once; F1 at 2
+  finds 1 token (refilled for 1 s), so it takes 1; F2 (3) and F3 (queued to 5)
+  find none: 2 each. Arrivals 1, 3, 5, 7 (without the bucket 3, 5, 7, 9); the
+  gradients (the other direction, its own bucket) 9, 11, 13, 15; step 16."""
+  lk = LinkModel(bandwidth=1.0, nbytes=2.0, burst=2.0)
+  tl = simulate_link(generate("gpipe", 2, 4), COSTS, lk, "overlap")
+  assert [t.end for t in tl.transfers if t.kind == "F"] == [1.0, 3.0, 5.0, 7.0]
+  assert [t.end for t in tl.transfers if t.kind == "B"] == [9.0, 11.0, 13.0, 15.0]
+  assert tl.makespan == 16.0
+
+
+def test_one_way_exchange_runs_the_two_directions_in_a_row():
+  """The executor's CPU exchange (`execute.one_way`): a tick whose activation goes up
+  while a gradient comes down runs two one-way permutes, each paying the
+  latency: in the replay the second leaves when the first has arrived."""
+  from ooojax.passes.pipeline.link import one_way_groups
+
+  assert one_way_groups([(0, 1), (1, 0)]) == (((0, 1),), ((1, 0),))
+  assert one_way_groups([(0, 1), (1, 2), (2, 3), (3, 0)]) == (
+    ((0, 1), (2, 3)),
+    ((1, 2), (3, 0)),
+  )
+  f = generate("1f1b", 2, 4)
+  both = simulate_link(f, COSTS, LinkModel(latency=0.25), "executor")
+  one = simulate_link(f, COSTS, LinkModel(latency=0.25, one_way=True), "executor")
+  starts = {}
+  for t in both.transfers:
+    starts.setdefault(t.start, []).append(t)
+  assert any(len(ts) == 2 for ts in starts.values())  # steady ticks: both ways at once
+  assert len({t.start for t in one.transfers}) == len(one.transfers)  # never together
+  assert one.makespan > both.makespan
+
+
 @pytest.mark.parametrize("mode", ["overlap", "executor"])
 def test_depth_choice_across_link_costs(mode):
   """On every link ooo is at least as fast as GPipe and 1F1B within GPipe's memory;

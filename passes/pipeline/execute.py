@@ -44,6 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ooojax.passes import _compat
 from ooojax.passes.pipeline import plan as plan_pass
 from ooojax.passes.pipeline.flavor import Flavor, make_flavor
+from ooojax.passes.pipeline.link import one_way_groups
 from ooojax.passes.pipeline.program import (
   Memory,
   Program,
@@ -60,6 +61,8 @@ __all__ = [
   "Program",
   "device_order",
   "lower",
+  "one_way",
+  "one_way_groups",
   "make_flavor",
   "memory",
   "program",
@@ -156,7 +159,16 @@ def lower(
         local(side_m),
         has_aux,
       )
-    body = _body(prog, sched.stages, sched.chunks, M, axis_name, sched.lag, data_axis=data_axis)
+    body = _body(
+      prog,
+      sched.stages,
+      sched.chunks,
+      M,
+      axis_name,
+      sched.lag,
+      data_axis=data_axis,
+      split=one_way(mesh),
+    )
     loss, gp, gsh = _shard(
       body,
       sched,
@@ -239,6 +251,28 @@ def _shard(
   return out[0], last, out[1], opt[1], loss
 
 
+def one_way(mesh) -> bool:
+  """Whether each exchange runs as one-way collective permutes (no device both
+  sends and receives in one): on CPU (gloo). gloo's collective permute posts a
+  device's send, then its receive, and waits for both; two processes that
+  exchange in one permute took 1.4-3 ms for 16-32 kB on a quiet 2-core host,
+  two one-way permutes in a row 0.08-0.11 ms (benchmarks/RESULTS.md, issue 34).
+  NCCL pairs the send and receive in one group, so accelerators keep one."""
+  return mesh.devices.flat[0].platform == "cpu"
+
+
+def _permute(x, axis_name, pairs, split: bool):
+  """`ppermute(x, pairs)`, as one-way permutes in a row with `split` (each
+  device receives at most once, so the sum of the parts is the whole)."""
+  if not split:
+    return lax.ppermute(x, axis_name, list(pairs))
+  parts = [lax.ppermute(x, axis_name, list(g)) for g in one_way_groups(pairs)]
+  out = parts[0]
+  for p in parts[1:]:
+    out = out + p
+  return out
+
+
 def device_order(sched: PipelineSchedule) -> np.ndarray:
   """The virtual stage at each row of a device-major stack: device s's chunk c at
   row s * chunks + c (the identity without chunks)."""
@@ -294,14 +328,25 @@ def _gather(a, axis_name, data_axis):
 
 
 def _body(
-  prog: Program, S, v, M, axis_name, lag, updater=None, steps=1, data_axis=None, owners=None
+  prog: Program,
+  S,
+  v,
+  M,
+  axis_name,
+  lag,
+  updater=None,
+  steps=1,
+  data_axis=None,
+  owners=None,
+  split=False,
 ):
   """The per-device program. With an `updater` (a table tiled over `steps`),
   the weights (shared ones too) and optimizer states are loop state, updated at
   the ticks whose `upd` bits name a chunk; otherwise the weights are loop
   constants. `owners[j]`: the (device, chunk, virtual stage) that alone reads
   shared leaf j, updated at that chunk's U there and broadcast at the end, or
-  None (read by the first and the last stage: updated at `sync` ticks)."""
+  None (read by the first and the last stage: updated at `sync` ticks).
+  With `split`, each exchange runs as one-way permutes (`one_way`)."""
   F = plan_pass.F
   flavors, pl, x_aval, fres, bres = (prog.flavors, prog.plan, prog.x_aval, prog.fres, prog.bres)
   n_aux = max(len(fl.aux) for fl in flavors)
@@ -426,10 +471,10 @@ def _body(
       if len(pats) == 1:  # nothing ever moves on this ring
         return no_out
       if lag:
-        return lax.ppermute(out, axis_name, full)
+        return _permute(out, axis_name, full, split)
       return lax.switch(
         r[F[f"{name}_pat"]],
-        [(lambda o, p=p: lax.ppermute(o, axis_name, list(p)) if p else no_out) for p in pats],
+        [(lambda o, p=p: _permute(o, axis_name, p, split) if p else no_out) for p in pats],
         out,
       )
 

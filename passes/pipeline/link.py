@@ -46,7 +46,7 @@ from collections.abc import Mapping, Sequence
 
 from ooojax.passes.pipeline.actions import COMPUTE, UPDATE, Action, ScheduleError, deps
 
-__all__ = ["LinkModel", "LinkTimeline", "Transfer", "simulate_link"]
+__all__ = ["LinkModel", "LinkTimeline", "Transfer", "one_way_groups", "simulate_link"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +57,11 @@ class LinkModel:
   `nbytes` per transfer (one activation or input gradient), `duplex`: each
   direction its own resource (False: one resource both share, a shaped
   loopback), `blocking_send`: the sender waits for its bytes' wire time too,
-  `tick`: seconds every executor tick costs besides its action.
+  `tick`: seconds every executor tick costs besides its action; `one_way`:
+  the executor runs each exchange as one-way permutes in a row (its CPU / gloo
+  lowering, `execute.one_way`), each paying `latency` on its own; `burst`:
+  bytes a token-bucket shaper (tbf) lets through at once after an idle spell
+  (it refills at `bandwidth`; 0: every byte pays the wire).
   """
 
   latency: float = 0.0
@@ -66,6 +70,8 @@ class LinkModel:
   duplex: bool = True
   blocking_send: bool = False
   tick: float = 0.0
+  one_way: bool = False
+  burst: float = 0.0
   name: str = ""
 
   @property
@@ -160,7 +166,7 @@ class _Wire:
   """Resources: first come, first served; transfers leaving together share."""
 
   def __init__(self, link: LinkModel):
-    self.link, self.free = link, {}
+    self.link, self.free, self.tokens = link, {}, {}
 
   def key(self, src: int, dst: int):
     return (src, dst) if self.link.duplex else (min(src, dst), max(src, dst))
@@ -171,9 +177,16 @@ class _Wire:
     for p in pairs:
       groups.setdefault(self.key(*p), []).append(p)
     out = {}
+    lk = self.link
     for k, ps in groups.items():
-      start = max(ready, self.free.get(k, 0.0))
-      done = start + len(ps) * self.link.wire
+      free = self.free.get(k, 0.0)
+      start = max(ready, free)
+      done = start + len(ps) * lk.wire
+      if lk.burst and lk.wire:  # tokens saved while idle let bytes through at once
+        tokens = min(lk.burst, self.tokens.get(k, lk.burst) + (start - free) * lk.bandwidth)
+        nbytes = len(ps) * lk.nbytes
+        done = start + max(nbytes - tokens, 0.0) / lk.bandwidth
+        self.tokens[k] = max(tokens - nbytes, 0.0)
       self.free[k] = done
       out.update({p: (start, done) for p in ps})
     return out
@@ -212,6 +225,14 @@ def _executor(sched, cs, link: LinkModel) -> LinkTimeline:
   moves = any(a.kind[0] == "S" for row in sched.grid for cell in row for a in cell)
 
   def exchange(pairs, kinds):
+    """One exchange over `pairs`: one collective permute, or one-way ones in a row."""
+    if link.one_way:
+      for g in one_way_groups(pairs):
+        permute(g, kinds)
+    else:
+      permute(pairs, kinds)
+
+  def permute(pairs, kinds):
     """One collective permute over `pairs`: a rendezvous of each pair, then the wire."""
     ready = {}
     for s, d in pairs:
@@ -251,6 +272,25 @@ def _executor(sched, cs, link: LinkModel) -> LinkTimeline:
       if pairs:
         exchange(sorted(pairs), pairs)
   return LinkTimeline(tuple(spans), tuple(transfers), max(clock), S, "executor")
+
+
+def one_way_groups(pairs):
+  """`pairs` (src, dst) split into groups in which no device both sends and
+  receives, first fit in pair order (a ring of even length: 2 groups); the
+  executor's CPU exchange (`execute.one_way`) and its replay share it.
+
+  >>> one_way_groups([(0, 1), (1, 0)])
+  (((0, 1),), ((1, 0),))
+  """
+  groups: list[list] = []
+  for src, dst in pairs:
+    for g in groups:
+      if all(src != d and dst != s for s, d in g):
+        g.append((src, dst))
+        break
+    else:
+      groups.append([(src, dst)])
+  return tuple(tuple(g) for g in groups)
 
 
 def _dest(sched, a: Action) -> int:

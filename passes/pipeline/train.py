@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ooojax.passes.pipeline import plan as plan_pass
-from ooojax.passes.pipeline.execute import _body, _check, _shard
+from ooojax.passes.pipeline.execute import _body, _check, _shard, one_way
 from ooojax.passes.pipeline.program import Program, split_microbatches, trace
 from ooojax.passes.pipeline.schedule import PipelineSchedule
 
@@ -153,6 +153,7 @@ def lower_updates(
       updater=updater,
       steps=N,
       owners=[None if o is None else (*sched.place(o), o) for o in own],
+      split=one_way(mesh),
     )
     return _shard(
       body,

@@ -1,0 +1,121 @@
+"""What one exchange between two processes costs on gloo (CPU collectives).
+
+  python -m benchmarks.gloo_exchange              # 16 and 32 kB, 7 rounds
+
+Two processes (`jax.distributed`, gloo over localhost TCP, one CPU device each,
+pinned to cores 0 and 1), each timing loops of 100 ticks inside one jitted
+`shard_map` program, per tick:
+
+- `two-way`: one `ppermute` in which both processes send and receive
+  (`[(0, 1), (1, 0)]`): what the pipeline executor did on every tick where an
+  activation goes up while a gradient comes down;
+- `one-way x2`: the same two transfers as two one-way permutes in a row (what
+  it does on CPU now, `passes.pipeline.execute.one_way`);
+- `ping-pong`: one one-way permute per tick, alternating direction.
+
+Prints the median and min microseconds per tick over the rounds (issue 34).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+
+def _worker(pid: int, port: int, rounds: int) -> None:
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax import lax
+  from jax.experimental import multihost_utils
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=pid)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("stage",))
+  T = 100
+
+  def loop(tick):
+    body = lambda x: lax.scan(lambda c, i: (tick(c, i), None), x, jnp.arange(T))[0]  # noqa: E731
+    return jax.jit(
+      jax.shard_map(body, mesh=mesh, in_specs=P("stage"), out_specs=P("stage"), check_vma=False)
+    )
+
+  up, down = [(0, 1)], [(1, 0)]
+  ticks = {
+    "two-way": loop(lambda c, i: lax.ppermute(c, "stage", up + down)),
+    "one-way x2": loop(
+      lambda c, i: lax.ppermute(c, "stage", up) + lax.ppermute(c * 2, "stage", down)
+    ),
+    "ping-pong": loop(
+      lambda c, i: lax.switch(
+        i % 2,
+        [lambda a: lax.ppermute(a, "stage", up), lambda a: lax.ppermute(a, "stage", down)],
+        c,
+      )
+    ),
+  }
+  res = {}
+  for kb in (16, 32):
+    n = kb * 256  # float32
+    x = jax.make_array_from_process_local_data(
+      NamedSharding(mesh, P("stage")), np.ones((n,), np.float32), (2 * n,)
+    )
+    for f in ticks.values():
+      jax.block_until_ready(f(x))
+    for _ in range(rounds):
+      for k, f in ticks.items():
+        multihost_utils.sync_global_devices("exchange")
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x))
+        res.setdefault((k, kb), []).append((time.perf_counter() - t0) / T * 1e6)
+  if pid == 0:
+    print("| per tick (us), median [min] | 16 kB | 32 kB |")
+    print("|---|---|---|")
+    for k in ticks:
+      cells = [f"{np.median(res[(k, kb)]):.0f} [{min(res[(k, kb)]):.0f}]" for kb in (16, 32)]
+      print(f"| {k} | " + " | ".join(cells) + " |")
+  jax.distributed.shutdown()
+
+
+def main(argv=None) -> None:
+  import argparse
+
+  from benchmarks.pipeline_mp import ROOT, free_port, worker_env
+
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--rounds", type=int, default=7)
+  ap.add_argument("--_worker", type=int, help=argparse.SUPPRESS)
+  ap.add_argument("--_port", type=int, help=argparse.SUPPRESS)
+  args = ap.parse_args(argv)
+  if args._worker is not None:
+    return _worker(args._worker, args._port, args.rounds)
+  port = free_port()
+  cmd = lambda i: [  # noqa: E731
+    "taskset",
+    "-c",
+    str(i % (os.cpu_count() or 1)),
+    sys.executable,
+    "-m",
+    "benchmarks.gloo_exchange",
+    "--rounds",
+    str(args.rounds),
+    "--_worker",
+    str(i),
+    "--_port",
+    str(port),
+  ]
+  procs = [
+    subprocess.Popen(cmd(i), cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, text=True)
+    for i in range(2)
+  ]
+  out = [p.communicate(timeout=600)[0] for p in procs]
+  print(out[0], end="")
+
+
+if __name__ == "__main__":
+  main()
