@@ -294,6 +294,52 @@ def _table(name: str, m: int, calib: dict):
   return sched
 
 
+TRIAL = 5  # ooo-auto: timed steps of each candidate, alternating (after one warm-up)
+
+
+def _compiled(sched, mesh, batch):
+  """(jitted step, its stage params, the warm-up's result) of one table."""
+  params = _stage_params(mesh, sched)
+  step = jax.jit(
+    ooo.pipeline.value_and_grad(
+      model.stage_fn, model.loss_fn, mesh=mesh, axis_name="stage", schedule=sched, layout=LAYOUT
+    )
+  )
+  res = None
+  for _ in range(max(1, cfg["warmup"])):
+    res = jax.block_until_ready(step(params, batch))
+  return step, params, res
+
+
+def _auto(m: int, calib: dict, mesh, batch):
+  """ooo-auto: the measured runs decide. The candidates of
+  `depth.trial_tables` (ooo planned on the startup calibration when there is
+  one, ooo at 1F1B's depth, GPipe's and 1F1B's tables) each run TRIAL steps,
+  alternating; the fastest median on process 0 (shared, so both processes run
+  the same table) wins. Returns (table, label, {label: trial ms})."""
+  from ooojax.passes.pipeline.depth import pick_measured, trial_tables
+
+  link = costs = None
+  if str(m) in calib:
+    from benchmarks.pipeline_mp import link_model, stage_costs
+
+    c = calib[str(m)]
+    costs, link = stage_costs(c, nproc), link_model(c, cfg.get("gbit"))
+  cands = trial_tables(nproc, m, costs, link)
+  runs = {lab: (t, *_compiled(t, mesh, batch)) for lab, t in cands}
+  times = {lab: [] for lab in runs}
+  for _ in range(TRIAL):
+    for lab, (_, step, params, _) in runs.items():
+      times[lab].append(_time_once(step, params, batch) * 1e3)
+  # process 0's times on every process: both must run the same table
+  got = np.asarray(
+    multihost_utils.process_allgather(np.array([times[lab] for lab in runs]), tiled=False)
+  )[0]
+  times = {lab: got[i].tolist() for i, lab in enumerate(runs)}
+  label = pick_measured(times)
+  return runs[label][0], label, times
+
+
 def _pipeline():
   devs = jax.devices()
   if len(devs) != nproc:
@@ -314,22 +360,16 @@ def _pipeline():
     for m in cfg["microbatches"]:
       key = f"{name}/{m}"
       try:
-        sched = _table(name, m, calib)
-        params = _stage_params(mesh, sched)
-        step = jax.jit(
-          ooo.pipeline.value_and_grad(
-            model.stage_fn,
-            model.loss_fn,
-            mesh=mesh,
-            axis_name="stage",
-            schedule=sched,
-            layout=LAYOUT,
-          )
-        )
+        extra = {}
+        if name == "ooo-auto":
+          sched, label, trial = _auto(m, calib, mesh, batch)
+          extra = {"picked": label, "trial_ms": trial}
+        else:
+          sched = _table(name, m, calib)
         t0 = time.perf_counter()
-        for _ in range(max(1, cfg["warmup"])):
-          res = jax.block_until_ready(step(params, batch))
+        step, params, res = _compiled(sched, mesh, batch)
         out[key] = {
+          **extra,
           "schedule": name,
           "microbatches": m,
           "ms": [],

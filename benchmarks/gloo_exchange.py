@@ -11,7 +11,10 @@ pinned to cores 0 and 1), each timing loops of 100 ticks inside one jitted
   activation goes up while a gradient comes down;
 - `one-way x2`: the same two transfers as two one-way permutes in a row (what
   it does on CPU now, `passes.pipeline.execute.one_way`);
-- `ping-pong`: one one-way permute per tick, alternating direction.
+- `ping-pong`: one one-way permute per tick, alternating direction;
+- `one direction`: one one-way permute per tick, always 0 -> 1 (GPipe's runs);
+- `work + ...`: the same after about half a millisecond of matmuls per tick
+  (the executor's tick: compute, then the send), and `work alone`.
 
 Prints the median and min microseconds per tick over the rounds (issue 34).
 """
@@ -22,6 +25,8 @@ import os
 import subprocess
 import sys
 import time
+
+KBS = (8, 16, 32, 64)
 
 
 def _worker(pid: int, port: int, rounds: int) -> None:
@@ -46,6 +51,12 @@ def _worker(pid: int, port: int, rounds: int) -> None:
     )
 
   up, down = [(0, 1)], [(1, 0)]
+  wmat = jnp.full((512, 512), 1e-3, jnp.float32)
+
+  def _work(c):  # about half a millisecond of matmuls, then the same shape back
+    y = lax.fori_loop(0, 8, lambda _, a: jnp.tanh(a @ wmat), jnp.ones((64, 512)))
+    return c + jnp.sum(y) * 1e-9
+
   ticks = {
     "two-way": loop(lambda c, i: lax.ppermute(c, "stage", up + down)),
     "one-way x2": loop(
@@ -58,9 +69,21 @@ def _worker(pid: int, port: int, rounds: int) -> None:
         c,
       )
     ),
+    # the same direction every tick (GPipe's forward run, its backward run)
+    "one direction": loop(lambda c, i: lax.ppermute(c, "stage", up)),
+    # each tick a stage's worth of compute first, then the send (the executor's tick)
+    "work + ping-pong": loop(
+      lambda c, i: lax.switch(
+        i % 2,
+        [lambda a: lax.ppermute(a, "stage", up), lambda a: lax.ppermute(a, "stage", down)],
+        _work(c),
+      )
+    ),
+    "work + one direction": loop(lambda c, i: lax.ppermute(_work(c), "stage", up)),
+    "work alone": loop(lambda c, i: _work(c)),
   }
   res = {}
-  for kb in (16, 32):
+  for kb in KBS:
     n = kb * 256  # float32
     x = jax.make_array_from_process_local_data(
       NamedSharding(mesh, P("stage")), np.ones((n,), np.float32), (2 * n,)
@@ -74,10 +97,10 @@ def _worker(pid: int, port: int, rounds: int) -> None:
         jax.block_until_ready(f(x))
         res.setdefault((k, kb), []).append((time.perf_counter() - t0) / T * 1e6)
   if pid == 0:
-    print("| per tick (us), median [min] | 16 kB | 32 kB |")
-    print("|---|---|---|")
+    print("| per tick (us), median [min] | " + " | ".join(f"{kb} kB" for kb in KBS) + " |")
+    print("|---" * (len(KBS) + 1) + "|")
     for k in ticks:
-      cells = [f"{np.median(res[(k, kb)]):.0f} [{min(res[(k, kb)]):.0f}]" for kb in (16, 32)]
+      cells = [f"{np.median(res[(k, kb)]):.0f} [{min(res[(k, kb)]):.0f}]" for kb in KBS]
       print(f"| {k} | " + " | ".join(cells) + " |")
   jax.distributed.shutdown()
 

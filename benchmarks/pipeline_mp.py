@@ -44,6 +44,9 @@ from benchmarks import _report
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "benchmarks", "_pipeline_mp_worker.py")
 SCHEDULES = ("gpipe", "1f1b", "ooo", "zb-h1", "zb-h2", "interleaved", "zb-v")
+# also: "ooo-link" (ooo planned on the startup calibration, with --predict) and
+# "ooo-auto" (a short measured trial at startup picks the fastest of the planned
+# table, ooo at 1F1B's depth, GPipe's and 1F1B's: `depth.trial_tables`)
 
 
 # tbf: the bucket holds one timer tick (1 ms) of the rate and at least a few
@@ -65,7 +68,10 @@ def worker_env() -> dict:
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   env.update(
     JAX_PLATFORMS="cpu",
-    XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    # PIPELINE_MP_XLA_FLAGS: extra XLA flags for the workers (probes)
+    XLA_FLAGS=" ".join(
+      ["--xla_force_host_platform_device_count=1", os.environ.get("PIPELINE_MP_XLA_FLAGS", "")]
+    ).strip(),
     PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])),
   )
   return env
@@ -372,7 +378,7 @@ def verdict(results: dict, link: str) -> list[str]:
     if not k.startswith("_") and "error" not in r
   }
   for m in sorted({k[1] for k in med}):
-    for mine in ("ooo", "ooo-link"):
+    for mine in ("ooo", "ooo-link", "ooo-auto"):
       if (mine, m) not in med:
         continue
       vs = [
@@ -380,10 +386,18 @@ def verdict(results: dict, link: str) -> list[str]:
         for other in ("gpipe", "1f1b")
         if (other, m) in med
       ]
+      r = next(r for k, r in results.items() if not k.startswith("_") and k == f"{mine}/{m}")
+      trial = (
+        f" (the trial picked {r['picked']}: "
+        + ", ".join(f"{lab} {float(np.median(t)):.1f}" for lab, t in r["trial_ms"].items())
+        + " ms, medians)"
+        if "picked" in r
+        else ""
+      )
       out.append(
         f"- {link}, {m} microbatches: {mine}'s speedup over "
         + ", ".join(vs)
-        + f" (> 1: {mine} faster)."
+        + f" (> 1: {mine} faster){trial}."
       )
   return out
 

@@ -18,6 +18,13 @@ the fastest whose peak activations per stage stay within `budget` wins, the
 smaller memory on a tie. So `ooo` is never slower, in the simulator that
 chose it, than GPipe or 1F1B at the same memory: it becomes either one when
 the link demands it.
+
+Where the replay cannot be trusted on a link (a CPU host whose deep tables run
+slower than priced, `benchmarks/RESULTS.md`), the measured runs decide:
+`trial_tables` gives the planned table beside `ooo` at 1F1B's depth, GPipe's and
+1F1B's; the caller times a few steps of each, alternating, and `pick_measured`
+takes the fastest median. Then `ooo` is never slower than GPipe or 1F1B by more
+than the trial's noise, measured.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import functools
 
 from ooojax.passes.pipeline.link import LinkModel, simulate_link
 
-__all__ = ["DepthChoice", "plan_ooo"]
+__all__ = ["DepthChoice", "pick_measured", "plan_ooo", "trial_tables"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,3 +187,57 @@ def plan_ooo(
     tuple((c[2], c[3], c[0], c[1]) for c in cands),
   )
   return dataclasses.replace(table, name="ooo"), choice
+
+
+def trial_tables(
+  stages: int,
+  microbatches: int,
+  costs=None,
+  link: LinkModel | None = None,
+  budget: int | None = None,
+  mode: str = "executor",
+  lag: int = 0,
+):
+  """The tables a measured trial compares, each named "ooo": `((label, table), ...)`.
+
+  Labels: "planned" (`plan_ooo` on `link`; only with a `link`), "ooo" (dX/dW
+  split at 1F1B's depth, the generator's default), "gpipe", "1f1b". Tables
+  whose peak activations exceed `budget` (default: GPipe's) are left out, and a
+  table equal to an earlier one is given once (under the earlier label).
+
+  >>> [lab for lab, _ in trial_tables(2, 4)]
+  ['ooo', 'gpipe', '1f1b']
+  """
+  from ooojax.passes.pipeline.generate import generate
+
+  budget = microbatches if budget is None else budget
+  out = []
+  if link is not None:
+    out.append(("planned", plan_ooo(stages, microbatches, costs, link, budget, mode, lag)[0]))
+  out += [(n, generate(n, stages, microbatches, lag=lag)) for n in ("ooo", "gpipe", "1f1b")]
+  seen, picked = set(), []
+  for label, t in out:
+    key = dataclasses.replace(t, name="ooo").to_text()
+    if key in seen or max(t.peak_activations()) > budget:
+      continue
+    seen.add(key)
+    picked.append((label, dataclasses.replace(t, name="ooo")))
+  return tuple(picked)
+
+
+def pick_measured(times, tie: float = 0.01) -> str:
+  """The label whose measured step times (seconds or ms, a list per label) have
+  the lowest median; a label within `tie` (relative) of the best that comes
+  earlier in `times` wins instead (the trial's order states the preference:
+  the planned table, then `ooo`'s own).
+
+  >>> pick_measured({"planned": [5.0, 5.1], "ooo": [4.0, 4.2], "gpipe": [4.1, 4.1]})
+  'ooo'
+  """
+  import statistics
+
+  if not times or any(len(v) == 0 for v in times.values()):
+    raise ValueError(f"pick_measured needs at least one time per label, got {dict(times)!r}")
+  med = {k: statistics.median(v) for k, v in times.items()}
+  best = min(med.values())
+  return next(k for k in times if med[k] <= best * (1 + tie))
