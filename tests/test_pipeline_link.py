@@ -2,10 +2,12 @@
 `ooo` planned on the link (passes.pipeline.depth): its depth choice across link costs,
 and its tables through the executor equal jax.grad."""
 
+import dataclasses
+
 import pytest
 
 import ooojax as ooo
-from ooojax.passes.pipeline.depth import plan_ooo
+from ooojax.passes.pipeline.depth import pick_measured, plan_ooo, trial_tables
 from ooojax.passes.pipeline.generate import generate
 from ooojax.passes.pipeline.link import LinkModel, simulate_link
 from tests.conftest import assert_trees_close
@@ -128,6 +130,28 @@ def test_depth_choice_across_link_costs(mode):
   assert max(sched.peak_activations()) <= S and c.step <= c.one_f_one_b * (1 + 1e-9)
   with pytest.raises(ValueError, match="budget"):
     plan_ooo(S, M, COSTS, lk, budget=0)
+
+
+def test_measured_trial_picks_the_fastest():
+  """ooo-auto's pieces: the trial's candidates (the planned table, ooo at 1F1B's
+  depth, GPipe's, 1F1B's; unique, within the budget, each named "ooo") and the
+  pick by measured medians, the earlier label winning within the tie margin."""
+  S, M = 2, 8
+  slow = LinkModel(bandwidth=1.0, nbytes=4.0)
+  cands = trial_tables(S, M, COSTS, slow)
+  labels = [lab for lab, _ in cands]
+  texts = [t.to_text() for _, t in cands]
+  assert labels[:2] == ["planned", "ooo"] and len(set(texts)) == len(texts)
+  assert all(t.name == "ooo" for _, t in cands)
+  wanted = [plan_ooo(S, M, COSTS, slow)[0]] + [generate(n, S, M) for n in ("ooo", "gpipe", "1f1b")]
+  assert {dataclasses.replace(t, name="ooo").to_text() for t in wanted} == set(texts)
+  assert "planned" not in [lab for lab, _ in trial_tables(S, M)]  # no link: no plan
+  assert all(max(t.peak_activations()) <= S for _, t in trial_tables(S, M, budget=S))
+  times = {"planned": [9.0, 9.5, 9.1], "ooo": [7.0, 7.2, 6.9], "gpipe": [6.0, 6.1, 9.0]}
+  assert pick_measured(times) == "gpipe"
+  assert pick_measured({**times, "gpipe": [6.95, 7.0, 7.05]}) == "ooo"  # within 1%
+  with pytest.raises(ValueError, match="at least one time"):
+    pick_measured({"ooo": []})
 
 
 def test_planned_tables_match_jax_grad():
