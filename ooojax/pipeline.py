@@ -48,7 +48,7 @@ from ooojax._pipeline_tiled import TiledTrainStep
 from ooojax._pipeline_train import PipelineTrainState, PipelineTrainStep, StageParams
 from ooojax.passes.pipeline.balance import Balance
 from ooojax.passes.pipeline.cut import Cut, CutError
-from ooojax.passes.pipeline.depth import DepthChoice, plan_ooo
+from ooojax.passes.pipeline.depth import DepthChoice, pick_measured, plan_ooo, trial_tables
 from ooojax.passes.pipeline.execute import device_order, lower
 from ooojax.passes.pipeline.generate import SCHEDULES, generate
 from ooojax.passes.pipeline.link import LinkModel, simulate_link
@@ -68,7 +68,9 @@ __all__ = [
   "LinkModel",
   "Memory",
   "PipelineReport",
+  "pick_measured",
   "plan_ooo",
+  "trial_tables",
   "simulate_link",
   "PipelineSchedule",
   "PipelineTrainState",
