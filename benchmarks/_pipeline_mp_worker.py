@@ -294,7 +294,7 @@ def _table(name: str, m: int, calib: dict):
   return sched
 
 
-TRIAL = 5  # ooo-auto: timed steps of each candidate, alternating (after one warm-up)
+TRIAL = 7  # ooo-auto: timed steps of each candidate, alternating (after one warm-up)
 
 
 def _compiled(sched, mesh, batch):

@@ -141,15 +141,15 @@ def test_measured_trial_picks_the_fastest():
   cands = trial_tables(S, M, COSTS, slow)
   labels = [lab for lab, _ in cands]
   texts = [t.to_text() for _, t in cands]
-  assert labels[:2] == ["planned", "ooo"] and len(set(texts)) == len(texts)
+  assert labels[:2] == ["ooo", "planned"] and len(set(texts)) == len(texts)
   assert all(t.name == "ooo" for _, t in cands)
   wanted = [plan_ooo(S, M, COSTS, slow)[0]] + [generate(n, S, M) for n in ("ooo", "gpipe", "1f1b")]
   assert {dataclasses.replace(t, name="ooo").to_text() for t in wanted} == set(texts)
   assert "planned" not in [lab for lab, _ in trial_tables(S, M)]  # no link: no plan
   assert all(max(t.peak_activations()) <= S for _, t in trial_tables(S, M, budget=S))
-  times = {"planned": [9.0, 9.5, 9.1], "ooo": [7.0, 7.2, 6.9], "gpipe": [6.0, 6.1, 9.0]}
+  times = {"ooo": [7.0, 7.2, 6.9], "planned": [9.0, 9.5, 9.1], "gpipe": [6.0, 6.1, 9.0]}
   assert pick_measured(times) == "gpipe"
-  assert pick_measured({**times, "gpipe": [6.95, 7.0, 7.05]}) == "ooo"  # within 1%
+  assert pick_measured({**times, "gpipe": [6.85, 6.9, 7.05]}) == "ooo"  # within 3%
   with pytest.raises(ValueError, match="at least one time"):
     pick_measured({"ooo": []})
 
