@@ -145,7 +145,12 @@ def run_shaped(cfg: dict, n: int, cores, gbit: float, timeout: float = 3600) -> 
     raise RuntimeError(
       f"--link-gbit needs root and unshare/tc/ip (missing: {missing}, uid {os.geteuid()})"
     )
-  script = f'ip link set lo mtu 1500 up && tc qdisc add dev lo root {tbf(gbit)} && exec "$@"'
+  # PIPELINE_MP_NETNS: extra shell commands run inside the namespace first (probes:
+  # e.g. a sysctl of the namespace's TCP buffers)
+  extra = os.environ.get("PIPELINE_MP_NETNS", "true")
+  script = (
+    f'ip link set lo mtu 1500 up && tc qdisc add dev lo root {tbf(gbit)} && {extra} && exec "$@"'
+  )
   inner = [
     sys.executable,
     "-m",
