@@ -29,6 +29,11 @@ each group's own copy. This is exact for optimizers that act leaf by leaf
 leaf reads another leaf's gradient (`clip_by_global_norm`), found on the
 optimizer's jaxpr: a stage cannot update before every stage's gradient is in,
 which is what tiling removes. Use `steps=1` for those (exact there).
+
+Model state (`state_argnums`: BatchNorm statistics of the stack's layers)
+rides along as extra stage columns, set at each chunk's `U` tick to the
+step's update (`ooojax._pipeline_tiled_state`); the call then returns
+`state, losses, model_state`.
 """
 
 from __future__ import annotations
@@ -198,6 +203,8 @@ def _owners(input_fn, loss_fn, ins, tgs, shared, vstages: int) -> list:
 class TiledTrainStep(PipelineTrainStep):
   """`state, losses = step(state, *batches)`: `steps` steps per call, the batch
   leaves stacked on a leading axis of `steps`; built by `make_train_step(steps=n)`.
+  With `state_argnums`, the state arguments are passed once and `state, losses,
+  model_state = step(state, *batches)` (the model state after the last step).
 
   >>> import jax, jax.numpy as jnp, optax
   >>> from ooojax.pipeline import make_train_step
