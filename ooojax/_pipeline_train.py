@@ -280,13 +280,16 @@ class PipelineTrainStep:
       loss = (loss, prog.aux(aux, self.aux_reduce))
     return loss, StageParams(tuple(gp), tuple(gsh), tuple(jnp.zeros_like(x) for x in sp.rest))
 
+  _extra_outputs = 0  # outputs after (state, loss)
+
   def _jitted(self, state):
     self._check_init()
     if self._step is None:
       shardings = self._shardings(jax.eval_shape(lambda s: s, state))
       rep = NamedSharding(self.mesh, P())
       kw = {"compiler_options": self.compiler_options} if self.compiler_options else {}
-      self._step = jax.jit(self._body, out_shardings=(shardings, rep), **kw)
+      extra = (rep,) * self._extra_outputs  # the tiled step's model state
+      self._step = jax.jit(self._body, out_shardings=(shardings, rep, *extra), **kw)
     return self._step
 
   def lower(self, state: PipelineTrainState, *batch):

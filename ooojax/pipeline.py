@@ -441,7 +441,11 @@ def make_train_step(
     compiler_options: passed to `jax.jit` (e.g. XLA's optimization level).
     state_argnums: model state arguments (BatchNorm statistics), as in
       `value_and_grad`: pass the state in each call's batch and take the updated
-      state from the aux (`steps=1` only).
+      state from the aux. With `steps > 1` the state arguments are passed once
+      (not stacked per step), each step's update feeds the next inside the call,
+      and the call returns `state, (losses, aux), model_state` (the state
+      arguments after the last step); only the stack's layers' state is carried
+      (a BatchNorm before or after the stack is refused: use steps=1).
     steps: training steps per call. `steps > 1` runs them as one table tiled
       over steps (`ooojax._pipeline_tiled.TiledTrainStep`): step t + 1's
       warm-up under step t's drain, each stage's update at its own tick; the
