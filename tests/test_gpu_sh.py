@@ -47,8 +47,8 @@ def test_budget_spent_lists_every_step_as_skipped(tmp_path):
   env.update(OUT=str(tmp_path), PY=sys.executable, BUDGET="0", JAX_PLATFORMS="cpu")
   env.pop("DRY", None)
   r = subprocess.run(
-    ["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-  )
+    ["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=3000
+  )  # only a hang
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   skipped = (tmp_path / "skipped.txt").read_text().splitlines()
   assert [s.split()[0] for s in skipped] == _steps()
@@ -61,6 +61,6 @@ def test_missing_dependency_stops_at_once(tmp_path):
   fake.chmod(0o755)
   env = dict(os.environ, OUT=str(tmp_path / "out"), PY=str(fake))
   r = subprocess.run(
-    ["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
-  )
+    ["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=3000
+  )  # only a hang
   assert r.returncode == 1 and "missing a dependency" in r.stdout
