@@ -119,27 +119,42 @@ def test_nnx_rngs_dropout_and_the_users_aux_reduce():
   assert aux["mse"].shape == (M,) and int(aux["big"]) == int(want["big"].sum())
 
 
+ADAM = optax.adam(1e-2, eps=1e-4)
+
+
 def _reference_steps(loss, opt, params, batches):
-  run = jax.jit(_loop(loss), compiler_options=O0)
-  o, out = opt.init(params), []
-  for b in batches:
-    (l, aux), g = run(params, *b)
+  grad = _loop(loss)
+
+  def one(params, o, *b):  # one compile for the whole step (eager optax compiles per op)
+    (l, aux), g = grad(params, *b)
     u, o = opt.update(g, o, params)
-    params = optax.apply_updates(params, u)
+    return (l, aux), optax.apply_updates(params, u), o
+
+  run = jax.jit(one, compiler_options=O0)
+  o, out = jax.jit(opt.init)(params), []
+  for b in batches:
+    (l, aux), params, o = run(params, o, *b)
     out.append((l, aux, params))
   return out
 
 
-@pytest.mark.parametrize("schedule,steps", [("1f1b", 1), ("zb-h2", 3)])
-def test_dropout_lm_trains_as_pipeline_steps(lm, schedule, steps):
-  # 4 stages, 3 Adam steps with a new key each step: 1F1B one step per call,
-  # ZB-H2 the three steps as one table tiled over steps
+@pytest.fixture(scope="module")
+def lm_steps(lm):
+  """3 batches with a new key each, and the microbatch loop's 3 Adam steps on them."""
   _, loss, params, tokens = lm
-  opt = optax.adam(1e-2, eps=1e-4)
   batches = [
     (jnp.roll(tokens, t, axis=0), jax.random.fold_in(jax.random.key(3), t)) for t in range(3)
   ]
-  ref = _reference_steps(loss, opt, params, batches)
+  return batches, _reference_steps(loss, ADAM, params, batches)
+
+
+@pytest.mark.parametrize("schedule,steps", [("1f1b", 1), ("zb-h2", 3)])
+def test_dropout_lm_trains_as_pipeline_steps(lm, lm_steps, schedule, steps):
+  # 4 stages, 3 Adam steps with a new key each step: 1F1B one step per call,
+  # ZB-H2 the three steps as one table tiled over steps (one reference for both)
+  _, loss, params, tokens = lm
+  opt = ADAM
+  batches, ref = lm_steps
   step = ooo.pipeline.make_train_step(
     loss,
     opt,
