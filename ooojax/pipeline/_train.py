@@ -91,7 +91,7 @@ class PipelineTrainStep:
 
   # --- layout ----------------------------------------------------------------------
   def _program(self, avals, treedef, batch, layers=None, lowering=None):
-    from ooojax._pipeline_auto import _auto_program  # the automatic form's cut and executor
+    from ooojax.pipeline._automatic import _auto_program  # the automatic form's cut and executor
 
     return _auto_program(
       self.loss_fn,
@@ -178,7 +178,7 @@ class PipelineTrainStep:
 
   # --- public ----------------------------------------------------------------------
   def _make(self, params, batch):
-    from ooojax._pipeline_masks import in_layout
+    from ooojax.pipeline._masks import in_layout
 
     self._layout = self._plan(params, batch)
     self._step = self._grad = None

@@ -32,7 +32,7 @@ which is what tiling removes. Use `steps=1` for those (exact there).
 
 Model state (`state_argnums`: BatchNorm statistics of the stack's layers)
 rides along as extra stage columns, set at each chunk's `U` tick to the
-step's update (`ooojax._pipeline_tiled_state`); the call then returns
+step's update (`ooojax.pipeline._tiled_state`); the call then returns
 `state, losses, model_state`.
 """
 
@@ -44,10 +44,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ooojax._pipeline_train import PipelineTrainState, PipelineTrainStep, StageParams
 from ooojax.passes import _compat
 from ooojax.passes.pipeline.steps import tile
 from ooojax.passes.pipeline.train import Updater, lower_updates
+from ooojax.pipeline._train import PipelineTrainState, PipelineTrainStep, StageParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +242,7 @@ class TiledTrainStep(PipelineTrainStep):
 
   def _state(self, batches) -> tuple[int, ...]:
     """The batch leaves of model state (`state_argnums`): passed once, not per step."""
-    from ooojax._pipeline_auto import state_leaves
+    from ooojax.pipeline._automatic import state_leaves
 
     return state_leaves(batches, self.state_argnums)
 
@@ -281,7 +281,7 @@ class TiledTrainStep(PipelineTrainStep):
   def _make(self, params, batch):
     make, shardings = super()._make(params, self._one(batch))
     if self.state_argnums:  # state outside the stack: refused before any compile
-      from ooojax._pipeline_tiled_state import check_in_stack
+      from ooojax.pipeline._tiled_state import check_in_stack
 
       check_in_stack(self._layout.cut, jax.tree.leaves(batch), self._state_args(batch))
     shape = jax.eval_shape(make, params)
@@ -317,7 +317,7 @@ class TiledTrainStep(PipelineTrainStep):
     )
 
   def _body(self, state: PipelineTrainState, *batches):
-    from ooojax import _pipeline_tiled_state as carry
+    from ooojax.pipeline import _tiled_state as carry
 
     lay, g = self._layout, self._groups
     sp = state.params
@@ -376,7 +376,7 @@ class TiledTrainStep(PipelineTrainStep):
         c, b_leaves, self._state_args(batches), prog.aux_tree if self.has_aux else None
       )
       o_stage = (o_stage, *carry.history(cols[n_st:], self.steps))
-    from ooojax._pipeline_auto import is_key, microbatch_keys
+    from ooojax.pipeline._automatic import is_key, microbatch_keys
 
     def per_step(x):  # a scalar per step as a row per example (a key: per microbatch)
       if is_key(x):
