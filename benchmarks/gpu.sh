@@ -10,6 +10,7 @@
 #
 #   DRY=1 bash benchmarks/gpu.sh   # CPU dry run: tiny sizes, the same steps and files
 #                                  # (tests/test_gpu_sh.py runs it in CI)
+#   ONLY="scan pytest" ...         # just the steps named
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -42,6 +43,8 @@ fi
 
 step() {  # step NAME TIMEOUT CMD...: runs CMD (a program, not a shell function) for at most TIMEOUT s
   local name=$1 t=$2; shift 2
+  # ONLY="a b": run just those steps (the test's dry run splits the steps over cells)
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
   if [ -n "$DRY" ]; then
     # A dry run checks that each step runs and writes its file; on a busy machine a
     # step may take longer than on the GPU, so no budget decides it (still via `timeout`).

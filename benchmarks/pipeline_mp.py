@@ -35,6 +35,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 
 import jax
 import numpy as np
@@ -89,18 +91,41 @@ def _pinned(core: int | None, cfg: dict) -> list[str]:
   return ["taskset", "-c", str(core), *cmd]
 
 
-def _wait(procs, timeout: float) -> None:
-  logs = []
-  for p in procs:
-    try:
-      logs.append(p.communicate(timeout=timeout)[0])
-    except subprocess.TimeoutExpired:
+def wait_workers(procs, timeout: float = 3600) -> None:
+  """Waits for every worker; the first to fail ends the others at once.
+
+  A failed worker's peers would wait on it in a collective until `timeout`:
+  ending them there makes a failure quick. `timeout` only stops a hang (a
+  healthy run on a busy machine must never reach it).
+  """
+  logs: list[str] = [""] * len(procs)
+
+  def read(i: int) -> None:
+    logs[i] = procs[i].communicate()[0] or ""
+
+  readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(procs))]
+  for t in readers:
+    t.start()
+  deadline = time.monotonic() + timeout
+  hung = False
+  while any(t.is_alive() for t in readers):
+    failed = any(p.poll() not in (None, 0) for p in procs)
+    hung = time.monotonic() > deadline
+    if failed or hung:
       for q in procs:
-        q.kill()
-      raise RuntimeError(f"a worker ran past {timeout:.0f} s (a peer failed or hung?)") from None
-  for i, (p, log) in enumerate(zip(procs, logs)):
-    if p.returncode != 0:
-      raise RuntimeError(f"worker {i} exited {p.returncode}:\n{log[-3000:]}")
+        if q.poll() is None:
+          q.kill()
+      break
+    time.sleep(0.2)
+  for t in readers:
+    t.join()
+  if hung:
+    raise RuntimeError(f"a worker ran past {timeout:.0f} s (hung?)")
+  # the worker that failed first, not the peers ended for it (killed: -9)
+  bad = sorted((p.returncode == -9, i) for i, p in enumerate(procs) if p.returncode != 0)
+  if bad:
+    i = bad[0][1]
+    raise RuntimeError(f"worker {i} exited {procs[i].returncode}:\n{logs[i][-3000:]}")
 
 
 def run_workers(cfg: dict, n: int, cores=None, timeout: float = 3600) -> None:
@@ -120,7 +145,7 @@ def run_workers(cfg: dict, n: int, cores=None, timeout: float = 3600) -> None:
     )
     for i in range(n)
   ]
-  _wait(procs, timeout)
+  wait_workers(procs, timeout)
 
 
 def run_baseline(cfg: dict, core: int = 0, timeout: float = 3600) -> dict:
@@ -133,7 +158,7 @@ def run_baseline(cfg: dict, core: int = 0, timeout: float = 3600) -> dict:
       stderr=subprocess.STDOUT,
       text=True,
     )
-    _wait([p], timeout)
+    wait_workers([p], timeout)
     with open(out) as f:
       return json.load(f)
 

@@ -13,7 +13,7 @@ from ooojax import pipeline  # noqa: E402
 from ooojax._api import MODES, Options, grad, value_and_grad
 from ooojax._calibrate import calibrate
 from ooojax._explain import Report, explain
-from ooojax._explain_dp import DataParallelReport
+from ooojax.data_parallel._explain import DataParallelReport
 
 __all__ = [
   "MODES",

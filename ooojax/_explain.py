@@ -106,9 +106,9 @@ def _explain_dp_size_ok(n) -> bool:
 
 
 def _explain(fun, args, argnums, has_aux, options, kwargs):
-  from ooojax import _explain_dp
   from ooojax._api import value_and_grad
   from ooojax._compiled import Call
+  from ooojax.data_parallel import _explain as _explain_dp
 
   defer = options.pop("defer", None)
   only = {k: options.pop(k) for k in _explain_dp.EXPLAIN_ONLY if k in options}
@@ -129,7 +129,7 @@ def _explain(fun, args, argnums, has_aux, options, kwargs):
   plan, _ = vg.plan(args, kwargs)
   carried = None
   if defer is not None:
-    from ooojax._defer_plan import plan_deferral
+    from ooojax.single_gpu._defer_plan import plan_deferral
 
     if argnums != 0 or not args:
       raise ValueError(

@@ -38,7 +38,7 @@ class Report:
   """The split and schedule of one `ooo.grad` call. Times are cost-model estimates.
 
   `carried`: with `explain(..., defer=...)`, the `ooojax.single_gpu.Plan` of
-  the deferred train step (`ooojax._defer_plan`: which dW clusters run in the next step, the bytes
+  the deferred train step (`ooojax.single_gpu._defer_plan`: which dW clusters run in the next step, the bytes
   carried in `Pending`, the simulated step with and without deferral).
   """
 

@@ -65,7 +65,9 @@ def make(layers=4, rate=0.1, batch=8, length=6):
   model = TransformerLM(layers=layers, rate=rate)
   tokens = jax.random.randint(jax.random.key(0), (batch, length), 0, model.vocab)
   tokens = tokens.at[::3, -2:].set(0)  # some padding
-  params = model.init(jax.random.key(1), tokens[:1], train=False)["params"]
+  # one compile for the whole init (eagerly, each initializer op compiles on its own)
+  init = jax.jit(lambda key, x: model.init(key, x, train=False)["params"])
+  params = init(jax.random.key(1), tokens[:1])
 
   def loss(params, tokens, key):
     logits = model.apply({"params": params}, tokens, rngs={"dropout": key})

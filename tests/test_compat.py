@@ -5,6 +5,7 @@ A JAX upgrade that renames a primitive's params (jax 0.11 moved scan's
 """
 
 import ast
+import functools
 import pathlib
 
 import jax
@@ -51,13 +52,15 @@ def _jax_private(tree) -> list[int]:
   return lines
 
 
+@functools.cache
+def _parsed(path: pathlib.Path) -> ast.Module:
+  return ast.parse(path.read_text())  # once for both checks (parsing is most of their time)
+
+
 @pytest.mark.parametrize("check", [_reads_params, _jax_private], ids=["params", "jax._src"])
 def test_only_compat_knows_jax_internals(check):
   found = {
-    str(p.relative_to(ROOT)): lines
-    for p in SOURCES
-    if p != COMPAT
-    if (lines := check(ast.parse(p.read_text())))
+    str(p.relative_to(ROOT)): lines for p in SOURCES if p != COMPAT if (lines := check(_parsed(p)))
   }
   assert not found, f"move these into passes/_compat.py accessors: {found}"
 

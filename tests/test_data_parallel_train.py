@@ -103,6 +103,8 @@ def test_two_processes_match_single_process(tmp_path, close):
   import subprocess
   import sys
 
+  from benchmarks.pipeline_mp import wait_workers
+
   with socket.socket() as s:
     s.bind(("localhost", 0))
     port = str(s.getsockname()[1])
@@ -118,9 +120,8 @@ def test_two_processes_match_single_process(tmp_path, close):
     )
     for i in range(2)
   ]
-  logs = [p.communicate(timeout=120)[0] for p in procs]
-  for p, log in zip(procs, logs):
-    assert p.returncode == 0, log[-3000:]
+  # a failed worker ends its peer at once; no time limit decides the verdict (only a hang's)
+  wait_workers(procs)
   params, loss, xs = make_problem()
   ref, _ = _plain(loss, optax.adam(1e-2), params, xs)
   ref = {

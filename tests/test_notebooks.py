@@ -17,7 +17,8 @@ def test_notebook_runs(path):
   )
   NotebookClient(
     nb,
-    timeout=300,
+    timeout=3600,  # per cell, only a hang: a busy machine must not fail a notebook
+    startup_timeout=600,  # the kernel's start, likewise
     kernel_name="python3",
     resources={"metadata": {"path": str(path.parent.parent)}},
   ).execute()

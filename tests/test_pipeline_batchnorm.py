@@ -129,9 +129,11 @@ def test_batchnorm_refusals(bn):
   assert "state_argnums" in str(getattr(e.value, "__notes__", ""))
   with pytest.raises(ValueError, match="state_argnums=4 must name"):
     jax.eval_shape(ooo.pipeline.value_and_grad(loss, state_argnums=4, **kw), params, stats, x, y)
-  # the tiled step: each step's statistics are the previous step's update
-  with pytest.raises(ValueError, match="does not carry model state"):
-    ooo.pipeline.make_train_step(loss, optax.sgd(0.1), steps=2, state_argnums=1, **kw)
+  # the tiled step carries the stack's layers' state only: the stem's BatchNorm is
+  # updated by the last stage, after the first stage's next step began
+  tiled = ooo.pipeline.make_train_step(loss, optax.sgd(0.1), steps=2, state_argnums=1, **kw)
+  with pytest.raises(ValueError, match="before or after the stack"):
+    tiled.init(params, stats, jnp.stack([x, x]), jnp.stack([y, y]))
 
 
 def test_explain_with_batchnorm_state(bn):
@@ -140,3 +142,54 @@ def test_explain_with_batchnorm_state(bn):
     loss, params, stats, x, y, stages=2, schedule="1f1b", has_aux=True, state_argnums=1
   )
   assert r.cut.layers == 4
+
+
+class _StackNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):  # BatchNorm in the stack's blocks only (the tiled step's case)
+    x = nn.Dense(16)(x)
+    for _ in range(4):
+      x = _Block()(x)
+    return nn.Dense(10)(x)
+
+
+def test_batchnorm_tiled_step_equals_one_step_steps():
+  # make_train_step(steps=3): each step's updated statistics are the next step's
+  # inside one program (zb-v: deferred W, two chunks per device in device order);
+  # the reference is the one-step step called 3 times, its aux's statistics fed back
+  model = _StackNet()
+  x = jax.random.normal(jax.random.key(0), (16, 8))
+  y = jax.random.randint(jax.random.key(1), (16,), 0, 10)
+  v = model.init(jax.random.key(2), x)
+  stats = jax.tree.map(lambda a: a + 0.5, v["batch_stats"])
+
+  def loss(params, stats, x, y):
+    logits, upd = model.apply({"params": params, "batch_stats": stats}, x, mutable=["batch_stats"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return ce, {"batch_stats": upd["batch_stats"], "ce": ce}
+
+  S, opt = 3, optax.sgd(0.1, momentum=0.9)
+  kw = dict(
+    mesh=_mesh(2),
+    axis_name="stage",
+    schedule="zb-v",
+    microbatches=4,
+    has_aux=True,
+    state_argnums=1,
+    compiler_options=O0,
+  )
+  xs = jnp.stack([jnp.roll(x, t, 0) for t in range(S)])
+  ys = jnp.stack([jnp.roll(y, t, 0) for t in range(S)])
+  one = ooo.pipeline.make_train_step(loss, opt, **kw)
+  state, s, ref = one.init(v["params"], stats, x, y), stats, []
+  for t in range(S):
+    state, (l, aux) = one(state, s, xs[t], ys[t])
+    s = aux["batch_stats"]
+    ref.append((l, aux))
+  tiled = ooo.pipeline.make_train_step(loss, opt, steps=S, **kw)
+  ts = tiled.init(v["params"], stats, xs, ys)  # the state argument: once, not per step
+  ts, (losses, aux), final = tiled(ts, stats, xs, ys)
+  assert_trees_close(losses, jnp.stack([r[0] for r in ref]))
+  assert_trees_close(aux, jax.tree.map(lambda *a: jnp.stack(a), *[r[1] for r in ref]))
+  assert_trees_close(final, s)  # the collection after the last step
+  assert_trees_close(tiled.params(ts), one.params(state))

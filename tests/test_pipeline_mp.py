@@ -18,7 +18,8 @@ M = 4
 def _run(cfg):
   """Two stage processes, one core each where there are two."""
   try:
-    pipeline_mp.run_workers(cfg, 2, cores=None if (os.cpu_count() or 1) >= 2 else [0], timeout=120)
+    # no time limit but the hang guard's: a failed worker ends its peer at once
+    pipeline_mp.run_workers(cfg, 2, cores=None if (os.cpu_count() or 1) >= 2 else [0])
   except RuntimeError as e:
     # The one public sign of a jaxlib without them: the workers fail to set them up.
     if "gloo" in str(e).lower() and "collectives" in str(e).lower():
@@ -98,3 +99,19 @@ def test_tiled_training_mode_matches_optax_loop(tmp_path):
       np.testing.assert_allclose(
         got[f"zb-h2/{M}/{how}/{k}"], params[k], rtol=1e-5, atol=1e-6, err_msg=f"{how} {k}"
       )
+
+
+def test_a_failed_worker_ends_its_peers():
+  """A worker that fails ends the one waiting on it (no time limit decides anything)."""
+  import subprocess
+  import sys
+
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    for code in ("import time; time.sleep(600)", "print('boom'); raise SystemExit(3)")
+  ]
+  with pytest.raises(RuntimeError, match=r"worker 1 exited 3:\nboom"):
+    pipeline_mp.wait_workers(procs)
+  assert procs[0].returncode is not None  # ended, not left running

@@ -7,7 +7,7 @@ opt_state, losses)`: the weights and optimizer states are loop state of
 `lower_updates(..., updater)` is the same program with the update given as an
 `Updater`, and shared weights as loop state too, reduced over the stages and
 updated once per step at the plan's `sync` tick (the automatic form's tiled
-train step, `ooojax._pipeline_tiled`).
+train step, `ooojax.pipeline._tiled`).
 """
 
 from __future__ import annotations

@@ -50,12 +50,12 @@ import optax
 from flax import struct
 
 from ooojax._api import _make_options, value_and_grad
-from ooojax._defer_plan import Plan, plan_deferral
 from ooojax.data_parallel import Pending
 from ooojax.passes import _compat, defer as defer_pass
 from ooojax.passes.cost import CostModel
 from ooojax.passes.emit import emit
 from ooojax.passes.stream_calls import LateLeaves, side_call
+from ooojax.single_gpu._defer_plan import Plan, plan_deferral
 
 __all__ = ["DeferredTrainState", "Plan", "SingleGPUStep", "make_train_step", "plan_deferral"]
 

@@ -21,7 +21,7 @@ passes to `jax.value_and_grad`, cuts the stages itself
 (`passes.pipeline.cut`): `step(params, *batch) -> (loss, grads)`.
 `make_train_step(loss_fn, optimizer, mesh=..., axis_name=...)` adds the
 optimizer, applied per stage on the stage-sharded parameters; with `steps=n`
-one call runs n steps as a table tiled over steps (`ooojax._pipeline_tiled`).
+one call runs n steps as a table tiled over steps (`ooojax.pipeline._tiled`).
 """
 
 from __future__ import annotations
@@ -30,8 +30,17 @@ from collections.abc import Callable
 
 import optax
 
-from ooojax._explain_pipeline import AutoCut, PipelineReport, explain
-from ooojax._pipeline_auto import (  # noqa: F401 - the private ones: tests, models.matrix
+from ooojax.passes.pipeline.balance import Balance
+from ooojax.passes.pipeline.cut import Cut, CutError
+from ooojax.passes.pipeline.depth import DepthChoice, pick_measured, plan_ooo, trial_tables
+from ooojax.passes.pipeline.execute import device_order, lower
+from ooojax.passes.pipeline.generate import SCHEDULES, generate
+from ooojax.passes.pipeline.link import LinkModel, simulate_link
+from ooojax.passes.pipeline.program import Memory, memory as _memory
+from ooojax.passes.pipeline.schedule import Action, PipelineSchedule, ScheduleError
+from ooojax.passes.pipeline.steps import SteadyState, steady_state, tile
+from ooojax.passes.pipeline.train import lower_train
+from ooojax.pipeline._automatic import (  # noqa: F401 - the private ones: tests, models.matrix
   _auto,
   _auto_parts,
   _auto_program,
@@ -44,18 +53,9 @@ from ooojax._pipeline_auto import (  # noqa: F401 - the private ones: tests, mod
   mean_aux,
   microbatch_keys,
 )
-from ooojax._pipeline_tiled import TiledTrainStep
-from ooojax._pipeline_train import PipelineTrainState, PipelineTrainStep, StageParams
-from ooojax.passes.pipeline.balance import Balance
-from ooojax.passes.pipeline.cut import Cut, CutError
-from ooojax.passes.pipeline.depth import DepthChoice, pick_measured, plan_ooo, trial_tables
-from ooojax.passes.pipeline.execute import device_order, lower
-from ooojax.passes.pipeline.generate import SCHEDULES, generate
-from ooojax.passes.pipeline.link import LinkModel, simulate_link
-from ooojax.passes.pipeline.program import Memory, memory as _memory
-from ooojax.passes.pipeline.schedule import Action, PipelineSchedule, ScheduleError
-from ooojax.passes.pipeline.steps import SteadyState, steady_state, tile
-from ooojax.passes.pipeline.train import lower_train
+from ooojax.pipeline._explain import AutoCut, PipelineReport, explain
+from ooojax.pipeline._tiled import TiledTrainStep
+from ooojax.pipeline._train import PipelineTrainState, PipelineTrainStep, StageParams
 
 __all__ = [
   "SCHEDULES",
@@ -443,9 +443,13 @@ def make_train_step(
     compiler_options: passed to `jax.jit` (e.g. XLA's optimization level).
     state_argnums: model state arguments (BatchNorm statistics), as in
       `value_and_grad`: pass the state in each call's batch and take the updated
-      state from the aux (`steps=1` only).
+      state from the aux. With `steps > 1` the state arguments are passed once
+      (not stacked per step), each step's update feeds the next inside the call,
+      and the call returns `state, (losses, aux), model_state` (the state
+      arguments after the last step); only the stack's layers' state is carried
+      (a BatchNorm before or after the stack is refused: use steps=1).
     steps: training steps per call. `steps > 1` runs them as one table tiled
-      over steps (`ooojax._pipeline_tiled.TiledTrainStep`): step t + 1's
+      over steps (`ooojax.pipeline._tiled.TiledTrainStep`): step t + 1's
       warm-up under step t's drain, each stage's update at its own tick; the
       batch leaves (of `init` and of each call) are stacked on a leading axis
       of `steps`, the call returns the `(steps,)` losses. Needs an optimizer

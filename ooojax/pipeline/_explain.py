@@ -484,10 +484,10 @@ def _explain_auto(
   state_argnums=(),
   **kw,
 ) -> PipelineReport:
-  """The automatic form: `loss_fn` cut and balanced by `ooojax._pipeline_auto._auto_parts`
+  """The automatic form: `loss_fn` cut and balanced by `ooojax.pipeline._automatic._auto_parts`
   (what the automatic `value_and_grad` runs), then the explicit form's report."""
-  from ooojax._pipeline_auto import _auto_parts, _table, state_leaves
-  from ooojax._pipeline_tiled import _owners
+  from ooojax.pipeline._automatic import _auto_parts, _table, state_leaves
+  from ooojax.pipeline._tiled import _owners
 
   if (stages is None) == (mesh is None):
     raise TypeError("give the automatic form one of stages=N or mesh=... with axis_name=...")

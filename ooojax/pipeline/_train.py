@@ -91,7 +91,7 @@ class PipelineTrainStep:
 
   # --- layout ----------------------------------------------------------------------
   def _program(self, avals, treedef, batch, layers=None, lowering=None):
-    from ooojax._pipeline_auto import _auto_program  # the automatic form's cut and executor
+    from ooojax.pipeline._automatic import _auto_program  # the automatic form's cut and executor
 
     return _auto_program(
       self.loss_fn,
@@ -178,7 +178,7 @@ class PipelineTrainStep:
 
   # --- public ----------------------------------------------------------------------
   def _make(self, params, batch):
-    from ooojax._pipeline_masks import in_layout
+    from ooojax.pipeline._masks import in_layout
 
     self._layout = self._plan(params, batch)
     self._step = self._grad = None
@@ -280,13 +280,16 @@ class PipelineTrainStep:
       loss = (loss, prog.aux(aux, self.aux_reduce))
     return loss, StageParams(tuple(gp), tuple(gsh), tuple(jnp.zeros_like(x) for x in sp.rest))
 
+  _extra_outputs = 0  # outputs after (state, loss)
+
   def _jitted(self, state):
     self._check_init()
     if self._step is None:
       shardings = self._shardings(jax.eval_shape(lambda s: s, state))
       rep = NamedSharding(self.mesh, P())
       kw = {"compiler_options": self.compiler_options} if self.compiler_options else {}
-      self._step = jax.jit(self._body, out_shardings=(shardings, rep), **kw)
+      extra = (rep,) * self._extra_outputs  # the tiled step's model state
+      self._step = jax.jit(self._body, out_shardings=(shardings, rep, *extra), **kw)
     return self._step
 
   def lower(self, state: PipelineTrainState, *batch):

@@ -29,6 +29,11 @@ each group's own copy. This is exact for optimizers that act leaf by leaf
 leaf reads another leaf's gradient (`clip_by_global_norm`), found on the
 optimizer's jaxpr: a stage cannot update before every stage's gradient is in,
 which is what tiling removes. Use `steps=1` for those (exact there).
+
+Model state (`state_argnums`: BatchNorm statistics of the stack's layers)
+rides along as extra stage columns, set at each chunk's `U` tick to the
+step's update (`ooojax.pipeline._tiled_state`); the call then returns
+`state, losses, model_state`.
 """
 
 from __future__ import annotations
@@ -39,10 +44,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ooojax._pipeline_train import PipelineTrainState, PipelineTrainStep, StageParams
 from ooojax.passes import _compat
 from ooojax.passes.pipeline.steps import tile
 from ooojax.passes.pipeline.train import Updater, lower_updates
+from ooojax.pipeline._train import PipelineTrainState, PipelineTrainStep, StageParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +203,8 @@ def _owners(input_fn, loss_fn, ins, tgs, shared, vstages: int) -> list:
 class TiledTrainStep(PipelineTrainStep):
   """`state, losses = step(state, *batches)`: `steps` steps per call, the batch
   leaves stacked on a leading axis of `steps`; built by `make_train_step(steps=n)`.
+  With `state_argnums`, the state arguments are passed once and `state, losses,
+  model_state = step(state, *batches)` (the model state after the last step).
 
   >>> import jax, jax.numpy as jnp, optax
   >>> from ooojax.pipeline import make_train_step
@@ -216,19 +223,13 @@ class TiledTrainStep(PipelineTrainStep):
 
   def __init__(self, *args, steps: int):
     super().__init__(*args)
-    if self.state_argnums:
-      raise ValueError(
-        "make_train_step(steps>1) does not carry model state (state_argnums: "
-        "BatchNorm statistics): each step's state is the previous step's update, "
-        "which a tiled table would need inside the call; use steps=1 and pass the "
-        "state returned in each step's aux to the next"
-      )
     if self.data_axis is not None:
       raise ValueError(
         "make_train_step(steps>1) runs one data replica: drop data_axis, or "
         "use steps=1 (one pipelined step per call, data x stage)"
       )
     self.steps = steps
+    self._extra_outputs = 1 if self.state_argnums else 0  # the final model state
     self._groups: _Groups | None = None
     self.table = None  # the table tiled over steps that the last trace ran
 
@@ -239,20 +240,50 @@ class TiledTrainStep(PipelineTrainStep):
       "state's layout is the same)"
     )
 
+  def _state(self, batches) -> tuple[int, ...]:
+    """The batch leaves of model state (`state_argnums`): passed once, not per step."""
+    from ooojax.pipeline._automatic import state_leaves
+
+    return state_leaves(batches, self.state_argnums)
+
+  def _state_args(self, batches) -> list:
+    """`(treedef, batch leaf positions)` per state argument."""
+    nums = self.state_argnums
+    nums = (nums,) if isinstance(nums, int) else tuple(nums)
+    out, at = [], 0
+    for i, b in enumerate(batches):
+      n = len(jax.tree.leaves(b))
+      if i + 1 in nums:
+        out.append((jax.tree.structure(b), tuple(range(at, at + n))))
+      at += n
+    return out
+
   def _one(self, batches):
-    """One step's batch (shapes only) from the stacked batches."""
-    lead = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in jax.tree.leaves(batches)}
+    """One step's batch (shapes only) from the stacked batches (the state: as is)."""
+    leaves, tree = jax.tree.flatten(batches)
+    state = set(self._state(batches))
+    lead = {
+      jnp.shape(x)[0] if jnp.ndim(x) else None for i, x in enumerate(leaves) if i not in state
+    }
     if lead != {self.steps}:
       raise ValueError(
         f"every batch leaf needs a leading axis of steps={self.steps} (one "
-        f"batch per step); got leading sizes {sorted(lead, key=str)}"
+        f"batch per step; model state, state_argnums, once); got leading sizes "
+        f"{sorted(lead, key=str)}"
       )
-    return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x)), batches
+    return tree.unflatten(
+      [
+        jax.ShapeDtypeStruct(jnp.shape(x)[0 if i in state else 1 :], jnp.result_type(x))
+        for i, x in enumerate(leaves)
+      ]
     )
 
   def _make(self, params, batch):
     make, shardings = super()._make(params, self._one(batch))
+    if self.state_argnums:  # state outside the stack: refused before any compile
+      from ooojax.pipeline._tiled_state import check_in_stack
+
+      check_in_stack(self._layout.cut, jax.tree.leaves(batch), self._state_args(batch))
     shape = jax.eval_shape(make, params)
     g = _Groups(self.optimizer, shape.params, shape.opt_state)
     pair = g.coupled(shape.params, shape.opt_state)
@@ -286,13 +317,17 @@ class TiledTrainStep(PipelineTrainStep):
     )
 
   def _body(self, state: PipelineTrainState, *batches):
+    from ooojax.pipeline import _tiled_state as carry
+
     lay, g = self._layout, self._groups
     sp = state.params
     o_stage, o_rep = g.split(state.opt_state)
 
     b_leaves = jax.tree.leaves(batches)
-    rows = {jnp.shape(x)[1] for x in b_leaves if jnp.ndim(x) > 1}
+    st_ids = set(self._state(batches))
+    rows = {jnp.shape(x)[1] for i, x in enumerate(b_leaves) if jnp.ndim(x) > 1 and i not in st_ids}
     mb = next(iter(rows)) // self.sched.microbatches
+    src: dict = {}  # the state columns' probes (`carry.state_sources`), once traced
 
     def lowering(c, stage_fn, loss_fn, input_fn):
       per_mb = (
@@ -313,23 +348,35 @@ class TiledTrainStep(PipelineTrainStep):
       )
       # only weights both ends read need the cross-stage barrier
       sched = self.table = tile(self.sched, self.steps, shared=None in owners)
+      updater = g.updater(self.sched.chunks, owners)
+      if st_ids:
+        updater = carry.carry_updater(updater, len(c.stacked[0]), src, self.sched.microbatches)
       return lower_updates(
         stage_fn,
         loss_fn,
         sched,
         self.mesh,
         self.axis_name,
-        g.updater(self.sched.chunks, owners),
+        updater,
         input_fn,
         device_major=True,
         owners=owners,
         has_aux=c.n_aux > 0,
       )
 
-    first = jax.tree.map(lambda x: x[0], batches)
+    first = jax.tree.unflatten(
+      jax.tree.structure(batches),
+      [x if i in st_ids else x[0] for i, x in enumerate(b_leaves)],
+    )
     prog = self._program(list(lay.avals), lay.treedef, first, lay.balance.counts, lowering)
     c = prog.cut
-    from ooojax._pipeline_auto import is_key, microbatch_keys
+    cols, n_st = prog.state_cols, len(c.state[0]) if c.state else 0
+    if st_ids:
+      src["cols"] = carry.state_sources(
+        c, b_leaves, self._state_args(batches), prog.aux_tree if self.has_aux else None
+      )
+      o_stage = (o_stage, *carry.history(cols[n_st:], self.steps))
+    from ooojax.pipeline._automatic import is_key, microbatch_keys
 
     def per_step(x):  # a scalar per step as a row per example (a key: per microbatch)
       if is_key(x):
@@ -340,23 +387,47 @@ class TiledTrainStep(PipelineTrainStep):
       per_step(b_leaves[i]) if jnp.ndim(b_leaves[i]) == 1 else b_leaves[i] for i in ids
     )
     p, sh, o_stage, o_run, out = prog.run(
-      sp.stacked,
+      tuple(sp.stacked) + cols,
       sp.shared,
       o_stage,
       {"h": o_rep["h"], "n": o_rep["n"]},
       (stacked(c.inputs), stacked(c.targets), *((stacked(c.side),) if c.side else ())),
     )
-    losses, aux, _ = prog.split(out)
+    n = len(c.stacked[0])
+    if st_ids:
+      o_stage, hist, _ = o_stage
     if self.has_aux:  # (steps * M, ...) per leaf: each step's microbatches reduced
+      M = self.sched.microbatches
+      losses, aux = out if c.n_aux else (out, ())
+      aux = tuple(x.reshape(self.steps, M, *x.shape[1:]) for x in aux)
+      per = []
+      for t in range(self.steps):  # the layers' updates: step t's probe sums
+        gp = (None,) * (n + n_st) + tuple(h[:, t] for h in hist) if c.emits else None
+        per.append(
+          prog.split((losses[t], tuple(x[t] for x in aux)) if c.n_aux else losses[t], gp)[1]
+        )
       aux = jax.vmap(lambda a: prog.aux(a, self.aux_reduce))(
-        tuple(x.reshape(self.steps, -1, *x.shape[1:]) for x in aux)
+        tuple(jnp.stack(xs) for xs in zip(*per))
       )
       losses = (losses, aux)
+    else:
+      losses = out
     # The rest (never read, zero gradients): one update per step, after the loop.
     rest, rst = list(sp.rest), {"r": o_rep["r"], "n": o_rep["n"]}
     for _ in range(self.steps):
       rest, rst = g.update("r", rest, [jnp.zeros_like(x) for x in rest], rst)
     opt_state = g.join(o_stage, {"h": o_run["h"], "r": rst["r"], "n": rst["n"]})
-    return PipelineTrainState(
-      state.step + self.steps, StageParams(tuple(p), tuple(sh), tuple(rest)), opt_state
-    ), losses
+    new = PipelineTrainState(
+      state.step + self.steps, StageParams(tuple(p[:n]), tuple(sh), tuple(rest)), opt_state
+    )
+    if not st_ids:
+      return new, losses
+    model = carry.final_state(
+      c,
+      [prog.whole(x) for x in p[n : n + n_st]],
+      lay.balance.counts,
+      prog.order,
+      b_leaves,
+      self._state_args(batches),
+    )
+    return new, losses, model[0] if isinstance(self.state_argnums, int) else model

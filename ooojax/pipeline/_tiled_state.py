@@ -1,0 +1,151 @@
+"""Model state (BatchNorm statistics) carried through a tiled train step.
+
+`make_train_step(..., steps=n, state_argnums=...)` runs n steps in one table;
+step t + 1's layers read the statistics step t updated, so the update must
+happen inside the tick loop. The stack's per-layer state travels as extra
+stage columns (`passes.pipeline.state`: the state, then zero probes whose
+summed "gradient" is the microbatches' updates). At a chunk's `U` tick (after
+every W of its step, before any F of the next) the carried updater
+(`carry_updater`) sets each state column to its probe's sum / M, the mean
+update the one-step step returns, and records the sums per step (the per-step
+aux). Which aux leaf updates which state leaf is found by structure: the aux
+holds a subtree shaped like the state argument (flax: `{"batch_stats":
+updates["batch_stats"], ...}`), each leaf emitted by the layer that reads the
+state leaf (`state_sources`).
+
+State read before or after the stack (a BatchNorm in the stem or the head) is
+updated by the last stage's epilogue, which the first stage's next forward
+would have to wait for: refused with a named error (`steps=1` carries it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ooojax.passes.pipeline import state as state_pass
+from ooojax.passes.pipeline.train import Updater
+
+_FIX = (
+  "; use steps=1 and pass the state returned in each step's aux to the next "
+  "(docs/guides/pipeline-real-losses.md)"
+)
+
+
+def _subtrees(node):
+  yield node
+  if jax.tree_util.treedef_is_leaf(jax.tree.structure(node)):
+    return
+  for child in jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)[0]:
+    yield from _subtrees(child)
+
+
+def check_in_stack(cut, b_leaves: Sequence, args: Sequence) -> None:
+  """Refuses state leaves the stack's layers do not read (see the module)."""
+  in_stack = {b for row in cut.state for b in row}
+  outside = [b for _, pos in args for b in pos if b not in in_stack]
+  if outside:
+    x = b_leaves[outside[0]]
+    raise ValueError(
+      f"make_train_step(steps>1) carries the state of the stack's layers only; a "
+      f"state leaf ({jnp.result_type(x)}{list(jnp.shape(x))}) is read before or "
+      "after the stack (a BatchNorm in the stem or the head), whose update the "
+      "last stage computes after the first stage's next step began" + _FIX
+    )
+
+
+def state_sources(cut, b_leaves: Sequence, args: Sequence, aux_tree) -> tuple:
+  """Per state column of `cut` (`cut.state[row][i]`), the probe column `k`
+  (`cut.emits[row][k]`) that carries its update, or None (not updated). `args`:
+  the state arguments as `(treedef, batch leaf positions)`."""
+  check_in_stack(cut, b_leaves, args)
+  in_stack = {b: (r, i) for r, row in enumerate(cut.state) for i, b in enumerate(row)}
+  if aux_tree is None:
+    raise ValueError(
+      "state_argnums needs has_aux=True: the loss returns the updated state in its aux"
+    )
+  emit_at = {a: (r, k) for r, row in enumerate(cut.emits) for k, a in enumerate(row)}
+  idx = aux_tree.unflatten(list(range(aux_tree.num_leaves)))
+  width = len(cut.state[0]) if cut.state else 0
+  src: list = [None] * width
+  for treedef, pos in args:
+
+    def fits(sub, pos=pos):  # each leaf emitted by the layer reading it, same shape
+      if jax.tree.structure(sub) != treedef:
+        return False
+      for a, b in zip(jax.tree.leaves(sub), pos):
+        r, i = in_stack[b]
+        if a not in emit_at or emit_at[a][0] != r:
+          return False
+        aval = cut.emit_avals[emit_at[a][1]]
+        if aval.shape != jnp.shape(b_leaves[b]) or aval.dtype != jnp.result_type(b_leaves[b]):
+          return False
+      return True
+
+    found = [s for s in _subtrees(idx) if fits(s)]
+    if len(found) != 1:
+      raise ValueError(
+        "make_train_step(steps>1) feeds each step's updated model state to the next "
+        "step inside one program, so it must find the update in the aux: "
+        + (
+          "no subtree of the aux has the state argument's structure, each leaf "
+          "updated by the layer that reads it; return it (flax: {'batch_stats': "
+          "updates['batch_stats'], ...})"
+          if not found
+          else f"{len(found)} subtrees of the aux match the state argument; return one"
+        )
+        + _FIX
+      )
+    for a, b in zip(jax.tree.leaves(found[0]), pos):
+      r, i = in_stack[b]
+      k = emit_at[a][1]
+      if src[i] not in (None, k):  # rows disagree: cannot happen for equal layers
+        raise ValueError("the stack's layers update their state leaves in different orders" + _FIX)
+      src[i] = k
+  return tuple(src)
+
+
+def carry_updater(inner: Updater, n: int, src: dict, microbatches: int) -> Updater:
+  """`inner` (the parameters' updater, over the first `n` stage columns) with the
+  state columns after them set to their probe sums / M at each U tick
+  (`src["cols"]`: `state_sources`, filled before the program is traced), and the
+  probe sums recorded per step in the chunk's optimizer rows `(inner's, sums
+  (steps, ...) per probe, the step count)`."""
+
+  def chunk(c, w, g, o_c, o_rep):
+    o_in, hist, count = o_c
+    new, o_in, o_rep = inner.chunk(c, w[:n], g[:n], o_in, o_rep)
+    cols = src["cols"]
+    sums = g[n + len(cols) :]
+    st = [
+      w[n + i] if k is None else (sums[k] / microbatches).astype(w[n + i].dtype)
+      for i, k in enumerate(cols)
+    ]
+    hist = tuple(h.at[count].set(s.astype(h.dtype)) for h, s in zip(hist, sums))
+    return [*new, *st, *w[n + len(cols) :]], (o_in, hist, count + 1), o_rep
+
+  return Updater(chunk, inner.shared, inner.start, inner.finish)
+
+
+def history(probe_cols: Sequence, steps: int) -> tuple:
+  """The per-step record's initial rows: per probe column `(V, rows, ...)`, zeros
+  `(V, steps, rows, ...)`; and the step count per virtual stage."""
+  hist = tuple(jnp.zeros((p.shape[0], steps, *p.shape[1:]), p.dtype) for p in probe_cols)
+  V = probe_cols[0].shape[0] if probe_cols else 1
+  return hist, jnp.zeros((V,), jnp.int32)
+
+
+def final_state(cut, cols, counts, order, b_leaves: Sequence, args: Sequence) -> tuple:
+  """The state arguments' trees after the last step, from the carried state
+  columns (`cols`, stage rows in `order` or virtual-stage order)."""
+  if order is not None:
+    cols = [x[np.argsort(order)] for x in cols]
+  out = list(b_leaves)
+  for i, col in enumerate(cols):
+    col = state_pass.rows_of(col, counts)
+    for r, row in enumerate(cut.state):
+      out[row[i]] = col[r]
+  return tuple(treedef.unflatten([out[b] for b in pos]) for treedef, pos in args)
