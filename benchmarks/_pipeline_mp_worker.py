@@ -32,7 +32,16 @@ import jax  # noqa: E402
 pid, nproc = cfg.get("process_id", 0), cfg.get("num_processes", 1)
 if cfg["mode"] == "pipeline":
   jax.config.update("jax_cpu_collectives_implementation", "gloo")  # collectives across processes
-  jax.distributed.initialize(f"localhost:{cfg['port']}", num_processes=nproc, process_id=pid)
+  if cfg.get("gloo_hostname"):  # --duplex full: bind gloo to this namespace's veth address
+    from jaxlib import _jax
+
+    _make_gloo = _jax.make_gloo_tcp_collectives
+    _jax.make_gloo_tcp_collectives = lambda **kw: _make_gloo(
+      **{**kw, "hostname": cfg["gloo_hostname"]}
+    )
+  jax.distributed.initialize(
+    f"{cfg.get('coordinator', 'localhost')}:{cfg['port']}", num_processes=nproc, process_id=pid
+  )
 
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
@@ -290,7 +299,9 @@ def _table(name: str, m: int, calib: dict):
   from ooojax.passes.pipeline.depth import plan_ooo
 
   c = calib[str(m)]
-  sched, _ = plan_ooo(nproc, m, stage_costs(c, nproc), link_model(c, cfg.get("gbit")))
+  sched, _ = plan_ooo(
+    nproc, m, stage_costs(c, nproc), link_model(c, cfg.get("gbit"), cfg.get("full_duplex", False))
+  )
   return sched
 
 
@@ -324,7 +335,10 @@ def _auto(m: int, calib: dict, mesh, batch):
     from benchmarks.pipeline_mp import link_model, stage_costs
 
     c = calib[str(m)]
-    costs, link = stage_costs(c, nproc), link_model(c, cfg.get("gbit"))
+    costs, link = (
+      stage_costs(c, nproc),
+      link_model(c, cfg.get("gbit"), cfg.get("full_duplex", False)),
+    )
   cands = trial_tables(nproc, m, costs, link)
   runs = {lab: (t, *_compiled(t, mesh, batch)) for lab, t in cands}
   times = {lab: [] for lab in runs}

@@ -195,12 +195,80 @@ def run_shaped(cfg: dict, n: int, cores, gbit: float, timeout: float = 3600) -> 
     raise RuntimeError(f"shaped run failed ({p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}")
 
 
-def measure(cfg: dict, n: int, cores, gbit: float | None) -> dict:
+def run_veth(cfg: dict, n: int, cores, gbit: float, timeout: float = 3600) -> None:
+  """`run_workers` over a full-duplex link: process 0 and 1 each in its own network
+  namespace, joined by a veth pair whose two ends are each shaped to `gbit` by their
+  own tbf (an Ethernet link: one queue per direction, unlike `run_shaped`'s one
+  loopback queue both ways). The namespaces go away afterwards, also on failure."""
+  if n != 2:
+    raise RuntimeError("--duplex full joins exactly 2 stage processes (one veth pair)")
+  if shutil.which("ip") is None or shutil.which("tc") is None or os.geteuid() != 0:
+    raise RuntimeError(f"--duplex full needs root and ip/tc (uid {os.geteuid()})")
+  tag = f"ooo{os.getpid()}"
+  ns, dev, addr = [f"{tag}a", f"{tag}b"], [f"{tag}va", f"{tag}vb"], ["10.9.0.1", "10.9.0.2"]
+
+  def sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+  try:
+    for x in ns:
+      sh("ip", "netns", "add", x)
+    sh("ip", "link", "add", dev[0], "type", "veth", "peer", "name", dev[1])
+    for i in range(2):
+      sh("ip", "link", "set", dev[i], "netns", ns[i])
+      sh("ip", "-n", ns[i], "addr", "add", f"{addr[i]}/24", "dev", dev[i])
+      sh("ip", "-n", ns[i], "link", "set", dev[i], "mtu", "1500", "up")
+      sh("ip", "-n", ns[i], "link", "set", "lo", "up")
+      sh(
+        "ip",
+        "netns",
+        "exec",
+        ns[i],
+        "tc",
+        "qdisc",
+        "add",
+        "dev",
+        dev[i],
+        "root",
+        *tbf(gbit).split(),
+      )
+    port = free_port()
+    procs = [
+      subprocess.Popen(
+        ["ip", "netns", "exec", ns[i]]
+        + _pinned(
+          cores[i % len(cores)],
+          {
+            **cfg,
+            "mode": "pipeline",
+            "process_id": i,
+            "num_processes": n,
+            "port": port,
+            "coordinator": addr[0],
+            "gloo_hostname": addr[i],  # gloo binds here (the host name is 127.0.0.1)
+          },
+        ),
+        env=worker_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+      )
+      for i in range(n)
+    ]
+    wait_workers(procs, timeout)
+  finally:
+    for x in ns:  # deleting a namespace deletes its veth end, and so the pair
+      subprocess.run(["ip", "netns", "del", x], capture_output=True)
+
+
+def measure(cfg: dict, n: int, cores, gbit: float | None, full: bool = False) -> dict:
   with tempfile.TemporaryDirectory() as d:
     out = os.path.join(d, "stages.json")
-    cfg = {**cfg, "out": out, "gbit": gbit}
+    cfg = {**cfg, "out": out, "gbit": gbit, "full_duplex": full}
     if gbit is None:
       run_workers(cfg, n, cores)
+    elif full:
+      run_veth(cfg, n, cores, gbit)
     else:
       run_shaped(cfg, n, cores, gbit)
     with open(out) as f:
@@ -218,13 +286,15 @@ def tbf_burst(gbit: float) -> float:
   return float(max(int(gbit * 1e9 / 8 / 1000), 8 * 1514))
 
 
-def link_model(calib: dict, gbit: float | None):
+def link_model(calib: dict, gbit: float | None, full: bool = False):
   """The measured link: what one transfer costs inside the executor (`transfer`:
   the probe's ticks of a stage forward then a one-way send, less the same ticks
   without the sends), less its wire time, is the latency (the rendezvous, the
   peer's wake-up). Where shaped, the bandwidth is the tbf rate and its bucket
   (`tbf_burst`) lets the bytes saved up during a tick through at once; one
-  resource both ways (one qdisc on lo). Unshaped, the wire is free."""
+  resource both ways (one qdisc on lo), or with `full` (`--duplex full`: a veth
+  pair, one qdisc per direction) one resource per direction. Unshaped, the wire is
+  free."""
   import math
 
   from ooojax.passes.pipeline.link import LinkModel
@@ -232,7 +302,7 @@ def link_model(calib: dict, gbit: float | None):
   lk = calib["link"]
   n = lk["nbytes"]
   if "transfer" not in lk:  # a run saved before this probe
-    return _old_link_model(lk, gbit)
+    return _old_link_model(lk, gbit, full)
   burst = tbf_burst(gbit) if gbit else 0.0
   bw = gbit * 1e9 / 8 if gbit else math.inf
   # in the probe each send follows a forward (`gap`): the bucket refilled meanwhile
@@ -242,23 +312,24 @@ def link_model(calib: dict, gbit: float | None):
     max(lk["transfer"] - wire, 0.0),
     bw,
     n,
-    duplex=gbit is None,
+    duplex=gbit is None or full,
     one_way=True,
     burst=burst,
-    name=f"measured ({'shaped ' + format(gbit, 'g') + ' Gbit/s' if gbit else 'unshaped'})",
+    name=f"measured ({'shaped ' + format(gbit, 'g') + ' Gbit/s' if gbit else 'unshaped'}"
+    + (", full duplex)" if gbit and full else ")"),
   )
 
 
-def _old_link_model(lk: dict, gbit):
+def _old_link_model(lk: dict, gbit, full: bool = False):
   from ooojax.passes.pipeline.link import LinkModel
 
   n = lk["nbytes"]
   if "pp1" in lk:  # a loop of back-to-back one-way permutes
     bw = gbit * 1e9 / 8 if gbit else float("inf")
-    return LinkModel(max(lk["pp1"] - n / bw, 0.0), bw, n, duplex=gbit is None, one_way=True)
+    return LinkModel(max(lk["pp1"] - n / bw, 0.0), bw, n, duplex=gbit is None or full, one_way=True)
   bw = gbit * 1e9 / 8 if gbit else 3 * n / max(lk["four"] - lk["one"], 1e-9)
   wire = n / bw
-  return LinkModel(max(lk["one"] - wire, 0.0), bw, n, duplex=gbit is None)
+  return LinkModel(max(lk["one"] - wire, 0.0), bw, n, duplex=gbit is None or full)
 
 
 # Which calibration predicts: the startup sample (before any timed round), the
@@ -270,7 +341,9 @@ STATS = {
 }
 
 
-def predicted(results: dict, n: int, gbit: float | None, stat: str = "startup") -> dict:
+def predicted(
+  results: dict, n: int, gbit: float | None, stat: str = "startup", full: bool = False
+) -> dict:
   """`{key: simulated seconds}` of every measured cell: its table replayed on the
   measured link with the measured phase costs (`passes.pipeline.link`, executor
   mode); nothing is fitted to the measured steps."""
@@ -286,29 +359,29 @@ def predicted(results: dict, n: int, gbit: float | None, stat: str = "startup") 
     sched = (
       PipelineSchedule.parse(r["table"])
       if "table" in r  # the table that ran
-      else _sched(r["schedule"], n, r["microbatches"], c, gbit)
+      else _sched(r["schedule"], n, r["microbatches"], c, gbit, full)
     )
     costs = stage_costs(c, n)
     if sched.chunks > 1:  # whole-stage costs on each chunk's device (a chunk: 1 / chunks)
       costs = [costs[sched.place(vs)[0]] for vs in range(sched.virtual_stages)]
-    out[key] = simulate_link(sched, costs, link_model(c, gbit), "executor").makespan
+    out[key] = simulate_link(sched, costs, link_model(c, gbit, full), "executor").makespan
   return out
 
 
-def _sched(name: str, n: int, m: int, calib: dict, gbit):
+def _sched(name: str, n: int, m: int, calib: dict, gbit, full: bool = False):
   from ooojax.passes.pipeline.generate import generate
 
   if name == "ooo-link":
     from ooojax.passes.pipeline.depth import plan_ooo
 
-    return plan_ooo(n, m, stage_costs(calib, n), link_model(calib, gbit))[0]
+    return plan_ooo(n, m, stage_costs(calib, n), link_model(calib, gbit, full))[0]
   return generate(name, n, m)
 
 
-def predict_table(results: dict, n: int, link: str, gbit) -> list[str]:
+def predict_table(results: dict, n: int, link: str, gbit, full: bool = False) -> list[str]:
   """Predicted (simulated, from the startup calibration: before any timed round)
   beside the measured median and min step time, per cell."""
-  pred = predicted(results, n, gbit, "startup")
+  pred = predicted(results, n, gbit, "startup", full)
   calib = results.get("_calibration", {})
   lines = [
     f"Link: {link}. Predicted: the table replayed by `passes.pipeline.link` (executor "
@@ -316,7 +389,7 @@ def predict_table(results: dict, n: int, link: str, gbit) -> list[str]:
     "before any timed step (nothing fitted to the steps):"
   ]
   for m, c in sorted(calib.items(), key=lambda kv: int(kv[0])):
-    lk = link_model(c, gbit)
+    lk = link_model(c, gbit, full)
     ph = "; ".join(
       f"stage {s}: F {p[0] * 1e3:.2f} B {p[1] * 1e3:.2f} W {p[2] * 1e3:.2f}"
       + (f" (x{c['scale'][s]:.2f})" if "scale" in c else "")
@@ -487,6 +560,14 @@ def main(argv=None):
     help="also run over a loopback shaped to this many Gbit/s",
   )
   ap.add_argument(
+    "--duplex",
+    choices=("half", "full"),
+    default="half",
+    help="the shaped link: half (both stages in one namespace, one tbf on lo: "
+    "both directions share it) or full (2 stages only: a veth pair between two "
+    "namespaces, one tbf per direction, as on Ethernet)",
+  )
+  ap.add_argument(
     "--tiled",
     type=int,
     default=0,
@@ -554,11 +635,13 @@ def main(argv=None):
     with open(args.from_json) as f:
       saved = json.load(f)
     base, runs, args.link_gbit = saved["baseline"], saved["runs"], saved.get("gbits", [])
-  else:
+    args.duplex = saved.get("duplex", "half")
+  full = args.duplex == "full"
+  if not args.from_json:
     base = run_baseline(cfg, cores[0])
     runs = {"unshaped localhost": measure(cfg, n, cores, None)}
     for g in args.link_gbit:
-      runs[f"loopback shaped to {g:g} Gbit/s (tbf)"] = measure(cfg, n, cores, g)
+      runs[shaped_name(g, full)] = measure(cfg, n, cores, g, full)
     # The baseline again after the stage runs, pooled: load drift hits both sides.
     for k, v in run_baseline(cfg, cores[0]).items():
       base[k]["ms"] += v["ms"]
@@ -578,11 +661,21 @@ def main(argv=None):
   for link, res in runs.items():
     lines += table(res, base, n, link) + [""] + verdict(res, link) + [""]
     if args.predict:
-      lines += predict_table(res, n, link, gbits[link]) + [""]
+      lines += predict_table(res, n, link, gbits[link], full) + [""]
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({"baseline": base, "runs": runs, "gbits": args.link_gbit}, f, indent=1)
+      json.dump(
+        {"baseline": base, "runs": runs, "gbits": args.link_gbit, "duplex": args.duplex},
+        f,
+        indent=1,
+      )
   _report.emit(lines, args.write)
+
+
+def shaped_name(gbit: float, full: bool) -> str:
+  if full:
+    return f"veth pair shaped to {gbit:g} Gbit/s each way (tbf, full duplex)"
+  return f"loopback shaped to {gbit:g} Gbit/s (tbf)"
 
 
 def _main_tiled(args, cfg, n, cores):
@@ -593,7 +686,7 @@ def _main_tiled(args, cfg, n, cores):
   cfg["tiled"] = args.tiled
   runs = {"unshaped localhost": measure(cfg, n, cores, None)}
   for g in args.link_gbit:
-    runs[f"loopback shaped to {g:g} Gbit/s (tbf)"] = measure(cfg, n, cores, g)
+    runs[shaped_name(g, args.duplex == "full")] = measure(cfg, n, cores, g, args.duplex == "full")
   lines = _report.header(
     "Pipeline training tiled over steps, one stage per process (benchmarks/pipeline_mp.py --tiled)"
   )

@@ -1,6 +1,7 @@
 """2 processes, one pipeline stage each (jax.distributed + gloo on localhost), give
 jax.grad of the unpipelined model: the benchmark's worker code path, small model."""
 
+import dataclasses
 import os
 
 import jax
@@ -115,3 +116,27 @@ def test_a_failed_worker_ends_its_peers():
   with pytest.raises(RuntimeError, match=r"worker 1 exited 3:\nboom"):
     pipeline_mp.wait_workers(procs)
   assert procs[0].returncode is not None  # ended, not left running
+
+
+def test_full_duplex_link_model_prices_each_direction_apart():
+  """`--duplex full` (a veth pair, one tbf per direction) predicts on a duplex link:
+  the same latency and wire as the half-duplex loopback (125 kB at 0.1 Gbit/s: 10
+  ms, the probe's 11 ms less it: 1 ms), each direction its own resource. The CPU
+  executor sends the two directions in a row (`one_way`), so there that changes
+  little; sent together (`one_way=False`), 1F1B's activation up and gradient down
+  no longer share the wire, and its step is shorter."""
+  from ooojax.passes.pipeline.generate import generate
+  from ooojax.passes.pipeline.link import simulate_link
+
+  calib = {"link": {"nbytes": 125e3, "transfer": 0.011, "gap": 0.0}}
+  half, full = (pipeline_mp.link_model(calib, 0.1, f) for f in (False, True))
+  assert (half.duplex, full.duplex) == (False, True)
+  for lk in (half, full):
+    assert lk.wire == pytest.approx(0.01) and lk.latency == pytest.approx(0.001)
+  costs = {"F": 0.01, "B": 0.01, "W": 0.01}
+  f = generate("1f1b", 2, 4)
+  span = {
+    lk.duplex: simulate_link(f, costs, dataclasses.replace(lk, one_way=False)).makespan
+    for lk in (half, full)
+  }
+  assert span[True] < span[False]
