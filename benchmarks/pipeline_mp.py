@@ -5,6 +5,7 @@
   python -m benchmarks.pipeline_mp --write           # append the tables to RESULTS.md
   python -m benchmarks.pipeline_mp --tiled 4         # training: 4 steps per call, tiled
   python -m benchmarks.pipeline_mp --predict --rt 1  # predicted beside measured, SCHED_FIFO
+  python -m benchmarks.pipeline_mp --link-gbit 0.1 --duplex full  # a full-duplex veth pair
 
 Starts `--stages` worker processes (benchmarks/_pipeline_mp_worker.py), each
 pinned to its own core (`taskset`) with one CPU device, joined by
@@ -16,7 +17,10 @@ parallel and their activations really cross a (TCP) link. Each runs
 then rounds alternating over the schedules, a barrier before each timed step,
 median per schedule. `--link-gbit X` runs the stage processes in a network
 namespace whose loopback is shaped to X Gbit/s by a tbf qdisc (needs root,
-`unshare` and `tc`).
+`unshare` and `tc`): both directions share its one queue (half duplex).
+`--duplex full` (2 stages) puts each process in its own namespace instead,
+joined by a veth pair with a tbf on each end: one queue per direction, as on
+Ethernet.
 
 `--tiled N` times training instead (`ooo.pipeline.train`, Adam, per stage
 inside the tick loop), per schedule (default zb-h2 and 1f1b): N steps as N
