@@ -70,8 +70,24 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+# glibc hands a freed block of more than 32 MiB (its largest mmap threshold) back to
+# the kernel, and XLA:CPU allocates each execution's temp buffer anew: a program
+# whose temp exceeds 32 MiB (GPipe at m = 8 here: 33.7 MiB) page-faults all of it
+# on every step, 8400 faults and 10-20 ms per process (RESULTS.md, issue 34). A
+# GPU runtime pools its memory; `--malloc pool` (the default) makes glibc keep
+# freed memory too, so each step times its schedule, not its first touches.
+POOL_MALLOC = {
+  "MALLOC_MMAP_MAX_": "0",  # never mmap a block: it would be unmapped when freed
+  "MALLOC_TRIM_THRESHOLD_": str(1 << 30),  # never give the heap's top back
+  "MALLOC_TOP_PAD_": str(64 << 20),
+  "MALLOC_ARENA_MAX": "1",  # threads' arenas are mmap'd heaps that shrink on free
+}
+
+
 def worker_env() -> dict:
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  if os.environ.get("PIPELINE_MP_MALLOC", "pool") == "pool":
+    env = {**POOL_MALLOC, **env}  # a value the caller set wins
   env.update(
     JAX_PLATFORMS="cpu",
     # PIPELINE_MP_XLA_FLAGS: extra XLA flags for the workers (probes)
@@ -599,6 +615,14 @@ def main(argv=None):
     help="run the workers SCHED_FIFO at this priority (root; chrt): on a shared "
     "host a woken stage then preempts the other tenants at once",
   )
+  ap.add_argument(
+    "--malloc",
+    choices=("pool", "system"),
+    default="pool",
+    help="the workers' glibc malloc: pool (keep freed memory, as a GPU runtime "
+    "does) or system (glibc's defaults: a temp buffer over 32 MiB is mapped and "
+    "page-faulted anew on every step)",
+  )
   ap.add_argument("--json", help="save all raw timings here")
   ap.add_argument("--from-json", help="print the tables of a run saved with --json")
   ap.add_argument("--write", action="store_true")
@@ -610,6 +634,7 @@ def main(argv=None):
     return
   if args.rt:
     os.environ["PIPELINE_MP_RT"] = str(args.rt)  # the workers' launchers read it
+  os.environ["PIPELINE_MP_MALLOC"] = args.malloc  # and worker_env
   n = args.stages
   cores = args.cores or list(range(n))
   if len(cores) != n:
@@ -656,7 +681,8 @@ def main(argv=None):
     f"residual blocks x + gelu(LN(x) W1) W2, D={args.dim}, H={args.hidden}, batch "
     f"{args.batch}, MSE, float32; {args.rounds} timed rounds alternating over the "
     f"schedules after {args.warmup} warm-up steps; stage stacks in {args.layout} "
-    f"order. Ideal = {n} x (1 - bubble fraction) "
+    f"order; glibc malloc {'pooled (--malloc pool)' if args.malloc == 'pool' else 'as the system sets it'}"
+    f"{', SCHED_FIFO workers' if args.rt else ''}. Ideal = {n} x (1 - bubble fraction) "
     "of the table with F = B = W (jax " + jax.__version__ + ").",
     "",
   ]
