@@ -219,21 +219,26 @@ class _Calibration:
       )
 
       def loop(kind, f=f):
+        # Each phase's outputs are accumulated, as the executor accumulates dW
+        # (and writes dX, y): summing them to a scalar instead made a reduce of
+        # every dW, which priced W at 2x its cost in the executor (RESULTS.md).
         def run(p, xs, ts):
           def one(acc, xt):
+            ay, ap = acc
             x, t = xt
             if kind == "F":
-              y = f(p, x, t)
-              return acc + jnp.sum(y), None
+              return (ay + f(p, x, t), ap), None
             y, pb = jax.vjp(lambda p, x: f(p, x, t), p, x)
             g = jnp.ones_like(y)
             if kind == "FB":  # dX only: the weights' cotangent is never formed
               _, pbx = jax.vjp(lambda x: f(p, x, t), x)
-              return acc + jnp.sum(pbx(g)[0]), None
+              return (ay + pbx(g)[0], ap), None
             dp, dx = pb(g)
-            return acc + jnp.sum(dx) + sum(jnp.sum(v) for v in jax.tree.leaves(dp)), None
+            return (ay + dx, jax.tree.map(jnp.add, ap, dp)), None
 
-          return lax.scan(one, jnp.zeros((), jnp.float32), (xs, ts))[0]
+          y0 = jax.eval_shape(f, p, xs[0], ts[0]) if kind == "F" else xs[0]
+          zero = (jnp.zeros(y0.shape, y0.dtype), jax.tree.map(jnp.zeros_like, p))
+          return lax.scan(one, zero, (xs, ts))[0]
 
         return jax.jit(run)
 

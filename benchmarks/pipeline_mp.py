@@ -333,11 +333,18 @@ def link_model(calib: dict, gbit: float | None, full: bool = False):
     bw,
     n,
     duplex=gbit is None or full,
-    one_way=True,
+    one_way=_one_way(),
     burst=burst,
     name=f"measured ({'shaped ' + format(gbit, 'g') + ' Gbit/s' if gbit else 'unshaped'}"
     + (", full duplex)" if gbit and full else ")"),
   )
+
+
+def _one_way() -> bool:
+  """How the workers' executor exchanges (`execute.one_way`; `--exchange`)."""
+  from ooojax.passes.pipeline.execute import CPU_EXCHANGE
+
+  return os.environ.get(CPU_EXCHANGE, "one_way") == "one_way"
 
 
 def _old_link_model(lk: dict, gbit, full: bool = False):
@@ -623,6 +630,14 @@ def main(argv=None):
     "does) or system (glibc's defaults: a temp buffer over 32 MiB is mapped and "
     "page-faulted anew on every step)",
   )
+  ap.add_argument(
+    "--exchange",
+    choices=("one_way", "two_way"),
+    default="one_way",
+    help="the executor's CPU exchange (OOOJAX_CPU_EXCHANGE): one_way (a tick's "
+    "two directions in a row) or two_way (one permute: both at once, for a "
+    "full-duplex link under --rt)",
+  )
   ap.add_argument("--json", help="save all raw timings here")
   ap.add_argument("--from-json", help="print the tables of a run saved with --json")
   ap.add_argument("--write", action="store_true")
@@ -635,6 +650,7 @@ def main(argv=None):
   if args.rt:
     os.environ["PIPELINE_MP_RT"] = str(args.rt)  # the workers' launchers read it
   os.environ["PIPELINE_MP_MALLOC"] = args.malloc  # and worker_env
+  os.environ["OOOJAX_CPU_EXCHANGE"] = args.exchange  # the workers' executor, and the replay
   n = args.stages
   cores = args.cores or list(range(n))
   if len(cores) != n:
@@ -665,6 +681,9 @@ def main(argv=None):
       saved = json.load(f)
     base, runs, args.link_gbit = saved["baseline"], saved["runs"], saved.get("gbits", [])
     args.duplex = saved.get("duplex", "half")
+    args.exchange = saved.get("exchange", "one_way")
+    args.malloc = saved.get("malloc", "system")  # runs saved before --malloc
+    os.environ["OOOJAX_CPU_EXCHANGE"] = args.exchange
   full = args.duplex == "full"
   if not args.from_json:
     base = run_baseline(cfg, cores[0])
@@ -682,7 +701,8 @@ def main(argv=None):
     f"{args.batch}, MSE, float32; {args.rounds} timed rounds alternating over the "
     f"schedules after {args.warmup} warm-up steps; stage stacks in {args.layout} "
     f"order; glibc malloc {'pooled (--malloc pool)' if args.malloc == 'pool' else 'as the system sets it'}"
-    f"{', SCHED_FIFO workers' if args.rt else ''}. Ideal = {n} x (1 - bubble fraction) "
+    f"{', SCHED_FIFO workers' if args.rt else ''}"
+    f"{', two-way exchanges (--exchange two_way)' if args.exchange == 'two_way' else ''}. Ideal = {n} x (1 - bubble fraction) "
     "of the table with F = B = W (jax " + jax.__version__ + ").",
     "",
   ]
@@ -695,7 +715,14 @@ def main(argv=None):
   if args.json:
     with open(args.json, "w") as f:
       json.dump(
-        {"baseline": base, "runs": runs, "gbits": args.link_gbit, "duplex": args.duplex},
+        {
+          "baseline": base,
+          "runs": runs,
+          "gbits": args.link_gbit,
+          "duplex": args.duplex,
+          "exchange": args.exchange,
+          "malloc": args.malloc,
+        },
         f,
         indent=1,
       )

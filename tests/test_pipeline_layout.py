@@ -243,3 +243,34 @@ def test_layout_errors():
     ooo.pipeline.train(
       stage_fn, loss_fn, optax.sgd(0.1), mesh=_mesh(2), axis_name="stage", layout="devices"
     )
+
+
+def test_two_way_cpu_exchange_sends_both_directions_in_one_permute(monkeypatch):
+  """`OOOJAX_CPU_EXCHANGE=two_way` (a full-duplex link, `benchmarks.pipeline_mp
+  --exchange two_way`): a tick whose activation goes up while a gradient comes
+  down runs one permute with both pairs, and the step is unchanged."""
+  sched = ooo.pipeline.schedule("1f1b", stages=2, microbatches=M)
+  stage_fn, loss_fn, input_fn, params, shared, tokens, labels = _tied(2)
+  mesh = _mesh(2)
+  stage = _sharded(mesh, params, jax.P("stage"))
+  rep = _sharded(mesh, (shared, (tokens, labels)), jax.P())
+
+  def run():
+    step = _jit(
+      ooo.pipeline.value_and_grad(
+        stage_fn, loss_fn, mesh=mesh, axis_name="stage", schedule=sched, input_fn=input_fn
+      )
+    )
+    text = step.lower(stage, rep[1], rep[0]).compile().as_text()
+    pairs = [set(c.pairs) for c in traffic(text, None).collectives if c.in_loop]
+    return step(stage, rep[1], rep[0]), pairs
+
+  one, one_pairs = run()
+  assert {(0, 1), (1, 0)} not in one_pairs
+  monkeypatch.setenv("OOOJAX_CPU_EXCHANGE", "two_way")
+  two, two_pairs = run()
+  assert {(0, 1), (1, 0)} in two_pairs, two_pairs
+  assert_trees_close(two, one)
+  monkeypatch.setenv("OOOJAX_CPU_EXCHANGE", "both")
+  with pytest.raises(ValueError, match="OOOJAX_CPU_EXCHANGE"):
+    run()

@@ -33,6 +33,7 @@ uses them and a single `psum` at the end.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import jax
@@ -251,14 +252,26 @@ def _shard(
   return out[0], last, out[1], opt[1], loss
 
 
+CPU_EXCHANGE = "OOOJAX_CPU_EXCHANGE"
+
+
 def one_way(mesh) -> bool:
   """Whether each exchange runs as one-way collective permutes (no device both
-  sends and receives in one): on CPU (gloo). gloo's collective permute posts a
-  device's send, then its receive, and waits for both; two processes that
-  exchange in one permute took 1.4-3 ms for 16-32 kB on a quiet 2-core host,
+  sends and receives in one): on CPU (gloo), unless the environment variable
+  `OOOJAX_CPU_EXCHANGE=two_way`. gloo's collective permute posts a device's
+  send, then its receive, and waits for both; two processes that exchange in
+  one permute took 1.4-3 ms for 16-32 kB under the kernel's fair scheduler,
   two one-way permutes in a row 0.08-0.11 ms (benchmarks/RESULTS.md, issue 34).
-  NCCL pairs the send and receive in one group, so accelerators keep one."""
-  return mesh.devices.flat[0].platform == "cpu"
+  Under a real-time scheduler (`chrt -f`) the two-way permute costs 0.03 ms,
+  and on a full-duplex link it carries both directions at once: `two_way` is
+  for that. NCCL pairs the send and receive in one group, so accelerators
+  always keep one permute."""
+  if mesh.devices.flat[0].platform != "cpu":
+    return False
+  mode = os.environ.get(CPU_EXCHANGE, "one_way")
+  if mode not in ("one_way", "two_way"):
+    raise ValueError(f"{CPU_EXCHANGE}={mode!r}: use one_way (the default) or two_way")
+  return mode == "one_way"
 
 
 def _permute(x, axis_name, pairs, split: bool):
