@@ -19,8 +19,8 @@ smaller memory on a tie. So `ooo` is never slower, in the simulator that
 chose it, than GPipe or 1F1B at the same memory: it becomes either one when
 the link demands it.
 
-Where the replay cannot be trusted on a link (a CPU host whose deep tables run
-slower than priced, `benchmarks/RESULTS.md`), the measured runs decide:
+Where the replay cannot be trusted on a link (a shaped CPU link whose TCP
+behaviour it does not model, `benchmarks/RESULTS.md`), the measured runs decide:
 `trial_tables` gives the planned table beside `ooo` at 1F1B's depth, GPipe's and
 1F1B's; the caller times a few steps of each, alternating, and `pick_measured`
 takes the fastest median. Then `ooo` is never slower than GPipe or 1F1B by more
