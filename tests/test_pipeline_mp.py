@@ -140,3 +140,23 @@ def test_full_duplex_link_model_prices_each_direction_apart():
     for lk in (half, full)
   }
   assert span[True] < span[False]
+
+
+def test_workers_pool_freed_memory_unless_told_not_to(monkeypatch):
+  """`--malloc pool` (the default): glibc keeps freed memory, so a step whose temp
+  buffer exceeds 32 MiB is not mapped and page-faulted anew every step; a value
+  the caller set wins, and `--malloc system` leaves glibc's defaults. The
+  priced exchange follows OOOJAX_CPU_EXCHANGE (`--exchange`)."""
+  monkeypatch.delenv("PIPELINE_MP_MALLOC", raising=False)
+  monkeypatch.setenv("MALLOC_TOP_PAD_", "1")
+  env = pipeline_mp.worker_env()
+  assert env["MALLOC_MMAP_MAX_"] == "0" and env["MALLOC_ARENA_MAX"] == "1"
+  assert env["MALLOC_TOP_PAD_"] == "1"
+  monkeypatch.delenv("MALLOC_TOP_PAD_")
+  monkeypatch.setenv("PIPELINE_MP_MALLOC", "system")
+  assert not set(pipeline_mp.POOL_MALLOC) & set(pipeline_mp.worker_env())
+  calib = {"link": {"transfer": 1e-4, "gap": 1e-3, "nbytes": 32768}}
+  monkeypatch.setenv("OOOJAX_CPU_EXCHANGE", "two_way")
+  assert not pipeline_mp.link_model(calib, 0.1, full=True).one_way
+  monkeypatch.setenv("OOOJAX_CPU_EXCHANGE", "one_way")
+  assert pipeline_mp.link_model(calib, 0.1).one_way
