@@ -13,8 +13,11 @@ pinned to cores 0 and 1), each timing loops of 100 ticks inside one jitted
   it does on CPU now, `passes.pipeline.execute.one_way`);
 - `ping-pong`: one one-way permute per tick, alternating direction;
 - `one direction`: one one-way permute per tick, always 0 -> 1 (GPipe's runs);
-- `work + ...`: the same after about half a millisecond of matmuls per tick
-  (the executor's tick: compute, then the send), and `work alone`.
+- `work + ...`: the same after about 1.5 ms of matmuls per tick
+  (the executor's tick: compute, then the send), and `work alone`;
+- `work beside two-way`: the matmuls and a send that needs nothing they compute,
+  in one tick: XLA:CPU runs them one after the other (on a shaped link the tick
+  costs the sum; `--link-gbit 0.1`).
 
 Prints the median and min microseconds per tick over the rounds (issue 34).
 """
@@ -50,11 +53,22 @@ def _worker(pid: int, port: int, rounds: int) -> None:
       jax.shard_map(body, mesh=mesh, in_specs=P("stage"), out_specs=P("stage"), check_vma=False)
     )
 
+  def loop2(tick):  # carry (x, y): a tick's work on x beside its send of y
+    def body(x):
+      a, b = lax.scan(lambda c, i: (tick(*c, i), None), (x, x * 2), jnp.arange(T))[0]
+      return b + a * 1e-30  # both carries live: XLA drops a carry nothing reads
+
+    return jax.jit(
+      jax.shard_map(body, mesh=mesh, in_specs=P("stage"), out_specs=P("stage"), check_vma=False)
+    )
+
   up, down = [(0, 1)], [(1, 0)]
   wmat = jnp.full((512, 512), 1e-3, jnp.float32)
 
-  def _work(c):  # about half a millisecond of matmuls, then the same shape back
-    y = lax.fori_loop(0, 8, lambda _, a: jnp.tanh(a @ wmat), jnp.ones((64, 512)))
+  def _work(c):  # about 1.5 ms of matmuls, then the same shape back
+    # (seeded by the carry: a loop-invariant seed was hoisted out of the loop,
+    # so the rows before 2026-11-26 20:50 timed about 16 us of work)
+    y = lax.fori_loop(0, 8, lambda _, a: jnp.tanh(a @ wmat), jnp.ones((64, 512)) + c[0] * 1e-9)
     return c + jnp.sum(y) * 1e-9
 
   ticks = {
@@ -81,6 +95,11 @@ def _worker(pid: int, port: int, rounds: int) -> None:
     ),
     "work + one direction": loop(lambda c, i: lax.ppermute(_work(c), "stage", up)),
     "work alone": loop(lambda c, i: _work(c)),
+    # the send of y needs nothing the work computes: does XLA:CPU run them at once?
+    "work + two-way": loop(lambda c, i: lax.ppermute(_work(c), "stage", up + down)),
+    "work beside two-way (independent)": loop2(
+      lambda x, y, i: (_work(x), lax.ppermute(y, "stage", up + down))
+    ),
   }
   res = {}
   for kb in KBS:
@@ -112,11 +131,26 @@ def main(argv=None) -> None:
 
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--rounds", type=int, default=7)
+  ap.add_argument(
+    "--link-gbit",
+    type=float,
+    help="run both processes in a network namespace whose loopback is shaped to "
+    "this many Gbit/s (root, unshare, tc; as benchmarks.pipeline_mp --link-gbit)",
+  )
   ap.add_argument("--_worker", type=int, help=argparse.SUPPRESS)
   ap.add_argument("--_port", type=int, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args._worker is not None:
     return _worker(args._worker, args._port, args.rounds)
+  if args.link_gbit:  # both workers inside one shaped namespace (one tbf on lo)
+    from benchmarks.pipeline_mp import tbf
+
+    script = (
+      f'ip link set lo mtu 1500 up && tc qdisc add dev lo root {tbf(args.link_gbit)} && exec "$@"'
+    )
+    inner = [sys.executable, "-m", "benchmarks.gloo_exchange", "--rounds", str(args.rounds)]
+    subprocess.run(["unshare", "-n", "sh", "-c", script, "sh", *inner], cwd=ROOT, check=True)
+    return
   port = free_port()
   cmd = lambda i: [  # noqa: E731
     "taskset",
