@@ -423,7 +423,12 @@ def bind_eqn(eqn, invals: list[Any]) -> list[Any]:
   ctx = eqn.ctx.manager if getattr(eqn, "ctx", None) is not None else contextlib.nullcontext()
   name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
   src = _siu.user_context(eqn.source_info.traceback, name_stack=name_stack)
-  with src, ctx:
+  # The equation's context restores the mesh it was traced under (the user's
+  # `jax.set_mesh`); re-bound inside a `shard_map` (the pipeline's stages) the
+  # values are manual, so the shard_map's own mesh must stay current.
+  cur = jax.sharding.get_abstract_mesh()
+  keep = jax.sharding.use_abstract_mesh(cur) if cur.manual_axes else contextlib.nullcontext()
+  with src, ctx, keep:
     ans = eqn.primitive.bind(*subfuns, *invals, **params)
   return list(ans) if eqn.primitive.multiple_results else [ans]
 

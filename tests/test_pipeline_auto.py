@@ -384,3 +384,23 @@ def test_data_by_stage_explicit_form():
     ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=mesh, axis_name="stage", data_axis="stage")(
       w, (x, t)
     )
+
+
+def test_under_set_mesh():
+  # the way flax nnx / MaxText set the mesh: the step traced under jax.set_mesh
+  # (Auto axes) equals jax.value_and_grad; Explicit axes there are refused by name
+  mean, params, batch = _gpt()
+  want = _jit(jax.value_and_grad(mean))(params, *batch)
+  auto, explicit = jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit
+  for types in ((auto, auto), (explicit, explicit)):
+    mesh = jax.make_mesh((2, 2), ("data", "stage"), devices=jax.devices()[:4], axis_types=types)
+    step = ooo.pipeline.value_and_grad(
+      mean, mesh=mesh, axis_name="stage", data_axis="data", schedule="1f1b", microbatches=2
+    )
+    tok = jax.device_put(batch[0], jax.NamedSharding(mesh, jax.P("data")))
+    with jax.set_mesh(mesh):
+      if types[0] == auto:
+        assert_trees_close(_jit(step)(params, tok), want)
+      else:
+        with pytest.raises(NotImplementedError, match="set_mesh with Explicit axes"):
+          _jit(step)(params, tok)

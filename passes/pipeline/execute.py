@@ -204,6 +204,13 @@ def _shard(
   optimizer states); returns what it returns, per-chunk trees back in
   virtual-stage order."""
   S, v = sched.stages, sched.chunks
+  ctx = _compat.context_mesh()
+  if ctx is not None and _explicit(ctx):
+    raise NotImplementedError(
+      "a pipeline step traced under jax.set_mesh with Explicit axes is not supported "
+      "yet: call it outside set_mesh (an Explicit mesh passed as mesh= works), or "
+      "set the mesh with AxisType.Auto axes"
+    )
   # Chunk c of device s is virtual stage sched.vstage(s, c): one (S, ...) tree per
   # chunk, so a device's chunk weights arrive as their own buffers (no slicing).
   idx = np.array([[sched.vstage(s, c) for s in range(S)] for c in range(v)])
