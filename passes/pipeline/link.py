@@ -45,6 +45,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from ooojax.passes.pipeline.actions import COMPUTE, UPDATE, Action, ScheduleError, deps
+from ooojax.passes.pipeline.simulate import PipelineTimeline
 
 __all__ = ["LinkModel", "LinkTimeline", "Transfer", "one_way_groups", "simulate_link"]
 
@@ -122,23 +123,11 @@ class Transfer:
 
 
 @dataclasses.dataclass(frozen=True)
-class LinkTimeline:
+class LinkTimeline(PipelineTimeline):
   """Compute spans and transfers of one replay; `makespan` is the step time."""
 
-  spans: tuple[tuple[Action, float, float], ...]
-  transfers: tuple[Transfer, ...]
-  makespan: float
-  stages: int
-  mode: str
-
-  @property
-  def busy(self) -> float:
-    return sum(e - b for _, b, e in self.spans)
-
-  @property
-  def bubble_fraction(self) -> float:
-    total = self.stages * self.makespan
-    return 1.0 - self.busy / total if total else 0.0
+  transfers: tuple[Transfer, ...] = ()
+  mode: str = "executor"
 
   @property
   def link_busy(self) -> float:
@@ -271,7 +260,7 @@ def _executor(sched, cs, link: LinkModel) -> LinkTimeline:
       pairs = {(a.stage, _dest(sched, a)): (a.kind[1], a.microbatch) for a in sends}
       if pairs:
         exchange(sorted(pairs), pairs)
-  return LinkTimeline(tuple(spans), tuple(transfers), max(clock), S, "executor")
+  return LinkTimeline(tuple(spans), max(clock), S, tuple(transfers), "executor")
 
 
 def one_way_groups(pairs):
@@ -364,4 +353,4 @@ def _overlap(sched, cs, link: LinkModel) -> LinkTimeline:
       heapq.heappush(pending, (end, seq, (kind, vs, a.microbatch, a.step), s, sched.place(tvs)[0]))
       seq += 1
   makespan = max([e for _, _, e in spans] + [x.end for x in transfers] + [0.0])
-  return LinkTimeline(tuple(spans), tuple(transfers), makespan, S, "overlap")
+  return LinkTimeline(tuple(spans), makespan, S, tuple(transfers), "overlap")
