@@ -291,18 +291,10 @@ def _phase_costs(prog, device) -> tuple[tuple[str, float, float, float], ...]:
 
 def _schedule(schedule, stage_params, microbatches, chunks) -> PipelineSchedule:
   from ooojax.passes.pipeline.generate import SCHEDULES, generate
+  from ooojax.pipeline._automatic import _table
 
-  if isinstance(schedule, PipelineSchedule):
-    if microbatches not in (None, schedule.microbatches):
-      raise ValueError(
-        f"microbatches={microbatches} disagrees with the schedule's "
-        f"{schedule.microbatches}; pass one or the other"
-      )
-    return schedule.validate()
-  if not isinstance(schedule, str):
-    raise TypeError(
-      f"schedule must be a name {SCHEDULES} or a PipelineSchedule, got {type(schedule).__name__}"
-    )
+  if not isinstance(schedule, str):  # a table (validated), or the TypeError
+    return _table(schedule, 0, microbatches, chunks)
   if schedule not in SCHEDULES:
     raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
   leaves = jax.tree.leaves(stage_params)
