@@ -147,10 +147,15 @@ class _Calibration:
     layers and the same microbatches, on this process's own device (no link),
     against M x (F + B + W). That factor holds what the executor adds to each
     action (record packing, slot writes, its loop).
-  - The link, as a transfer costs inside the executor: a loop of ticks that each
-    run this stage's forward on a microbatch and then send it one way
-    (alternating 0 -> 1 and 1 -> 0, as the executor's CPU exchange sends,
-    `execute.one_way`), less the same loop without the sends; per transfer.
+  - The link: a loop of exchanges of one microbatch's activation around the
+    ring, sent as the executor sends them (`_exchange_loop`); per transfer
+    (`exchange`). Also the older probe (`transfer`): ticks that each run this
+    stage's forward and then send it one way, less the same ticks without the
+    sends. It priced each transfer with the wait for the slower of the two
+    forwards, which the replay already counts (RESULTS.md).
+
+  Each table's compute is measured apart, in the timed rounds: the same step with
+  every exchange replaced by zeros (`_dry`).
   """
 
   LOOP = 20
@@ -161,6 +166,7 @@ class _Calibration:
     from jax.sharding import PartitionSpec as Ps
 
     self.fns, self.samples = {}, {}
+    self.permutes = len(_groups(mesh))
     full = model.make_params(nproc, cfg["layers"], cfg["dim"], cfg["hidden"])
     p = {k: jnp.asarray(a[pid]) for k, a in full.items()}
     one = jax.sharding.Mesh(np.array(jax.local_devices()[:1]), ("stage",))
@@ -258,6 +264,7 @@ class _Calibration:
         "exec": (exe, (p1, (xb, tb))),
         "gap0": ticks(False, rows),
         "gap1": ticks(True, rows),
+        "gapx": _exchange_loop(mesh, rows, cfg["dim"] * 4, L),
       }
       self.samples[m] = {k: [] for k in self.fns[m]}
 
@@ -281,7 +288,8 @@ class _Calibration:
       ph = [x * scale for x in raw] + [scale]
       allph = np.asarray(multihost_utils.process_allgather(np.array(ph), tiled=False))
       L = self.LOOP
-      lk = [(med["gap1"] - med["gap0"]) / L, med["gap0"] / L]
+      # per transfer: an exchange is one permute per one-way group, in a row
+      lk = [(med["gap1"] - med["gap0"]) / L, med["gap0"] / L, med["gapx"] / L / self.permutes]
       # process 0's probe on every process: both must plan the same table
       got = np.asarray(multihost_utils.process_allgather(np.array(lk), tiled=False))[0]
       res[str(m)] = {
@@ -290,6 +298,7 @@ class _Calibration:
         "link": {
           "transfer": max(float(got[0]), 0.0),
           "gap": float(got[1]),
+          "exchange": float(got[2]),
           "nbytes": cfg["batch"] // m * cfg["dim"] * 4,
         },
       }
@@ -325,6 +334,21 @@ def _compiled(sched, mesh, batch):
   for _ in range(max(1, cfg["warmup"])):
     res = jax.block_until_ready(step(params, batch))
   return step, params, res
+
+
+def _dry(sched, mesh, batch):
+  """`_compiled` with every exchange replaced by zeros: the table's own compute
+  (its actions, slot writes, idle ticks, run concurrently with the other
+  process's) with no link and no waits. Its gradients are wrong; only its time
+  is read (`--predict`: the replay's compute is scaled to it)."""
+  from ooojax.passes.pipeline import execute
+
+  real = execute._permute
+  execute._permute = lambda x, *a, **k: jax.numpy.zeros_like(x)
+  try:  # the patch is read while the step traces: at its first (warm-up) call
+    return _compiled(sched, mesh, batch)
+  finally:
+    execute._permute = real
 
 
 def _auto(m: int, calib: dict, mesh, batch):
@@ -399,6 +423,9 @@ def _pipeline():
           "table": sched.to_text(),
         }
         runs[key] = (step, params, res)
+        if cal is not None:
+          runs[key + "/dry"] = _dry(sched, mesh, batch)
+          out[key]["dry_ms"] = []
       except Exception as e:  # noqa: BLE001 - a schedule that cannot run is a result
         out[key] = {
           "schedule": name,
@@ -411,12 +438,16 @@ def _pipeline():
       )
   if cfg.get("check"):
     # Gradients are sharded over the processes: gather them so process 0 saves all.
-    return _gathered({key: (loss, grads) for key, (_, _, (loss, grads)) in runs.items()})
+    return _gathered(
+      {key: (loss, grads) for key, (_, _, (loss, grads)) in runs.items() if "/dry" not in key}
+    )
   # Rounds alternate between schedules, so drift (the other core's load) hits all alike.
   probe = _ppermute_probe(mesh, batch[0].shape[1] * 4, max(cfg["microbatches"]))
   for _ in range(cfg["rounds"]):
     for key, (step, params, _) in runs.items():
-      out[key]["ms"].append(_time_once(step, params, batch) * 1e3)
+      dry = key.endswith("/dry")
+      ms = _time_once(step, params, batch) * 1e3
+      out[key.removesuffix("/dry")]["dry_ms" if dry else "ms"].append(ms)
     probe()
     if cal is not None:
       cal.sample(reps=3)
@@ -441,16 +472,21 @@ def _ticks(sched, params, batch) -> dict:
   return {"exec_ticks": int(pl.rows.shape[0]), "transfer_ticks": int(busy.sum())}
 
 
-def _ppermute_probe(mesh, row_bytes, micro):
-  """A loop of 50 lag-0-style exchanges of one activation around the ring (each
-  device sends one and receives one), sent as the executor sends them on CPU
-  (one-way permutes in a row, `execute.one_way`), in one program: `probe()`
-  times it, `probe.ms` collects ms per exchange. What each of a step's
-  transfer ticks costs on this link (latency, the processes' wake-ups)."""
+def _groups(mesh) -> list:
+  """The permutes of one exchange around the ring, as the executor sends them
+  (`execute.one_way`: on CPU one-way permutes in a row)."""
+  from ooojax.passes.pipeline.execute import one_way
   from ooojax.passes.pipeline.link import one_way_groups
 
-  n, rows = 50, cfg["batch"] // micro
-  groups = one_way_groups([(k, (k + 1) % nproc) for k in range(nproc)])
+  pairs = [(k, (k + 1) % nproc) for k in range(nproc)]
+  return one_way_groups(pairs) if one_way(mesh) else [pairs]
+
+
+def _exchange_loop(mesh, rows: int, row_bytes: int, n: int):
+  """(jitted f, its args): a loop of `n` lag-0-style exchanges of one activation
+  around the ring (each device sends one and receives one, `_groups`), in one
+  program."""
+  groups = _groups(mesh)
 
   def exchange(c, _):
     return sum(jax.lax.ppermute(c, "stage", list(g)) for g in groups), None
@@ -465,9 +501,18 @@ def _ppermute_probe(mesh, row_bytes, micro):
     (nproc * rows, row_bytes // 4),
   )
   jax.block_until_ready(f(x))
+  return f, (x,)
+
+
+def _ppermute_probe(mesh, row_bytes, micro):
+  """`_exchange_loop` of 50 exchanges: `probe()` times it, `probe.ms` collects
+  ms per exchange. What each of a step's transfer ticks costs on this link
+  (latency, the processes' wake-ups)."""
+  n, rows = 50, cfg["batch"] // micro
+  f, args = _exchange_loop(mesh, rows, row_bytes, n)
 
   def probe():
-    probe.ms.append(_time_once(f, x) * 1e3 / n)
+    probe.ms.append(_time_once(f, *args) * 1e3 / n)
 
   probe.ms, probe.bytes = [], rows * row_bytes
   return probe

@@ -160,3 +160,27 @@ def test_workers_pool_freed_memory_unless_told_not_to(monkeypatch):
   assert not pipeline_mp.link_model(calib, 0.1, full=True).one_way
   monkeypatch.setenv("OOOJAX_CPU_EXCHANGE", "one_way")
   assert pipeline_mp.link_model(calib, 0.1).one_way
+
+
+def test_prediction_prices_the_exchange_probe_and_scales_compute_to_the_dry_step():
+  """The link is priced from the back-to-back exchange probe (each transfer pays
+  its whole wire: 125 kB at 0.1 Gbit/s is 10 ms, the probe's 11 ms less it: 1 ms
+  of latency); the compute of each table is scaled so that its busiest device's
+  actions take its measured dry step (no exchanges, no waits)."""
+  from ooojax.passes.pipeline.generate import generate
+
+  lk = {"nbytes": 125e3, "transfer": 0.5, "gap": 0.0, "exchange": 0.011}
+  link = pipeline_mp.link_model({"link": lk}, 0.1)
+  assert link.wire == pytest.approx(0.01) and link.latency == pytest.approx(0.001)
+  sched = generate("1f1b", 2, 4)
+  costs = [{"F": 1.0, "B": 1.0, "W": 1.0}, {"F": 1.0, "B": 1.0, "W": 2.0}]
+  scaled = pipeline_mp._dry_scaled(sched, costs, 8.0)
+  # the last stage is the busiest: 4 x (1 + 1 + 2) = 16 -> 8, every stage halved
+  assert scaled == [{"F": 0.5, "B": 0.5, "W": 0.5}, {"F": 0.5, "B": 0.5, "W": 1.0}]
+  calib = {"phases": [[1.0, 1.0, 1.0], [1.0, 1.0, 2.0]], "link": {**lk, "exchange": 0.0}}
+  res = {
+    "_calibration": {"4": calib},
+    "1f1b/4": {"schedule": "1f1b", "microbatches": 4, "ms": [20.0], "dry_ms": [8000.0]},
+  }
+  with_dry, without = (pipeline_mp.predicted(res, 2, None, dry=d)["1f1b/4"] for d in (1, 0))
+  assert with_dry == pytest.approx(without / 2)
