@@ -346,10 +346,12 @@ def link_model(calib: dict, gbit: float | None, full: bool = False):
 
 
 def _one_way() -> bool:
-  """How the workers' executor exchanges (`execute.one_way`; `--exchange`)."""
-  from ooojax.passes.pipeline.execute import CPU_EXCHANGE
+  """How the workers' executor exchanges (`execute.one_way` on a CPU mesh; `--exchange`)."""
+  import jax
 
-  return os.environ.get(CPU_EXCHANGE, "one_way") == "one_way"
+  from ooojax.passes.pipeline.execute import one_way
+
+  return one_way(jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("stage",)))
 
 
 def _old_link_model(lk: dict, gbit, full: bool = False):

@@ -814,6 +814,39 @@ def context_mesh():
   return None if m is None or m.empty else m
 
 
+def manual_context_mesh():
+  """A context that traces as the body of a `shard_map` over every axis of the
+  `jax.set_mesh` mesh sees it: all axes manual. A pipeline's stages are traced
+  outside the `shard_map` that runs them; under Explicit axes, an equation
+  traced against the user's mesh would carry its shardings into the body,
+  where JAX takes its values for inputs closed over (unsupported there). No
+  mesh set, or no Explicit axis: no change (Auto axes re-bind as they are)."""
+  m = context_mesh()
+  explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+  if m is None or explicit not in tuple(m.axis_types):
+    return contextlib.nullcontext()
+  manual = jax.sharding.AxisType.Manual
+  return jax.sharding.use_abstract_mesh(m.update_axis_types({a: manual for a in m.axis_names}))
+
+
+def manual_avals(tree):
+  """`tree`'s unsharded `ShapeDtypeStruct`s typed as a `shard_map` body types its
+  values, where `manual_context_mesh` is current: `jax.typeof(x).sharding` then
+  names the manual mesh, as it does when the stage runs (a loss that reshards
+  to it traces). Elsewhere `tree` as it is."""
+  m = jax.sharding.get_abstract_mesh()
+  if m is None or m.empty or not m.are_all_axes_manual:
+    return tree
+  sh = jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec())
+
+  def typed(a):
+    if isinstance(a, jax.ShapeDtypeStruct) and a.sharding is None:
+      return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
+    return a
+
+  return jax.tree.map(typed, tree)
+
+
 def axis_env(axes: Sequence[tuple[str, int]]):
   """A context in which the mapped axes `axes` (name, size) are bound for tracing:
   a pipelined loss that names its data axis (`pmean`, `axis_index`) is traced

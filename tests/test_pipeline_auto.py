@@ -387,20 +387,61 @@ def test_data_by_stage_explicit_form():
 
 
 def test_under_set_mesh():
-  # the way flax nnx / MaxText set the mesh: the step traced under jax.set_mesh
-  # (Auto axes) equals jax.value_and_grad; Explicit axes there are refused by name
+  # the way flax nnx / MaxText set the mesh: the step traced under jax.set_mesh,
+  # Auto or Explicit axes, the batch sharded on the data axis, equals
+  # jax.value_and_grad; a train step there equals optax's
+  import optax
+
   mean, params, batch = _gpt()
   want = _jit(jax.value_and_grad(mean))(params, *batch)
+  opt = optax.sgd(0.1)
+  g = want[1]
+  want_p = optax.apply_updates(params, opt.update(g, opt.init(params), params)[0])
   auto, explicit = jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit
   for types in ((auto, auto), (explicit, explicit)):
     mesh = jax.make_mesh((2, 2), ("data", "stage"), devices=jax.devices()[:4], axis_types=types)
-    step = ooo.pipeline.value_and_grad(
-      mean, mesh=mesh, axis_name="stage", data_axis="data", schedule="1f1b", microbatches=2
-    )
+    kw = dict(mesh=mesh, axis_name="stage", data_axis="data", schedule="1f1b", microbatches=2)
+    step = ooo.pipeline.value_and_grad(mean, **kw)
     tok = jax.device_put(batch[0], jax.NamedSharding(mesh, jax.P("data")))
     with jax.set_mesh(mesh):
-      if types[0] == auto:
-        assert_trees_close(_jit(step)(params, tok), want)
-      else:
-        with pytest.raises(NotImplementedError, match="set_mesh with Explicit axes"):
-          _jit(step)(params, tok)
+      assert_trees_close(_jit(step)(params, tok), want)
+      if types[0] == explicit:
+        train = ooo.pipeline.make_train_step(mean, opt, **kw)
+        state, loss = train(train.init(params, tok), tok)
+        assert_trees_close(loss, want[0])
+        assert_trees_close(train.params(state.params), want_p)
+
+
+def test_explicit_set_mesh_loss_that_reads_its_sharding():
+  # a loss written for Explicit axes (jax.typeof(x).sharding, reshard, out_sharding=)
+  # runs pipelined: traced as each device runs it, inside the shard_map (manual);
+  # one that names a mesh axis gets a note that says why it cannot
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  def loss(p, x, y):
+    for w in p["ws"]:
+      s = jax.typeof(x).sharding
+      x = jax.sharding.reshard(jnp.tanh(jnp.einsum("bd,de->be", x, w, out_sharding=s)), s)
+    return jnp.mean((x - y) ** 2)
+
+  def named(p, x, y):
+    for w in p["ws"]:
+      x = jax.sharding.reshard(jnp.tanh(x @ w), P("data", None))
+    return jnp.mean((x - y) ** 2)
+
+  ks = jax.random.split(jax.random.key(0), 6)
+  params = {"ws": [jax.random.normal(k, (16, 16)) / 4 for k in ks[:4]]}
+  explicit = (jax.sharding.AxisType.Explicit,) * 2
+  mesh = jax.make_mesh((2, 2), ("data", "stage"), devices=jax.devices()[:4], axis_types=explicit)
+  kw = dict(mesh=mesh, axis_name="stage", data_axis="data", microbatches=2)
+  with jax.set_mesh(mesh):
+    x, y = (
+      jax.device_put(jax.random.normal(k, (8, 16)), NamedSharding(mesh, P("data"))) for k in ks[4:]
+    )
+    want = _jit(jax.value_and_grad(loss))(params, x, y)
+    for sched in ("1f1b", "interleaved"):
+      step = ooo.pipeline.value_and_grad(loss, schedule=sched, **kw)
+      assert_trees_close(_jit(step)(params, x, y), want)
+    with pytest.raises(ValueError) as e:
+      _jit(ooo.pipeline.value_and_grad(named, schedule="1f1b", **kw))(params, x, y)
+    assert any("every mesh axis is manual" in n for n in e.value.__notes__)

@@ -154,7 +154,8 @@ def _auto_parts(
   runs; `D` data replicas over `data_axis`, bound while tracing), cuts it
   (`passes.pipeline.cut`) and balances its layers; `batch` may hold
   `jax.ShapeDtypeStruct`s (shapes only)."""
-  with _compat.axis_env([(data_axis, D)] if data_axis else []):
+  # traced as each device runs it: inside the shard_map, every mesh axis manual
+  with _compat.axis_env([(data_axis, D)] if data_axis else []), _compat.manual_context_mesh():
     return _auto_parts_bound(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers, state)
 
 
@@ -203,8 +204,16 @@ def _auto_parts_bound(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers
     return (out[0], *aux)
 
   try:
-    closed = jax.make_jaxpr(flat)(*p_avals, *b_avals)
+    closed = jax.make_jaxpr(flat)(*_compat.manual_avals([*p_avals, *b_avals]))
   except (TypeError, ValueError) as e:
+    m = jax.sharding.get_abstract_mesh()
+    if not m.empty and m.are_all_axes_manual:  # under set_mesh with Explicit axes
+      e.add_note(
+        "ooojax traces a pipelined loss as each device runs it: inside a shard_map "
+        "where every mesh axis is manual. A sharding that names a mesh axis "
+        "(reshard(x, P('data')), out_sharding=P('data')) has no meaning there; "
+        "use jax.typeof(x).sharding, or leave the layout to the pipeline"
+      )
     if not state:
       e.add_note(
         "ooojax traced the loss at one microbatch, every batch leaf split on its "

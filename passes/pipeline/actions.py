@@ -89,3 +89,13 @@ def deps(
   if a.kind == UPDATE:
     return [("W", vstage, m, t) for m in range(microbatches)]
   return [("B", vstage, a.microbatch, t)]  # W
+
+
+def done(a: Action, vstage: int) -> list[tuple[str, int, int, int]]:
+  """The keys of `deps` that `a` (on virtual stage `vstage`) satisfies when it
+  ends: a fused BW is both B and W; an update is its stage's step."""
+  if a.kind == UPDATE:
+    return [(UPDATE, vstage, 0, a.step)]
+  if a.kind == "BW":
+    return [("B", vstage, a.microbatch, a.step), ("W", vstage, a.microbatch, a.step)]
+  return [(a.kind, vstage, a.microbatch, a.step)]

@@ -147,7 +147,8 @@ def lower(
         lambda x: jax.ShapeDtypeStruct((M, x.shape[1] // D, *x.shape[2:]), x.dtype), t
       )
     )
-    with _compat.axis_env([(data_axis, D)] if data_axis else []):  # a loss naming it
+    # a loss naming the data axis; traced as the shard_map's body will run it
+    with _compat.axis_env([(data_axis, D)] if data_axis else []), _compat.manual_context_mesh():
       prog = trace(
         stage_fn,
         loss_fn,
@@ -204,13 +205,6 @@ def _shard(
   optimizer states); returns what it returns, per-chunk trees back in
   virtual-stage order."""
   S, v = sched.stages, sched.chunks
-  ctx = _compat.context_mesh()
-  if ctx is not None and _explicit(ctx):
-    raise NotImplementedError(
-      "a pipeline step traced under jax.set_mesh with Explicit axes is not supported "
-      "yet: call it outside set_mesh (an Explicit mesh passed as mesh= works), or "
-      "set the mesh with AxisType.Auto axes"
-    )
   # Chunk c of device s is virtual stage sched.vstage(s, c): one (S, ...) tree per
   # chunk, so a device's chunk weights arrive as their own buffers (no slicing).
   idx = np.array([[sched.vstage(s, c) for s in range(S)] for c in range(v)])

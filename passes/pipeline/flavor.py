@@ -175,6 +175,7 @@ def make_flavor(
     *sd_leaves,
     *([jax.ShapeDtypeStruct((), jnp.int32)] * n[6]),
   ]
+  avals = _compat.manual_avals(avals)
   n_grads = n[2] + n[0] + n[1]
   names = [
     *(["dx"] * n[2]),

@@ -44,7 +44,7 @@ import heapq
 import math
 from collections.abc import Mapping, Sequence
 
-from ooojax.passes.pipeline.actions import COMPUTE, UPDATE, Action, ScheduleError, deps
+from ooojax.passes.pipeline.actions import COMPUTE, UPDATE, Action, ScheduleError, deps, done
 from ooojax.passes.pipeline.simulate import PipelineTimeline
 
 __all__ = ["LinkModel", "LinkTimeline", "Transfer", "one_way_groups", "simulate_link"]
@@ -341,13 +341,10 @@ def _overlap(sched, cs, link: LinkModel) -> LinkTimeline:
     spans.append((a, t, end))
     free[s], pos[s] = end, pos[s] + 1
     remaining -= 1
+    fin.update(dict.fromkeys(done(a, vs), end))
     if a.kind == UPDATE:
-      fin[(UPDATE, vs, 0, a.step)] = end
       continue
     kind = "B" if a.kind == "BW" else a.kind
-    fin[(kind, vs, a.microbatch, a.step)] = end
-    if a.kind == "BW":
-      fin[("W", vs, a.microbatch, a.step)] = end
     tvs = vs + 1 if kind == "F" else vs - 1 if kind == "B" else None
     if tvs is not None and 0 <= tvs < V and sched.place(tvs)[0] != s:
       heapq.heappush(pending, (end, seq, (kind, vs, a.microbatch, a.step), s, sched.place(tvs)[0]))

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ooojax.passes import _compat
 from ooojax.passes.pipeline import plan as plan_pass, records as records_pass
 from ooojax.passes.pipeline.flavor import Flavor, make_flavor
 from ooojax.passes.pipeline.generate import unfuse
@@ -78,10 +79,11 @@ def trace(
         f"stage_params leaves must be stacked on a leading axis of "
         f"{V} (virtual) stages; got a leaf of shape {jnp.shape(leaf)}"
       )
-  aval = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))  # noqa: E731
+  typed = _compat.manual_avals  # under Explicit axes: as the shard_map body types them
+  aval = lambda x: typed(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)))  # noqa: E731
   one = (
     lambda t: jax.tree.map(  # noqa: E731
-      lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x)), t
+      lambda x: typed(jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x))), t
     )
   )
   p_aval, in_aval, tg_aval = one(stage_params), one(inputs_m), one(targets_m)
@@ -103,7 +105,7 @@ def trace(
   uniq = list(dict.fromkeys(fns))
   # a stage function marked `stage_index` also gets its virtual stage's index
   index = any(getattr(fn, "stage_index", False) for fn in uniq)
-  vs = (jax.ShapeDtypeStruct((), jnp.int32),) if index else ()
+  vs = (typed(jax.ShapeDtypeStruct((), jnp.int32)),) if index else ()
   for fn in uniq:
     y_aval = jax.eval_shape(fn, p_aval, x_aval, *sd, *vs)
     if (getattr(y_aval, "shape", None), getattr(y_aval, "dtype", None)) != (
@@ -114,7 +116,7 @@ def trace(
         f"stage_fn must map the activation to one of the same shape and "
         f"dtype ({x_aval.shape} {x_aval.dtype}); got {y_aval}"
       )
-  x_aval = jax.ShapeDtypeStruct(x_aval.shape, x_aval.dtype)
+  x_aval = typed(jax.ShapeDtypeStruct(x_aval.shape, x_aval.dtype))
   kind_of = lambda vs: (vs == 0, vs == V - 1, uniq.index(fns[vs]))  # noqa: E731
   kinds = sorted(
     {kind_of(vs) for vs in range(V)}, key=lambda k: (not k[0], not k[1], k[2])

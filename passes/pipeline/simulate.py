@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from ooojax.passes.pipeline.actions import UPDATE, Action, ScheduleError, deps
+from ooojax.passes.pipeline.actions import UPDATE, Action, ScheduleError, deps, done
 
 if TYPE_CHECKING:
   from ooojax.passes.pipeline.schedule import PipelineSchedule
@@ -94,12 +94,7 @@ def simulate(
         if not ok:
           break
         end = start + _cost(costs, a.kind, sched.chunks)
-        if a.kind == UPDATE:
-          fin[(UPDATE, vs, 0, a.step)] = end
-        else:
-          fin[("B" if a.kind == "BW" else a.kind, vs, a.microbatch, a.step)] = end
-          if a.kind == "BW":  # an update waits for "W": BW is one
-            fin[("W", vs, a.microbatch, a.step)] = end
+        fin.update(dict.fromkeys(done(a, vs), end))
         spans.append((a, start, end))
         free[s] = end
         pos[s] += 1
