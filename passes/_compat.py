@@ -829,6 +829,17 @@ def manual_context_mesh():
   return jax.sharding.use_abstract_mesh(m.update_axis_types({a: manual for a in m.axis_names}))
 
 
+def manual_tracing(fn):
+  """`fn` run inside `manual_context_mesh()` (a function that traces stages)."""
+
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with manual_context_mesh():
+      return fn(*args, **kwargs)
+
+  return wrapped
+
+
 def manual_avals(tree):
   """`tree`'s unsharded `ShapeDtypeStruct`s typed as a `shard_map` body types its
   values, where `manual_context_mesh` is current: `jax.typeof(x).sharding` then

@@ -192,3 +192,17 @@ def test_bad_arguments():
   )
   with pytest.raises(ValueError, match="leading axis of 4"):
     step(params, (x, t))
+
+
+def test_hand_cut_stages_under_explicit_set_mesh():
+  # stage functions traced as the shard_map body runs them (every axis manual)
+  stage_fn, loss_fn, params, x, t = _mlp(4)
+  explicit = (jax.sharding.AxisType.Explicit,)
+  mesh = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2], axis_types=explicit)
+  sched = ooo.pipeline.schedule("interleaved", stages=2, microbatches=4)
+  step = ooo.pipeline.value_and_grad(
+    stage_fn, loss_fn, mesh=mesh, axis_name="stage", schedule=sched
+  )
+  want = _reference(stage_fn, loss_fn, params, x, t)
+  with jax.set_mesh(mesh):
+    assert_trees_close(_jit(step)(params, (x, t)), want)

@@ -147,8 +147,7 @@ def lower(
         lambda x: jax.ShapeDtypeStruct((M, x.shape[1] // D, *x.shape[2:]), x.dtype), t
       )
     )
-    # a loss naming the data axis; traced as the shard_map's body will run it
-    with _compat.axis_env([(data_axis, D)] if data_axis else []), _compat.manual_context_mesh():
+    with _compat.axis_env([(data_axis, D)] if data_axis else []):  # a loss naming it
       prog = trace(
         stage_fn,
         loss_fn,

@@ -60,6 +60,7 @@ def split_microbatches(batch, M, D=1):
   )
 
 
+@_compat.manual_tracing  # as the shard_map body runs the stages
 def trace(
   stage_fn,
   loss_fn,

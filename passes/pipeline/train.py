@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ooojax.passes import _compat
 from ooojax.passes.pipeline import plan as plan_pass
 from ooojax.passes.pipeline.execute import _body, _check, _shard, one_way
 from ooojax.passes.pipeline.program import Program, split_microbatches, trace
@@ -138,19 +137,9 @@ def lower_updates(
     flat = jax.tree.map(lambda x: jnp.reshape(x, (-1, *jnp.shape(x)[2:])), batches)
     # index step * M + microbatch; side: what every stage reads besides the activation
     inputs_m, targets_m, side_m = split_microbatches(flat, N * M)
-    with _compat.manual_context_mesh():  # traced as the shard_map's body runs it
-      prog = trace(
-        stage_fn,
-        loss_fn,
-        input_fn,
-        sched,
-        stage_params,
-        inputs_m,
-        targets_m,
-        shared,
-        side_m,
-        has_aux,
-      )
+    prog = trace(
+      stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m, shared, side_m, has_aux
+    )
     own = list(owners or [None] * len(jax.tree.leaves(shared)))
     if None in own:
       _check_sync(prog, sched)
