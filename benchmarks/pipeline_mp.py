@@ -313,6 +313,7 @@ def link_model(calib: dict, gbit: float | None, full: bool = False):
   and its bucket (`tbf_burst`) lets the bytes saved up during a tick through at
   once; one resource both ways (one qdisc on lo), or with `full` (`--duplex
   full`: a veth pair, one qdisc per direction) one resource per direction.
+  Shaped, a send holds its sender for its wire time (`blocking_send`).
   Unshaped, the wire is free.
 
   Runs saved before that probe price a transfer by the older one (`transfer`:
@@ -339,6 +340,10 @@ def link_model(calib: dict, gbit: float | None, full: bool = False):
     n,
     duplex=gbit is None or full,
     one_way=_one_way(),
+    # gloo sends over TCP: a shaped transfer (16-33 kB) outgrows the socket's
+    # initial send buffer (tcp_wmem: 16 kB), so the send returns once its bytes
+    # are on the wire, not when they are queued
+    blocking_send=bool(gbit),
     burst=burst,
     name=f"measured ({'shaped ' + format(gbit, 'g') + ' Gbit/s' if gbit else 'unshaped'}"
     + (", full duplex)" if gbit and full else ")"),
