@@ -149,10 +149,9 @@ class _Calibration:
     action (record packing, slot writes, its loop).
   - The link: a loop of exchanges of one microbatch's activation around the
     ring, sent as the executor sends them (`_exchange_loop`); per transfer
-    (`exchange`). Also the older probe (`transfer`): ticks that each run this
-    stage's forward and then send it one way, less the same ticks without the
-    sends. It priced each transfer with the wait for the slower of the two
-    forwards, which the replay already counts (RESULTS.md).
+    (`exchange`). Runs saved before it hold an older probe (`transfer`: a
+    forward then a send per tick, less the forwards), which also priced the
+    wait for the slower forward that the replay counts (RESULTS.md).
 
   Each table's compute is measured apart, in the timed rounds: the same step with
   every exchange replaced by zeros (`_dry`).
@@ -163,7 +162,6 @@ class _Calibration:
   def __init__(self, mesh):
     import jax.numpy as jnp
     from jax import lax
-    from jax.sharding import PartitionSpec as Ps
 
     self.fns, self.samples = {}, {}
     self.permutes = len(_groups(mesh))
@@ -174,46 +172,6 @@ class _Calibration:
     p1 = {k: a[None] for k, a in p.items()}
     last = pid == nproc - 1
     L = self.LOOP
-
-    def ticks(send: bool, rows: int):
-      """L ticks of this stage's forward on `rows` rows, each then sent one way."""
-      pp = jax.make_array_from_process_local_data(
-        NamedSharding(mesh, P("stage")),
-        np.stack([full["w1"][pid]]),
-        (nproc, *full["w1"].shape[1:]),
-      )
-
-      def body(a, w1):
-        def tick(c, i):
-          y = model.stage_fn({"w1": w1[0], "w2": jnp.swapaxes(w1[0], -1, -2)}, c)
-          if send:
-            y = lax.switch(
-              i % 2,
-              [
-                lambda c: lax.ppermute(c, "stage", [(0, 1)]),
-                lambda c: lax.ppermute(c, "stage", [(1, 0)]),
-              ],
-              y,
-            )
-          return y * 0.5, None
-
-        return lax.scan(tick, a, jnp.arange(L))[0]
-
-      f = jax.jit(
-        jax.shard_map(
-          body,
-          mesh=mesh,
-          in_specs=(Ps("stage"), Ps("stage")),
-          out_specs=Ps("stage"),
-          check_vma=False,
-        )
-      )
-      a = jax.make_array_from_process_local_data(
-        NamedSharding(mesh, P("stage")),
-        np.ones((rows, cfg["dim"]), np.float32),
-        (nproc * rows, cfg["dim"]),
-      )
-      return f, (a, pp)
 
     for m in cfg["microbatches"]:
       rows = cfg["batch"] // m
@@ -262,16 +220,14 @@ class _Calibration:
         "FB": (loop("FB"), (p, xs, ts)),
         "FBW": (loop("FBW"), (p, xs, ts)),
         "exec": (exe, (p1, (xb, tb))),
-        "gap0": ticks(False, rows),
-        "gap1": ticks(True, rows),
-        "gapx": _exchange_loop(mesh, rows, cfg["dim"] * 4, L),
+        "link": _exchange_loop(mesh, rows, cfg["dim"] * 4, L),
       }
       self.samples[m] = {k: [] for k in self.fns[m]}
 
   def sample(self, reps: int) -> None:
     for m, fns in self.fns.items():
       for k, (f, args) in fns.items():
-        if k.startswith("gap"):  # collectives: both processes together
+        if k == "link":  # collectives: both processes together
           multihost_utils.sync_global_devices("probe")
         self.samples[m][k].append(_median_s(f, *args, reps=reps))
 
@@ -289,16 +245,14 @@ class _Calibration:
       allph = np.asarray(multihost_utils.process_allgather(np.array(ph), tiled=False))
       L = self.LOOP
       # per transfer: an exchange is one permute per one-way group, in a row
-      lk = [(med["gap1"] - med["gap0"]) / L, med["gap0"] / L, med["gapx"] / L / self.permutes]
+      lk = [med["link"] / L / self.permutes]
       # process 0's probe on every process: both must plan the same table
       got = np.asarray(multihost_utils.process_allgather(np.array(lk), tiled=False))[0]
       res[str(m)] = {
         "phases": allph[:, :3].tolist(),
         "scale": allph[:, 3].tolist(),
         "link": {
-          "transfer": max(float(got[0]), 0.0),
-          "gap": float(got[1]),
-          "exchange": float(got[2]),
+          "exchange": float(got[0]),
           "nbytes": cfg["batch"] // m * cfg["dim"] * 4,
         },
       }

@@ -325,7 +325,7 @@ def link_model(calib: dict, gbit: float | None, full: bool = False):
 
   lk = calib["link"]
   n = lk["nbytes"]
-  if "transfer" not in lk:  # a run saved before this probe
+  if "transfer" not in lk and "exchange" not in lk:  # a run saved before either probe
     return _old_link_model(lk, gbit, full)
   burst = tbf_burst(gbit) if gbit else 0.0
   bw = gbit * 1e9 / 8 if gbit else math.inf
