@@ -184,3 +184,22 @@ def test_prediction_prices_the_exchange_probe_and_scales_compute_to_the_dry_step
   }
   with_dry, without = (pipeline_mp.predicted(res, 2, None, dry=d)["1f1b/4"] for d in (1, 0))
   assert with_dry == pytest.approx(without / 2)
+
+
+def test_prediction_and_verdict_pair_the_rounds():
+  """A round runs fast or slow as a whole on a shared host: the prediction paired
+  by round scales the replay to that round's dry step and compares it with that
+  round's step, where the medians of the two can come from rounds in different
+  states; the verdict compares ooo with the better of GPipe and 1F1B per round."""
+  calib = {"phases": [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]], "link": {"nbytes": 1.0, "exchange": 0.0}}
+  res = {"_calibration": {"4": calib}}
+  res["1f1b/4"] = {"schedule": "1f1b", "microbatches": 4, "ms": [1.0] * 3, "dry_ms": [1.0] * 3}
+  k = pipeline_mp.predicted(res, 2, None)["1f1b/4"] * 1e3  # replay / dry step
+  # rounds 1 and 3 fast; the dry step's slow round is not the step's
+  res["1f1b/4"].update(ms=[10 * k, 30 * k, 30 * k], dry_ms=[10.0, 10.0, 30.0])
+  assert pipeline_mp.paired(res, 2, None)["1f1b/4"] == pytest.approx(1.0)
+  assert pipeline_mp.predicted(res, 2, None)["1f1b/4"] * 1e3 / (30 * k) == pytest.approx(1 / 3)
+  rounds = {"gpipe": [10.0, 20.0, 10.0], "1f1b": [12.0, 22.0, 11.0], "ooo": [9.0, 21.0, 9.5]}
+  res = {f"{s}/8": {"schedule": s, "microbatches": 8, "ms": ms} for s, ms in rounds.items()}
+  (line,) = pipeline_mp.verdict(res, "link")
+  assert "median 1.05x [0.95-1.11], ooo faster in 2 of 3 rounds" in line

@@ -16,7 +16,9 @@ both directions share.
 Two ways a table can run (`mode`):
 
 - `"executor"`: what `passes.pipeline.execute` does. Each device runs the
-  table's ticks in order. A tick costs its compute action (nothing on an idle
+  table's ticks in order, a fused BW as B then W on ticks of their own
+  (`generate.unfuse`, as the executor's plan does): the input gradient leaves
+  after B. A tick costs its compute action (nothing on an idle
   tick) plus `link.tick`, the loop body's fixed cost (the switch, the slot
   writes). With lag 0 the tick's transfers follow its compute: a `ppermute`
   over the pairs that carry a value this tick (none: no collective at all).
@@ -45,6 +47,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from ooojax.passes.pipeline.actions import COMPUTE, UPDATE, Action, ScheduleError, deps, done
+from ooojax.passes.pipeline.generate import unfuse
 from ooojax.passes.pipeline.simulate import PipelineTimeline
 
 __all__ = ["LinkModel", "LinkTimeline", "Transfer", "one_way_groups", "simulate_link"]
@@ -201,7 +204,9 @@ def simulate_link(
   if sched.steps != 1 and mode == "executor" and sched.lag:
     raise ValueError("the executor replay of a lag-1 table takes a one-step table")
   cs = _costs(costs, sched.virtual_stages)
-  return (_executor if mode == "executor" else _overlap)(sched, cs, link)
+  if mode == "overlap":
+    return _overlap(sched, cs, link)
+  return _executor(unfuse(sched), cs, link)  # the ticks the executor runs
 
 
 def _executor(sched, cs, link: LinkModel) -> LinkTimeline:
