@@ -100,7 +100,8 @@ def worker_env() -> dict:
 
 
 def _pinned(core: int | None, cfg: dict) -> list[str]:
-  cmd = [sys.executable, WORKER, json.dumps(cfg)]
+  # cfg["cmd"]: another worker (a peer's, `benchmarks/vs_torch.py`) in the same harness
+  cmd = [*cfg.get("cmd", [sys.executable, WORKER]), json.dumps(cfg)]
   # --rt: SCHED_FIFO, so that a worker woken by its peer's bytes preempts whatever
   # else runs on its core at once (the kernel's fair scheduler lets the running
   # task finish its slice first: ms per wake-up on a shared host)
