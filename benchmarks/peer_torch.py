@@ -120,11 +120,68 @@ def main(cfg: dict) -> None:
   for _ in range(cfg["rounds"]):  # rounds alternate over the schedules
     for k, step in runs.items():
       out[k]["ms"].append(step() * 1e3)
+  calib = _calibrate(cfg, Blocks, loss_fn, x, t, rank, n)
   if rank == 0:
+    out["_calibration"] = calib
     out["_meta"] = {"torch": torch.__version__, "threads": torch.get_num_threads()}
     with open(cfg["out"], "w") as f:
       json.dump(out, f)
   dist.destroy_process_group()
+
+
+def _calibrate(cfg: dict, Blocks, loss_fn, x, t, rank: int, n: int, reps: int = 5) -> dict:
+  """What `benchmarks.vs_torch` replays torch's one-chunk tables with: per
+  microbatch count, each stage's forward and its full backward (seconds, the
+  median of `reps` loops over the microbatches on this process's own stage),
+  and one activation's exchange with the peer (a loop of blocking send / recv
+  pairs, alternating direction: seconds per transfer). Process 0 gets all."""
+  import numpy as np
+  import torch
+  import torch.distributed as dist
+
+  L = cfg["layers"]
+  mod = Blocks(rank * L // n, (rank + 1) * L // n)
+  out = {}
+  for m in cfg["microbatches"]:
+    xs = x.chunk(m)
+    ct = torch.ones_like(xs[0])
+
+    def fwd():
+      for xm in xs:
+        mod(xm.detach().requires_grad_(rank > 0))
+
+    def fwd_bwd():
+      for xm, tm in zip(xs, t.chunk(m)):
+        y = mod(xm.detach().requires_grad_(rank > 0))
+        (loss_fn(y, tm) if rank == n - 1 else (y * ct).sum()).backward()
+
+    times = {}
+    for name, f in (("F", fwd), ("FB", fwd_bwd)):
+      f()
+      ts = []
+      for _ in range(reps):
+        t0 = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t0)
+      times[name] = float(np.median(ts)) / m
+    buf, k = torch.zeros_like(xs[0]), 20
+    dist.barrier()
+    t0 = time.perf_counter()
+    for i in range(k):  # rank i % 2 sends
+      if rank == i % 2:
+        dist.send(buf, 1 - rank)
+      else:
+        dist.recv(buf, 1 - rank)
+    dist.barrier()
+    per = (time.perf_counter() - t0) / k
+    got = [None] * n
+    dist.all_gather_object(got, [times["F"], times["FB"] - times["F"], per])
+    out[str(m)] = {
+      "phases": [[f, bw] for f, bw, _ in got],  # forward, full backward
+      "exchange": float(np.median([p for _, _, p in got])),
+      "nbytes": xs[0].numel() * 4,
+    }
+  return out
 
 
 def _baseline(cfg: dict, model, loss_fn, x, t) -> None:
