@@ -263,7 +263,7 @@ def _table(name: str, m: int, calib: dict):
   """The named table; "ooo-link": ooo planned on the measured link and costs."""
   if name != "ooo-link":
     return ooo.pipeline.schedule(name, stages=nproc, microbatches=m)
-  from benchmarks.pipeline_mp import link_model, stage_costs
+  from benchmarks._pipeline_mp_predict import link_model, stage_costs
   from ooojax.passes.pipeline.depth import plan_ooo
 
   c = calib[str(m)]
@@ -315,7 +315,7 @@ def _auto(m: int, calib: dict, mesh, batch):
 
   link = costs = None
   if str(m) in calib:
-    from benchmarks.pipeline_mp import link_model, stage_costs
+    from benchmarks._pipeline_mp_predict import link_model, stage_costs
 
     c = calib[str(m)]
     costs, link = (

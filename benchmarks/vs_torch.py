@@ -25,7 +25,8 @@ import os
 import numpy as np
 
 from benchmarks import _report
-from benchmarks.pipeline_mp import ROOT, measure, run_baseline, shaped_name, tbf_burst
+from benchmarks._pipeline_mp_predict import tbf_burst
+from benchmarks.pipeline_mp import ROOT, measure, run_baseline, shaped_name
 
 OURS = ("gpipe", "1f1b", "ooo", "interleaved", "zb-v")
 PEER = ("gpipe", "1f1b", "interleaved", "zb-v", "zb-interleaved", "dualpipe-v")
