@@ -139,7 +139,8 @@ def test_depth_choice_across_link_costs(mode):
 def test_measured_trial_picks_the_fastest():
   """ooo-auto's pieces: the trial's candidates (the planned table, ooo at 1F1B's
   depth, GPipe's, 1F1B's; unique, within the budget, each named "ooo") and the
-  pick by measured medians, the earlier label winning within the tie margin."""
+  pick by measured times (paired by round where the trial alternated), the earlier
+  label winning within the tie margin."""
   S, M = 2, 8
   slow = LinkModel(bandwidth=1.0, nbytes=4.0)
   cands = trial_tables(S, M, COSTS, slow)
@@ -154,6 +155,12 @@ def test_measured_trial_picks_the_fastest():
   times = {"ooo": [7.0, 7.2, 6.9], "planned": [9.0, 9.5, 9.1], "gpipe": [6.0, 6.1, 9.0]}
   assert pick_measured(times) == "gpipe"
   assert pick_measured({**times, "gpipe": [6.85, 6.9, 7.05]}) == "ooo"  # within 3%
+  # Rounds pair: the host ran slow in rounds 3-5 for ooo, and turned fast again
+  # within round 3 before GPipe ran. The medians (20 vs 10.5) would pick GPipe;
+  # round by round GPipe is 5% slower in four of five.
+  split = {"ooo": [10.0, 10.0, 20.0, 20.0, 20.0], "gpipe": [10.5, 10.5, 10.5, 21.0, 21.0]}
+  assert pick_measured(split) == "ooo"
+  assert pick_measured({**split, "gpipe": split["gpipe"][:4]}) == "gpipe"  # no rounds: medians
   with pytest.raises(ValueError, match="at least one time"):
     pick_measured({"ooo": []})
 

@@ -229,11 +229,17 @@ def trial_tables(
 
 
 def pick_measured(times, tie: float = 0.03) -> str:
-  """The label whose measured step times (seconds or ms, a list per label) have
-  the lowest median; a label within `tie` (relative) of the best that comes
-  earlier in `times` wins instead (the trial's order states the preference,
+  """The fastest label by its measured step times (seconds or ms, a list per
+  label); a label within `tie` (relative) of the fastest that comes earlier in
+  `times` wins instead (the trial's order states the preference,
   `trial_tables`'s: `ooo`'s own first). A few steps on a shared host differ by
   a few percent between equal tables, hence the 3% default.
+
+  Where every label has one time per round (the trial alternates over the
+  labels), each label is scored by the median over rounds of its time over
+  the first label's in the same round: a round runs fast or slow as a whole on
+  a shared host, and the medians of two labels' times can come from rounds in
+  different states. Otherwise by the median of its times.
 
   >>> pick_measured({"ooo": [4.2, 4.1], "planned": [5.0, 5.1], "gpipe": [4.0, 4.1]})
   'ooo'
@@ -242,6 +248,10 @@ def pick_measured(times, tie: float = 0.03) -> str:
 
   if not times or any(len(v) == 0 for v in times.values()):
     raise ValueError(f"pick_measured needs at least one time per label, got {dict(times)!r}")
-  med = {k: statistics.median(v) for k, v in times.items()}
-  best = min(med.values())
-  return next(k for k in times if med[k] <= best * (1 + tie))
+  ref = next(iter(times.values()))
+  if len({len(v) for v in times.values()}) == 1:  # rounds: paired with the first label
+    score = {k: statistics.median(a / b for a, b in zip(v, ref)) for k, v in times.items()}
+  else:
+    score = {k: statistics.median(v) for k, v in times.items()}
+  best = min(score.values())
+  return next(k for k in times if score[k] <= best * (1 + tie))
