@@ -135,14 +135,10 @@ def predicted(
   timed them), each table's phase costs are scaled to its dry step (`_dry_scaled`):
   the calibration's loops miss what the table's own interleaving of actions costs
   (cache, slot writes), and that step measures it without the link."""
-  from ooojax.passes.pipeline.link import simulate_link
-
   out = {}
   for key, r, c in _cells(results, results.get(STATS[stat], {})):
-    sched, costs, link = _replay(r, c, n, gbit, full)
-    if dry and r.get("dry_ms"):
-      costs = _dry_scaled(sched, costs, float(np.median(r["dry_ms"])) * 1e-3)
-    out[key] = simulate_link(sched, costs, link, "executor").makespan
+    d = float(np.median(r["dry_ms"])) * 1e-3 if dry and r.get("dry_ms") else None
+    out[key] = _cell(r, c, n, gbit, full, d)
   return out
 
 
@@ -153,19 +149,22 @@ def paired(results: dict, n: int, gbit: float | None, full: bool = False) -> dic
   fast or slow together (the host's other tenants): the dry step and the step
   of one round share its state, where the medians of the two may come from
   rounds in different states (a cell whose rounds split into two clusters)."""
-  from ooojax.passes.pipeline.link import simulate_link
-
   out = {}
   for key, r, c in _cells(results, results.get("_calibration", {})):
-    if len(r.get("dry_ms", ())) != len(r["ms"]):
-      continue
-    sched, costs, link = _replay(r, c, n, gbit, full)
-    per = [
-      simulate_link(sched, _dry_scaled(sched, costs, d * 1e-3), link, "executor").makespan * 1e3 / t
-      for d, t in zip(r["dry_ms"], r["ms"])
-    ]
-    out[key] = float(np.median(per))
+    if len(r.get("dry_ms", ())) == len(r["ms"]):
+      per = [_cell(r, c, n, gbit, full, d * 1e-3) * 1e3 / t for d, t in zip(r["dry_ms"], r["ms"])]
+      out[key] = float(np.median(per))
   return out
+
+
+def _cell(r: dict, c: dict, n: int, gbit, full: bool, dry_s: float | None) -> float:
+  """One cell's replayed step (seconds), its compute scaled to `dry_s` if given."""
+  from ooojax.passes.pipeline.link import simulate_link
+
+  sched, costs, link = _replay(r, c, n, gbit, full)
+  if dry_s is not None:
+    costs = _dry_scaled(sched, costs, dry_s)
+  return simulate_link(sched, costs, link).makespan
 
 
 def _dry_scaled(sched, costs, dry_s: float) -> list[dict]:

@@ -163,6 +163,8 @@ def test_measured_trial_picks_the_fastest():
   assert pick_measured({**split, "gpipe": split["gpipe"][:4]}) == "gpipe"  # no rounds: medians
   with pytest.raises(ValueError, match="at least one time"):
     pick_measured({"ooo": []})
+  with pytest.raises(ValueError, match="positive step times"):  # not a ZeroDivisionError
+    pick_measured({"ooo": [0.0, 1.0], "gpipe": [1.0, 1.0]})
 
 
 def test_planned_tables_match_jax_grad():

@@ -248,6 +248,8 @@ def pick_measured(times, tie: float = 0.03) -> str:
 
   if not times or any(len(v) == 0 for v in times.values()):
     raise ValueError(f"pick_measured needs at least one time per label, got {dict(times)!r}")
+  if any(not t > 0 for v in times.values() for t in v):  # also NaN
+    raise ValueError(f"pick_measured needs positive step times, got {dict(times)!r}")
   ref = next(iter(times.values()))
   if len({len(v) for v in times.values()}) == 1:  # rounds: paired with the first label
     score = {k: statistics.median(a / b for a, b in zip(v, ref)) for k, v in times.items()}
