@@ -10,7 +10,8 @@ CONFIG_JSON keys: mode ("pipeline" or "baseline"), process_id, num_processes,
 port, layers, dim, hidden, batch, schedules, microbatches, rounds, warmup,
 layout ("device", the default, or "virtual": the stage stacks' row order), out,
 and check (true: save loss and gradients to `out` (.npz) instead of
-timing). Process 0 writes `out`; the baseline is one process, no jax.distributed.
+timing), one_core_rounds (default true: process 0 also times the one-core
+steps in every round, `_one_core` in `out`). Process 0 writes `out`; the baseline is one process, no jax.distributed.
 With tiled (an int n >= 2), the pipeline processes time training instead
 (`_tiled`): n calls of `ooo.pipeline.train(..., steps=1)` against one call of
 the n-step tiled program, per schedule and microbatch count.
@@ -73,19 +74,19 @@ def _gathered(results) -> dict:
   return flat
 
 
-def _baseline():
-  """One core: the unpipelined step, and the same model accumulated over each
-  microbatch count (the pipeline's kernels without a pipeline), alternating."""
-  params = jax.tree.map(
-    jax.numpy.asarray, model.make_params(1, cfg["layers"], cfg["dim"], cfg["hidden"])
-  )
-  batch = tuple(map(jax.numpy.asarray, model.make_batch(cfg["batch"], cfg["dim"])))
+def _one_core_steps():
+  """One core: the unpipelined step, the same model accumulated over each
+  microbatch count (the pipeline's kernels without a pipeline), and the executor
+  itself on a one-stage 1F1B table over the same microbatches (against accum/m:
+  its own overhead, record copies and per-tick dispatch, with no parallelism and
+  no link). `{key: (step, params, batch)}` on this process's first device."""
+  dev = jax.local_devices()[0]
+  put = lambda a: jax.device_put(a, dev)  # noqa: E731
+  params = jax.tree.map(put, model.make_params(1, cfg["layers"], cfg["dim"], cfg["hidden"]))
+  batch = tuple(map(put, model.make_batch(cfg["batch"], cfg["dim"])))
   steps = {"baseline": jax.jit(jax.value_and_grad(model.flat_loss))}
   steps.update({f"accum/{m}": jax.jit(model.accumulated(m)) for m in cfg["microbatches"]})
-  # The executor itself on one core: a one-stage 1F1B table over the same
-  # microbatches. Against accum/m it is the executor's own overhead (record
-  # copies, per-tick dispatch), with no parallelism and no link.
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("stage",))
+  mesh = jax.sharding.Mesh(np.array([dev]), ("stage",))
   for m in cfg["microbatches"]:
     sched = ooo.pipeline.schedule("1f1b", stages=1, microbatches=m)
     steps[f"executor/{m}"] = jax.jit(
@@ -93,14 +94,20 @@ def _baseline():
         model.stage_fn, model.loss_fn, mesh=mesh, axis_name="stage", schedule=sched
       )
     )
+  return {k: (f, params, batch) for k, f in steps.items()}
+
+
+def _baseline():
+  """The one-core steps in a process of their own, alternating."""
+  steps = _one_core_steps()
   out = {}
-  for k, step in steps.items():
+  for k, (step, params, batch) in steps.items():
     t0 = time.perf_counter()
     for _ in range(cfg["warmup"]):
       jax.block_until_ready(step(params, batch))
     out[k] = {"ms": [], "compile_s": time.perf_counter() - t0}
   for _ in range(cfg["rounds"]):
-    for k, step in steps.items():
+    for k, (step, params, batch) in steps.items():
       out[k]["ms"].append(_time_once(step, params, batch) * 1e3)
   return out
 
@@ -397,15 +404,29 @@ def _pipeline():
     )
   # Rounds alternate between schedules, so drift (the other core's load) hits all alike.
   probe = _ppermute_probe(mesh, batch[0].shape[1] * 4, max(cfg["microbatches"]))
+  # The one-core steps run in every round too, on process 0's core while its peer
+  # waits in the probe's exchange: a schedule's speedup over one core is then
+  # paired with the same round (the host's state moves whole rounds together).
+  one = _one_core_steps() if pid == 0 and cfg.get("one_core_rounds", True) else {}
+  for k, (f, p, b) in one.items():
+    for _ in range(cfg["warmup"]):
+      jax.block_until_ready(f(p, b))
+  out_one = {k: {"ms": []} for k in one}
   for _ in range(cfg["rounds"]):
     for key, (step, params, _) in runs.items():
       dry = key.endswith("/dry")
       ms = _time_once(step, params, batch) * 1e3
       out[key.removesuffix("/dry")]["dry_ms" if dry else "ms"].append(ms)
+    for k, (f, p, b) in one.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(f(p, b))
+      out_one[k]["ms"].append((time.perf_counter() - t0) * 1e3)
     probe()
     if cal is not None:
       cal.sample(reps=3)
   out["_link"] = {"ppermute_ms": probe.ms, "bytes": probe.bytes}
+  if out_one:
+    out["_one_core"] = out_one
   if cal is not None:
     out["_calibration"] = calib  # the startup sample
     out["_calibration_median"] = cal.result()

@@ -13,9 +13,11 @@ pinned to its own core (`taskset`) with one CPU device, joined by
 parallel and their activations really cross a (TCP) link. Each runs
 `jax.jit(ooo.pipeline.value_and_grad(...))` of SpectraX's residual GELU MLP
 (benchmarks/_mlp_model.py) for every schedule; the baseline is the unpipelined
-`jax.jit(jax.value_and_grad(loss))` in one process on one core. Timing: warm-up,
-then rounds alternating over the schedules, a barrier before each timed step,
-median per schedule. `--link-gbit X` runs the stage processes in a network
+`jax.jit(jax.value_and_grad(loss))` on one core (and the same model accumulated
+over the microbatches), timed in every round on process 0's core while its peer
+waits, so speedups pair with their round. Timing: warm-up, then rounds
+alternating over the schedules, a barrier before each timed step, median per
+schedule. `--link-gbit X` runs the stage processes in a network
 namespace whose loopback is shaped to X Gbit/s by a tbf qdisc (needs root,
 `unshare` and `tc`): both directions share its one queue (half duplex).
 `--duplex full` (2 stages) puts each process in its own namespace instead,
@@ -304,14 +306,34 @@ def measure(cfg: dict, n: int, cores, gbit: float | None, full: bool = False) ->
       return json.load(f)
 
 
+def _over(num: list, den: list) -> float:
+  """The median of per-round ratios `num / den` where both have one time per
+  round (paired by round), else the ratio of the medians."""
+  if len(num) == len(den):
+    return float(np.median(np.asarray(num) / np.asarray(den)))
+  return float(np.median(num) / np.median(den))
+
+
 def table(results: dict, base: dict, n: int, link: str) -> list[str]:
-  med = lambda k: float(np.median(base[k]["ms"]))  # noqa: E731
+  # The one-core steps timed inside this run's rounds (process 0's core, its peer
+  # idle), where the run has them: speedups are then paired by round. Runs saved
+  # before that use the baseline processes run before and after the stages.
+  inner = results.get("_one_core")
+  base = inner or base
+  ms_of = lambda k: base[k]["ms"]  # noqa: E731
+  med = lambda k: float(np.median(ms_of(k)))  # noqa: E731
   b = med("baseline")
+  where = (
+    "timed in every round on process 0's core, its peer idle; speedups below are "
+    "paired by round (the median of per-round ratios)"
+    if inner
+    else "in processes of their own before and after the stages"
+  )
   lines = [
-    f"Link: {link}. One core: unpipelined jax.value_and_grad {b:.1f} ms; the same "
+    f"Link: {link}. One core ({where}): unpipelined jax.value_and_grad {b:.1f} ms; the same "
     "model accumulated over the microbatches (the pipeline's kernels) "
     + ", ".join(f"{med(k):.1f} ms at {k.split('/')[1]}" for k in base if k.startswith("accum/"))
-    + f" (medians of {len(base['baseline']['ms'])}).",
+    + f" (medians of {len(ms_of('baseline'))}).",
     "",
     f"| schedule | microbatches | step (ms), median [min-max] | x 1 core, unpipelined | "
     f"x 1 core, same microbatches | ideal {n}(1 - bubble) | same microbatches / ideal "
@@ -323,7 +345,7 @@ def table(results: dict, base: dict, n: int, link: str) -> list[str]:
       " The executor on one core (a one-stage 1F1B table, same microbatches) / "
       "accumulated: "
       + ", ".join(
-        f"{med(k) / med('accum/' + k.split('/')[1]):.2f}x at {k.split('/')[1]}"
+        f"{_over(ms_of(k), ms_of('accum/' + k.split('/')[1])):.2f}x at {k.split('/')[1]}"
         for k in base
         if k.startswith("executor/")
       )
@@ -344,11 +366,13 @@ def table(results: dict, base: dict, n: int, link: str) -> list[str]:
       continue
     ms = float(np.median(r["ms"]))
     ideal = n * (1 - r["bubble"])
-    acc = med(f"accum/{r['microbatches']}")
+    # paired only where the one-core steps ran in the same rounds
+    over = lambda k: _over(ms_of(k), r["ms"]) if inner else med(k) / ms  # noqa: E731
+    over_b, over_acc = over("baseline"), over(f"accum/{r['microbatches']}")
     lines.append(
       f"| {r['schedule']} | {r['microbatches']} | {ms:.1f} [{min(r['ms']):.1f}-"
-      f"{max(r['ms']):.1f}] | {b / ms:.2f}x | {acc / ms:.2f}x | {ideal:.2f}x | "
-      f"{acc / ms / ideal:.2f} | {r.get('transfer_ticks', '?')} / "
+      f"{max(r['ms']):.1f}] | {over_b:.2f}x | {over_acc:.2f}x | {ideal:.2f}x | "
+      f"{over_acc / ideal:.2f} | {r.get('transfer_ticks', '?')} / "
       f"{r.get('exec_ticks', '?')} | "
       + (f"{r['transfer_ticks'] * pp / ms:.2f} |" if pp and "transfer_ticks" in r else "|")
     )

@@ -203,3 +203,19 @@ def test_prediction_and_verdict_pair_the_rounds():
   res = {f"{s}/8": {"schedule": s, "microbatches": 8, "ms": ms} for s, ms in rounds.items()}
   (line,) = pipeline_mp.verdict(res, "link")
   assert "median 1.05x [0.95-1.11], ooo faster in 2 of 3 rounds" in line
+
+
+def test_speedup_over_one_core_pairs_the_rounds_it_was_timed_in():
+  """The one-core steps timed inside the run's rounds (`_one_core`) pair each
+  schedule's speedup with its round; a run without them falls back on the
+  separate baseline's medians."""
+  one = {"baseline": {"ms": [40.0, 60.0, 40.0]}, "accum/8": {"ms": [60.0, 90.0, 60.0]}}
+  one["executor/8"] = {"ms": [72.0, 108.0, 72.0]}
+  cell = {"schedule": "1f1b", "microbatches": 8, "ms": [30.0, 45.0, 45.0], "bubble": 0.0}
+  row = lambda lines: next(x for x in lines if x.startswith("| 1f1b"))  # noqa: E731
+  lines = pipeline_mp.table({"1f1b/8": cell, "_one_core": one}, {}, 2, "link")
+  # per round 2, 2, 4/3: the median 2.00 (the medians' ratio would be 60 / 45)
+  assert "| 1.33x | 2.00x | 2.00x | 1.00 |" in row(lines)
+  assert "paired by round" in lines[0] and "1.20x at 8" in lines[0]
+  lines = pipeline_mp.table({"1f1b/8": cell}, one, 2, "link")
+  assert "| 0.89x | 1.33x | 2.00x | 0.67 |" in row(lines)
