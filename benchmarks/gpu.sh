@@ -33,7 +33,7 @@ V=(--variants "jax.grad" "ooo single_gpu" "ooo single_gpu (none)" "ooo in_order"
 if [ -n "$DRY" ]; then  # tiny sizes, two variants: every step runs through, fast, on CPU
   V=(--variants "jax.grad" "ooo single_gpu")
   SIZE=(--tiny --batch 4 --no-sim-check) ROUNDS=(--rounds 1 --iters 1) CHECK=(--batch 4)
-  SCHED=(--tiny --batch 4) MECH=(--model demo_cnn --batch 4) SCAN=(--layers 2 --seq 8 --dim 16 --heads 2 --vocab 32 --rounds 1 --iters 1 --sim-layers 2)
+  SCHED=(--tiny --batch 4) MECH=(--model demo_cnn --batch 4) SCAN=(--layers 2 --seq 8 --dim 16 --heads 2 --vocab 32 --rounds 1 --iters 1 --sim-layers 2 --skip-compile-only)
   PYTEST=(--collect-only)  # the suite runs in CI already: check that the command works
 else
   SIZE=(--batch 32) ROUNDS=(--rounds 5) CHECK=(--batch 32) SCHED=(--batch 32) SCAN=(--sim-layers 4)
