@@ -58,3 +58,23 @@ def pytest_unconfigure(config):
   # the process that made the run's cache removes it (xdist: the controller)
   if _OWN_CACHE and not hasattr(config, "workerinput"):
     shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+# The suite's longest tests (tens of seconds each: compile-only GPU schedules of
+# whole models, notebooks, gpu.sh's dry run, the zoo's big models) run first, so
+# xdist's work stealing ends on short ones instead of one worker finishing a long
+# test alone.
+_LONG_FIRST = (
+  "tests/test_overlap.py::test_every_heavy_dw_call_has_dx_work_inside_its_window",
+  "tests/test_gpu_sh.py::test_dry_run_writes_every_steps_file",
+  "tests/test_notebooks.py::",
+  "tests/test_zoo.py::",
+  "tests/test_pipeline_mp.py::test_two_stage_processes_match_jax_grad",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+  rank = lambda it: next(  # noqa: E731
+    (i for i, p in enumerate(_LONG_FIRST) if it.nodeid.startswith(p)), len(_LONG_FIRST)
+  )
+  items.sort(key=rank)  # stable: the rest keep their order
