@@ -35,9 +35,11 @@ if [ -n "$DRY" ]; then  # tiny sizes, two variants: every step runs through, fas
   SIZE=(--tiny --batch 4 --no-sim-check) ROUNDS=(--rounds 1 --iters 1) CHECK=(--batch 4)
   SCHED=(--tiny --batch 4) MECH=(--model demo_cnn --batch 4) SCAN=(--layers 2 --seq 8 --dim 16 --heads 2 --vocab 32 --rounds 1 --iters 1 --sim-layers 2 --skip-compile-only)
   PYTEST=(--collect-only)  # the suite runs in CI already: check that the command works
+  EXEC=(--layers 2 --dim 16 --hidden 32 --batch 16 --microbatches 4 --rounds 1 --iters 1)
 else
   SIZE=(--batch 32) ROUNDS=(--rounds 5) CHECK=(--batch 32) SCHED=(--batch 32) SCAN=(--sim-layers 4)
   MECH=(--model resnet50 --batch 32)
+  EXEC=()
   PYTEST=()
 fi
 
@@ -86,6 +88,10 @@ step scan 120 $PY -m benchmarks.scan "${SCAN[@]}"
 # Gradients against jax.grad at float32 tolerance: f32 matmuls in full precision (not TF32).
 step pytest 120 env JAX_DEFAULT_MATMUL_PRECISION=highest $PY -m pytest -q -rs "${PYTEST[@]}" \
   tests/test_hlo.py tests/test_overlap.py tests/test_grad.py
+# 6. The pipeline executor's own cost on one GPU (its ticks against the accumulated
+# scan), and its weight-slice copies with Triton GEMMs (default) and cuBLAS ones.
+step executor_cost 90 $PY -m benchmarks.executor_cost "${EXEC[@]}" \
+  --also-with xla_gpu_enable_triton_gemm=false
 echo "done after $((SECONDS - START))s" >> "$OUT/env.txt"
 shopt -s nullglob  # every step skipped: no .md file, still a clean exit
 tail -n 25 "$OUT"/*.md "$OUT"/*.txt
