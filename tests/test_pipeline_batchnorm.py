@@ -193,3 +193,113 @@ def test_batchnorm_tiled_step_equals_one_step_steps():
   assert_trees_close(aux, jax.tree.map(lambda *a: jnp.stack(a), *[r[1] for r in ref]))
   assert_trees_close(final, s)  # the collection after the last step
   assert_trees_close(tiled.params(ts), one.params(state))
+
+
+# --- BatchNorm inside an nn.scan: the statistics stacked over the layers -------------
+class _ScanBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    h = nn.BatchNorm(use_running_average=False, momentum=0.9)(nn.Dense(16)(x))
+    return x + nn.relu(h), None
+
+
+class _ScanNet(nn.Module):
+  reverse: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(16)(x)
+    x, _ = nn.scan(
+      _ScanBlock,
+      variable_axes={"params": 0, "batch_stats": 0},
+      split_rngs={"params": True},
+      length=4,
+      reverse=self.reverse,
+    )()(x, None)
+    return nn.Dense(10)(x)
+
+
+def _scan_bn(reverse=False):
+  model = _ScanNet(reverse)
+  x = jax.random.normal(jax.random.key(0), (16, 8))
+  y = jax.random.randint(jax.random.key(1), (16,), 0, 10)
+  v = model.init(jax.random.key(2), x)
+  # (4, 16) per leaf; each layer's statistics differ, so a misplaced row shows
+  stats = jax.tree.map(lambda a: a + 0.5 + jnp.arange(4.0)[:, None], v["batch_stats"])
+
+  def loss(params, stats, x, y):
+    logits, upd = model.apply({"params": params, "batch_stats": stats}, x, mutable=["batch_stats"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return ce, {"batch_stats": upd["batch_stats"], "ce": ce}
+
+  return loss, v["params"], stats, x, y
+
+
+@pytest.mark.parametrize(
+  "stages,schedule,reverse", [(2, "1f1b", False), (4, "zb-h2", True), (2, "interleaved", False)]
+)
+def test_batchnorm_under_nn_scan_equals_the_microbatch_loop(stages, schedule, reverse):
+  loss, params, stats, x, y = _scan_bn(reverse)
+  M = 2 * stages
+  step = ooo.pipeline.value_and_grad(
+    loss,
+    mesh=_mesh(stages),
+    axis_name="stage",
+    schedule=schedule,
+    microbatches=M,
+    has_aux=True,
+    state_argnums=1,
+  )
+  got = _jit(step)(params, stats, x, y)
+  assert_trees_close(got, _jit(_loop(loss, M))(params, stats, x, y))
+  assert jax.tree.map(jnp.shape, got[0][1]["batch_stats"]) == jax.tree.map(jnp.shape, stats)
+
+
+def test_batchnorm_under_nn_scan_tiled_step_equals_one_step_steps():
+  loss, params, stats, x, y = _scan_bn(reverse=True)
+  S, opt = 2, optax.sgd(0.1, momentum=0.9)
+  kw = dict(
+    mesh=_mesh(2),
+    axis_name="stage",
+    schedule="zb-v",
+    microbatches=4,
+    has_aux=True,
+    state_argnums=1,
+    compiler_options=O0,
+  )
+  xs = jnp.stack([jnp.roll(x, t, 0) for t in range(S)])
+  ys = jnp.stack([jnp.roll(y, t, 0) for t in range(S)])
+  one = ooo.pipeline.make_train_step(loss, opt, **kw)
+  state, s, ref = one.init(params, stats, x, y), stats, []
+  for t in range(S):
+    state, (l, aux) = one(state, s, xs[t], ys[t])
+    s = aux["batch_stats"]
+    ref.append((l, aux))
+  tiled = ooo.pipeline.make_train_step(loss, opt, steps=S, **kw)
+  ts, (losses, aux), final = tiled(tiled.init(params, stats, xs, ys), stats, xs, ys)
+  assert_trees_close(losses, jnp.stack([r[0] for r in ref]))
+  assert_trees_close(aux, jax.tree.map(lambda *a: jnp.stack(a), *[r[1] for r in ref]))
+  assert_trees_close(final, s)
+  assert_trees_close(tiled.params(ts), one.params(state))
+
+
+def test_state_read_by_every_layer_of_a_scan_is_refused():
+  # one statistics vector read by all the layers (a scan constant): whose update?
+  def loss(w, stats, x):
+    h = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w) * stats, None), x, w)[0]
+    return jnp.mean(h**2), {"stats": stats * 0.9}
+
+  w, x = jnp.ones((4, 8, 8)) / 8, jnp.ones((8, 8))
+  step = ooo.pipeline.value_and_grad(
+    loss, mesh=_mesh(2), axis_name="stage", microbatches=2, has_aux=True, state_argnums=1
+  )
+  with pytest.raises(ValueError, match="model state in every layer"):
+    jax.eval_shape(step, w, jnp.ones((8,)), x)
+
+
+def test_explain_with_batchnorm_state_under_nn_scan():
+  loss, params, stats, x, y = _scan_bn()
+  r = ooo.pipeline.explain(
+    loss, params, stats, x, y, stages=2, schedule="1f1b", has_aux=True, state_argnums=1
+  )
+  assert r.cut.layers == 4 and "scan" in r.cut.summary()

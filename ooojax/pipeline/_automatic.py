@@ -186,7 +186,7 @@ def _auto_parts_bound(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers
   B = next(iter(rows))
   sd = lambda x, s: jax.ShapeDtypeStruct(s, jnp.result_type(x))  # noqa: E731
   b_avals = [
-    sd(x, () if sc else (jnp.shape(x)[0] // (M * D), *jnp.shape(x)[1:]))
+    sd(x, jnp.shape(x) if sc else (jnp.shape(x)[0] // (M * D), *jnp.shape(x)[1:]))
     for x, sc in zip(b_leaves, scalar)
   ]
   n = len(p_avals)

@@ -81,7 +81,8 @@ def state_sources(cut, b_leaves: Sequence, args: Sequence, aux_tree) -> tuple:
         if a not in emit_at or emit_at[a][0] != r:
           return False
         aval = cut.emit_avals[emit_at[a][1]]
-        if aval.shape != jnp.shape(b_leaves[b]) or aval.dtype != jnp.result_type(b_leaves[b]):
+        shape = (cut.layers, *aval.shape) if cut.scanned else aval.shape  # stacked: whole
+        if shape != jnp.shape(b_leaves[b]) or aval.dtype != jnp.result_type(b_leaves[b]):
           return False
       return True
 
@@ -147,5 +148,5 @@ def final_state(cut, cols, counts, order, b_leaves: Sequence, args: Sequence) ->
   for i, col in enumerate(cols):
     col = state_pass.rows_of(col, counts)
     for r, row in enumerate(cut.state):
-      out[row[i]] = col[r]
+      out[row[i]] = cut._layer_order(col) if cut.scanned else col[r]
   return tuple(treedef.unflatten([out[b] for b in pos]) for treedef, pos in args)

@@ -285,10 +285,11 @@ def price(cut, p_avals: Sequence, b_avals: Sequence, device=None) -> StackCosts:
   tg = tuple(b_avals[i] for i in cut.targets)
   x = jax.eval_shape(cut.input_fn, ins, sh)
   row = [p_avals[i] for i in cut.stacked[0]]
-  if cut.scanned:
-    row = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in row]
   if cut.state:  # a layer's model state, then its probes (`passes.pipeline.state`)
-    row += [b_avals[i] for i in cut.state[0]] + list(cut.emit_avals)
+    row += [b_avals[i] for i in cut.state[0]]
+  if cut.scanned:  # one layer's slice of the stacked leaves
+    row = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in row]
+  row += list(cut.emit_avals)
   # side leaves (a mask's tokens): only their shapes matter to the price
   consts = cut.consts_fn(tuple(jnp.zeros(b_avals[i].shape, b_avals[i].dtype) for i in cut.side))
   ones = lambda y: jax.tree.map(jnp.ones_like, y)  # noqa: E731

@@ -13,8 +13,9 @@ The stack is found (`passes.pipeline.stack`) in the top-level equations
 (top-level `jit` calls inlined):
 
 * a `scan` whose xs are parameter leaves with a leading layer axis (flax
-  `nn.scan`, `nnx.scan`, `lax.scan` over stacked weights): one carry (the
-  activation), consts computed from constants or from the batch alone;
+  `nn.scan`, `nnx.scan`, `lax.scan` over stacked weights), and model state
+  stacked the same way: one carry (the activation), consts computed from
+  constants or from the batch alone, ys only the layers' updated state;
 * a run of structurally identical blocks (a Python loop of layers): the
   batch-dependent equations (those of the batch alone moved to just before
   their first use, or left out and recomputed where read) are cut where a
@@ -134,16 +135,27 @@ class Cut:
     """The stage columns after `stage_params`': the layers' state (batch leaves), then
     a zero probe per updated leaf (`passes.pipeline.state`); `()` without state."""
     width = len(self.state[0]) if self.state else 0
-    cols = [jnp.stack([b_leaves[row[i]] for row in self.state]) for i in range(width)]
+    if self.scanned:  # one row of leaves stacked over the layers already
+      cols = [self._layer_order(b_leaves[i]) for i in self.state[0]] if self.state else []
+    else:
+      cols = [jnp.stack([b_leaves[row[i]] for row in self.state]) for i in range(width)]
     cols += [jnp.zeros((self.layers, *a.shape), a.dtype) for a in self.emit_avals]
     return state_pass.columns(cols, counts) if cols else ()
 
+  def _layer_order(self, a):
+    """A leaf stacked over a scan's layers, in the order the stages run them (and
+    back: a reverse scan runs layer L-1 first)."""
+    return jnp.flip(a, 0) if self.reverse else a
+
   def emitted(self, probe_grads, counts: Sequence[int], microbatches: int) -> dict:
     """`{aux index: updated leaf}` from the probes' summed gradients: the mean over
-    microbatches of each layer's update."""
+    microbatches of each layer's update (stacked over the layers when scanned)."""
     out = {}
     for k, g in enumerate(probe_grads):
       g = state_pass.rows_of(g, counts) / microbatches
+      if self.scanned:
+        out[self.emits[0][k]] = self._layer_order(g).astype(self.emit_avals[k].dtype)
+        continue
       for j, row in enumerate(self.emits):
         out[row[k]] = g[j].astype(self.emit_avals[k].dtype)
     return out
@@ -265,6 +277,15 @@ def cut(jaxpr, n_params: int, n_aux: int = 0, state: Sequence[int] = ()) -> Cut:
   s_vars = [prog.batch_vars[i] for i in side]
 
   if stack.scanned:
+    # the stage columns are the layers' parameters, their state, then the probes
+    # (`passes.pipeline.state`); the body takes the scan's xs in its own order
+    s_row = stack.state[0] if stack.state else ()
+    n_p, n_s = len(stack.layers[0]), len(s_row)
+    col = {v: i for i, v in enumerate((*stack.layers[0], *s_row))}
+    xs_cols = [col[v] for v in stack.xs]
+    (k_scan,) = stack.eqns
+    ys = prog.eqns[k_scan].outvars[1:]
+    ys_at = [ys.index(prog.aux[a]) for a in emits[0]] if emits else []
 
     def consts_fn(sd):
       env = dict(consts)
@@ -274,7 +295,12 @@ def cut(jaxpr, n_params: int, n_aux: int = 0, state: Sequence[int] = ()) -> Cut:
 
     def layer_fn(cs, p, x):
       body = stack.body
-      return _compat.eval_jaxpr(body.jaxpr, body.consts, *cs, x, *p)[0]
+      cols = [*p[:n_p], *(lax.stop_gradient(a) for a in p[n_p : n_p + n_s])]
+      y, *out = _compat.eval_jaxpr(body.jaxpr, body.consts, *cs, x, *(cols[i] for i in xs_cols))
+      if not ys_at:
+        return y
+      news = tuple(lax.stop_gradient(out[j]) for j in ys_at)
+      return state_pass.emit(y, tuple(p[n_p + n_s :]), news)
   else:
     l_eqns = [prog.eqns[k] for k in stack.layer_eqns]
     l_params = [v for v in stack.layer_ins[1:] if v in stack_params]

@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from ooojax.passes import _compat, fingerprint
@@ -157,8 +158,9 @@ class Stack:
   body: Any = None  # the scan body (scanned)
   body_consts: tuple = ()  # the scan's consts (vars computed from constants alone)
   lits: tuple = ()  # per layer: its values of layer 0's `prog.lits` inputs
-  state: tuple = ()  # per layer: its model-state invars (loop stacks)
+  state: tuple = ()  # per layer: its model-state invars (one row of stacked ones when scanned)
   layer_ids: tuple = ()  # per layer: its equations, position i of each alike (loop stacks)
+  xs: tuple = ()  # the scan's xs in the body's order: the layers' then the state's (scanned)
 
 
 def _scan_stack(prog: Program) -> Stack | None:
@@ -178,12 +180,16 @@ def _scan_stack(prog: Program) -> Stack | None:
   info = _compat.scan_info(e)
   consts, carry, xs = info.split_in(e.invars)
   where = f"the scan over {info.length} layers"
-  if any(_is_var(v) and v in prog.state_vars for v in (*consts, *xs)):
+  if any(_is_var(v) and v in prog.state_vars for v in consts):
     raise CutError(
-      f"{where} reads model state (state_argnums: BatchNorm statistics); automatic "
-      "cutting carries per-layer state through a Python loop of blocks, not a scan" + EXPLICIT
+      f"{where} reads model state in every layer (state_argnums: one BatchNorm's "
+      "statistics shared by the layers); automatic cutting keeps each layer's "
+      "state with its layer" + EXPLICIT
     )
-  other = [v for v in xs if not (_is_var(v) and v in params)]
+  # per-layer model state scanned over (nn.scan with variable_axes={"batch_stats": 0})
+  # travels with its layer, as the parameters do (`passes.pipeline.state`)
+  state = [v for v in xs if _is_var(v) and v in prog.state_vars]
+  other = [v for v in xs if not (_is_var(v) and (v in params or v in prog.state_vars))]
   rand = side_pass.check(
     [prog.eqns[k] for k in prog.slice(other) if prog.bits(k) == _B], other, where
   )
@@ -226,12 +232,14 @@ def _scan_stack(prog: Program) -> Stack | None:
     carry[0],
     e.outvars[0],
     frozenset([best]),
-    (tuple(xs),),
+    (tuple(v for v in xs if v not in state),),
     True,
     info.reverse,
     info.length,
     body=info.body,
     body_consts=tuple(consts),
+    state=(tuple(state),) if state else (),
+    xs=tuple(xs),
   )
 
 
@@ -438,6 +446,8 @@ def emits(prog: Program, stack: Stack):
   """The aux outputs the stack's layers compute (updated model state), as
   `(per layer: its aux indices by slot, the slots' avals, the other aux indices)`;
   a slot is (position in the layer's equations, output), alike in every layer."""
+  if stack.scanned:
+    return _scan_emits(prog, stack)
   where = {k: (j, i) for j, ids in enumerate(stack.layer_ids) for i, k in enumerate(ids)}
   found: dict = {}  # layer -> {slot: aux index}
   rest = []
@@ -460,3 +470,19 @@ def emits(prog: Program, stack: Stack):
   emits = tuple(tuple(found[j][sl] for sl in slots) for j in range(stack.length))
   avals = tuple(prog.aux[a].aval for a in emits[0])
   return emits, avals, tuple(rest)
+
+
+def _scan_emits(prog: Program, stack: Stack):
+  """`emits` of a scanned stack: the aux outputs that are the scan's per-layer outputs
+  (ys: the layers' updated state), as one row (the whole stack's) of aux indices,
+  their per-layer avals, the other aux indices."""
+  (k,) = stack.eqns
+  ys = prog.eqns[k].outvars[1:]  # after the one carry
+  row = [a for a, v in enumerate(prog.aux) if stack.state and _is_var(v) and v in ys]
+  rest = tuple(a for a in range(len(prog.aux)) if a not in row)
+  if not row:
+    return (), (), rest
+  avals = tuple(
+    jax.ShapeDtypeStruct(prog.aux[a].aval.shape[1:], prog.aux[a].aval.dtype) for a in row
+  )
+  return (tuple(row),), avals, rest
