@@ -148,5 +148,5 @@ def final_state(cut, cols, counts, order, b_leaves: Sequence, args: Sequence) ->
   for i, col in enumerate(cols):
     col = state_pass.rows_of(col, counts)
     for r, row in enumerate(cut.state):
-      out[row[i]] = cut._layer_order(col) if cut.scanned else col[r]
+      out[row[i]] = cut.layer_order(col) if cut.scanned else col[r]
   return tuple(treedef.unflatten([out[b] for b in pos]) for treedef, pos in args)

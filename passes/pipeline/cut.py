@@ -136,13 +136,13 @@ class Cut:
     a zero probe per updated leaf (`passes.pipeline.state`); `()` without state."""
     width = len(self.state[0]) if self.state else 0
     if self.scanned:  # one row of leaves stacked over the layers already
-      cols = [self._layer_order(b_leaves[i]) for i in self.state[0]] if self.state else []
+      cols = [self.layer_order(b_leaves[i]) for i in self.state[0]] if self.state else []
     else:
       cols = [jnp.stack([b_leaves[row[i]] for row in self.state]) for i in range(width)]
     cols += [jnp.zeros((self.layers, *a.shape), a.dtype) for a in self.emit_avals]
     return state_pass.columns(cols, counts) if cols else ()
 
-  def _layer_order(self, a):
+  def layer_order(self, a):
     """A leaf stacked over a scan's layers, in the order the stages run them (and
     back: a reverse scan runs layer L-1 first)."""
     return jnp.flip(a, 0) if self.reverse else a
@@ -154,7 +154,7 @@ class Cut:
     for k, g in enumerate(probe_grads):
       g = state_pass.rows_of(g, counts) / microbatches
       if self.scanned:
-        out[self.emits[0][k]] = self._layer_order(g).astype(self.emit_avals[k].dtype)
+        out[self.emits[0][k]] = self.layer_order(g).astype(self.emit_avals[k].dtype)
         continue
       for j, row in enumerate(self.emits):
         out[row[k]] = g[j].astype(self.emit_avals[k].dtype)
