@@ -63,9 +63,8 @@ def _loop(loss, microbatches):
   return jax.value_and_grad(mean, has_aux=True)
 
 
-@pytest.mark.parametrize("stages,schedule", [(2, "1f1b"), (4, "zb-h2")])
-def test_batchnorm_equals_the_microbatch_loop(bn, stages, schedule):
-  loss, params, stats, x, y = bn
+def _equals_the_loop(loss, params, stats, x, y, stages, schedule):
+  """The pipelined value, aux and gradient against `_loop`'s; returns the pipeline's."""
   M = 2 * stages
   step = ooo.pipeline.value_and_grad(
     loss,
@@ -77,8 +76,14 @@ def test_batchnorm_equals_the_microbatch_loop(bn, stages, schedule):
     state_argnums=1,
   )
   got = _jit(step)(params, stats, x, y)
-  want = _jit(_loop(loss, M))(params, stats, x, y)
-  assert_trees_close(got, want)
+  assert_trees_close(got, _jit(_loop(loss, M))(params, stats, x, y))
+  return got
+
+
+@pytest.mark.parametrize("stages,schedule", [(2, "1f1b"), (4, "zb-h2")])
+def test_batchnorm_equals_the_microbatch_loop(bn, stages, schedule):
+  loss, params, stats, x, y = bn
+  got = _equals_the_loop(*bn, stages, schedule)
   # per-microbatch statistics: not those of the whole batch
   whole = loss(params, stats, x, y)[1]["batch_stats"]["_Block_3"]["BatchNorm_0"]["var"]
   assert (
@@ -153,10 +158,38 @@ class _StackNet(nn.Module):
     return nn.Dense(10)(x)
 
 
+def _tiled_equals_one_step_steps(loss, params, stats, x, y, steps):
+  """make_train_step(steps=n): each step's updated statistics are the next step's
+  inside one program (zb-v: deferred W, two chunks per device in device order);
+  the reference is the one-step step called n times, its aux's statistics fed back."""
+  opt = optax.sgd(0.1, momentum=0.9)
+  kw = dict(
+    mesh=_mesh(2),
+    axis_name="stage",
+    schedule="zb-v",
+    microbatches=4,
+    has_aux=True,
+    state_argnums=1,
+    compiler_options=O0,
+  )
+  xs = jnp.stack([jnp.roll(x, t, 0) for t in range(steps)])
+  ys = jnp.stack([jnp.roll(y, t, 0) for t in range(steps)])
+  one = ooo.pipeline.make_train_step(loss, opt, **kw)
+  state, s, ref = one.init(params, stats, x, y), stats, []
+  for t in range(steps):
+    state, (l, aux) = one(state, s, xs[t], ys[t])
+    s = aux["batch_stats"]
+    ref.append((l, aux))
+  tiled = ooo.pipeline.make_train_step(loss, opt, steps=steps, **kw)
+  ts = tiled.init(params, stats, xs, ys)  # the state argument: once, not per step
+  ts, (losses, aux), final = tiled(ts, stats, xs, ys)
+  assert_trees_close(losses, jnp.stack([r[0] for r in ref]))
+  assert_trees_close(aux, jax.tree.map(lambda *a: jnp.stack(a), *[r[1] for r in ref]))
+  assert_trees_close(final, s)  # the collection after the last step
+  assert_trees_close(tiled.params(ts), one.params(state))
+
+
 def test_batchnorm_tiled_step_equals_one_step_steps():
-  # make_train_step(steps=3): each step's updated statistics are the next step's
-  # inside one program (zb-v: deferred W, two chunks per device in device order);
-  # the reference is the one-step step called 3 times, its aux's statistics fed back
   model = _StackNet()
   x = jax.random.normal(jax.random.key(0), (16, 8))
   y = jax.random.randint(jax.random.key(1), (16,), 0, 10)
@@ -168,31 +201,7 @@ def test_batchnorm_tiled_step_equals_one_step_steps():
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
     return ce, {"batch_stats": upd["batch_stats"], "ce": ce}
 
-  S, opt = 3, optax.sgd(0.1, momentum=0.9)
-  kw = dict(
-    mesh=_mesh(2),
-    axis_name="stage",
-    schedule="zb-v",
-    microbatches=4,
-    has_aux=True,
-    state_argnums=1,
-    compiler_options=O0,
-  )
-  xs = jnp.stack([jnp.roll(x, t, 0) for t in range(S)])
-  ys = jnp.stack([jnp.roll(y, t, 0) for t in range(S)])
-  one = ooo.pipeline.make_train_step(loss, opt, **kw)
-  state, s, ref = one.init(v["params"], stats, x, y), stats, []
-  for t in range(S):
-    state, (l, aux) = one(state, s, xs[t], ys[t])
-    s = aux["batch_stats"]
-    ref.append((l, aux))
-  tiled = ooo.pipeline.make_train_step(loss, opt, steps=S, **kw)
-  ts = tiled.init(v["params"], stats, xs, ys)  # the state argument: once, not per step
-  ts, (losses, aux), final = tiled(ts, stats, xs, ys)
-  assert_trees_close(losses, jnp.stack([r[0] for r in ref]))
-  assert_trees_close(aux, jax.tree.map(lambda *a: jnp.stack(a), *[r[1] for r in ref]))
-  assert_trees_close(final, s)  # the collection after the last step
-  assert_trees_close(tiled.params(ts), one.params(state))
+  _tiled_equals_one_step_steps(loss, v["params"], stats, x, y, steps=3)
 
 
 # --- BatchNorm inside an nn.scan: the statistics stacked over the layers -------------
@@ -239,48 +248,14 @@ def _scan_bn(reverse=False):
   "stages,schedule,reverse", [(2, "1f1b", False), (4, "zb-h2", True), (2, "interleaved", False)]
 )
 def test_batchnorm_under_nn_scan_equals_the_microbatch_loop(stages, schedule, reverse):
-  loss, params, stats, x, y = _scan_bn(reverse)
-  M = 2 * stages
-  step = ooo.pipeline.value_and_grad(
-    loss,
-    mesh=_mesh(stages),
-    axis_name="stage",
-    schedule=schedule,
-    microbatches=M,
-    has_aux=True,
-    state_argnums=1,
-  )
-  got = _jit(step)(params, stats, x, y)
-  assert_trees_close(got, _jit(_loop(loss, M))(params, stats, x, y))
+  case = _scan_bn(reverse)
+  got = _equals_the_loop(*case, stages, schedule)
+  stats = case[2]
   assert jax.tree.map(jnp.shape, got[0][1]["batch_stats"]) == jax.tree.map(jnp.shape, stats)
 
 
 def test_batchnorm_under_nn_scan_tiled_step_equals_one_step_steps():
-  loss, params, stats, x, y = _scan_bn(reverse=True)
-  S, opt = 2, optax.sgd(0.1, momentum=0.9)
-  kw = dict(
-    mesh=_mesh(2),
-    axis_name="stage",
-    schedule="zb-v",
-    microbatches=4,
-    has_aux=True,
-    state_argnums=1,
-    compiler_options=O0,
-  )
-  xs = jnp.stack([jnp.roll(x, t, 0) for t in range(S)])
-  ys = jnp.stack([jnp.roll(y, t, 0) for t in range(S)])
-  one = ooo.pipeline.make_train_step(loss, opt, **kw)
-  state, s, ref = one.init(params, stats, x, y), stats, []
-  for t in range(S):
-    state, (l, aux) = one(state, s, xs[t], ys[t])
-    s = aux["batch_stats"]
-    ref.append((l, aux))
-  tiled = ooo.pipeline.make_train_step(loss, opt, steps=S, **kw)
-  ts, (losses, aux), final = tiled(tiled.init(params, stats, xs, ys), stats, xs, ys)
-  assert_trees_close(losses, jnp.stack([r[0] for r in ref]))
-  assert_trees_close(aux, jax.tree.map(lambda *a: jnp.stack(a), *[r[1] for r in ref]))
-  assert_trees_close(final, s)
-  assert_trees_close(tiled.params(ts), one.params(state))
+  _tiled_equals_one_step_steps(*_scan_bn(reverse=True), steps=2)
 
 
 def test_state_read_by_every_layer_of_a_scan_is_refused():
