@@ -160,7 +160,7 @@ class Stack:
   lits: tuple = ()  # per layer: its values of layer 0's `prog.lits` inputs
   state: tuple = ()  # per layer: its model-state invars (one row of stacked ones when scanned)
   layer_ids: tuple = ()  # per layer: its equations, position i of each alike (loop stacks)
-  xs: tuple = ()  # the scan's xs in the body's order: the layers' then the state's (scanned)
+  xs: tuple = ()  # the scan's xs, parameters and state as its body reads them (scanned)
 
 
 def _scan_stack(prog: Program) -> Stack | None:
