@@ -278,3 +278,27 @@ def test_explain_with_batchnorm_state_under_nn_scan():
     loss, params, stats, x, y, stages=2, schedule="1f1b", has_aux=True, state_argnums=1
   )
   assert r.cut.layers == 4 and "scan" in r.cut.summary()
+
+
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+def test_batchnorm_under_nn_scan_under_set_mesh(axis_type):
+  # today's JAX: the step traced and run under `jax.set_mesh`
+  loss, params, stats, x, y = _scan_bn()
+  mesh = jax.make_mesh(
+    (2,),
+    ("stage",),
+    devices=jax.devices()[:2],
+    axis_types=(getattr(jax.sharding.AxisType, axis_type),),
+  )
+  step = ooo.pipeline.value_and_grad(
+    loss,
+    mesh=mesh,
+    axis_name="stage",
+    schedule="1f1b",
+    microbatches=4,
+    has_aux=True,
+    state_argnums=1,
+  )
+  with jax.set_mesh(mesh):
+    got = _jit(step)(params, stats, x, y)
+  assert_trees_close(got, _jit(_loop(loss, 4))(params, stats, x, y))
