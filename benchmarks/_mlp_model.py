@@ -29,22 +29,8 @@ def accumulated(micro: int):
   """`(params, batch) -> (loss, grads)`: value_and_grad of `flat_loss` accumulated over
   `micro` microbatches in a scan on one device: the pipeline's per-microbatch
   kernels without a pipeline (small microbatches run below a CPU's GEMM peak)."""
-  vg = jax.value_and_grad(flat_loss)
-
-  def step(params, batch):
-    split = lambda a: a.reshape(micro, -1, *a.shape[1:])  # noqa: E731
-
-    def one(acc, mb):
-      return jax.tree.map(jnp.add, acc, vg(params, mb)), None
-
-    zero = jax.tree.map(
-      jnp.zeros_like,
-      jax.eval_shape(vg, params, jax.tree.map(lambda a: a[: a.shape[0] // micro], batch)),
-    )
-    (loss, grads), _ = jax.lax.scan(one, zero, jax.tree.map(split, batch))
-    return loss / micro, jax.tree.map(lambda g: g / micro, grads)
-
-  return step
+  step = accumulated_loss(flat_loss, micro)
+  return lambda params, batch: step(params, batch)
 
 
 def make_params(vstages: int, layers: int, dim: int, hidden: int, seed: int = 0) -> dict:
@@ -65,3 +51,48 @@ def make_batch(batch: int, dim: int, seed: int = 1) -> tuple[np.ndarray, np.ndar
     rng.standard_normal((batch, dim)).astype(np.float32),
     rng.standard_normal((batch, dim)).astype(np.float32),
   )
+
+
+def flax_loop(params: dict):
+  """`(loss, flax_params)`: the same blocks as a flax module with a Python loop,
+  the form automatic cutting takes (`ooo.pipeline.value_and_grad(loss, ...)`),
+  holding `params`' weights (one virtual stage's worth: `make_params(1, ...)`)."""
+  import flax.linen as nn
+
+  _, layers, dim, hidden = params["w1"].shape
+
+  class Blocks(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for _ in range(layers):
+        h = jax.nn.gelu(nn.Dense(hidden, use_bias=False)(layer_norm(x)))
+        x = x + nn.Dense(dim, use_bias=False)(h)
+      return x
+
+  net = Blocks()
+  weights = [w for j in range(layers) for w in (params["w1"][0, j], params["w2"][0, j])]
+  flax_params = {"params": {f"Dense_{i}": {"kernel": w} for i, w in enumerate(weights)}}
+
+  def loss(p, x, t):
+    return loss_fn(net.apply(p, x), t)
+
+  return loss, flax_params
+
+
+def accumulated_loss(loss, micro: int):
+  """`(params, *batch) -> (loss, grads)`: `jax.value_and_grad(loss)` accumulated
+  over `micro` microbatches in a scan on one device (`accumulated` for any loss)."""
+  vg = jax.value_and_grad(loss)
+
+  def step(params, *batch):
+    split = lambda a: a.reshape(micro, -1, *a.shape[1:])  # noqa: E731
+
+    def one(acc, mb):
+      return jax.tree.map(jnp.add, acc, vg(params, *mb)), None
+
+    mb = jax.tree.map(lambda a: a[: a.shape[0] // micro], batch)
+    zero = jax.tree.map(jnp.zeros_like, jax.eval_shape(vg, params, *mb))
+    (l, grads), _ = jax.lax.scan(one, zero, jax.tree.map(split, batch))
+    return l / micro, jax.tree.map(lambda g: g / micro, grads)
+
+  return step

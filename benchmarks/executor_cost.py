@@ -8,12 +8,14 @@ the ratio is what the executor's ticks, records and per-phase tracing cost.
   python -m benchmarks.executor_cost --compile-only H100    # count kernels, run nothing
 
 Besides the times it counts the weight-slice copies in the compiled step: the
-stage function indexes each layer's weights out of its stack (`p["w1"][j]`),
-and where the backend makes that a copy kernel (XLA:CPU; XLA:GPU before a
-Triton GEMM fusion) the executor makes it in F and again in B, where the
-accumulated scan's forward and backward share one (XLA's CSE). On the
+stacked model's stage function indexes each layer's weights out of its stack
+(`p["w1"][j]`), and where the backend makes that a copy kernel (XLA:CPU; XLA:GPU
+before a Triton GEMM fusion) the executor makes it in F and again in B, where
+the accumulated scan's forward and backward share one (XLA's CSE). On the
 compile-only H100 with cuBLAS GEMMs the slices fold into the GEMM calls
-(dynamic-slice fusion) and no copy is left.
+(dynamic-slice fusion) and no copy is left. The same blocks as a flax Python
+loop (the `loop` rows), pipelined by automatic cutting, keep each layer's
+weights arrays of their own (`passes.pipeline.state.columns`): no copy anywhere.
 """
 
 from __future__ import annotations
@@ -68,12 +70,25 @@ def weight_slice_copies(hlo: str, dim: int, hidden: int) -> int:
   return n
 
 
-def steps(m: int, mesh) -> dict:
+def steps(m: int, mesh, params, batch) -> dict:
+  """`{name: (step, args)}`: the stacked model (the explicit form, `p["w1"][j]` per
+  layer) and the same blocks as a flax Python loop (the automatic form, each layer
+  its own leaves), each accumulated and pipelined."""
   sched = ooo.pipeline.schedule("1f1b", stages=1, microbatches=m)
   ex = ooo.pipeline.value_and_grad(
     model.stage_fn, model.loss_fn, mesh=mesh, axis_name="stage", schedule=sched
   )
-  return {f"accumulated/{m}": model.accumulated(m), f"executor/{m}": ex}
+  loss, flax_params = model.flax_loop(params)
+  auto = ooo.pipeline.value_and_grad(
+    loss, mesh=mesh, axis_name="stage", schedule=sched, microbatches=m
+  )
+  loop_args = (flax_params, *batch)
+  return {
+    f"accumulated/{m}": (model.accumulated(m), (params, batch)),
+    f"executor/{m}": (ex, (params, batch)),
+    f"loop accumulated/{m}": (model.accumulated_loss(loss, m), loop_args),
+    f"loop automatic/{m}": (auto, loop_args),
+  }
 
 
 def main(argv=None):
@@ -96,29 +111,33 @@ def main(argv=None):
     from ooojax import gpu_hlo
 
     mesh = gpu_hlo.mesh(a.compile_only, 1, ("stage",))
-    sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-    args = jax.tree.map(sds, (params, batch))
+    to_arg = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
     device = f"compile-only {a.compile_only} (nothing ran)"
   else:
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("stage",))
-    args = jax.tree.map(jax.numpy.asarray, (params, batch))
+    to_arg = jax.numpy.asarray
     device = jax.devices()[0].device_kind
   fns, copies = {}, {}
   for m in a.microbatches:
-    for name, f in steps(m, mesh).items():
+    for name, (f, args) in steps(m, mesh, params, batch).items():
+      args = jax.tree.map(to_arg, args)
       for suffix, opts in option_sets:
         if a.compile_only:
           hlo = gpu_hlo.compile_text(f, *args, gpu=a.compile_only, mesh=mesh, compiler_options=opts)
         else:
-          fns[name + suffix] = jax.jit(f).lower(*args).compile(compiler_options=opts)
-          hlo = fns[name + suffix].as_text()
+          exe = jax.jit(f).lower(*args).compile(compiler_options=opts)
+          fns[name + suffix] = lambda exe=exe, args=args: exe(*args)
+          hlo = exe.as_text()
         copies[name + suffix] = weight_slice_copies(hlo, a.dim, a.hidden)
-  times, failed = _report.compile_then_alternate(fns, args, a.rounds, a.iters)
+  times, failed = _report.compile_then_alternate(fns, (), a.rounds, a.iters)
   lines = _report.header("Pipeline executor's own cost, one device (benchmarks/executor_cost.py)")
   lines += [
     f"Device: {device}. Model: {a.layers} residual blocks x + gelu(LN(x) W1) W2, D={a.dim}, "
     f"H={a.hidden}, batch {a.batch}, float32. The executor runs a one-stage 1F1B table; "
     "the accumulated step is jax.value_and_grad in a scan over the same microbatches. "
+    "Stacked: the explicit form's stage function, `p['w1'][j]` per layer; loop: the same "
+    "blocks as a flax Python loop, pipelined by automatic cutting (each layer's weights "
+    "arrays of their own). "
     + (
       ""
       if a.compile_only
@@ -127,15 +146,17 @@ def main(argv=None):
     + "Weight-slice copies: kernels in the compiled step that copy out one layer's "
     "weight matrix (per loop body where the step loops).",
     "",
-    "| step | ms (median) | executor / accumulated | weight-slice copies |",
+    "| step | ms (median) | pipelined / accumulated | weight-slice copies |",
     "|---|---|---|---|",
   ]
+  base = {"executor/": "accumulated/", "loop automatic/": "loop accumulated/"}
   for key, n in copies.items():
     ms = f"{np.median(times[key]) * 1e3:.2f}" if key in times else failed.get(key, "-")
-    acc = key.replace("executor/", "accumulated/")
+    pre = next((p for p in base if key.startswith(p)), None)
+    acc = key.replace(pre, base[pre]) if pre else None
     ratio = (
       f"{np.median(times[key]) / np.median(times[acc]):.2f}x"
-      if key.startswith("executor/") and key in times and acc in times
+      if acc and key in times and acc in times
       else ""
     )
     lines.append(f"| {key} | {ms} | {ratio} | {n} |")

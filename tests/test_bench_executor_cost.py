@@ -12,8 +12,13 @@ L, D, H = 2, 16, 32
 
 def _hlo(name, mesh, compile_text):
   params, batch = model.make_params(1, L, D, H), model.make_batch(16, D)
+  f, args = executor_cost.steps(4, mesh, params, batch)[name]
   sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-  return compile_text(executor_cost.steps(4, mesh)[name], *jax.tree.map(sds, (params, batch)))
+  return compile_text(f, *jax.tree.map(sds, args))
+
+
+def _cpu_text(f, *a):
+  return jax.jit(f).lower(*a).compile().as_text()
 
 
 def test_the_executor_slices_each_layer_in_f_and_again_in_b_on_cpu():
@@ -21,10 +26,23 @@ def test_the_executor_slices_each_layer_in_f_and_again_in_b_on_cpu():
   accumulated scan once per layer (its forward and backward share the slice),
   the executor in F and again in B (separate branches of its tick switch)."""
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("stage",))
-  text = lambda f, *a: jax.jit(f).lower(*a).compile().as_text()  # noqa: E731
-  acc = executor_cost.weight_slice_copies(_hlo("accumulated/4", mesh, text), D, H)
-  ex = executor_cost.weight_slice_copies(_hlo("executor/4", mesh, text), D, H)
+  acc = executor_cost.weight_slice_copies(_hlo("accumulated/4", mesh, _cpu_text), D, H)
+  ex = executor_cost.weight_slice_copies(_hlo("executor/4", mesh, _cpu_text), D, H)
   assert acc == 2 * L and acc < ex <= 2 * acc, (acc, ex)
+
+
+def test_a_flax_loop_pipelined_automatically_copies_no_weights():
+  """Automatic cutting keeps each layer of a Python loop in arrays of its own
+  (`passes.pipeline.state.columns`), so no stage slices weights out of a stack:
+  the pipelined step copies no more than `jax.value_and_grad` of the same loop (at
+  these small shapes: the accumulators' zero fill, outside the loop), where the
+  stacked form copies each layer in F and again in B."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("stage",))
+  n = {
+    k: executor_cost.weight_slice_copies(_hlo(k, mesh, _cpu_text), D, H)
+    for k in ("loop accumulated/4", "loop automatic/4", "executor/4")
+  }
+  assert n["loop automatic/4"] == n["loop accumulated/4"] < n["executor/4"] - L, n
 
 
 @pytest.mark.skipif(gpu_hlo.unavailable_reason() is not None, reason="no compile-only GPU")
@@ -34,3 +52,11 @@ def test_cublas_gemms_read_the_slices_in_place_on_h100():
   text = lambda f, *a: gpu_hlo.compile_text(f, *a, mesh=mesh, compiler_options=opts)  # noqa: E731
   for name in ("accumulated/4", "executor/4"):
     assert executor_cost.weight_slice_copies(_hlo(name, mesh, text), D, H) == 0, name
+
+
+@pytest.mark.skipif(gpu_hlo.unavailable_reason() is not None, reason="no compile-only GPU")
+def test_a_flax_loop_pipelined_automatically_copies_no_weights_before_triton_gemms():
+  mesh = gpu_hlo.mesh("H100", 1, ("stage",))
+  text = lambda f, *a: gpu_hlo.compile_text(f, *a, mesh=mesh)  # noqa: E731
+  assert executor_cost.weight_slice_copies(_hlo("executor/4", mesh, text), D, H) > 0
+  assert executor_cost.weight_slice_copies(_hlo("loop automatic/4", mesh, text), D, H) == 0

@@ -131,6 +131,22 @@ def test_adam_sharded_by_stage_checkpoint_restores_training(tmp_path):
   _follow(step, restored, batches, ref, start=1)
 
 
+def test_a_python_loops_layers_stay_arrays_of_their_own():
+  """A loop's leaf is one `(stages, ...)` array per row of the stage (each stage's
+  j-th layer), not a `(stages, rows, ...)` stack a stage would slice each layer
+  out of (a copy before every GEMM on XLA:CPU and before Triton's on GPU)."""
+  loss, params, (tokens,) = _gpt(scan=False)
+  batches = _batches(tokens, 2)
+  step = _make(loss, ADAM, _mesh(), schedule="1f1b")
+  state = step.init(params, *batches[0])
+  block = [jnp.shape(x) for x in jax.tree.leaves(params["_GPTBlock_0"])]
+  rows = max(step.balance.counts)
+  assert rows == 2
+  got = sorted(x.shape for x in state.params.stacked)
+  assert got == sorted((2, *b) for b in block for _ in range(rows))
+  _follow(step, state, batches, _reference(loss, ADAM, params, batches, 2))
+
+
 def test_data_by_stage_mesh():
   mean, params, (tokens,) = _gpt()
   # an integer aux: one count per (microbatch, data replica) piece, microbatch-major

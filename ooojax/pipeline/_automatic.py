@@ -90,8 +90,8 @@ class _AutoProgram:
     loss, aux = out if c.n_aux else (out, ())
     if not c.emits:
       return loss, aux, gp
-    n = len(c.stacked[0])
-    probes = [self.whole(g) for g in gp[n + len(c.state[0]) :]]
+    n, n_st, _ = c.widths(self.balance.counts)
+    probes = [self.whole(g) for g in gp[n + n_st :]]
     if self.order is not None:  # back to virtual-stage order
       probes = [g[np.argsort(self.order)] for g in probes]
     new = c.emitted(probes, self.balance.counts, self.microbatches)

@@ -303,7 +303,9 @@ class TiledTrainStep(PipelineTrainStep):
       for k, _ in jax.tree_util.tree_flatten_with_path(lay.treedef.unflatten(lay.avals))[0]
     ]
     c = lay.cut
-    where = [paths[i] for i in (*c.stacked[0], *c.shared, *lay.rest)]
+    r = c.widths(lay.balance.counts)[0] // len(c.stacked[0])  # stage columns per leaf
+    where = [paths[i] for i in c.stacked[0] for _ in range(r)]
+    where += [paths[i] for i in (*c.shared, *lay.rest)]
     names = [n for n in dict.fromkeys(_transform_names(self.optimizer.update)) if n in _COUPLING]
     what = f"optax.{names[0]}" if names else "a transform that reads every leaf"
     i, j = pair
@@ -350,7 +352,9 @@ class TiledTrainStep(PipelineTrainStep):
       sched = self.table = tile(self.sched, self.steps, shared=None in owners)
       updater = g.updater(self.sched.chunks, owners)
       if st_ids:
-        updater = carry.carry_updater(updater, len(c.stacked[0]), src, self.sched.microbatches)
+        n, n_st, _ = c.widths(lay.balance.counts)
+        per_leaf = n_st // len(c.state[0])  # a loop's rows are columns of their own
+        updater = carry.carry_updater(updater, n, src, self.sched.microbatches, per_leaf)
       return lower_updates(
         stage_fn,
         loss_fn,
@@ -370,7 +374,7 @@ class TiledTrainStep(PipelineTrainStep):
     )
     prog = self._program(list(lay.avals), lay.treedef, first, lay.balance.counts, lowering)
     c = prog.cut
-    cols, n_st = prog.state_cols, len(c.state[0]) if c.state else 0
+    cols, (n, n_st, _) = prog.state_cols, c.widths(lay.balance.counts)
     if st_ids:
       src["cols"] = carry.state_sources(
         c, b_leaves, self._state_args(batches), prog.aux_tree if self.has_aux else None
@@ -393,7 +397,6 @@ class TiledTrainStep(PipelineTrainStep):
       {"h": o_rep["h"], "n": o_rep["n"]},
       (stacked(c.inputs), stacked(c.targets), *((stacked(c.side),) if c.side else ())),
     )
-    n = len(c.stacked[0])
     if st_ids:
       o_stage, hist, _ = o_stage
     if self.has_aux:  # (steps * M, ...) per leaf: each step's microbatches reduced

@@ -109,17 +109,18 @@ def state_sources(cut, b_leaves: Sequence, args: Sequence, aux_tree) -> tuple:
   return tuple(src)
 
 
-def carry_updater(inner: Updater, n: int, src: dict, microbatches: int) -> Updater:
+def carry_updater(inner: Updater, n: int, src: dict, microbatches: int, rows: int = 1) -> Updater:
   """`inner` (the parameters' updater, over the first `n` stage columns) with the
   state columns after them set to their probe sums / M at each U tick
   (`src["cols"]`: `state_sources`, filled before the program is traced), and the
   probe sums recorded per step in the chunk's optimizer rows `(inner's, sums
-  (steps, ...) per probe, the step count)`."""
+  (steps, ...) per probe, the step count)`. `rows`: stage columns per leaf (a
+  loop's layers: one per row, `Cut.widths`)."""
 
   def chunk(c, w, g, o_c, o_rep):
     o_in, hist, count = o_c
     new, o_in, o_rep = inner.chunk(c, w[:n], g[:n], o_in, o_rep)
-    cols = src["cols"]
+    cols = [None if k is None else k * rows + j for k in src["cols"] for j in range(rows)]
     sums = g[n + len(cols) :]
     st = [
       w[n + i] if k is None else (sums[k] / microbatches).astype(w[n + i].dtype)
@@ -132,8 +133,8 @@ def carry_updater(inner: Updater, n: int, src: dict, microbatches: int) -> Updat
 
 
 def history(probe_cols: Sequence, steps: int) -> tuple:
-  """The per-step record's initial rows: per probe column `(V, rows, ...)`, zeros
-  `(V, steps, rows, ...)`; and the step count per virtual stage."""
+  """The per-step record's initial rows: per probe column `(V, ...)`, zeros
+  `(V, steps, ...)`; and the step count per virtual stage."""
   hist = tuple(jnp.zeros((p.shape[0], steps, *p.shape[1:]), p.dtype) for p in probe_cols)
   V = probe_cols[0].shape[0] if probe_cols else 1
   return hist, jnp.zeros((V,), jnp.int32)
@@ -145,8 +146,10 @@ def final_state(cut, cols, counts, order, b_leaves: Sequence, args: Sequence) ->
   if order is not None:
     cols = [x[np.argsort(order)] for x in cols]
   out = list(b_leaves)
-  for i, col in enumerate(cols):
-    col = state_pass.rows_of(col, counts)
-    for r, row in enumerate(cut.state):
-      out[row[i]] = cut.layer_order(col) if cut.scanned else col[r]
+  for i, col in enumerate(cut.groups(cols, counts)):
+    if cut.scanned:
+      out[cut.state[0][i]] = cut.layer_order(state_pass.rows_of(col, counts))
+      continue
+    for row, x in zip(cut.state, state_pass.layers_of(col, counts)):
+      out[row[i]] = x
   return tuple(treedef.unflatten([out[b] for b in pos]) for treedef, pos in args)

@@ -3,8 +3,10 @@
 The state keeps the parameters in the cut's layout (`passes.pipeline.cut`)
 between steps, so no step gathers the model:
 
-* `stacked`: the stack's leaves as `(virtual stages, layers per stage, ...)`,
-  sharded on the stage axis (device s holds its stages' layers only; with an
+* `stacked`: the stack's leaves by virtual stage (`Cut.stage_params`): a scan's
+  leaf as `(virtual stages, layers per stage, ...)`, a loop's as one array
+  `(virtual stages, ...)` per row (each stage's j-th layer: no layer is sliced
+  out of a stack), sharded on the stage axis (device s holds its stages' layers only; with an
   uneven split, `step.balance`, padded to the largest count with zero rows
   whose gradient is zero, so they stay zero under any optimizer); with
   chunks (interleaved, zb-v) the virtual stages are in device order
@@ -42,7 +44,7 @@ from ooojax.passes.pipeline.execute import device_order
 class StageParams(struct.PyTreeNode):
   """The parameters in the cut's layout; what the optimizer sees."""
 
-  stacked: tuple  # (virtual stages in device order, layers per stage, ...) per stack leaf
+  stacked: tuple  # the stack's leaves by virtual stage, device order (`Cut.stage_params`)
   shared: tuple  # leaves read outside the stack, replicated
   rest: tuple  # leaves the loss never reads, replicated
 
@@ -171,7 +173,7 @@ class PipelineTrainStep:
           f"{vals[j]!r}); a pipelined stack updates each leaf of all its layers as "
           "one array: give every layer the same"
         )
-      cols.append(vals[0])
+      cols += [vals[0]] * (c.widths(lay.balance.counts)[0] // len(c.stacked[0]))
     return StageParams(
       tuple(cols), tuple(flags[i] for i in c.shared), tuple(flags[i] for i in lay.rest)
     )

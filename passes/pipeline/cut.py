@@ -99,36 +99,58 @@ class Cut:
   emit_avals: tuple = ()
   aux_at: tuple = ()
 
+  def widths(self, counts: Sequence[int]) -> tuple[int, int, int]:
+    """How many stage columns the executor gets: of the parameters (`stage_params`),
+    then of the state and of the probes (`stage_state`). One per leaf of a scan's
+    layer; `max(counts)` per leaf of a loop's layer, a row each
+    (`passes.pipeline.state.columns`)."""
+    r = 1 if self.scanned else max(counts)
+    n_s = len(self.state[0]) if self.state else 0
+    return len(self.stacked[0]) * r, n_s * r, len(self.emit_avals) * r
+
+  def _width(self) -> int:  # leaves per layer: parameters, state, probes
+    return len(self.stacked[0]) + (len(self.state[0]) if self.state else 0) + len(self.emit_avals)
+
+  def groups(self, cols: Sequence, counts: Sequence[int]) -> list:
+    """Stage columns grouped per leaf: an array (a scan's), or a loop's rows."""
+    if self.scanned:
+      return list(cols)
+    r = max(counts)
+    return [tuple(cols[i : i + r]) for i in range(0, len(cols), r)]
+
   def stage_fn(self, per: int) -> Callable:
     """`(stage_leaves, x, side=(), first=0) -> x` running the first `per` layers of
-    its leaves (`(rows, ...)`, rows >= per: the stage stack is padded to the
-    largest count); `side` holds the microbatch's `side` batch leaves, `first` the
-    index of the stage's first layer in the stack (it picks `per_layer` rows; may
-    be traced)."""
+    its leaves (`stage_params` then `stage_state`'s columns of one virtual stage,
+    with at least `per` rows: the stage stack is padded to the largest count);
+    `side` holds the microbatch's `side` batch leaves, `first` the index of the
+    stage's first layer in the stack (it picks `per_layer` rows; may be traced)."""
 
     def stage(p, x, side=(), first=0):
       consts = self.consts_fn(side)  # a mask: rebuilt from this microbatch's leaves
       if self.scanned:  # keep the user's loop: the split pass cuts scans into B/W scans
         p = tuple(a if a.shape[0] == per else a[:per] for a in p)
         return lax.scan(lambda h, ps: (self.layer_fn(consts, ps, h), None), x, p)[0]
-      for j in range(per):
+      width = self._width()
+      rows, extra = divmod(len(p), width)
+      assert not extra and rows >= per, (len(p), width, per)
+      for j in range(per):  # leaf i's row j is its own array (`state.columns`)
         own = tuple(jnp.asarray(a)[first + j] for a in self.per_layer)
-        x = self.layer_fn(consts, tuple(a[j] for a in p), x, *((own,) if own else ()))
+        row = tuple(p[i * rows + j] for i in range(width))
+        x = self.layer_fn(consts, row, x, *((own,) if own else ()))
       return x
 
     return stage
 
   def stage_params(self, leaves: Sequence[Any], counts: Sequence[int]) -> tuple:
-    """The stack's leaves as the executor wants them: `(V, max(counts), ...)`, virtual
-    stage v holding the next `counts[v]` layers, then zero rows (`balance.balance`)."""
+    """The stack's leaves as the executor wants them (`passes.pipeline.state.columns`):
+    virtual stage v holds the next `counts[v]` layers, then zero rows; a scan's leaf
+    is one `(V, max(counts), ...)` column, a loop's `max(counts)` columns `(V, ...)`."""
     if self.scanned:
       cols = [leaves[i] for i in self.stacked[0]]
       if self.reverse:
         cols = [jnp.flip(a, 0) for a in cols]
     else:
-      cols = [
-        jnp.stack([leaves[row[i]] for row in self.stacked]) for i in range(len(self.stacked[0]))
-      ]
+      cols = [[leaves[row[i]] for row in self.stacked] for i in range(len(self.stacked[0]))]
     return state_pass.columns(cols, counts)
 
   def stage_state(self, b_leaves: Sequence[Any], counts: Sequence[int]) -> tuple:
@@ -137,9 +159,10 @@ class Cut:
     width = len(self.state[0]) if self.state else 0
     if self.scanned:  # one row of leaves stacked over the layers already
       cols = [self.layer_order(b_leaves[i]) for i in self.state[0]] if self.state else []
+      cols += [jnp.zeros((self.layers, *a.shape), a.dtype) for a in self.emit_avals]
     else:
-      cols = [jnp.stack([b_leaves[row[i]] for row in self.state]) for i in range(width)]
-    cols += [jnp.zeros((self.layers, *a.shape), a.dtype) for a in self.emit_avals]
+      cols = [[b_leaves[row[i]] for row in self.state] for i in range(width)]
+      cols += [[jnp.zeros(a.shape, a.dtype)] * self.layers for a in self.emit_avals]
     return state_pass.columns(cols, counts) if cols else ()
 
   def layer_order(self, a):
@@ -148,29 +171,32 @@ class Cut:
     return jnp.flip(a, 0) if self.reverse else a
 
   def emitted(self, probe_grads, counts: Sequence[int], microbatches: int) -> dict:
-    """`{aux index: updated leaf}` from the probes' summed gradients: the mean over
-    microbatches of each layer's update (stacked over the layers when scanned)."""
+    """`{aux index: updated leaf}` from the probes' summed gradients (their stage
+    columns): the mean over microbatches of each layer's update (stacked over the
+    layers when scanned)."""
     out = {}
-    for k, g in enumerate(probe_grads):
-      g = state_pass.rows_of(g, counts) / microbatches
+    for k, g in enumerate(self.groups(probe_grads, counts)):
+      dt = self.emit_avals[k].dtype
       if self.scanned:
-        out[self.emits[0][k]] = self.layer_order(g).astype(self.emit_avals[k].dtype)
+        g = self.layer_order(state_pass.rows_of(g, counts) / microbatches)
+        out[self.emits[0][k]] = g.astype(dt)
         continue
-      for j, row in enumerate(self.emits):
-        out[row[k]] = g[j].astype(self.emit_avals[k].dtype)
+      for row, x in zip(self.emits, state_pass.layers_of(g, counts)):
+        out[row[k]] = (x / microbatches).astype(dt)
     return out
 
   def grads(self, leaves: Sequence[Any], stage_grads, shared_grads, counts: Sequence[int]) -> list:
     """The gradient of every parameter leaf, in the leaves' order (zeros for unread
     ones): the inverse of `stage_params` (padding rows dropped)."""
     out: list = [None] * len(leaves)
-    for k, g in enumerate(stage_grads[: len(self.stacked[0])]):  # not state's columns
-      g = state_pass.rows_of(g, counts)
+    n = self.widths(counts)[0]
+    for k, g in enumerate(self.groups(stage_grads[:n], counts)):  # not state's columns
       if self.scanned:
+        g = state_pass.rows_of(g, counts)
         out[self.stacked[0][k]] = jnp.flip(g, 0) if self.reverse else g
-      else:
-        for j, row in enumerate(self.stacked):
-          out[row[k]] = g[j]
+        continue
+      for row, x in zip(self.stacked, state_pass.layers_of(g, counts)):
+        out[row[k]] = x
     for i, g in zip(self.shared, shared_grads):
       out[i] = g
     return [jnp.zeros_like(x) if g is None else g for x, g in zip(leaves, out)]

@@ -1,8 +1,8 @@
 """pipeline.state: model state that travels with a stack's layers (BatchNorm statistics).
 
-Contract: `emit(x, probes, news) -> x`, and `columns(rows, counts)` /
-`rows_of(columns, counts)` (a stack's per-layer leaves laid out by virtual
-stage and back). Read by `passes.pipeline.cut`.
+Contract: `emit(x, probes, news) -> x`, and `columns(cols, counts)` /
+`layers_of(column, counts)` / `rows_of(column, counts)` (a stack's per-layer
+leaves laid out by virtual stage and back). Read by `passes.pipeline.cut`.
 
 A loss that takes a mutable collection (flax's `mutable=["batch_stats"]`)
 reads, in each layer, that layer's running statistics, and returns the
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["columns", "emit", "rows_of"]
+__all__ = ["columns", "emit", "layers_of", "rows_of"]
 
 
 @jax.custom_vjp
@@ -54,20 +54,44 @@ emit.defvjp(_emit_fwd, _emit_bwd)
 
 
 def columns(cols: Sequence, counts: Sequence[int]) -> tuple:
-  """Per-layer columns `(layers, ...)` as the executor wants them: `(V, max(counts),
-  ...)`, virtual stage v holding the next `counts[v]` layers, then zero rows."""
+  """Per-layer columns as the executor wants them, virtual stage v holding the next
+  `counts[v]` layers, then zero rows. A column stacked over the layers, `(layers,
+  ...)` (a scan's leaf), becomes one `(V, max(counts), ...)` array; a list of the
+  layers' own arrays (a loop's leaf) becomes `max(counts)` arrays `(V, ...)`, row j
+  holding each virtual stage's j-th layer. A loop's layers so stay arrays of their
+  own: a stage reads each whole, where a row of a stack is a slice that XLA:CPU,
+  and XLA:GPU before a Triton GEMM, copies out before every GEMM that reads it."""
   V, rows = len(counts), max(counts)
-  if min(counts) == rows:
-    return tuple(a.reshape(V, rows, *a.shape[1:]) for a in cols)
   at = np.cumsum([0, *counts])
-  pad = (
-    lambda a, v: jnp.pad(  # noqa: E731
-      a[at[v] : at[v + 1]], [(0, rows - counts[v])] + [(0, 0)] * (a.ndim - 1)
-    )
-  )
-  return tuple(jnp.stack([pad(a, v) for v in range(V)]) for a in cols)
+  out: list = []
+  for a in cols:
+    if isinstance(a, (list, tuple)):
+      zero = jnp.zeros_like(a[0])
+      out += [
+        jnp.stack([a[at[v] + j] if j < counts[v] else zero for v in range(V)]) for j in range(rows)
+      ]
+    elif min(counts) == rows:
+      out.append(a.reshape(V, rows, *a.shape[1:]))
+    else:
+      rest = [(0, 0)] * (a.ndim - 1)
+      out.append(
+        jnp.stack(
+          [jnp.pad(a[at[v] : at[v + 1]], [(0, rows - n), *rest]) for v, n in enumerate(counts)]
+        )
+      )
+  return tuple(out)
+
+
+def layers_of(col, counts: Sequence[int]) -> list:
+  """The inverse of `columns` for one column (an array, or a loop's tuple of row
+  arrays): its layers' values in order, padding dropped."""
+  if isinstance(col, (list, tuple)):
+    return [col[j][v] for v, n in enumerate(counts) for j in range(n)]
+  return [col[v, j] for v, n in enumerate(counts) for j in range(n)]
 
 
 def rows_of(col, counts: Sequence[int]):
-  """The inverse of `columns` for one column: `(layers, ...)` (padding dropped)."""
+  """`layers_of` stacked: `(layers, ...)`."""
+  if isinstance(col, (list, tuple)):
+    return jnp.stack(layers_of(col, counts))
   return jnp.concatenate([col[v, :n] for v, n in enumerate(counts)])
