@@ -30,7 +30,8 @@ import ooojax as ooo
 from benchmarks import _mlp_model as model, _report
 from ooojax._hlo_cli import parse_kv
 
-_MOVES = ("slice", "dynamic-slice", "bitcast", "copy", "parameter", "reshape", "transpose")
+_MOVES = {"slice", "dynamic-slice", "bitcast", "copy", "parameter", "reshape", "transpose"}
+_FILL = {"broadcast", "constant", "parameter", "bitcast", "reshape"}
 
 
 def _op(line: str) -> str | None:
@@ -42,8 +43,9 @@ def weight_slice_copies(hlo: str, dim: int, hidden: int) -> int:
   """Kernels that only copy out one layer's weight matrix, (dim, hidden) or
   (hidden, dim) with leading 1s: a slice or copy instruction, or a fusion whose
   every instruction moves data (XLA:GPU's `wrapped_slice`, XLA:CPU's
-  `slice_bitcast_fusion`), outside fused computations. A GEMM that reads its
-  slice in place (a dynamic-slice fusion around a cuBLAS call) has none."""
+  `slice_bitcast_fusion`), outside fused computations; not a copy of a broadcast
+  constant (a gradient accumulator's zeros). A GEMM that reads its slice in place
+  (a dynamic-slice fusion around a cuBLAS call) has none."""
   bodies: dict[str, list[str]] = {}  # computation -> its instruction lines
   name = None
   for line in hlo.splitlines():
@@ -59,14 +61,29 @@ def weight_slice_copies(hlo: str, dim: int, hidden: int) -> int:
   loops = {"while", "conditional", "call"}  # their computations run kernels of their own
   fused = {c for ls in bodies.values() for ln in ls if _op(ln) not in loops for c in calls(ln)}
   shape = re.compile(rf"= f32\[(?:1,)*(?:{dim},{hidden}|{hidden},{dim})\]\{{")
+  inner = lambda ln: {_op(x) for c in calls(ln) for x in bodies.get(c, ["?"])}  # noqa: E731
+  by_name = {
+    m.group(1): ln
+    for ls in bodies.values()
+    for ln in ls
+    if (m := re.match(r"\s*(?:ROOT )?%(\S+) = ", ln))
+  }
+
+  def fill(name: str) -> bool:  # a broadcast constant (an accumulator's zeros), not weights
+    ln = by_name.get(name, "")
+    op = _op(ln)
+    if op == "copy":
+      return all(fill(a) for a in re.findall(r"%([\w.-]+)", ln.split("copy(", 1)[1].split(")")[0]))
+    return op in ("broadcast", "constant") or (op == "fusion" and inner(ln) <= _FILL)
+
   n = 0
   for comp, lines in bodies.items():
     for ln in lines if comp not in fused else ():
       op = _op(ln)
       if not shape.search(ln) or op is None:
         continue
-      inner = {_op(x) for c in calls(ln) for x in bodies.get(c, ["?"])}
-      n += op in ("slice", "dynamic-slice", "copy") or (op == "fusion" and inner <= set(_MOVES))
+      moves = op in ("slice", "dynamic-slice", "copy") or (op == "fusion" and inner(ln) <= _MOVES)
+      n += moves and not fill(re.match(r"\s*(?:ROOT )?%(\S+) = ", ln).group(1))
   return n
 
 
