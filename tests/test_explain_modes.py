@@ -201,6 +201,28 @@ def test_pipeline_report_contents(tmp_path):
   assert by_name.schedule == sched and by_name.comm == 0.0
 
 
+def test_pipeline_report_names_weights_sliced_from_a_stack():
+  """mlp_stack's stage indexes each layer's weights out of its stack (`p["w1"][j]`):
+  the report counts the GEMM operands that read such a row and says how to hold
+  the layers instead; with each layer's weights an array of its own, no hint."""
+  stage_fn, loss_fn, params, batch = _stack(2)  # 2 layers per stage, 2 weights each
+  r = ooo.pipeline.explain(stage_fn, loss_fn, "1f1b", params, batch, microbatches=4)
+  assert r.sliced_weights == 8  # 4 in F, 4 in B (the last stage: every dX is needed)
+  assert "weights sliced from a stack: 8 GEMM operands" in repr(r)
+
+  def rows_apart(p, x):
+    for w1, w2 in zip(p["w1"], p["w2"]):
+      x = x + jax.nn.gelu(mlp_stack.layer_norm(x) @ w1) @ w2
+    return x
+
+  apart = {
+    k: [jax.ShapeDtypeStruct((a.shape[0], *a.shape[2:]), a.dtype)] * a.shape[1]
+    for k, a in params.items()
+  }
+  r = ooo.pipeline.explain(rows_apart, loss_fn, "1f1b", apart, batch, microbatches=4)
+  assert r.sliced_weights == 0 and "sliced from a stack" not in repr(r)
+
+
 def test_pipeline_report_over_several_steps():
   import dataclasses
 
@@ -397,6 +419,7 @@ def test_auto_explain_equals_the_explicit_explain_on_the_cut():
   loop, lp, lb = _gpt(scan=False)
   r = ooo.pipeline.explain(loop, lp, *lb, mesh=mesh, axis_name="stage", microbatches=4)
   assert r.schedule.name == "ooo" and not r.cut.scanned and "a loop of" in r.summary()
+  assert auto.sliced_weights == 0 and r.sliced_weights == 0  # the cut's layouts: no rows
 
 
 def test_auto_explain_heavy_head_and_shapes_only():

@@ -91,6 +91,9 @@ class PipelineReport:
   cut: AutoCut | None = None  # the automatic form's cut (`explain(loss_fn, params, ...)`)
   balance: Any = None  # ... and its `passes.pipeline.balance.Balance`
   depth: Any = None  # `passes.pipeline.depth.DepthChoice`: ooo planned on the link
+  # GEMM operands that are rows of a stacked stage parameter (`p["w"][j]`), in the
+  # stage kind with the most (`passes.pipeline.sliced`)
+  sliced_weights: int = 0
 
   # --- simulated from the table and the costs ------------------------------
   def timeline(self):
@@ -194,6 +197,14 @@ class PipelineReport:
       lines.append(f"  balance: {self.balance.summary()}")
     if self.depth is not None:
       lines.append("  " + self.depth.summary())
+    if self.sliced_weights:
+      lines += [
+        f"  weights sliced from a stack: {self.sliced_weights} GEMM operands of a stage "
+        "are rows of a stacked parameter (p[...][j]), which XLA:CPU, and XLA:GPU before "
+        "a Triton GEMM, copy out before each GEMM, in F and again in B;",
+        "    hold each layer's weights as an array of its own: {'w': [w_0, w_1, ...]}, "
+        "each w_j (stages, ...) (docs/pipeline.md)",
+      ]
     lines += self._steps_lines()
     if self.windows is not None:
       lines.append(_windows_text(self.windows, self.gpu))
@@ -588,6 +599,8 @@ def _explain(
     )
     prog = program(stage_fn, loss_fn, sched, stage_params, batch, shared, input_fn)
   name = get_spec(device).name  # a ValueError naming the specs for an unknown one
+  from ooojax.passes.pipeline.sliced import sliced
+
   report = PipelineReport(
     sched,
     costs,
@@ -599,6 +612,7 @@ def _explain(
     call=_Call(stage_fn, loss_fn, stage_params, batch, shared, input_fn),
     steps=steps,
     depth=depth,
+    sliced_weights=max(sliced(fl) for fl in prog.flavors),
   )
   return report.compiled(gpu, compiler_options=compiler_options) if gpu else report
 

@@ -12,7 +12,8 @@ executor all read.
 * `simulate`: a table's timeline under per-kind costs, and its plot.
 * `steps`: a table tiled over several training steps (per-stage updates U),
   and its steady-state bubble per step.
-* `flavor`: a stage's forward + vjp cut into F, B and W phases.
+* `flavor`: a stage's forward + vjp cut into F, B and W phases; `sliced` counts
+  its GEMM operands that are rows of a stacked parameter (for `explain`).
 * `execute`: a table lowered to one SPMD `shard_map` program.
 * `cut`, `balance`: a plain loss cut into prologue, layers and epilogue, and its
   layers split over the virtual stages by the cost model; `stack` finds the
