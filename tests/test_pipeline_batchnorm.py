@@ -27,11 +27,16 @@ class _Block(nn.Module):
 
 
 class _Net(nn.Module):
+  stem_running: bool = False  # the stem normalises with its running statistics
+  head_bn: bool = False
+
   @nn.compact
   def __call__(self, x):  # a BatchNorm before the stack (first stage) and in every block
-    x = nn.BatchNorm(use_running_average=False, momentum=0.9)(nn.Dense(16)(x))
+    x = nn.BatchNorm(use_running_average=self.stem_running, momentum=0.9)(nn.Dense(16)(x))
     for _ in range(4):
       x = _Block()(x)
+    if self.head_bn:  # and after it (the last stage)
+      x = nn.BatchNorm(use_running_average=False, momentum=0.8)(x)
     return nn.Dense(10)(x)
 
 
@@ -134,11 +139,19 @@ def test_batchnorm_refusals(bn):
   assert "state_argnums" in str(getattr(e.value, "__notes__", ""))
   with pytest.raises(ValueError, match="state_argnums=4 must name"):
     jax.eval_shape(ooo.pipeline.value_and_grad(loss, state_argnums=4, **kw), params, stats, x, y)
-  # the tiled step carries the stack's layers' state only: the stem's BatchNorm is
-  # updated by the last stage, after the first stage's next step began
-  tiled = ooo.pipeline.make_train_step(loss, optax.sgd(0.1), steps=2, state_argnums=1, **kw)
-  with pytest.raises(ValueError, match="before or after the stack"):
-    tiled.init(params, stats, jnp.stack([x, x]), jnp.stack([y, y]))
+  # the tiled step cannot carry state the first stage's forward reads (a stem
+  # BatchNorm normalising with its running statistics): the last stage updates it
+  model = _Net(stem_running=True)
+  v = model.init(jax.random.key(2), x)
+
+  def frozen_stem(params, stats, x, y):
+    logits, upd = model.apply({"params": params, "batch_stats": stats}, x, mutable=["batch_stats"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return ce, {"batch_stats": upd["batch_stats"]}
+
+  tiled = ooo.pipeline.make_train_step(frozen_stem, optax.sgd(0.1), steps=2, state_argnums=1, **kw)
+  with pytest.raises(ValueError, match="read by the first stage's forward"):
+    tiled.init(v["params"], v["batch_stats"], jnp.stack([x, x]), jnp.stack([y, y]))
 
 
 def test_explain_with_batchnorm_state(bn):
@@ -158,7 +171,7 @@ class _StackNet(nn.Module):
     return nn.Dense(10)(x)
 
 
-def _tiled_equals_one_step_steps(loss, params, stats, x, y, steps):
+def _tiled_equals_one_step_steps(loss, params, stats, x, y, steps, schedule="zb-v"):
   """make_train_step(steps=n): each step's updated statistics are the next step's
   inside one program (zb-v: deferred W, two chunks per device in device order);
   the reference is the one-step step called n times, its aux's statistics fed back."""
@@ -166,7 +179,7 @@ def _tiled_equals_one_step_steps(loss, params, stats, x, y, steps):
   kw = dict(
     mesh=_mesh(2),
     axis_name="stage",
-    schedule="zb-v",
+    schedule=schedule,
     microbatches=4,
     has_aux=True,
     state_argnums=1,
@@ -202,6 +215,37 @@ def test_batchnorm_tiled_step_equals_one_step_steps():
     return ce, {"batch_stats": upd["batch_stats"], "ce": ce}
 
   _tiled_equals_one_step_steps(loss, v["params"], stats, x, y, steps=3)
+
+
+class _StemOnly(nn.Module):
+  @nn.compact
+  def __call__(self, x):  # state in the stem only: nothing in the stack to carry
+    x = nn.BatchNorm(use_running_average=False, momentum=0.9)(nn.Dense(16)(x))
+    for _ in range(4):
+      x = x + nn.relu(nn.Dense(16)(x))
+    return nn.Dense(10)(x)
+
+
+@pytest.mark.parametrize(
+  "model,schedule",
+  [(_Net(head_bn=True), "zb-v"), (_Net(), "1f1b"), (_StemOnly(), "zb-h1")],
+  ids=["stem-stack-head-zb-v", "stem-stack-1f1b", "stem-only-zb-h1"],
+)
+def test_batchnorm_in_the_stem_and_head_tiled_step_equals_one_step_steps(model, schedule):
+  """The stem's BatchNorm (trained on batch statistics: only its update reads the
+  running ones, which the last stage's epilogue recomputes) and the head's travel
+  as the last stage's shared weights, set at its update to the step's mean update."""
+  x = jax.random.normal(jax.random.key(0), (16, 8))
+  y = jax.random.randint(jax.random.key(1), (16,), 0, 10)
+  v = model.init(jax.random.key(2), x)
+  stats = jax.tree.map(lambda a: a + 0.5, v["batch_stats"])
+
+  def loss(params, stats, x, y):
+    logits, upd = model.apply({"params": params, "batch_stats": stats}, x, mutable=["batch_stats"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return ce, {"batch_stats": upd["batch_stats"], "ce": ce}
+
+  _tiled_equals_one_step_steps(loss, v["params"], stats, x, y, steps=3, schedule=schedule)
 
 
 # --- BatchNorm inside an nn.scan: the statistics stacked over the layers -------------

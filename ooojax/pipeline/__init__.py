@@ -446,8 +446,9 @@ def make_train_step(
       state from the aux. With `steps > 1` the state arguments are passed once
       (not stacked per step), each step's update feeds the next inside the call,
       and the call returns `state, (losses, aux), model_state` (the state
-      arguments after the last step); only the stack's layers' state is carried
-      (a BatchNorm before or after the stack is refused: use steps=1).
+      arguments after the last step); state the first stage's forward reads (a
+      stem BatchNorm normalising with its running statistics) is refused: use
+      steps=1.
     steps: training steps per call. `steps > 1` runs them as one table tiled
       over steps (`ooojax.pipeline._tiled.TiledTrainStep`): step t + 1's
       warm-up under step t's drain, each stage's update at its own tick; the

@@ -200,6 +200,31 @@ def _owners(input_fn, loss_fn, ins, tgs, shared, vstages: int) -> list:
   return [None if a and b else (0 if a else vstages - 1) for a, b in zip(first, last)]
 
 
+def _outside_loss(loss_fn, targets, outs, n_p: int, src: dict):
+  """`loss_fn` (`(y, targets, shared) -> (loss, aux)`) with the state leaves `outs`
+  (batch leaves among `targets`) taken from the shared weights after the first
+  `n_p` instead, not differentiated; the aux outputs that update them
+  (`src["outside"]`) become their "gradient" (`passes.pipeline.state.emit`)."""
+  from ooojax.passes.pipeline import state as state_pass
+
+  at = [targets.index(b) for b in outs]
+  keep = [k for k in range(len(targets)) if k not in at]
+
+  def loss(y, tg, sh):
+    full = [None] * len(targets)
+    for k, x in zip(keep, tg):
+      full[k] = x
+    for k, x in zip(at, sh[n_p:]):
+      full[k] = jax.lax.stop_gradient(x)[None]  # a row: the loss reads state at [0]
+    val, aux = loss_fn(y, tuple(full), tuple(sh[:n_p]))
+    upd = [(x, k) for x, k in zip(sh[n_p:], src["outside"]) if k is not None]
+    probes = tuple(x for x, _ in upd)
+    news = tuple(jax.lax.stop_gradient(aux[k]).astype(x.dtype) for x, k in upd)
+    return state_pass.emit(val, probes, news), aux
+
+  return loss
+
+
 class TiledTrainStep(PipelineTrainStep):
   """`state, losses = step(state, *batches)`: `steps` steps per call, the batch
   leaves stacked on a leading axis of `steps`; built by `make_train_step(steps=n)`.
@@ -281,9 +306,9 @@ class TiledTrainStep(PipelineTrainStep):
   def _make(self, params, batch):
     make, shardings = super()._make(params, self._one(batch))
     if self.state_argnums:  # state outside the stack: refused before any compile
-      from ooojax.pipeline._tiled_state import check_in_stack
+      from ooojax.pipeline._tiled_state import check_carried
 
-      check_in_stack(self._layout.cut, jax.tree.leaves(batch), self._state_args(batch))
+      check_carried(self._layout.cut, jax.tree.leaves(batch), self._state_args(batch))
     shape = jax.eval_shape(make, params)
     g = _Groups(self.optimizer, shape.params, shape.opt_state)
     pair = g.coupled(shape.params, shape.opt_state)
@@ -330,12 +355,17 @@ class TiledTrainStep(PipelineTrainStep):
     rows = {jnp.shape(x)[1] for i, x in enumerate(b_leaves) if jnp.ndim(x) > 1 and i not in st_ids}
     mb = next(iter(rows)) // self.sched.microbatches
     src: dict = {}  # the state columns' probes (`carry.state_sources`), once traced
+    outs: list = []  # state leaves outside the stack (`carry.outside`), set by `lowering`
 
     def lowering(c, stage_fn, loss_fn, input_fn):
+      outs[:] = carry.outside(c, self._state_args(batches)) if st_ids else ()
+      n_p = len(c.shared)
       per_mb = (
         lambda ids: tuple(
           jax.ShapeDtypeStruct(  # noqa: E731
-            (mb, *jnp.shape(b_leaves[i])[2:]), jnp.result_type(b_leaves[i])
+            # state: passed once, whole (a row per example); the rest per step
+            (mb, *jnp.shape(b_leaves[i])[0 if i in st_ids else 2 :]),
+            jnp.result_type(b_leaves[i]),
           )
           for i in ids
         )
@@ -348,13 +378,18 @@ class TiledTrainStep(PipelineTrainStep):
         tuple(lay.avals[i] for i in c.shared),
         self.sched.virtual_stages,
       )
+      if outs:  # the last stage's shared weights, updated by the epilogue's aux
+        loss_fn = _outside_loss(loss_fn, c.targets, outs, n_p, src)
+        owners = [*owners, *[self.sched.virtual_stages - 1] * len(outs)]
       # only weights both ends read need the cross-stage barrier
       sched = self.table = tile(self.sched, self.steps, shared=None in owners)
-      updater = g.updater(self.sched.chunks, owners)
-      if st_ids:
+      updater = g.updater(self.sched.chunks, owners[:n_p])
+      if c.state:
         n, n_st, _ = c.widths(lay.balance.counts)
         per_leaf = n_st // len(c.state[0])  # a loop's rows are columns of their own
         updater = carry.carry_updater(updater, n, src, self.sched.microbatches, per_leaf)
+      if outs:
+        updater = carry.outside_updater(updater, n_p, src, self.sched.microbatches)
       return lower_updates(
         stage_fn,
         loss_fn,
@@ -376,9 +411,20 @@ class TiledTrainStep(PipelineTrainStep):
     c = prog.cut
     cols, (n, n_st, _) = prog.state_cols, c.widths(lay.balance.counts)
     if st_ids:
-      src["cols"] = carry.state_sources(
-        c, b_leaves, self._state_args(batches), prog.aux_tree if self.has_aux else None
+      aux_leaves = jax.tree.leaves(
+        jax.eval_shape(
+          lambda p, *b: self.loss_fn(p, *b)[1], lay.treedef.unflatten(lay.avals), *first
+        )
       )
+      src["cols"], by_aux = carry.state_sources(
+        c,
+        b_leaves,
+        self._state_args(batches),
+        prog.aux_tree if self.has_aux else None,
+        aux_leaves,
+      )
+      src["outside"] = [by_aux.get(b) for b in outs]
+    if c.state:
       o_stage = (o_stage, *carry.history(cols[n_st:], self.steps))
     from ooojax.pipeline._automatic import is_key, microbatch_keys
 
@@ -390,14 +436,17 @@ class TiledTrainStep(PipelineTrainStep):
     stacked = lambda ids: tuple(  # noqa: E731
       per_step(b_leaves[i]) if jnp.ndim(b_leaves[i]) == 1 else b_leaves[i] for i in ids
     )
+    tg_ids = [b for b in c.targets if b not in outs]
     p, sh, o_stage, o_run, out = prog.run(
       tuple(sp.stacked) + cols,
-      sp.shared,
+      (*sp.shared, *(b_leaves[b] for b in outs)),
       o_stage,
       {"h": o_rep["h"], "n": o_rep["n"]},
-      (stacked(c.inputs), stacked(c.targets), *((stacked(c.side),) if c.side else ())),
+      (stacked(c.inputs), stacked(tg_ids), *((stacked(c.side),) if c.side else ())),
     )
-    if st_ids:
+    n_p = len(sp.shared)
+    sh, outside_vals = sh[:n_p], dict(zip(outs, sh[n_p:]))
+    if c.state:
       o_stage, hist, _ = o_stage
     if self.has_aux:  # (steps * M, ...) per leaf: each step's microbatches reduced
       M = self.sched.microbatches
@@ -432,5 +481,6 @@ class TiledTrainStep(PipelineTrainStep):
       prog.order,
       b_leaves,
       self._state_args(batches),
+      outside_vals,
     )
     return new, losses, model[0] if isinstance(self.state_argnums, int) else model

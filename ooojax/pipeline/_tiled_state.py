@@ -13,9 +13,16 @@ holds a subtree shaped like the state argument (flax: `{"batch_stats":
 updates["batch_stats"], ...}`), each leaf emitted by the layer that reads the
 state leaf (`state_sources`).
 
-State read before or after the stack (a BatchNorm in the stem or the head) is
-updated by the last stage's epilogue, which the first stage's next forward
-would have to wait for: refused with a named error (`steps=1` carries it).
+State outside the stack that only the last stage reads (a BatchNorm in the head,
+or in the stem trained on batch statistics: its forward normalises with the
+batch's own, and only its update reads the running ones, recomputed by the last
+stage's epilogue, `Cut.targets`) travels as that stage's shared weights
+(`outside`, `outside_updater`): the epilogue hands its update to the leaf as the
+leaf's "gradient" (`passes.pipeline.state.emit` on the loss), and the owner's
+update at its U tick sets the leaf to the sum over the step's microbatches / M.
+State the first stage's forward reads (a stem BatchNorm that normalises with
+its running statistics) would wait for the last stage's update of the step
+before: refused with a named error (`steps=1` carries it).
 """
 
 from __future__ import annotations
@@ -43,40 +50,59 @@ def _subtrees(node):
     yield from _subtrees(child)
 
 
-def check_in_stack(cut, b_leaves: Sequence, args: Sequence) -> None:
-  """Refuses state leaves the stack's layers do not read (see the module)."""
+def check_carried(cut, b_leaves: Sequence, args: Sequence) -> None:
+  """Refuses state leaves the first stage's forward reads (see the module)."""
   in_stack = {b for row in cut.state for b in row}
-  outside = [b for _, pos in args for b in pos if b not in in_stack]
-  if outside:
-    x = b_leaves[outside[0]]
+  early = [b for _, pos in args for b in pos if b not in in_stack and b in (*cut.inputs, *cut.side)]
+  if early:
+    x = b_leaves[early[0]]
     raise ValueError(
-      f"make_train_step(steps>1) carries the state of the stack's layers only; a "
-      f"state leaf ({jnp.result_type(x)}{list(jnp.shape(x))}) is read before or "
-      "after the stack (a BatchNorm in the stem or the head), whose update the "
-      "last stage computes after the first stage's next step began" + _FIX
+      f"make_train_step(steps>1) carries the state of the stack's layers and the "
+      f"state only the last stage reads; a state leaf "
+      f"({jnp.result_type(x)}{list(jnp.shape(x))}) is read by the first stage's "
+      "forward (a BatchNorm in the stem that normalises with its running "
+      "statistics), which would wait for the last stage's update of the step "
+      "before" + _FIX
     )
 
 
-def state_sources(cut, b_leaves: Sequence, args: Sequence, aux_tree) -> tuple:
-  """Per state column of `cut` (`cut.state[row][i]`), the probe column `k`
-  (`cut.emits[row][k]`) that carries its update, or None (not updated). `args`:
-  the state arguments as `(treedef, batch leaf positions)`."""
-  check_in_stack(cut, b_leaves, args)
+def outside(cut, args: Sequence) -> tuple[int, ...]:
+  """The state leaves outside the stack (a BatchNorm in the stem trained on batch
+  statistics, or in the head): only the last stage reads them, to compute their
+  update (`Cut.targets`), so they travel as its shared weights."""
+  in_stack = {b for row in cut.state for b in row}
+  return tuple(b for _, pos in args for b in pos if b not in in_stack and b in cut.targets)
+
+
+def state_sources(cut, b_leaves: Sequence, args: Sequence, aux_tree, aux_leaves=()) -> tuple:
+  """`(per state column of `cut` (`cut.state[row][i]`) the probe column `k`
+  (`cut.emits[row][k]`) that carries its update, or None (not updated); {state leaf
+  outside the stack: the index of the epilogue's aux output that updates it})`.
+  `args`: the state arguments as `(treedef, batch leaf positions)`; `aux_leaves`:
+  the aux outputs' shapes, one microbatch's."""
+  check_carried(cut, b_leaves, args)
   in_stack = {b: (r, i) for r, row in enumerate(cut.state) for i, b in enumerate(row)}
   if aux_tree is None:
     raise ValueError(
       "state_argnums needs has_aux=True: the loss returns the updated state in its aux"
     )
   emit_at = {a: (r, k) for r, row in enumerate(cut.emits) for k, a in enumerate(row)}
+  epi_at = {a: k for a, (kind, k) in enumerate(cut.aux_at) if kind == "epilogue"}
   idx = aux_tree.unflatten(list(range(aux_tree.num_leaves)))
   width = len(cut.state[0]) if cut.state else 0
   src: list = [None] * width
+  out: dict = {}  # state leaf outside the stack -> the epilogue's aux output updating it
   for treedef, pos in args:
 
     def fits(sub, pos=pos):  # each leaf emitted by the layer reading it, same shape
       if jax.tree.structure(sub) != treedef:
         return False
       for a, b in zip(jax.tree.leaves(sub), pos):
+        if b not in in_stack:  # outside the stack: the epilogue's, of the leaf's shape
+          fit = a in epi_at and jnp.shape(b_leaves[b]) == jnp.shape(aux_leaves[a])
+          if not fit or jnp.result_type(b_leaves[b]) != jnp.result_type(aux_leaves[a]):
+            return False
+          continue
         r, i = in_stack[b]
         if a not in emit_at or emit_at[a][0] != r:
           return False
@@ -101,12 +127,15 @@ def state_sources(cut, b_leaves: Sequence, args: Sequence, aux_tree) -> tuple:
         + _FIX
       )
     for a, b in zip(jax.tree.leaves(found[0]), pos):
+      if b not in in_stack:
+        out[b] = epi_at[a]
+        continue
       r, i = in_stack[b]
       k = emit_at[a][1]
       if src[i] not in (None, k):  # rows disagree: cannot happen for equal layers
         raise ValueError("the stack's layers update their state leaves in different orders" + _FIX)
       src[i] = k
-  return tuple(src)
+  return tuple(src), out
 
 
 def carry_updater(inner: Updater, n: int, src: dict, microbatches: int, rows: int = 1) -> Updater:
@@ -140,12 +169,17 @@ def history(probe_cols: Sequence, steps: int) -> tuple:
   return hist, jnp.zeros((V,), jnp.int32)
 
 
-def final_state(cut, cols, counts, order, b_leaves: Sequence, args: Sequence) -> tuple:
+def final_state(
+  cut, cols, counts, order, b_leaves: Sequence, args: Sequence, outside_vals=None
+) -> tuple:
   """The state arguments' trees after the last step, from the carried state
-  columns (`cols`, stage rows in `order` or virtual-stage order)."""
+  columns (`cols`, stage rows in `order` or virtual-stage order) and the carried
+  leaves outside the stack (`outside_vals`: {batch leaf: value})."""
   if order is not None:
     cols = [x[np.argsort(order)] for x in cols]
   out = list(b_leaves)
+  for b, x in (outside_vals or {}).items():
+    out[b] = x
   for i, col in enumerate(cut.groups(cols, counts)):
     if cut.scanned:
       out[cut.state[0][i]] = cut.layer_order(state_pass.rows_of(col, counts))
@@ -153,3 +187,26 @@ def final_state(cut, cols, counts, order, b_leaves: Sequence, args: Sequence) ->
     for row, x in zip(cut.state, state_pass.layers_of(col, counts)):
       out[row[i]] = x
   return tuple(treedef.unflatten([out[b] for b in pos]) for treedef, pos in args)
+
+
+def outside_updater(inner: Updater, n_params: int, src: dict, microbatches: int) -> Updater:
+  """`inner` with the shared leaves after the first `n_params` (the state leaves
+  outside the stack, `outside`) set at their owner's update to their summed
+  "gradient" / M: the mean of the step's updates (`src["outside"][j]`: the aux
+  output updating leaf j, or None: never updated, kept)."""
+
+  def shared(key, js, sh, g, o_rep):
+    new = list(sh)
+    mine = [i for i, j in enumerate(js) if j < n_params]
+    if mine:
+      out, o_rep = inner.shared(
+        key, [js[i] for i in mine], [sh[i] for i in mine], [g[i] for i in mine], o_rep
+      )
+      for i, x in zip(mine, out):
+        new[i] = x
+    for i, j in enumerate(js):
+      if j >= n_params and src["outside"][j - n_params] is not None:
+        new[i] = (g[i] / microbatches).astype(sh[i].dtype)
+    return new, o_rep
+
+  return Updater(inner.chunk, shared, inner.start, inner.finish)
