@@ -200,31 +200,6 @@ def _owners(input_fn, loss_fn, ins, tgs, shared, vstages: int) -> list:
   return [None if a and b else (0 if a else vstages - 1) for a, b in zip(first, last)]
 
 
-def _outside_loss(loss_fn, targets, outs, n_p: int, src: dict):
-  """`loss_fn` (`(y, targets, shared) -> (loss, aux)`) with the state leaves `outs`
-  (batch leaves among `targets`) taken from the shared weights after the first
-  `n_p` instead, not differentiated; the aux outputs that update them
-  (`src["outside"]`) become their "gradient" (`passes.pipeline.state.emit`)."""
-  from ooojax.passes.pipeline import state as state_pass
-
-  at = [targets.index(b) for b in outs]
-  keep = [k for k in range(len(targets)) if k not in at]
-
-  def loss(y, tg, sh):
-    full = [None] * len(targets)
-    for k, x in zip(keep, tg):
-      full[k] = x
-    for k, x in zip(at, sh[n_p:]):
-      full[k] = jax.lax.stop_gradient(x)[None]  # a row: the loss reads state at [0]
-    val, aux = loss_fn(y, tuple(full), tuple(sh[:n_p]))
-    upd = [(x, k) for x, k in zip(sh[n_p:], src["outside"]) if k is not None]
-    probes = tuple(x for x, _ in upd)
-    news = tuple(jax.lax.stop_gradient(aux[k]).astype(x.dtype) for x, k in upd)
-    return state_pass.emit(val, probes, news), aux
-
-  return loss
-
-
 class TiledTrainStep(PipelineTrainStep):
   """`state, losses = step(state, *batches)`: `steps` steps per call, the batch
   leaves stacked on a leading axis of `steps`; built by `make_train_step(steps=n)`.
@@ -379,7 +354,7 @@ class TiledTrainStep(PipelineTrainStep):
         self.sched.virtual_stages,
       )
       if outs:  # the last stage's shared weights, updated by the epilogue's aux
-        loss_fn = _outside_loss(loss_fn, c.targets, outs, n_p, src)
+        loss_fn = carry.outside_loss(loss_fn, c.targets, outs, n_p, src)
         owners = [*owners, *[self.sched.virtual_stages - 1] * len(outs)]
       # only weights both ends read need the cross-stage barrier
       sched = self.table = tile(self.sched, self.steps, shared=None in owners)

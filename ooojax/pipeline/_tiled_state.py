@@ -17,7 +17,7 @@ State outside the stack that only the last stage reads (a BatchNorm in the head,
 or in the stem trained on batch statistics: its forward normalises with the
 batch's own, and only its update reads the running ones, recomputed by the last
 stage's epilogue, `Cut.targets`) travels as that stage's shared weights
-(`outside`, `outside_updater`): the epilogue hands its update to the leaf as the
+(`outside`, `outside_loss`, `outside_updater`): the epilogue hands its update to the leaf as the
 leaf's "gradient" (`passes.pipeline.state.emit` on the loss), and the owner's
 update at its U tick sets the leaf to the sum over the step's microbatches / M.
 State the first stage's forward reads (a stem BatchNorm that normalises with
@@ -187,6 +187,29 @@ def final_state(
     for row, x in zip(cut.state, state_pass.layers_of(col, counts)):
       out[row[i]] = x
   return tuple(treedef.unflatten([out[b] for b in pos]) for treedef, pos in args)
+
+
+def outside_loss(loss_fn, targets, outs, n_p: int, src: dict):
+  """`loss_fn` (`(y, targets, shared) -> (loss, aux)`) with the state leaves `outs`
+  (batch leaves among `targets`) taken from the shared weights after the first
+  `n_p` instead, not differentiated; the aux outputs that update them
+  (`src["outside"]`) become their "gradient" (`passes.pipeline.state.emit`)."""
+  at = [targets.index(b) for b in outs]
+  keep = [k for k in range(len(targets)) if k not in at]
+
+  def loss(y, tg, sh):
+    full = [None] * len(targets)
+    for k, x in zip(keep, tg):
+      full[k] = x
+    for k, x in zip(at, sh[n_p:]):
+      full[k] = jax.lax.stop_gradient(x)[None]  # a row: the loss reads state at [0]
+    val, aux = loss_fn(y, tuple(full), tuple(sh[:n_p]))
+    upd = [(x, k) for x, k in zip(sh[n_p:], src["outside"]) if k is not None]
+    probes = tuple(x for x, _ in upd)
+    news = tuple(jax.lax.stop_gradient(aux[k]).astype(x.dtype) for x, k in upd)
+    return state_pass.emit(val, probes, news), aux
+
+  return loss
 
 
 def outside_updater(inner: Updater, n_params: int, src: dict, microbatches: int) -> Updater:
