@@ -40,9 +40,8 @@ class _Net(nn.Module):
     return nn.Dense(10)(x)
 
 
-@pytest.fixture(scope="module")
-def bn():
-  model = _Net()
+def _case(model):
+  """`(loss, params, stats, x, y)`: the loss returns the updated collection in its aux."""
   x = jax.random.normal(jax.random.key(0), (16, 8))
   y = jax.random.randint(jax.random.key(1), (16,), 0, 10)
   v = model.init(jax.random.key(2), x)
@@ -54,6 +53,11 @@ def bn():
     return ce, {"batch_stats": upd["batch_stats"], "ce": ce}
 
   return loss, v["params"], stats, x, y
+
+
+@pytest.fixture(scope="module")
+def bn():
+  return _case(_Net())
 
 
 def _loop(loss, microbatches):
@@ -141,17 +145,10 @@ def test_batchnorm_refusals(bn):
     jax.eval_shape(ooo.pipeline.value_and_grad(loss, state_argnums=4, **kw), params, stats, x, y)
   # the tiled step cannot carry state the first stage's forward reads (a stem
   # BatchNorm normalising with its running statistics): the last stage updates it
-  model = _Net(stem_running=True)
-  v = model.init(jax.random.key(2), x)
-
-  def frozen_stem(params, stats, x, y):
-    logits, upd = model.apply({"params": params, "batch_stats": stats}, x, mutable=["batch_stats"])
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-    return ce, {"batch_stats": upd["batch_stats"]}
-
-  tiled = ooo.pipeline.make_train_step(frozen_stem, optax.sgd(0.1), steps=2, state_argnums=1, **kw)
+  frozen, params, stats, x, y = _case(_Net(stem_running=True))
+  tiled = ooo.pipeline.make_train_step(frozen, optax.sgd(0.1), steps=2, state_argnums=1, **kw)
   with pytest.raises(ValueError, match="read by the first stage's forward"):
-    tiled.init(v["params"], v["batch_stats"], jnp.stack([x, x]), jnp.stack([y, y]))
+    tiled.init(params, stats, jnp.stack([x, x]), jnp.stack([y, y]))
 
 
 def test_explain_with_batchnorm_state(bn):
@@ -202,21 +199,6 @@ def _tiled_equals_one_step_steps(loss, params, stats, x, y, steps, schedule="zb-
   assert_trees_close(tiled.params(ts), one.params(state))
 
 
-def test_batchnorm_tiled_step_equals_one_step_steps():
-  model = _StackNet()
-  x = jax.random.normal(jax.random.key(0), (16, 8))
-  y = jax.random.randint(jax.random.key(1), (16,), 0, 10)
-  v = model.init(jax.random.key(2), x)
-  stats = jax.tree.map(lambda a: a + 0.5, v["batch_stats"])
-
-  def loss(params, stats, x, y):
-    logits, upd = model.apply({"params": params, "batch_stats": stats}, x, mutable=["batch_stats"])
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-    return ce, {"batch_stats": upd["batch_stats"], "ce": ce}
-
-  _tiled_equals_one_step_steps(loss, v["params"], stats, x, y, steps=3)
-
-
 class _StemOnly(nn.Module):
   @nn.compact
   def __call__(self, x):  # state in the stem only: nothing in the stack to carry
@@ -228,24 +210,15 @@ class _StemOnly(nn.Module):
 
 @pytest.mark.parametrize(
   "model,schedule",
-  [(_Net(head_bn=True), "zb-v"), (_Net(), "1f1b"), (_StemOnly(), "zb-h1")],
-  ids=["stem-stack-head-zb-v", "stem-stack-1f1b", "stem-only-zb-h1"],
+  [(_StackNet(), "zb-v"), (_Net(head_bn=True), "zb-v"), (_Net(), "1f1b"), (_StemOnly(), "zb-h1")],
+  ids=["stack-zb-v", "stem-stack-head-zb-v", "stem-stack-1f1b", "stem-only-zb-h1"],
 )
-def test_batchnorm_in_the_stem_and_head_tiled_step_equals_one_step_steps(model, schedule):
-  """The stem's BatchNorm (trained on batch statistics: only its update reads the
-  running ones, which the last stage's epilogue recomputes) and the head's travel
-  as the last stage's shared weights, set at its update to the step's mean update."""
-  x = jax.random.normal(jax.random.key(0), (16, 8))
-  y = jax.random.randint(jax.random.key(1), (16,), 0, 10)
-  v = model.init(jax.random.key(2), x)
-  stats = jax.tree.map(lambda a: a + 0.5, v["batch_stats"])
-
-  def loss(params, stats, x, y):
-    logits, upd = model.apply({"params": params, "batch_stats": stats}, x, mutable=["batch_stats"])
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-    return ce, {"batch_stats": upd["batch_stats"], "ce": ce}
-
-  _tiled_equals_one_step_steps(loss, v["params"], stats, x, y, steps=3, schedule=schedule)
+def test_batchnorm_tiled_step_equals_one_step_steps(model, schedule):
+  """The stack's BatchNorm state travels with its layers; the stem's (trained on
+  batch statistics: only its update reads the running ones, which the last
+  stage's epilogue recomputes) and the head's as the last stage's shared weights,
+  set at its update to the step's mean update."""
+  _tiled_equals_one_step_steps(*_case(model), steps=3, schedule=schedule)
 
 
 # --- BatchNorm inside an nn.scan: the statistics stacked over the layers -------------
