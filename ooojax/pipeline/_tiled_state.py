@@ -74,7 +74,7 @@ def outside(cut, args: Sequence) -> tuple[int, ...]:
   return tuple(b for _, pos in args for b in pos if b not in in_stack and b in cut.targets)
 
 
-def state_sources(cut, b_leaves: Sequence, args: Sequence, aux_tree, aux_leaves=()) -> tuple:
+def state_sources(cut, b_leaves: Sequence, args: Sequence, aux_tree, aux_leaves: Sequence) -> tuple:
   """`(per state column of `cut` (`cut.state[row][i]`) the probe column `k`
   (`cut.emits[row][k]`) that carries its update, or None (not updated); {state leaf
   outside the stack: the index of the epilogue's aux output that updates it})`.
