@@ -303,7 +303,7 @@ class TiledTrainStep(PipelineTrainStep):
       for k, _ in jax.tree_util.tree_flatten_with_path(lay.treedef.unflatten(lay.avals))[0]
     ]
     c = lay.cut
-    r = c.widths(lay.balance.counts)[0] // len(c.stacked[0])  # stage columns per leaf
+    r = c.per_leaf(lay.balance.counts)
     where = [paths[i] for i in c.stacked[0] for _ in range(r)]
     where += [paths[i] for i in (*c.shared, *lay.rest)]
     names = [n for n in dict.fromkeys(_transform_names(self.optimizer.update)) if n in _COUPLING]
@@ -360,8 +360,8 @@ class TiledTrainStep(PipelineTrainStep):
       sched = self.table = tile(self.sched, self.steps, shared=None in owners)
       updater = g.updater(self.sched.chunks, owners[:n_p])
       if c.state:
-        n, n_st, _ = c.widths(lay.balance.counts)
-        per_leaf = n_st // len(c.state[0])  # a loop's rows are columns of their own
+        n = c.widths(lay.balance.counts)[0]
+        per_leaf = c.per_leaf(lay.balance.counts)  # a loop's rows are columns of their own
         updater = carry.carry_updater(updater, n, src, self.sched.microbatches, per_leaf)
       if outs:
         updater = carry.outside_updater(updater, n_p, src, self.sched.microbatches)

@@ -173,7 +173,7 @@ class PipelineTrainStep:
           f"{vals[j]!r}); a pipelined stack updates each leaf of all its layers as "
           "one array: give every layer the same"
         )
-      cols += [vals[0]] * (c.widths(lay.balance.counts)[0] // len(c.stacked[0]))
+      cols += [vals[0]] * c.per_leaf(lay.balance.counts)
     return StageParams(
       tuple(cols), tuple(flags[i] for i in c.shared), tuple(flags[i] for i in lay.rest)
     )

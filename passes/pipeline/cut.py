@@ -99,12 +99,15 @@ class Cut:
   emit_avals: tuple = ()
   aux_at: tuple = ()
 
+  def per_leaf(self, counts: Sequence[int]) -> int:
+    """Stage columns per leaf of a layer: one for a scan's; `max(counts)` for a
+    loop's, a row each (`passes.pipeline.state.columns`)."""
+    return 1 if self.scanned else max(counts)
+
   def widths(self, counts: Sequence[int]) -> tuple[int, int, int]:
     """How many stage columns the executor gets: of the parameters (`stage_params`),
-    then of the state and of the probes (`stage_state`). One per leaf of a scan's
-    layer; `max(counts)` per leaf of a loop's layer, a row each
-    (`passes.pipeline.state.columns`)."""
-    r = 1 if self.scanned else max(counts)
+    then of the state and of the probes (`stage_state`); `per_leaf` per leaf."""
+    r = self.per_leaf(counts)
     n_s = len(self.state[0]) if self.state else 0
     return len(self.stacked[0]) * r, n_s * r, len(self.emit_avals) * r
 
@@ -115,7 +118,7 @@ class Cut:
     """Stage columns grouped per leaf: an array (a scan's), or a loop's rows."""
     if self.scanned:
       return list(cols)
-    r = max(counts)
+    r = self.per_leaf(counts)
     return [tuple(cols[i : i + r]) for i in range(0, len(cols), r)]
 
   def stage_fn(self, per: int) -> Callable:
