@@ -21,7 +21,7 @@ import numpy as np
 
 import ooojax as ooo
 from benchmarks import _report
-from benchmarks.step_time import _sgd_step
+from benchmarks.step_time import sgd_step
 from ooojax._calibrate import time_fn
 from ooojax.models import ZOO
 
@@ -34,8 +34,8 @@ def row(name: str, batch: int | None, full: bool, mode: str, rounds: int, iters:
   if batch is not None:
     sizes["batch"] = batch
   loss_fn, args, kw = make(**sizes)
-  base = _sgd_step(jax.grad, loss_fn, kw)
-  ours = _sgd_step(lambda f, **k: ooo.grad(f, mode=mode, **k), loss_fn, kw)
+  base = sgd_step(jax.grad, loss_fn, kw)
+  ours = sgd_step(lambda f, **k: ooo.grad(f, mode=mode, **k), loss_fn, kw)
   tb, to = [], []
   for _ in range(rounds):
     tb.append(time_fn(base, args, iters))

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU suite, for a session lent the `device` tool (ONE call, < 10 minutes):
-#   run(command="bash benchmarks/gpu.sh")
+# The GPU suite, for a session lent the `device` tool (ONE call, < 10 minutes; the
+# tool brings back at most 8 files, so gather them in one archive):
+#   run(command='G=/tmp/g; OUT=$G bash benchmarks/gpu.sh; tar czf $OUT/gpu.tgz -C $G .')
 # The GPU machine has Python 3.12 with jax 0.11.2 (CUDA 13 plugin), flax, optax
 # and pytest preinstalled and no network: nothing is installed, the repo runs
 # from PYTHONPATH. Each step writes $OUT/<step>.md as it runs (a run cut short
@@ -36,11 +37,13 @@ if [ -n "$DRY" ]; then  # tiny sizes, two variants: every step runs through, fas
   SCHED=(--tiny --batch 4) MECH=(--model demo_cnn --batch 4) SCAN=(--layers 2 --seq 8 --dim 16 --heads 2 --vocab 32 --rounds 1 --iters 1 --sim-layers 2 --skip-compile-only)
   PYTEST=(--collect-only)  # the suite runs in CI already: check that the command works
   EXEC=(--layers 2 --dim 16 --hidden 32 --batch 16 --microbatches 4 --rounds 1 --iters 1)
+  TRACE=(--batch 4 --steps 2) TRACE_BIG=(--model resnet50 --tiny --steps 2)
 else
   SIZE=(--batch 32) ROUNDS=(--rounds 5) CHECK=(--batch 32) SCHED=(--batch 32) SCAN=(--sim-layers 4)
   MECH=(--model resnet50 --batch 32)
   EXEC=()
   PYTEST=()
+  TRACE=(--batch 32) TRACE_BIG=(--model resnet50 --batch 32)
 fi
 
 step() {  # step NAME TIMEOUT CMD...: runs CMD (a program, not a shell function) for at most TIMEOUT s
@@ -62,37 +65,42 @@ step() {  # step NAME TIMEOUT CMD...: runs CMD (a program, not a shell function)
 ST=($PY -m benchmarks.step_time "${V[@]}" "${ROUNDS[@]}")
 
 unset XLA_FLAGS
+# 0. Why single_gpu ran at 0.51-0.72x jax.grad on the first GPU (H100, 2026-11-27):
+# a device trace per variant (idle gaps, two streams at once, the same kernels'
+# time) and each variant's compiled HLO (this device's layouts) under hlo/.
+step gpu_trace_demo_cnn 90 $PY -m benchmarks.gpu_trace "${TRACE[@]}" --hlo-dir "$OUT/hlo"
+step gpu_trace_resnet50 150 $PY -m benchmarks.gpu_trace "${TRACE_BIG[@]}" --hlo-dir "$OUT/hlo"
 # 1. Measured step times, default options (command buffers on): the ratios people ask for.
 step step_time_demo_cnn 90 "${ST[@]}" --model demo_cnn "${SIZE[@]}"
-step step_time_mobilenet_v3_small 90 "${ST[@]}" --model mobilenet_v3_small "${SIZE[@]}" --no-sim-check
 step step_time_resnet50 90 "${ST[@]}" --model resnet50 "${SIZE[@]}" --no-sim-check
-# 1b. The single-GPU mechanisms (docs/guides/single-gpu-on-jax-0.12.md): ooojax's own
-# emission under default options, then with the latency-hiding scheduler off, then with
-# four async calls allowed in flight; jax.grad under the same options beside each.
-step single_gpu_mechanisms 120 $PY -m benchmarks.step_time --variants "jax.grad" "ooo single_gpu" \
-  "${ROUNDS[@]}" "${MECH[@]}" --no-sim-check \
-  --also-with xla_gpu_enable_latency_hiding_scheduler=false \
-  --also-with xla_gpu_experimental_parallel_async_compute_limit=4
 # 2. Each ordering compiles on this GPU and matches jax.grad; heavy dW overlap as compiled here.
 step gpu_check 120 $PY -m benchmarks.gpu_check "${CHECK[@]}"
-# 3. The compiled schedule on this device (autotuned layouts) vs the compile-only H100's.
-step gpu_schedule_real 150 $PY -m benchmarks.gpu_schedule --real --models demo resnet50 "${SCHED[@]}"
-# 4. Command buffers off.
-export XLA_FLAGS="--xla_gpu_enable_command_buffer="
-step step_time_resnet50_cb_off 90 "${ST[@]}" --model resnet50 "${SIZE[@]}" --no-sim-check
-unset XLA_FLAGS
-# 5. More models, scanned layers, then the tests that hold on this backend.
-step step_time_densenet121 120 "${ST[@]}" --model densenet121 "${SIZE[@]}" --no-sim-check
-step step_time_mobilenet_v3_large 90 "${ST[@]}" --model mobilenet_v3_large "${SIZE[@]}" --no-sim-check
-step scan 120 $PY -m benchmarks.scan "${SCAN[@]}"
 # Gradients against jax.grad at float32 tolerance: f32 matmuls in full precision (not TF32).
 step pytest 120 env JAX_DEFAULT_MATMUL_PRECISION=highest $PY -m pytest -q -rs "${PYTEST[@]}" \
   tests/test_hlo.py tests/test_overlap.py tests/test_grad.py
-# 6. The pipeline executor's own cost on one GPU (its ticks against the accumulated
+# 3. The pipeline executor's own cost on one GPU (its ticks against the accumulated
 # scan), and its weight-slice copies with Triton GEMMs (default) and cuBLAS ones; the
 # stacked explicit form beside a flax loop pipelined automatically (no slices).
 step executor_cost 120 $PY -m benchmarks.executor_cost "${EXEC[@]}" \
   --also-with xla_gpu_enable_triton_gemm=false
+# 4. The compiled schedule on this device (autotuned layouts) vs the compile-only H100's.
+step gpu_schedule_real 150 $PY -m benchmarks.gpu_schedule --real --models demo resnet50 "${SCHED[@]}"
+# 5. More models, the single-GPU mechanisms, command buffers off, scanned layers
+# (measured on 2026-11-27; DenseNet-121 and MobileNetV3-large ran out of their
+# 120 s there, compiling).
+step step_time_mobilenet_v3_small 90 "${ST[@]}" --model mobilenet_v3_small "${SIZE[@]}" --no-sim-check
+# ooojax's own emission under default options, then with the latency-hiding scheduler
+# off, then with four async calls allowed in flight; jax.grad under the same options.
+step single_gpu_mechanisms 120 $PY -m benchmarks.step_time --variants "jax.grad" "ooo single_gpu" \
+  "${ROUNDS[@]}" "${MECH[@]}" --no-sim-check \
+  --also-with xla_gpu_enable_latency_hiding_scheduler=false \
+  --also-with xla_gpu_experimental_parallel_async_compute_limit=4
+export XLA_FLAGS="--xla_gpu_enable_command_buffer="
+step step_time_resnet50_cb_off 90 "${ST[@]}" --model resnet50 "${SIZE[@]}" --no-sim-check
+unset XLA_FLAGS
+step scan 120 $PY -m benchmarks.scan "${SCAN[@]}"
+step step_time_densenet121 180 "${ST[@]}" --model densenet121 "${SIZE[@]}" --no-sim-check
+step step_time_mobilenet_v3_large 150 "${ST[@]}" --model mobilenet_v3_large "${SIZE[@]}" --no-sim-check
 echo "done after $((SECONDS - START))s" >> "$OUT/env.txt"
 shopt -s nullglob  # every step skipped: no .md file, still a clean exit
 tail -n 25 "$OUT"/*.md "$OUT"/*.txt

@@ -129,8 +129,12 @@ def main(argv=None):
       print(f"{title} / {v}: {rows[-1]['seconds']:.1f} s", file=sys.stderr, flush=True)
   where = "this machine's device, autotuned" if a.real else "compile-only, jaxlib's CUDA plugin"
   lines = _report.header(f"Compiled {'local' if a.real else a.gpu} schedule ({where})") + [
-    f"Each gradient compiled for a compile-only {a.gpu} on this host (no GPU ran). "
-    "'heavy dW calls overlapped' = stream-annotated calls whose callee holds a conv/GEMM "
+    (
+      "Each gradient compiled for this machine's own GPU (autotuned; nothing timed). "
+      if a.real
+      else f"Each gradient compiled for a compile-only {a.gpu} on this host (no GPU ran). "
+    )
+    + "'heavy dW calls overlapped' = stream-annotated calls whose callee holds a conv/GEMM "
     "with a conv/GEMM kernel scheduled between start and done / all such calls. "
     "'simulated speedup' is the cost model's in-order / scheduled makespan (not "
     "measured). Compile seconds on this host.",

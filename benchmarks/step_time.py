@@ -45,7 +45,25 @@ def _demo_case(batch):
   return loss_fn, (v["params"], v["batch_stats"], x, y), {"has_aux": True}
 
 
-def _sgd_step(grad_fn, loss_fn, kw, compiler_options=None):
+def case(model: str, batch: int, tiny: bool = False):
+  """`(loss_fn, args, kw, description)` for "demo_cnn" or a zoo model."""
+  if model == "demo_cnn":
+    return (*_demo_case(batch), f"demo SmallCNN, batch {batch}")
+  make, full, small = ZOO[model]
+  sizes = dict(small if tiny else full)
+  if not tiny:
+    sizes["batch"] = batch
+  desc = f"{model} ({'tiny' if tiny else 'full'} size), batch {sizes['batch']}"
+  return (*make(**sizes), desc)
+
+
+def variant_grad(name: str):
+  """The `jax.grad`-shaped transform a VARIANTS entry names."""
+  opts = VARIANTS[name]
+  return jax.grad if opts is None else (lambda f, **k: ooo.grad(f, **opts, **k))
+
+
+def sgd_step(grad_fn, loss_fn, kw, compiler_options=None):
   def step(*args):
     g = grad_fn(loss_fn, **kw)(*args)
     g = g[0] if kw.get("has_aux") else g
@@ -73,25 +91,14 @@ def main(argv=None):
   ap.add_argument("--no-sim-check", action="store_true")
   ap.add_argument("--write", action="store_true")
   a = ap.parse_args(argv)
-  if a.model == "demo_cnn":
-    loss_fn, args, kw = _demo_case(a.batch)
-    desc = f"demo SmallCNN, batch {a.batch}"
-  else:
-    make, full, tiny = ZOO[a.model]
-    sizes = dict(tiny if a.tiny else full)
-    if not a.tiny:
-      sizes["batch"] = a.batch
-    loss_fn, args, kw = make(**sizes)
-    desc = f"{a.model} ({'tiny' if a.tiny else 'full'} size), batch {sizes['batch']}"
+  loss_fn, args, kw, desc = case(a.model, a.batch, a.tiny)
   from ooojax._hlo_cli import parse_kv
 
   option_sets = [("", {})] + [(f" [{o}]", parse_kv(o.split(","))) for o in a.also_with]
   steps = {}
   for suffix, copts in option_sets:
     for name in a.variants:
-      opts = VARIANTS[name]
-      g = jax.grad if opts is None else (lambda o: lambda f, **k: ooo.grad(f, **o, **k))(opts)
-      steps[name + suffix] = _sgd_step(g, loss_fn, kw, copts)
+      steps[name + suffix] = sgd_step(variant_grad(name), loss_fn, kw, copts)
   times, failed = _report.compile_then_alternate(steps, args, a.rounds, a.iters)
   med = {k: float(np.median(t)) for k, t in times.items()}
   base = med.get("jax.grad")

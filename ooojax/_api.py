@@ -26,13 +26,20 @@ from ooojax.passes.schedule import schedule as make_schedule
 from ooojax.passes.split import from_flat, inline_calls, rewrite
 
 MODES = ("auto", "single_gpu", "in_order", "data_parallel")
+# What mode="auto" runs on each backend: the mode measured fastest there
+# (benchmarks/RESULTS.md). CPUs have no streams, and on XLA:CPU an annotated
+# call keeps its convs out of layout assignment (~9x slower steps). On the
+# first GPU measured (H100, jax 0.11.2, 2026-11-27) single_gpu ran at
+# 0.51-0.72x jax.grad's step with every planned window held, in_order at
+# 0.97-1.00x: until a run shows the overlap paying, GPUs get in_order too.
+AUTO_MODE = {"cpu": "in_order", "gpu": "in_order"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
   """Keyword options shared by `grad`, `value_and_grad` and `explain`.
 
-  mode: "auto" (single_gpu on a GPU backend, in_order elsewhere),
+  mode: "auto" (the mode measured fastest on the backend: `AUTO_MODE`),
     "single_gpu" (dW clusters on a second stream), or "in_order" (split and
     re-emit on one stream, no annotations: the control to compare against).
   streams: 1 or 2 compute streams.
@@ -79,9 +86,7 @@ class Options:
   def resolved_mode(self) -> str:
     if self.mode != "auto":
       return self.mode
-    # CPUs have no streams, and on XLA:CPU an annotated call keeps its convs
-    # out of layout assignment (measured ~9x slower steps): see RESULTS.md.
-    return "single_gpu" if jax.default_backend() == "gpu" else "in_order"
+    return AUTO_MODE.get(jax.default_backend(), "in_order")
 
   def resolved_ordering(self) -> str:
     # Resolved per lowering platform inside the emitted program (see

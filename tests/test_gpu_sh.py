@@ -25,13 +25,19 @@ def _steps() -> list[str]:
 def test_the_steps():
   steps = _steps()
   assert len(steps) >= 8 and len(set(steps)) == len(steps), steps  # one file per step
-  assert steps[:3] == ["step_time_demo_cnn", "step_time_mobilenet_v3_small", "step_time_resnet50"]
+  # the diagnosis of the first GPU run's single-GPU slowdown first, then the ratios
+  assert steps[:4] == [
+    "gpu_trace_demo_cnn",
+    "gpu_trace_resnet50",
+    "step_time_demo_cnn",
+    "step_time_resnet50",
+  ]
 
 
 # The dry run's steps, split over cells (`ONLY=`): each step is a fresh process that
 # compiles, and one test running them all would be the longest of the suite, the
 # last to end when xdist has nothing left to share out.
-CELLS = 6  # 11 steps: at most two per cell
+CELLS = 8  # 15 steps: at most two per cell
 
 
 @pytest.mark.parametrize("cell", range(CELLS))

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import ooojax as ooo
+from ooojax import _api
 from tests.conftest import cpu_backend_only
 
 pytestmark = cpu_backend_only
@@ -102,14 +103,16 @@ def test_cpu_spec_keeps_small_work_on_one_stream():
   assert r.on_stream(1) == [] and len(r.schedule.streams) == 1
 
 
-def test_auto_mode_picks_by_backend():
-  # CPU has no streams: auto re-emits in order with no annotations.
-  assert ooo.Options().resolved_mode() == (
-    "single_gpu" if jax.default_backend() == "gpu" else "in_order"
-  )
+def test_auto_mode_picks_the_mode_measured_fastest():
+  # CPU has no streams; on the first GPU measured single_gpu lost to jax.grad
+  # (0.51-0.72x, RESULTS.md): auto re-emits in order with no annotations on both.
+  assert ooo.Options().resolved_mode() == "in_order"
+  assert _api.AUTO_MODE == {"cpu": "in_order", "gpu": "in_order"}
   loss, p, x = _wide_mlp()
   text = jax.jit(ooo.grad(loss, device="H100")).lower(p, x).as_text()
-  assert ("_xla_stream_annotation" in text) == (jax.default_backend() == "gpu")
+  assert "_xla_stream_annotation" not in text
+  forced = jax.jit(ooo.grad(loss, device="H100", mode="single_gpu")).lower(p, x).as_text()
+  assert "_xla_stream_annotation" in forced
 
 
 def test_ordering_is_chosen_per_lowering_platform():
