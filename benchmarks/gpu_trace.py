@@ -13,7 +13,8 @@ say why. This traces a few jitted SGD steps of each variant
 * 2+ streams: time two or more streams run at once (the overlap itself);
 * kernel time: the sum of kernel durations; "shared" sums only the kernels
   whose names jax.grad's step also runs, so it rises when the same kernels
-  run slower beside each other (contention) or more often.
+  run slower beside each other (contention) or more often; "own" counts the
+  kernels jax.grad's step never runs (copies, concatenations, layouts).
 
 Per stream it lists the kernels per step and their time. `--hlo-dir` also
 writes each variant's compiled HLO (this device's layouts and algorithms).
@@ -132,6 +133,16 @@ def shared_ms(s: Summary, base: Summary, steps: int) -> tuple[float, float]:
   )
 
 
+def own(s: Summary, base: Summary, steps: int) -> tuple[float, float]:
+  """Per step, (count, ms) of the kernels whose names base's step never runs
+  (the copies, concatenations and layout changes a variant adds)."""
+  names = s.kernels.keys() - base.kernels.keys()
+  return (
+    sum(s.kernels[k][0] for k in names) / steps,
+    sum(s.kernels[k][1] for k in names) / steps,
+  )
+
+
 def trace(step, args, steps: int, warmup: int = 3):
   """(wall seconds per step, ProfileData) of `steps` calls of `step` traced."""
   from jax.profiler import ProfileData
@@ -154,21 +165,22 @@ def table(rows: dict, steps: int) -> list[str]:
   base = rows.get("jax.grad", (None, None))[1]
   out = [
     "| variant | wall ms | span ms | busy ms | idle ms | 2+ streams ms | kernel ms "
-    "| shared kernels ms (jax.grad's) | per stream: kernels, ms |",
-    "|---|---|---|---|---|---|---|---|---|",
+    "| shared kernels ms (jax.grad's) | own kernels: count, ms | per stream: kernels, ms |",
+    "|---|---|---|---|---|---|---|---|---|---|",
   ]
   for name, (wall, s) in rows.items():
     if s is None:
-      out.append(f"| {name} | {wall * 1e3:.2f} | no GPU stream lines in the trace | | | | | | |")
+      out.append(f"| {name} | {wall * 1e3:.2f} | no GPU stream lines in the trace | | | | | | | |")
       continue
-    shared = "-"
+    shared = extra = "-"
     if base is not None and s is not base:
       b, v = shared_ms(s, base, steps)
       shared = f"{v:.2f} ({b:.2f})"
+      extra = "{:.0f}, {:.2f}".format(*own(s, base, steps))
     per = "; ".join(f"{n}: {k:.0f}, {ms:.2f}" for n, k, ms in s.streams)
     out.append(
       f"| {name} | {wall * 1e3:.2f} | {s.span:.2f} | {s.busy:.2f} | {s.idle:.2f} "
-      f"| {s.both:.2f} | {s.kernel:.2f} | {shared} | {per} |"
+      f"| {s.both:.2f} | {s.kernel:.2f} | {shared} | {extra} | {per} |"
     )
   return out
 

@@ -54,7 +54,15 @@ import jax
 from ooojax.passes import _compat, stage
 from ooojax.passes.ir import Call, Kind, Schedule, Split
 from ooojax.passes.scan import skew as scan_skew
-from ooojax.passes.stream_calls import Anchor, Late, LateLeaves, calls_of, on_stream
+from ooojax.passes.stream_calls import (
+  Anchor,
+  Close,
+  Late,
+  LateLeaves,
+  anchor_folds,
+  calls_of,
+  on_stream,
+)
 
 ORDERINGS = ("auto", "barriers", "control_deps", "scheduling_group", "none")
 
@@ -267,7 +275,11 @@ def emit(
   calls_after: dict[str, list[Call]] = {}
   for c in calls_of(sched, units):
     calls_after.setdefault(c.after, []).append(c)
-  anchors: dict[int, Anchor] = {}
+  anchors: dict[int, Any] = {}  # equation -> its hook (`Anchor`, `Close`, `Late`)
+  folds = {}
+  if barriers:
+    ids = {c.anchor for cs in calls_after.values() for c in cs if c.anchor >= 0}
+    folds = anchor_folds(jaxpr, ids - {late.anchor} if late else ids, main, dead)
   done: dict = {}  # unit name -> its call's tied buffers (`Call.wait`)
   side_outs: list = []
   life = _Lifetimes(jaxpr, env, dead, consume)
@@ -303,7 +315,12 @@ def emit(
       with jax.named_scope(f"ooo_{label}"), meta(group + 1):
         ins, outs, flat, unpack = on_stream(jaxpr, eqn_ids, env, c.stream, life, pinned, wait)
       if pinned and outs:
-        hook = anchors.setdefault(c.anchor, Anchor(env, done))
+        hook = anchors.get(c.anchor)
+        if hook is None:
+          tie, close = folds.get(c.anchor, (None, c.anchor))
+          hook = anchors[c.anchor] = Anchor(env, done, tie)
+          if close != c.anchor and close not in anchors:
+            anchors[close] = Close(hook)
         hook.calls.append((ins, outs, flat, unpack, c.units))
       if flat:
         side_outs.append(flat[0])

@@ -247,6 +247,64 @@ def calls_of(sched: Schedule, units) -> tuple[Call, ...]:
   )
 
 
+# Producers XLA folds into a conv or dot reading their output: a tie between
+# them hides the pattern (a reversed filter makes a backward-input conv).
+_FOLDED = frozenset(
+  {"rev", "transpose", "reshape", "convert_element_type", "broadcast_in_dim", "squeeze"}
+)
+# An anchor's only reader that cuDNN fuses into the conv (a residual's gradient
+# added as the side input): the window closes after it, not between them.
+_EPILOGUE = frozenset({"add", "add_any"})
+
+
+def anchor_folds(jaxpr, anchor_ids, units, dead) -> dict[int, tuple[list[bool] | None, int]]:
+  """For each anchor equation: (which operands `Anchor` ties, None for all;
+  the equation its window closes at, itself or its epilogue: see `Anchor`).
+
+  `units`: the main stream's units in order (their `eqns`); an epilogue must
+  follow its anchor in the same unit and be nobody's anchor itself.
+  """
+  eqns = jaxpr.eqns
+  anchor_ids = set(anchor_ids)
+  where = {k: (i, j) for i, u in enumerate(units) for j, k in enumerate(u.eqns)}
+  wanted = {v for k in anchor_ids for v in eqns[k].invars if isinstance(v, _compat.Var)}
+  outs = {eqns[k].outvars[0]: k for k in anchor_ids if len(eqns[k].outvars) == 1}
+  producer: dict = {}
+  readers: dict = {v: [] for v in outs}
+  for k, e in enumerate(eqns):
+    if dead[k]:
+      continue
+    for v in e.outvars:
+      if v in wanted:
+        producer[v] = e.primitive.name
+    for v in e.invars:
+      if isinstance(v, _compat.Var) and v in readers:
+        readers[v].append(k)
+  final = {v for v in jaxpr.outvars if isinstance(v, _compat.Var)}
+  result = {}
+  for k in anchor_ids:
+    ops = eqns[k].invars
+    tie = [not (isinstance(v, _compat.Var) and producer.get(v) in _FOLDED) for v in ops]
+    if all(tie) or not any(t for t, v in zip(tie, ops) if isinstance(v, _compat.Var)):
+      tie = None  # nothing folded, or every operand is: tie them all
+    close = k
+    (out,) = eqns[k].outvars if len(eqns[k].outvars) == 1 else (None,)
+    (j,) = readers.get(out, ()) if len(readers.get(out, ())) == 1 else (None,)
+    if (
+      j is not None
+      and out not in final
+      and j not in anchor_ids
+      and eqns[j].primitive.name in _EPILOGUE
+      and k in where
+      and j in where
+      and where[j][0] == where[k][0]
+      and where[j][1] > where[k][1]
+    ):
+      close = j
+    result[k] = (tie, close)
+  return result
+
+
 class Anchor:
   """The calls whose window closes at one main-stream equation.
 
@@ -256,25 +314,44 @@ class Anchor:
   the tied copy of the output for its readers, so the dones cannot be
   scheduled after them either. `done` collects each call's tied buffers by
   unit name, for a later call that waits for it (`Call.wait`).
+
+  A tie hides what it ties from XLA's pattern matching. `tie` (one flag per
+  operand; None: all) leaves out operands XLA folds into the equation (a
+  reversed filter makes a conv a backward-input conv); `close` (see `Close`)
+  moves the output tie past an epilogue cuDNN fuses into the conv (the add of
+  a residual's gradient), so a pinned window costs no fusion.
   """
 
-  def __init__(self, env, done: dict | None = None):
+  def __init__(self, env, done: dict | None = None, tie: Sequence[bool] | None = None):
     self.env = env
     self.calls: list = []  # (input values, output vars, flat buffers, unpack, units)
     # unit name -> its call's tied buffers, for a later call's `wait` (vars when staged)
     self.done = {} if done is None else done
+    self.tie = tie
+    self.close: Close | None = None  # the window closes at a later equation
+    self.unpinned = False
+
+  def _mask(self, n: int) -> list[bool]:
+    return [True] * n if self.tie is None else list(self.tie)
 
   def stage(self, eqn, life) -> None:
     """`before`, the equation and `after` as equations pending in `life` (vars, not values)."""
     ins = [x for c in self.calls for x in c[0]]
     ivars = [v if isinstance(v, _compat.Literal) else life.subst.get(v, v) for v in eqn.invars]
-    b1, tied_in = stage.barrier_eqn([*ins, *ivars])  # literals too, as `before` ties them
-    anchor = eqn.replace(invars=tied_in[len(ins) :])
-    out = eqn.outvars[0]
+    mask = self._mask(len(ivars))
+    b1, tied_in = stage.barrier_eqn([*ins, *(v for v, t in zip(ivars, mask) if t)])
+    it = iter(tied_in[len(ins) :])
+    anchor = eqn.replace(invars=[next(it) if t else v for v, t in zip(ivars, mask)])
+    life.add([b1, anchor])
+    if self.close is None:
+      self.stage_close(eqn.outvars[0], life)
+
+  def stage_close(self, out, life) -> None:
+    """`after` as equations: ties the calls' buffers to `out`, whose readers read the tie."""
     flats = [x for c in self.calls for x in c[2]]
     b2, t2 = stage.barrier_eqn([*flats, out])
     b3, t3 = stage.barrier_eqn([*t2[:-1], out])  # chained: see `after`
-    life.add([b1, anchor, b2, b3])
+    life.add([b2, b3])
     life.alias([out], [t3[-1]])  # readers read the tied copy: see `after`
     if life.uses.get(out, 0):  # the barriers' two reads are not the program's: its
       life.keep(out)  # readers may come after a flush (an unstageable equation)
@@ -287,16 +364,24 @@ class Anchor:
       self.done.update(dict.fromkeys(c[4], bufs))
 
   def unpin(self, life) -> None:  # pragma: no cover - see `passes.emit._run_eqns`
+    if self.unpinned:
+      return
+    self.unpinned = True
     for c in self.calls:
       c[3](c[2])
       self.done.update(dict.fromkeys(c[4], c[2]))
 
   def before(self, invals):
     ins = [x for c in self.calls for x in c[0]]
-    _, invals = jax.lax.optimization_barrier((ins, list(invals)))
-    return invals
+    mask = self._mask(len(invals))
+    _, tied = jax.lax.optimization_barrier((ins, [x for x, t in zip(invals, mask) if t]))
+    it = iter(tied)
+    return [next(it) if t else x for x, t in zip(invals, mask)]
 
   def after(self, outs):
+    return outs if self.close is not None else self.tie_outputs(outs)
+
+  def tie_outputs(self, outs):
     # Tie the flat buffers themselves: any op on the done before the
     # barrier (a slice, a reshape) is a user XLA may schedule early.
     tied, _ = jax.lax.optimization_barrier(([c[2] for c in self.calls], outs[0]))
@@ -312,6 +397,30 @@ class Anchor:
     # scheduler (jax >= 0.12) stretches a done down to the next call that waits
     # for it, and then places that call's start after its own anchor.
     return [out, *outs[1:]]
+
+
+class Close:
+  """The hook at the equation where an `Anchor`'s window closes, when that is
+  not the anchor itself but its epilogue (`passes.emit` picks it: the anchor's
+  only reader, an add XLA fuses into the conv)."""
+
+  def __init__(self, anchor: Anchor):
+    self.anchor = anchor
+    anchor.close = self
+
+  def stage(self, eqn, life) -> None:
+    life.add([eqn])
+    if not self.anchor.unpinned:
+      self.anchor.stage_close(eqn.outvars[0], life)
+
+  def unpin(self, life) -> None:  # pragma: no cover - an effectful epilogue
+    self.anchor.unpin(life)
+
+  def before(self, invals):
+    return invals
+
+  def after(self, outs):
+    return outs if self.anchor.unpinned else self.anchor.tie_outputs(outs)
 
 
 @dataclasses.dataclass(frozen=True)

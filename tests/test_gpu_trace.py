@@ -60,7 +60,10 @@ def test_shared_kernels_and_the_table():
   assert gpu_trace.shared_ms(var, base, 1) == pytest.approx((3.0, 4.0))  # conv ran slower
   rows = {"jax.grad": (0.004, base), "ooo single_gpu": (0.005, var), "cpu": (0.001, None)}
   text = "\n".join(gpu_trace.table(rows, 1))
-  assert "| ooo single_gpu | 5.00 | 4.00 | 4.00 | 0.00 | 2.00 | 6.00 | 4.00 (3.00) |" in text
+  assert gpu_trace.own(var, base, 1) == pytest.approx((1, 2.0))  # dw_conv
+  assert (
+    "| ooo single_gpu | 5.00 | 4.00 | 4.00 | 0.00 | 2.00 | 6.00 | 4.00 (3.00) | 1, 2.00 |" in text
+  )
   assert "| cpu | 1.00 | no GPU stream lines" in text
 
 
