@@ -83,6 +83,12 @@ step pytest 120 env JAX_DEFAULT_MATMUL_PRECISION=highest $PY -m pytest -q -rs "$
 # stacked explicit form beside a flax loop pipelined automatically (no slices).
 step executor_cost 120 $PY -m benchmarks.executor_cost "${EXEC[@]}" \
   --also-with xla_gpu_enable_triton_gemm=false
+# On the first GPU the executor took 2x the accumulated step (2.3 ms more at m=8,
+# about 0.1 ms a tick): a tick holds a switch and conds, whose branch index
+# XLA:GPU reads back on the host. CUDA-graph conditionals branch on the device.
+export XLA_FLAGS="--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE"
+step executor_cost_graph_conditionals 120 $PY -m benchmarks.executor_cost "${EXEC[@]}"
+unset XLA_FLAGS
 # 4. The compiled schedule on this device (autotuned layouts) vs the compile-only H100's.
 step gpu_schedule_real 150 $PY -m benchmarks.gpu_schedule --real --models demo resnet50 "${SCHED[@]}"
 # 5. More models, the single-GPU mechanisms, command buffers off, scanned layers
