@@ -6,6 +6,7 @@ whose body holds a conv or GEMM must have a conv/GEMM of the dX chain
 scheduled between its start and its done.
 """
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -150,3 +151,53 @@ def test_windows_keep_gradients_on_cpu(close):
   loss, args = models.cnn_case()
   g = jax.jit(ooo.grad(loss, has_aux=True, mode="single_gpu", device="H100", ordering="barriers"))
   close(g(*args), jax.grad(loss, has_aux=True)(*args))
+
+
+class _Residual(nn.Module):
+  """Convs whose dX is added to a residual's gradient (cuDNN fuses that add)."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Conv(64, (3, 3))(x))
+    for _ in range(3):
+      h = nn.relu(nn.Conv(128, (1, 1))(x))
+      x = x + nn.Conv(64, (1, 1))(nn.relu(nn.Conv(128, (3, 3))(h)))
+    return nn.Dense(10)(x.mean((1, 2)))
+
+
+def test_pins_leave_out_what_xla_folds_into_the_anchor(close):
+  # The anchor's reversed filter stays untied, and a window whose anchor's only
+  # reader is an add closes after the add; the gradients are jax.grad's, staged
+  # under jit and bound equation by equation.
+  from ooojax.passes.ir import Kind
+  from ooojax.passes.stream_calls import anchor_folds
+
+  m = _Residual()
+  x = jax.random.normal(jax.random.PRNGKey(0), (16, 16, 16, 3))
+  p = m.init(jax.random.PRNGKey(1), x)["params"]
+
+  def loss(p, x):
+    return jnp.mean(m.apply({"params": p}, x) ** 2)
+
+  r = ooo.explain(loss, p, x, mode="single_gpu", device="H100")
+  s, split = r.schedule, r.split
+  units = {u.name: u for u in s.units}
+  main = [units[a.unit] for a in s.streams[0]]
+  anchors = {c.anchor for c in s.calls if c.anchor >= 0}
+  jaxpr = split.jaxpr.jaxpr
+  folds = anchor_folds(jaxpr, anchors, main, [k is Kind.DEAD for k in split.kinds])
+  eqns = jaxpr.eqns
+  assert anchors and set(folds) == anchors
+  for k, (tie, shut) in folds.items():
+    assert eqns[k].primitive.name == "conv_general_dilated"
+    if tie is not None:  # the untied operands are what XLA folds in
+      assert any(tie) and not all(tie)
+    if shut != k:
+      assert eqns[shut].primitive.name in ("add", "add_any")
+      assert eqns[shut].invars.count(eqns[k].outvars[0]) >= 1
+  assert any(t is not None for t, _ in folds.values()), "no reversed filter left untied"
+  assert any(c != k for k, (_, c) in folds.items()), "no window closed after an add"
+  want = jax.grad(loss)(p, x)
+  g = ooo.grad(loss, mode="single_gpu", device="H100", ordering="barriers")
+  close(jax.jit(g)(p, x), want)
+  close(g(p, x), want)
