@@ -37,13 +37,13 @@ if [ -n "$DRY" ]; then  # tiny sizes, two variants: every step runs through, fas
   SCHED=(--tiny --batch 4) MECH=(--model demo_cnn --batch 4) SCAN=(--layers 2 --seq 8 --dim 16 --heads 2 --vocab 32 --rounds 1 --iters 1 --sim-layers 2 --skip-compile-only)
   PYTEST=(--collect-only)  # the suite runs in CI already: check that the command works
   EXEC=(--layers 2 --dim 16 --hidden 32 --batch 16 --microbatches 4 --rounds 1 --iters 1)
-  TRACE=(--batch 4 --steps 2) TRACE_BIG=(--model resnet50 --tiny --steps 2)
+  TRACE=(--batch 4 --steps 2) TRACE_BIG=(--model resnet50 --tiny --steps 2) TRACE_EXEC=(--tiny --steps 2)
 else
   SIZE=(--batch 32) ROUNDS=(--rounds 5) CHECK=(--batch 32) SCHED=(--batch 32) SCAN=(--sim-layers 4)
   MECH=(--model resnet50 --batch 32)
   EXEC=()
   PYTEST=()
-  TRACE=(--batch 32) TRACE_BIG=(--model resnet50 --batch 32)
+  TRACE=(--batch 32) TRACE_BIG=(--model resnet50 --batch 32) TRACE_EXEC=()
 fi
 
 step() {  # step NAME TIMEOUT CMD...: runs CMD (a program, not a shell function) for at most TIMEOUT s
@@ -75,9 +75,6 @@ step step_time_demo_cnn 90 "${ST[@]}" --model demo_cnn "${SIZE[@]}"
 step step_time_resnet50 90 "${ST[@]}" --model resnet50 "${SIZE[@]}" --no-sim-check
 # 2. Each ordering compiles on this GPU and matches jax.grad; heavy dW overlap as compiled here.
 step gpu_check 120 $PY -m benchmarks.gpu_check "${CHECK[@]}"
-# Gradients against jax.grad at float32 tolerance: f32 matmuls in full precision (not TF32).
-step pytest 120 env JAX_DEFAULT_MATMUL_PRECISION=highest $PY -m pytest -q -rs "${PYTEST[@]}" \
-  tests/test_hlo.py tests/test_overlap.py tests/test_grad.py
 # 3. The pipeline executor's own cost on one GPU (its ticks against the accumulated
 # scan), and its weight-slice copies with Triton GEMMs (default) and cuBLAS ones; the
 # stacked explicit form beside a flax loop pipelined automatically (no slices).
@@ -89,8 +86,13 @@ step executor_cost 120 $PY -m benchmarks.executor_cost "${EXEC[@]}" \
 export XLA_FLAGS="--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE"
 step executor_cost_graph_conditionals 120 $PY -m benchmarks.executor_cost "${EXEC[@]}"
 unset XLA_FLAGS
+# The executor's device trace beside the accumulated step: idle time is the ticks' gaps.
+step gpu_trace_executor 90 $PY -m benchmarks.gpu_trace --executor 8 "${TRACE_EXEC[@]}" --hlo-dir "$OUT/hlo"
 # 4. The compiled schedule on this device (autotuned layouts) vs the compile-only H100's.
 step gpu_schedule_real 150 $PY -m benchmarks.gpu_schedule --real --models demo resnet50 "${SCHED[@]}"
+# 4b. Gradients against jax.grad at float32 tolerance: f32 matmuls in full precision (not TF32).
+step pytest 120 env JAX_DEFAULT_MATMUL_PRECISION=highest $PY -m pytest -q -rs "${PYTEST[@]}" \
+  tests/test_hlo.py tests/test_overlap.py tests/test_grad.py
 # 5. More models, the single-GPU mechanisms, command buffers off, scanned layers
 # (measured on 2026-11-27; DenseNet-121 and MobileNetV3-large ran out of their
 # 120 s there, compiling).

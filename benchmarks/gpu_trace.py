@@ -160,12 +160,29 @@ def trace(step, args, steps: int, warmup: int = 3):
     return wall, ProfileData.from_file(str(pb))
 
 
+def _executor_cases(m: int, tiny: bool):
+  """The pipeline executor beside the accumulated step (benchmarks.executor_cost)."""
+  import numpy as np
+
+  from benchmarks import _mlp_model, executor_cost
+
+  sizes = (2, 16, 32, 16) if tiny else (8, 256, 1024, 256)  # layers, D, H, batch
+  params = _mlp_model.make_params(1, *sizes[:3])
+  batch = _mlp_model.make_batch(sizes[3], sizes[1])
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("stage",))
+  steps = executor_cost.steps(m, mesh, params, batch)
+  order = (f"loop accumulated/{m}", f"loop automatic/{m}", f"accumulated/{m}", f"executor/{m}")
+  cases = {k: (jax.jit(steps[k][0]), steps[k][1]) for k in order}
+  desc = f"pipeline executor, one stage, {m} microbatches, D={sizes[1]}"
+  return cases, desc, "calls"
+
+
 def table(rows: dict, steps: int) -> list[str]:
-  """rows: variant -> (wall s, Summary or None)."""
-  base = rows.get("jax.grad", (None, None))[1]
+  """rows: variant -> (wall s, Summary or None); the first row is the base."""
+  base = next(iter(rows.values()), (None, None))[1]
   out = [
     "| variant | wall ms | span ms | busy ms | idle ms | 2+ streams ms | kernel ms "
-    "| shared kernels ms (jax.grad's) | own kernels: count, ms | per stream: kernels, ms |",
+    "| shared kernels ms (the first row's) | own kernels: count, ms | per stream: kernels, ms |",
     "|---|---|---|---|---|---|---|---|---|---|",
   ]
   for name, (wall, s) in rows.items():
@@ -208,18 +225,29 @@ def main(argv=None):
   ap.add_argument("--steps", type=int, default=5, help="steps traced per variant")
   ap.add_argument("--variants", nargs="+", default=list(DEFAULT), choices=list(VARIANTS))
   ap.add_argument("--top", type=int, default=6, help="heaviest kernels listed per variant")
+  ap.add_argument(
+    "--executor",
+    type=int,
+    metavar="M",
+    help="instead: the pipeline executor's one-stage step over M microbatches beside "
+    "the accumulated one (benchmarks.executor_cost's model and steps; its ticks' gaps)",
+  )
   ap.add_argument("--hlo-dir", help="write each variant's compiled HLO here (gzipped)")
   ap.add_argument("--write", action="store_true")
   a = ap.parse_args(argv)
-  loss_fn, args, kw, desc = case(a.model, a.batch, a.tiny)
+  if a.executor:
+    cases, desc, what = _executor_cases(a.executor, a.tiny)
+  else:
+    loss_fn, args, kw, desc = case(a.model, a.batch, a.tiny)
+    cases = {n: (sgd_step(variant_grad(n), loss_fn, kw), args) for n in a.variants}
+    what = "jitted SGD steps"
   rows = {}
-  for name in a.variants:
-    step = sgd_step(variant_grad(name), loss_fn, kw)
+  for name, (step, args) in cases.items():
     t0 = time.perf_counter()
     if a.hlo_dir:
       d = pathlib.Path(a.hlo_dir)
       d.mkdir(parents=True, exist_ok=True)
-      slug = "".join(c if c.isalnum() else "_" for c in f"{a.model}_{name}")
+      slug = "".join(c if c.isalnum() else "_" for c in f"{desc[:12]}_{name}")
       text = step.lower(*args).compile().as_text()
       with gzip.open(d / f"{slug}.hlo.gz", "wt") as f:
         f.write(text)
@@ -227,10 +255,10 @@ def main(argv=None):
     rows[name] = (wall, summarize(prof, a.steps))
     print(f"{name}: compiled+traced in {time.perf_counter() - t0:.1f} s", flush=True)
   lines = _report.header(f"Device trace, {desc}") + [
-    f"Measured: {a.steps} jitted SGD steps per variant under `jax.profiler.trace` "
+    f"Measured: {a.steps} {what} per variant under `jax.profiler.trace` "
     "(after 3 warm-up steps), per step. busy: any stream running; idle: span - busy; "
     "2+ streams: two or more streams running at once; shared kernels: kernels "
-    "with the same name in jax.grad's step (its time in brackets).",
+    f"with the same name in {next(iter(cases))}'s step (its time in brackets).",
     "",
     *table(rows, a.steps),
     *top_kernels(rows, a.steps, a.top),
