@@ -268,9 +268,8 @@ def anchor_folds(jaxpr, anchor_ids, units, dead) -> dict[int, tuple[list[bool] |
   anchor_ids = set(anchor_ids)
   where = {k: (i, j) for i, u in enumerate(units) for j, k in enumerate(u.eqns)}
   wanted = {v for k in anchor_ids for v in eqns[k].invars if isinstance(v, _compat.Var)}
-  outs = {eqns[k].outvars[0]: k for k in anchor_ids if len(eqns[k].outvars) == 1}
   producer: dict = {}
-  readers: dict = {v: [] for v in outs}
+  readers: dict = {eqns[k].outvars[0]: [] for k in anchor_ids if len(eqns[k].outvars) == 1}
   for k, e in enumerate(eqns):
     if dead[k]:
       continue
@@ -288,8 +287,9 @@ def anchor_folds(jaxpr, anchor_ids, units, dead) -> dict[int, tuple[list[bool] |
     if all(tie) or not any(t for t, v in zip(tie, ops) if isinstance(v, _compat.Var)):
       tie = None  # nothing folded, or every operand is: tie them all
     close = k
-    (out,) = eqns[k].outvars if len(eqns[k].outvars) == 1 else (None,)
-    (j,) = readers.get(out, ()) if len(readers.get(out, ())) == 1 else (None,)
+    out = eqns[k].outvars[0] if len(eqns[k].outvars) == 1 else None
+    read = readers.get(out, [])
+    j = read[0] if len(read) == 1 else None
     if (
       j is not None
       and out not in final
