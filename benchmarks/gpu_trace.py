@@ -235,6 +235,7 @@ def main(argv=None):
   ap.add_argument("--hlo-dir", help="write each variant's compiled HLO here (gzipped)")
   ap.add_argument("--write", action="store_true")
   a = ap.parse_args(argv)
+  tag = f"executor{a.executor}" if a.executor else a.model  # names the HLO files
   if a.executor:
     cases, desc, what = _executor_cases(a.executor, a.tiny)
   else:
@@ -247,7 +248,7 @@ def main(argv=None):
     if a.hlo_dir:
       d = pathlib.Path(a.hlo_dir)
       d.mkdir(parents=True, exist_ok=True)
-      slug = "".join(c if c.isalnum() else "_" for c in f"{desc[:12]}_{name}")
+      slug = "".join(c if c.isalnum() else "_" for c in f"{tag}_{name}")
       text = step.lower(*args).compile().as_text()
       with gzip.open(d / f"{slug}.hlo.gz", "wt") as f:
         f.write(text)
