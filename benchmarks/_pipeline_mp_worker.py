@@ -316,9 +316,9 @@ def _auto(m: int, calib: dict, mesh, batch):
   """ooo-auto: the measured runs decide. The candidates of
   `depth.trial_tables` (ooo planned on the startup calibration when there is
   one, ooo at 1F1B's depth, GPipe's and 1F1B's tables) each run TRIAL steps,
-  alternating; the fastest median on process 0 (shared, so both processes run
-  the same table) wins. Returns (table, label, {label: trial ms})."""
-  from ooojax.passes.pipeline.depth import pick_measured, trial_tables
+  alternating, in `ooo.pipeline.tune`: process 0's times pick for both
+  processes. Returns (table, label, {label: trial ms})."""
+  from ooojax.pipeline import tune
 
   link = costs = None
   if str(m) in calib:
@@ -329,19 +329,13 @@ def _auto(m: int, calib: dict, mesh, batch):
       stage_costs(c, nproc),
       link_model(c, cfg.get("gbit"), cfg.get("full_duplex", False)),
     )
-  cands = trial_tables(nproc, m, costs, link)
-  runs = {lab: (t, *_compiled(t, mesh, batch)) for lab, t in cands}
-  times = {lab: [] for lab in runs}
-  for _ in range(TRIAL):
-    for lab, (_, step, params, _) in runs.items():
-      times[lab].append(_time_once(step, params, batch) * 1e3)
-  # process 0's times on every process: both must run the same table
-  got = np.asarray(
-    multihost_utils.process_allgather(np.array([times[lab] for lab in runs]), tiled=False)
-  )[0]
-  times = {lab: got[i].tolist() for i, lab in enumerate(runs)}
-  label = pick_measured(times)
-  return runs[label][0], label, times
+
+  def build(t):
+    step, params, _ = _compiled(t, mesh, batch)
+    return lambda: step(params, batch)
+
+  _, tuned = tune(build, (), stages=nproc, microbatches=m, link=link, costs=costs, rounds=TRIAL)
+  return tuned.schedule, tuned.label, {k: list(v) for k, v in tuned.times.items()}
 
 
 def _pipeline():

@@ -30,6 +30,7 @@ MODULES = [
   "ooojax.pipeline._tiled",
   "ooojax.passes.pipeline.link",
   "ooojax.passes.pipeline.depth",
+  "ooojax.pipeline._tune",
 ]
 
 

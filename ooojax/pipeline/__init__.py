@@ -56,6 +56,7 @@ from ooojax.pipeline._automatic import (  # noqa: F401 - the private ones: tests
 from ooojax.pipeline._explain import AutoCut, PipelineReport, explain
 from ooojax.pipeline._tiled import TiledTrainStep
 from ooojax.pipeline._train import PipelineTrainState, PipelineTrainStep, StageParams
+from ooojax.pipeline._tune import Tuning, tune
 
 __all__ = [
   "SCHEDULES",
@@ -87,6 +88,8 @@ __all__ = [
   "steady_state",
   "tile",
   "train",
+  "tune",
+  "Tuning",
   "value_and_grad",
 ]
 

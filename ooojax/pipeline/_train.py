@@ -26,6 +26,7 @@ they are exact. `step.params(state)` converts back to the user's structure
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -90,6 +91,7 @@ class PipelineTrainStep:
     self.aux_reduce, self.state_argnums = aux_reduce, state_argnums
     self._layout: _Layout | None = None
     self._step = self._grad = None
+    self.tuning = None  # `tune`'s measurement, on the step it returns
 
   # --- layout ----------------------------------------------------------------------
   def _program(self, avals, treedef, batch, layers=None, lowering=None):
@@ -300,3 +302,59 @@ class PipelineTrainStep:
 
   def __call__(self, state: PipelineTrainState, *batch) -> tuple[PipelineTrainState, Any]:
     return self._jitted(state)(state, *batch)
+
+  def tune(
+    self,
+    state: PipelineTrainState,
+    *batch,
+    candidates=None,
+    budget: int | None = None,
+    link=None,
+    costs=None,
+    rounds: int = 5,
+    tie: float = 0.03,
+  ) -> PipelineTrainStep:
+    """This step running the table that times fastest here (`ooo.pipeline.tune`).
+
+    Each candidate (default: `ooo` at 1F1B's depth, 1F1B's and GPipe's tables,
+    and `ooo` planned on `link` when one is given; at most `budget`
+    activations per stage, default GPipe's) is compiled and timed on `state`
+    and `batch` for `rounds` alternating rounds; process 0's times pick for
+    every process. Returns a new step (same state layout, the layers per stage
+    of `step.balance` kept) whose `tuning` holds the times; `state` is not
+    updated. Candidates must lay out the weights as this step's table does
+    (the same chunks and device order).
+
+    >>> step = step.tune(state, *batch)   # doctest: +SKIP
+    >>> print(step.tuning)                # doctest: +SKIP
+    """
+    from ooojax.pipeline._tune import tune
+
+    self._check_init()
+    order = device_order(self.sched)
+
+    def build(t):
+      if t.chunks != self.sched.chunks or not np.array_equal(device_order(t), order):
+        raise ValueError(
+          f"candidate {t.name!r} ({t.chunks} chunks per device) lays the weights "
+          f"out differently from this step's {self.sched.name!r} ({self.sched.chunks}); "
+          "tune among tables of the same layout, or build a step per layout"
+        )
+      s = copy.copy(self)
+      s.sched, s.layers, s._step, s._grad = t, self._layout.balance.counts, None, None
+      return s
+
+    s, s_tuning = tune(
+      build,
+      (state, *batch),
+      stages=self.sched.stages,
+      microbatches=self.sched.microbatches,
+      candidates=candidates,
+      budget=budget,
+      link=link,
+      costs=costs,
+      rounds=rounds,
+      tie=tie,
+    )
+    s.tuning = s_tuning
+    return s

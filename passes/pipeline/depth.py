@@ -34,7 +34,7 @@ import functools
 
 from ooojax.passes.pipeline.link import LinkModel, simulate_link
 
-__all__ = ["DepthChoice", "pick_measured", "plan_ooo", "trial_tables"]
+__all__ = ["DepthChoice", "measured_scores", "pick_measured", "plan_ooo", "trial_tables"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,6 +244,19 @@ def pick_measured(times, tie: float = 0.03) -> str:
   >>> pick_measured({"ooo": [4.2, 4.1], "planned": [5.0, 5.1], "gpipe": [4.0, 4.1]})
   'ooo'
   """
+  score = measured_scores(times)
+  best = min(score.values())
+  return next(k for k in times if score[k] <= best * (1 + tie))
+
+
+def measured_scores(times) -> dict:
+  """`pick_measured`'s score per label (lower is faster): the median over rounds
+  of its time over the first label's in the same round where every label has
+  one time per round, else the median of its times.
+
+  >>> measured_scores({"ooo": [4.0, 8.0], "gpipe": [3.0, 8.8]})
+  {'ooo': 1.0, 'gpipe': 0.925}
+  """
   import statistics
 
   if not times or any(len(v) == 0 for v in times.values()):
@@ -252,8 +265,5 @@ def pick_measured(times, tie: float = 0.03) -> str:
     raise ValueError(f"pick_measured needs positive step times, got {dict(times)!r}")
   ref = next(iter(times.values()))
   if len({len(v) for v in times.values()}) == 1:  # rounds: paired with the first label
-    score = {k: statistics.median(a / b for a, b in zip(v, ref)) for k, v in times.items()}
-  else:
-    score = {k: statistics.median(v) for k, v in times.items()}
-  best = min(score.values())
-  return next(k for k in times if score[k] <= best * (1 + tie))
+    return {k: statistics.median(a / b for a, b in zip(v, ref)) for k, v in times.items()}
+  return {k: statistics.median(v) for k, v in times.items()}

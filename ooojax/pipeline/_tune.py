@@ -1,0 +1,195 @@
+"""Pick a pipeline table by timing it: `ooo.pipeline.tune`, `PipelineTrainStep.tune`.
+
+The replay (`passes.pipeline.link`) chooses `ooo`'s in-flight depth on a
+modelled link, and it ranks tables only to its own accuracy: 0.87-1.02 of the
+measured steps on the 2-process CPU harness, where the best tables are 1-4%
+apart (`benchmarks/RESULTS.md`, issue 34). Timing a few steps of each candidate
+on the user's own devices, link and model settles what the model cannot, the
+way XLA autotunes a GEMM. So `ooo`, tuned, is GPipe's or 1F1B's table whenever
+one of them is measurably faster there.
+
+Every process must run the same table, and a shared host's steps differ
+between processes. So process 0's times decide for all of them
+(`multihost_utils.broadcast_one_to_all`), and every process reaches the same
+pick from the same numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from ooojax.passes.pipeline.depth import measured_scores, pick_measured, trial_tables
+from ooojax.passes.pipeline.generate import generate
+from ooojax.passes.pipeline.schedule import PipelineSchedule
+
+__all__ = ["Tuning", "tune"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+  """What `tune` measured and picked.
+
+  `label`: the chosen candidate; `schedule`: its table; `times`: `{label:
+  (ms per round, ...)}`, process 0's, in the candidates' order of preference;
+  `peaks`: `{label: activations held per stage}`; `tie`: the relative margin
+  within which an earlier label wins (`pick_measured`).
+  """
+
+  label: str
+  schedule: PipelineSchedule
+  times: dict
+  peaks: dict
+  tie: float
+
+  def summary(self) -> str:
+    """One line per candidate: median ms, the score `pick_measured` ranked by
+    (its time over the first candidate's in the same round), peak activations."""
+    med = {k: statistics.median(v) for k, v in self.times.items()}
+    score = measured_scores(self.times)
+    first = next(iter(self.times))
+    lines = [
+      f"tuned pipeline table: {self.label!r} (process 0's times; score: time over "
+      f"{first!r}'s in the same round, the earliest within {self.tie:.0%} of the lowest wins)"
+    ]
+    for k, m in med.items():
+      mark = "*" if k == self.label else " "
+      lines.append(
+        f" {mark} {k:<10} {m:8.3f} ms  score {score[k]:5.3f}  "
+        f"peak {self.peaks[k]} activations/stage  ({len(self.times[k])} rounds)"
+      )
+    return "\n".join(lines)
+
+  def __str__(self) -> str:
+    return self.summary()
+
+
+def _candidates(
+  stages: int,
+  microbatches: int,
+  names: Sequence[str | tuple[str, PipelineSchedule]] | None = None,
+  *,
+  budget: int | None = None,
+  link=None,
+  costs=None,
+  mode: str = "executor",
+) -> tuple[tuple[str, PipelineSchedule], ...]:
+  """`(label, table)` pairs to time: `trial_tables` (ooo at 1F1B's depth, ooo
+  planned on `link`, 1F1B's, GPipe's; within `budget`) when `names` is None,
+  else each name generated (or each `(label, table)` as given)."""
+  if names is None:
+    return trial_tables(stages, microbatches, costs, link, budget, mode)
+  if isinstance(names, str):
+    raise TypeError(f"candidates is a sequence of names, got the string {names!r}")
+  out = []
+  for c in names:
+    label, t = (c, generate(c, stages, microbatches)) if isinstance(c, str) else c
+    if not isinstance(t, PipelineSchedule):
+      raise TypeError(f"a candidate is a schedule name or (label, PipelineSchedule), got {c!r}")
+    if (t.stages, t.microbatches) != (stages, microbatches):
+      raise ValueError(
+        f"candidate {label!r} is a table of {t.stages} stages and {t.microbatches} "
+        f"microbatches; this step runs {stages} and {microbatches}"
+      )
+    if budget is not None and max(t.peak_activations()) > budget:
+      continue
+    out.append((label, t.validate()))
+  if len({label for label, _ in out}) != len(out):
+    raise ValueError(f"candidate labels must differ, got {[label for label, _ in out]}")
+  if not out:
+    raise ValueError(f"no candidate fits budget={budget} activations per stage")
+  return tuple(out)
+
+
+def _barrier() -> None:
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices("ooojax.pipeline.tune")
+
+
+def _agree(times: dict) -> dict:
+  """Process 0's times on every process (all must run the same table)."""
+  if jax.process_count() == 1:
+    return times
+  from jax.experimental import multihost_utils
+
+  got = np.asarray(multihost_utils.broadcast_one_to_all(np.array(list(times.values()))))
+  return {k: tuple(float(x) for x in got[i]) for i, k in enumerate(times)}
+
+
+def tune(
+  build: Callable[[PipelineSchedule], Callable],
+  args: tuple,
+  *,
+  stages: int,
+  microbatches: int,
+  candidates: Sequence[str | tuple[str, PipelineSchedule]] | None = None,
+  budget: int | None = None,
+  link=None,
+  costs=None,
+  rounds: int = 5,
+  tie: float = 0.03,
+) -> tuple[Callable, Tuning]:
+  """Time each candidate table and keep the fastest: `(fn, Tuning)`.
+
+  `build(table)` returns the step to time (e.g. `jax.jit` of
+  `value_and_grad(..., schedule=table)`), called as `fn(*args)`. Each candidate
+  runs once to compile and warm up, then `rounds` times, the candidates
+  alternating within each round; the pick is `pick_measured(times, tie)` on
+  process 0's times (every process gets the same). Its outputs are discarded,
+  so a step that updates a state leaves `args` as they were.
+
+  Args:
+    build: `table -> callable`.
+    args: the arguments each step is timed with (a real batch).
+    stages, microbatches: the tables' shape.
+    candidates: None (the default: `trial_tables`: `ooo` at 1F1B's depth, then
+      `ooo` planned on `link` when one is given, then 1F1B's and GPipe's tables,
+      each named "ooo"), or schedule names / `(label, PipelineSchedule)` pairs,
+      in order of preference.
+    budget: activations a stage may hold; candidates above it are left out
+      (default: GPipe's, `microbatches`).
+    link, costs: a `LinkModel` and `{"F", "B", "W"}` seconds, to add the table
+      planned on that link (`plan_ooo`).
+    rounds: timed rounds (each runs every candidate once).
+    tie: a candidate within this fraction of the fastest that comes earlier in
+      the order of preference wins (a shared host's equal tables differ by a
+      few percent).
+
+  >>> import jax, jax.numpy as jnp
+  >>> from ooojax import pipeline
+  >>> mesh = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+  >>> build = lambda t: jax.jit(pipeline.value_and_grad(
+  ...     lambda w, x: jnp.tanh(x @ w), lambda y, t: jnp.mean((y - t) ** 2),
+  ...     mesh=mesh, axis_name="stage", schedule=t))
+  >>> w, batch = jnp.ones((2, 3, 3)) * 0.1, (jnp.ones((8, 3)), jnp.zeros((8, 3)))
+  >>> fn, tuning = pipeline.tune(build, (w, batch), stages=2, microbatches=4, rounds=2)
+  >>> sorted(tuning.times)
+  ['1f1b', 'gpipe', 'ooo']
+  """
+  if not (isinstance(rounds, int) and rounds >= 1):
+    raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
+  if not 0 <= tie < 1:
+    raise ValueError(f"tie must be in [0, 1), got {tie!r}")
+  cands = _candidates(stages, microbatches, candidates, budget=budget, link=link, costs=costs)
+  fns = {label: build(t) for label, t in cands}
+  for fn in fns.values():  # compile and warm up
+    jax.block_until_ready(fn(*args))
+  times = {label: [] for label in fns}
+  for _ in range(rounds):
+    for label, fn in fns.items():
+      _barrier()  # every process starts the step together, so process 0 times the one its peers run
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times[label].append((time.perf_counter() - t0) * 1e3)
+  times = _agree({k: tuple(v) for k, v in times.items()})
+  label = pick_measured(times, tie)
+  tables = dict(cands)
+  peaks = {k: max(t.peak_activations()) for k, t in cands}
+  return fns[label], Tuning(label, tables[label], times, peaks, tie)

@@ -1,0 +1,127 @@
+"""`ooo.pipeline.tune` / `PipelineTrainStep.tune`: the measured pick of a table.
+
+The candidates are tables the other pipeline tests check against jax.grad; here:
+the tuned step still follows the synchronous loop, timing leaves the state as it
+was, the slowest candidate loses, and two processes pick the same table."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import ooojax as ooo
+from tests.conftest import assert_trees_close
+from tests.test_pipeline_auto import _gpt
+from tests.test_pipeline_train_step import _batches, _follow, _make, _mesh, _reference
+
+
+def test_tuned_train_step_follows_the_synchronous_loop():
+  loss, params, (tokens,) = _gpt(scan=False)
+  batches = _batches(tokens)
+  opt = optax.sgd(0.1, momentum=0.9)
+  step = _make(loss, opt, _mesh(), schedule="ooo")
+  state = step.init(params, *batches[0])
+  before = jax.tree.map(np.asarray, state)
+  tuned = step.tune(state, *batches[0], rounds=2)
+  # timing ran real steps, but on copies: the state passed in is unchanged
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state), before)
+  t = tuned.tuning
+  assert list(t.times) == ["ooo", "1f1b", "gpipe"] and t.label in t.times
+  assert all(len(v) == 2 and min(v) > 0 for v in t.times.values())
+  assert t.peaks == {"ooo": 2, "1f1b": 2, "gpipe": 2}  # 2 microbatches: all fit
+  assert tuned.sched == t.schedule and step.sched.name == "ooo"  # the original stays
+  assert tuned.balance == step.balance
+  assert t.label in str(t) and "score" in t.summary()
+  _follow(tuned, state, batches, _reference(loss, opt, params, batches, 2))
+
+
+def test_the_slowest_candidate_loses_and_the_tie_keeps_the_preferred():
+  def build(t):  # 1f1b's table "runs" 20 ms slower than ooo's
+    return lambda *_: time.sleep(0.02 if t.name == "1f1b" else 0.001)
+
+  _, t = ooo.pipeline.tune(
+    build, (), stages=2, microbatches=4, candidates=["1f1b", "ooo"], rounds=3
+  )
+  assert t.label == "ooo" and t.schedule.name == "ooo"
+  # tie=0.5: the first candidate wins unless another is over 1.5x faster
+  _, t = ooo.pipeline.tune(
+    lambda t: lambda *_: time.sleep(0.004 if t.name == "gpipe" else 0.005),
+    (),
+    stages=2,
+    microbatches=4,
+    candidates=["ooo", "gpipe"],
+    rounds=3,
+    tie=0.5,
+  )
+  assert t.label == "ooo" and t.peaks == {"ooo": 2, "gpipe": 4}
+
+
+def test_a_tiled_step_tunes_too():
+  loss, params, (tokens,) = _gpt(scan=False)
+  step = _make(loss, optax.sgd(0.1), _mesh(), schedule="ooo", steps=2)
+  toks = jnp.stack([tokens, jnp.roll(tokens, 1, 0)])
+  state = step.init(params, toks)
+  tuned = step.tune(state, toks, candidates=["gpipe", "1f1b"], rounds=1)
+  assert type(tuned) is type(step) and tuned.tuning.label in ("gpipe", "1f1b")
+  (s1, l1), (s2, l2) = tuned(state, toks), step(state, toks)
+  assert_trees_close(l1, l2)
+  assert_trees_close(s1.params, s2.params)
+
+
+def test_tune_errors():
+  with pytest.raises(ValueError, match="rounds must be"):
+    ooo.pipeline.tune(lambda t: None, (), stages=2, microbatches=4, rounds=0)
+  with pytest.raises(ValueError, match="no candidate fits budget=1"):
+    ooo.pipeline.tune(lambda t: None, (), stages=2, microbatches=4, candidates=["1f1b"], budget=1)
+  with pytest.raises(ValueError, match="a table of 4 stages"):
+    ooo.pipeline.tune(
+      lambda t: None,
+      (),
+      stages=2,
+      microbatches=4,
+      candidates=[("x", ooo.pipeline.schedule("1f1b", 4, 4))],
+    )
+  with pytest.raises(TypeError, match="sequence of names"):
+    ooo.pipeline.tune(lambda t: None, (), stages=2, microbatches=4, candidates="gpipe")
+  loss, params, (tokens,) = _gpt(scan=False)
+  step = _make(loss, optax.sgd(0.1), _mesh(), schedule="ooo")
+  with pytest.raises(ValueError, match="call step.init"):
+    step.tune(None, tokens)
+  state = step.init(params, tokens)
+  with pytest.raises(ValueError, match="lays the weights out differently"):
+    step.tune(state, tokens, candidates=["ooo", "interleaved"])  # chunks: another layout
+
+
+def test_two_processes_pick_the_same_table(tmp_path):
+  """2 processes (jax.distributed + gloo, 1 CPU device each): process 0's times decide."""
+  import json
+  import os
+  import socket
+  import subprocess
+  import sys
+
+  from benchmarks.pipeline_mp import wait_workers
+
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = str(s.getsockname()[1])
+  worker = os.path.join(os.path.dirname(__file__), "_tune_worker.py")
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  procs = [
+    subprocess.Popen(
+      [sys.executable, worker, str(i), "2", port, str(tmp_path / f"{i}.json")],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  wait_workers(procs)
+  got = [json.loads((tmp_path / f"{i}.json").read_text()) for i in range(2)]
+  assert got[0] == got[1]  # the same label, and process 0's times on both
+  assert got[0]["label"] in got[0]["times"] and len(got[0]["times"]) == 3
+  assert np.isfinite(got[0]["loss"])
