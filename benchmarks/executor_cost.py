@@ -6,6 +6,7 @@ the ratio is what the executor's ticks, records and per-phase tracing cost.
   python -m benchmarks.executor_cost                        # this device
   python -m benchmarks.executor_cost --also-with xla_gpu_enable_triton_gemm=false
   python -m benchmarks.executor_cost --compile-only H100    # count kernels, run nothing
+  python -m benchmarks.executor_cost --record-writes cond always   # both record writes
 
 Besides the times it counts the weight-slice copies in the compiled step: the
 stacked model's stage function indexes each layer's weights out of its stack
@@ -21,6 +22,7 @@ weights arrays of their own (`passes.pipeline.state.columns`): no copy anywhere.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 
 import jax
@@ -29,6 +31,7 @@ import numpy as np
 import ooojax as ooo
 from benchmarks import _mlp_model as model, _report
 from ooojax._hlo_cli import parse_kv
+from ooojax.passes.pipeline.execute import RECORD_WRITES
 
 _MOVES = {"slice", "dynamic-slice", "bitcast", "copy", "parameter", "reshape", "transpose"}
 _FILL = {"broadcast", "constant", "parameter", "bitcast", "reshape"}
@@ -119,6 +122,14 @@ def main(argv=None):
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--also-with", nargs="*", default=[], metavar="OPTS", help="a=1,b=2 each")
   ap.add_argument("--compile-only", metavar="GPU", help="compile for this GPU; run nothing")
+  ap.add_argument(
+    "--record-writes",
+    nargs="+",
+    default=["cond"],
+    choices=["cond", "always"],
+    help="the executor's record writes (OOOJAX_RECORD_WRITES): each mode's pipelined "
+    "rows, alternating with the rest",
+  )
   ap.add_argument("--write", action="store_true")
   a = ap.parse_args(argv)
   option_sets = [("", {})] + [(f" [{o}]", parse_kv(o.split(","))) for o in a.also_with]
@@ -134,18 +145,27 @@ def main(argv=None):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("stage",))
     to_arg = jax.numpy.asarray
     device = jax.devices()[0].device_kind
-  fns, copies = {}, {}
+  fns, copies, conds = {}, {}, {}
   for m in a.microbatches:
-    for name, (f, args) in steps(m, mesh, params, batch).items():
-      args = jax.tree.map(to_arg, args)
-      for suffix, opts in option_sets:
-        if a.compile_only:
-          hlo = gpu_hlo.compile_text(f, *args, gpu=a.compile_only, mesh=mesh, compiler_options=opts)
-        else:
-          exe = jax.jit(f).lower(*args).compile(compiler_options=opts)
-          fns[name + suffix] = lambda exe=exe, args=args: exe(*args)
-          hlo = exe.as_text()
-        copies[name + suffix] = weight_slice_copies(hlo, a.dim, a.hidden)
+    for mode in a.record_writes:
+      os.environ[RECORD_WRITES] = mode  # read while the executor traces
+      for name, (f, args) in steps(m, mesh, params, batch).items():
+        if mode != a.record_writes[0]:
+          if "accumulated" in name:  # no executor: the first mode's row stands
+            continue
+          name += f" [records: {mode}]"
+        args = jax.tree.map(to_arg, args)
+        for suffix, opts in option_sets:
+          if a.compile_only:
+            hlo = gpu_hlo.compile_text(
+              f, *args, gpu=a.compile_only, mesh=mesh, compiler_options=opts
+            )
+          else:
+            exe = jax.jit(f).lower(*args).compile(compiler_options=opts)
+            fns[name + suffix] = lambda exe=exe, args=args: exe(*args)
+            hlo = exe.as_text()
+          copies[name + suffix] = weight_slice_copies(hlo, a.dim, a.hidden)
+          conds[name + suffix] = len(re.findall(r" conditional\(", hlo))
   times, failed = _report.compile_then_alternate(fns, (), a.rounds, a.iters)
   lines = _report.header("Pipeline executor's own cost, one device (benchmarks/executor_cost.py)")
   lines += [
@@ -161,22 +181,25 @@ def main(argv=None):
       else f"Median of {a.rounds} rounds x {a.iters} calls, all variants alternating. "
     )
     + "Weight-slice copies: kernels in the compiled step that copy out one layer's "
-    "weight matrix (per loop body where the step loops).",
+    "weight matrix (per loop body where the step loops). Conditionals: in the compiled "
+    "step (XLA:GPU reads each one's branch index back on the host); `[records: always]`: "
+    "every tick writes its records, a trash slot for ticks with none "
+    "(OOOJAX_RECORD_WRITES=always), where the default writes them under a cond.",
     "",
-    "| step | ms (median) | pipelined / accumulated | weight-slice copies |",
-    "|---|---|---|---|",
+    "| step | ms (median) | pipelined / accumulated | weight-slice copies | conditionals |",
+    "|---|---|---|---|---|",
   ]
   base = {"executor/": "accumulated/", "loop automatic/": "loop accumulated/"}
   for key, n in copies.items():
     ms = f"{np.median(times[key]) * 1e3:.2f}" if key in times else failed.get(key, "-")
     pre = next((p for p in base if key.startswith(p)), None)
-    acc = key.replace(pre, base[pre]) if pre else None
+    acc = re.sub(r" \[records: \w+\]", "", key.replace(pre, base[pre])) if pre else None
     ratio = (
       f"{np.median(times[key]) / np.median(times[acc]):.2f}x"
       if acc and key in times and acc in times
       else ""
     )
-    lines.append(f"| {key} | {ms} | {ratio} | {n} |")
+    lines.append(f"| {key} | {ms} | {ratio} | {n} | {conds[key]} |")
   _report.emit(lines, a.write)
 
 

@@ -76,15 +76,15 @@ step step_time_resnet50 90 "${ST[@]}" --model resnet50 "${SIZE[@]}" --no-sim-che
 # 2. Each ordering compiles on this GPU and matches jax.grad; heavy dW overlap as compiled here.
 step gpu_check 120 $PY -m benchmarks.gpu_check "${CHECK[@]}"
 # 3. The pipeline executor's own cost on one GPU (its ticks against the accumulated
-# scan), and its weight-slice copies with Triton GEMMs (default) and cuBLAS ones; the
-# stacked explicit form beside a flax loop pipelined automatically (no slices).
-step executor_cost 120 $PY -m benchmarks.executor_cost "${EXEC[@]}" \
-  --also-with xla_gpu_enable_triton_gemm=false
-# On the first GPU the executor took 2x the accumulated step (2.3 ms more at m=8,
-# about 0.1 ms a tick): a tick holds a switch and conds, whose branch index
-# XLA:GPU reads back on the host. CUDA-graph conditionals branch on the device.
+# scan); the stacked explicit form beside a flax loop pipelined automatically (no
+# slices). On the first GPU the executor took 2x the accumulated step (2.3 ms more
+# at m=8, about 0.1 ms a tick): a tick holds a switch and two conds (the record
+# writes), whose branch index XLA:GPU reads back on the host. `always` writes the
+# records on every tick (a trash slot): one conditional a tick instead of three.
+step executor_cost 120 $PY -m benchmarks.executor_cost "${EXEC[@]}" --record-writes cond always
+# CUDA-graph conditionals branch on the device.
 export XLA_FLAGS="--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE"
-step executor_cost_graph_conditionals 120 $PY -m benchmarks.executor_cost "${EXEC[@]}"
+step executor_cost_graph_conditionals 120 $PY -m benchmarks.executor_cost "${EXEC[@]}" --record-writes cond always
 unset XLA_FLAGS
 # The executor's device trace beside the accumulated step: idle time is the ticks' gaps.
 step gpu_trace_executor 90 $PY -m benchmarks.gpu_trace --executor 8 "${TRACE_EXEC[@]}" --hlo-dir "$OUT/hlo"

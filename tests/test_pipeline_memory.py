@@ -8,6 +8,7 @@ stage's weights in every slot.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import ooojax as ooo
@@ -84,3 +85,50 @@ def test_h100_loop_body_copies_no_slot(lag):
   # With lag 1 the value in flight is kept while the tick computes the next
   # one: one activation-sized copy; never a slot stack, a record or weights.
   assert not big and len([c for c in copies if shape_bytes(c[1]) > 8]) <= lag, copies
+
+
+@pytest.mark.skipif(
+  gpu_hlo.unavailable_reason() is not None,
+  reason=f"compile-only GPU: {gpu_hlo.unavailable_reason()}",
+)
+def test_h100_ticks_that_write_every_record_leave_out_their_conds(monkeypatch):
+  """`OOOJAX_RECORD_WRITES=always`: the two record writes per tick run on every
+  tick (a trash slot), so the tick loop holds two conditionals fewer, each a
+  branch index XLA:GPU would read back on the host; no slot stack is copied."""
+  import re
+
+  from ooojax.passes.pipeline.execute import RECORD_WRITES
+
+  mesh = gpu_hlo.mesh("H100", 1, ("stage",))
+  sched = ooo.pipeline.schedule("1f1b", stages=1, microbatches=8)
+  params, batch = _args(sched.virtual_stages)
+  conds = {}
+  for mode in ("cond", "always"):
+    monkeypatch.setenv(RECORD_WRITES, mode)
+    text = gpu_hlo.compile_text(_step(mesh, sched), params, batch, mesh=mesh)
+    conds[mode] = len(re.findall(r" conditional\(", text))
+    if mode == "always":
+      big, copies = _loop_copies(text, batch[0].shape[0] // sched.microbatches * D * 4)
+      assert not big, copies
+  assert conds == {"cond": 3, "always": 1}  # the action's switch alone is left
+
+
+def test_ticks_that_write_every_record_give_the_same_gradients(monkeypatch):
+  from ooojax.passes.pipeline.execute import RECORD_WRITES
+
+  mesh = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+  sched = ooo.pipeline.schedule("zb-v", stages=2, microbatches=4)
+  ks = jax.random.split(jax.random.key(0), 3)
+  params = {
+    "w1": jax.random.normal(ks[0], (sched.virtual_stages, BLOCKS, D, H)) / 8,
+    "w2": jax.random.normal(ks[1], (sched.virtual_stages, BLOCKS, H, D)) / 16,
+  }
+  x = jax.random.normal(ks[2], (16, D))
+  out = {}
+  for mode in ("cond", "always"):
+    monkeypatch.setenv(RECORD_WRITES, mode)
+    out[mode] = _step(mesh, sched)(params, (x, jnp.zeros_like(x)))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), *out.values())
+  monkeypatch.setenv(RECORD_WRITES, "sometimes")
+  with pytest.raises(ValueError, match="use cond"):
+    _step(mesh, sched)(params, (x, x))

@@ -61,6 +61,7 @@ __all__ = [
   "Memory",
   "Program",
   "device_order",
+  "every_tick_writes_records",
   "lower",
   "one_way",
   "one_way_groups",
@@ -274,6 +275,24 @@ def one_way(mesh) -> bool:
   return mode == "one_way"
 
 
+RECORD_WRITES = "OOOJAX_RECORD_WRITES"
+
+
+def every_tick_writes_records() -> bool:
+  """Whether every tick writes its residual records, a tick that produces none
+  into a trash slot (`OOOJAX_RECORD_WRITES=always`), instead of under a `cond`
+  (`cond`, the default). XLA:GPU reads each conditional's branch index back on
+  the host, a copy and a wait per `cond`: on the first H100 the executor's ticks
+  (a switch and two such conds) cost about 0.1 ms each beyond their work. The
+  unconditional write costs one record's copy per tick instead, which on CPU
+  is a memcpy. Which wins on a GPU is for `benchmarks/gpu.sh` to measure
+  (`executor_cost --record-writes cond always`); until then the default stays."""
+  mode = os.environ.get(RECORD_WRITES, "cond")
+  if mode not in ("cond", "always"):
+    raise ValueError(f"{RECORD_WRITES}={mode!r}: use cond (the default) or always")
+  return mode == "always"
+
+
 def _permute(x, axis_name, pairs, split: bool):
   """`ppermute(x, pairs)`, as one-way permutes in a row with `split` (each
   device receives at most once, so the sum of the parts is the whole)."""
@@ -364,6 +383,7 @@ def _body(
   flavors, pl, x_aval, fres, bres = (prog.flavors, prog.plan, prog.x_aval, prog.fres, prog.bres)
   n_aux = max(len(fl.aux) for fl in flavors)
   train = updater is not None
+  always = every_tick_writes_records()
 
   def body(chunks, shared, batch_m, consts, opt=None, opt_rep=None):
     inputs_m, targets_m, side_m = batch_m
@@ -379,12 +399,16 @@ def _body(
     def stack(n, shape, dtype):
       return jnp.zeros((n + 1, *shape), dtype)  # +1: the trash slot
 
+    def rec_rows(name):
+      return pl.counts[name] + 1 if always else max(pl.counts[name], 1)
+
     bufs = {
       "act": stack(pl.counts["act"], x_aval.shape, x_aval.dtype),
       "grad": stack(pl.counts["grad"], x_aval.shape, x_aval.dtype),
-      # Records have no trash slot: only the ticks that produce one write it.
-      "fres": {dt: jnp.zeros((max(pl.counts["fres"], 1), w), dt) for dt, w in fres.widths.items()},
-      "bres": {dt: jnp.zeros((max(pl.counts["bres"], 1), w), dt) for dt, w in bres.widths.items()},
+      # Records have a trash slot only if every tick writes one (`always`);
+      # otherwise only the ticks that produce one write it.
+      "fres": {dt: jnp.zeros((rec_rows("fres"), w), dt) for dt, w in fres.widths.items()},
+      "bres": {dt: jnp.zeros((rec_rows("bres"), w), dt) for dt, w in bres.widths.items()},
     }
     acc = {
       "gp": [[jnp.zeros_like(x) for x in ws] for ws in chunk_w],
@@ -500,7 +524,10 @@ def _body(
       return up, (up if S == 2 else ring(out, r, "dn", ring_dn))
 
     def keep(bufs, name, slot, rec):
-      """`rec` into slot `slot` of stack `name`, only on the ticks that produced one."""
+      """`rec` into slot `slot` of stack `name`, only on the ticks that produced one
+      (`always`: on every tick, the others' into the trash slot `counts[name]`)."""
+      if always:
+        return {dt: put(b, slot, rec[dt]) for dt, b in bufs[name].items()}
       return lax.cond(
         slot < pl.counts[name],
         lambda st: {dt: put(b, slot, rec[dt]) for dt, b in st.items()},
