@@ -302,14 +302,14 @@ def _dry(sched, mesh, batch):
   (its actions, slot writes, idle ticks, run concurrently with the other
   process's) with no link and no waits. Its gradients are wrong; only its time
   is read (`--predict`: the replay's compute is scaled to it)."""
-  from ooojax.passes.pipeline import execute
+  from ooojax.passes.pipeline import ticks
 
-  real = execute._permute
-  execute._permute = lambda x, *a, **k: jax.numpy.zeros_like(x)
+  real = ticks._permute
+  ticks._permute = lambda x, *a, **k: jax.numpy.zeros_like(x)
   try:  # the patch is read while the step traces: at its first (warm-up) call
     return _compiled(sched, mesh, batch)
   finally:
-    execute._permute = real
+    ticks._permute = real
 
 
 def _auto(m: int, calib: dict, mesh, batch):

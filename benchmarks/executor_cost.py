@@ -31,7 +31,7 @@ import numpy as np
 import ooojax as ooo
 from benchmarks import _mlp_model as model, _report
 from ooojax._hlo_cli import parse_kv
-from ooojax.passes.pipeline.execute import RECORD_WRITES
+from ooojax.passes.pipeline.ticks import RECORD_WRITES
 
 _MOVES = {"slice", "dynamic-slice", "bitcast", "copy", "parameter", "reshape", "transpose"}
 _FILL = {"broadcast", "constant", "parameter", "bitcast", "reshape"}

@@ -97,7 +97,7 @@ def test_h100_ticks_that_write_every_record_leave_out_their_conds(monkeypatch):
   branch index XLA:GPU would read back on the host; no slot stack is copied."""
   import re
 
-  from ooojax.passes.pipeline.execute import RECORD_WRITES
+  from ooojax.passes.pipeline.ticks import RECORD_WRITES
 
   mesh = gpu_hlo.mesh("H100", 1, ("stage",))
   sched = ooo.pipeline.schedule("1f1b", stages=1, microbatches=8)
@@ -114,7 +114,7 @@ def test_h100_ticks_that_write_every_record_leave_out_their_conds(monkeypatch):
 
 
 def test_ticks_that_write_every_record_give_the_same_gradients(monkeypatch):
-  from ooojax.passes.pipeline.execute import RECORD_WRITES
+  from ooojax.passes.pipeline.ticks import RECORD_WRITES
 
   mesh = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
   sched = ooo.pipeline.schedule("zb-v", stages=2, microbatches=4)

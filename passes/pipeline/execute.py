@@ -4,46 +4,27 @@ Contract: `lower(stage_fn, loss_fn, sched, mesh, axis_name, input_fn=None,
 data_axis=None) -> step(stage_params, batch, shared=None) -> (loss, grads)`
 (with a `data_axis`, each microbatch's rows split over that mesh axis).
 `passes.pipeline.train` runs tables tiled over steps with the same loop body
-(`_body` with an updater: weights and optimizer states as loop state).
+(`ticks.tick_loop` with an updater: weights and optimizer states as loop state).
 
 Each stage kind ("flavor": first, middle, last virtual stage) is cut into
 F / B / W phases by `passes.pipeline.flavor` (the split pass; scanned layers
 split into a B-scan and W-scans); `passes.pipeline.plan` turns the table into
-per (tick, device) integer rows and slot counts.
-
-The program is a `lax.scan` over the ticks. Its loop body is, per device:
-one `lax.switch` over the (flavor, kind, chunk) actions the table uses, then
-the ppermutes and the slot writes. The switch reads the slot stacks but never
-returns them: an action returns what it produces (the value it sends, a loss
-term, its residual record in a one-record carry), and the tick writes the
-record into its slot afterwards (a `dynamic_update_slice` under a `cond`, so
-ticks that produce none write nothing). Only the gradient accumulators are
-updated inside the switch, by the W actions alone (in place: no branch reads
-them without writing). A buffer that one branch updates and another only
-reads is copied whole every tick by XLA; this layout keeps the loop body free
-of slot copies (tests/test_pipeline_memory.py counts them).
-
-The output (an activation or an input gradient) moves one hop with `ppermute`
-on the ring towards its consumer (up or down: interleaved and ZB-V chunks flow
-both ways); the receive columns say which slot keeps what arrives. A hand-off
-to the same device (ZB-V's tip) is local. Weights shared by the first and the
-last stage (tied embeddings) get one gradient contribution from each W that
-uses them and a single `psum` at the end.
+per (tick, device) integer rows and slot counts; `passes.pipeline.ticks` is
+the per-device loop over the ticks. This module runs that loop under
+`shard_map`: each device gets its own chunks' weights (a slice of the stack,
+never a gather) and the gradients come back in the stack's order.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ooojax.passes import _compat
-from ooojax.passes.pipeline import plan as plan_pass
 from ooojax.passes.pipeline.flavor import Flavor, make_flavor
 from ooojax.passes.pipeline.link import one_way_groups
 from ooojax.passes.pipeline.program import (
@@ -55,6 +36,7 @@ from ooojax.passes.pipeline.program import (
   trace,
 )
 from ooojax.passes.pipeline.schedule import PipelineSchedule
+from ooojax.passes.pipeline.ticks import every_tick_writes_records, one_way, tick_loop
 
 __all__ = [
   "Flavor",
@@ -69,19 +51,6 @@ __all__ = [
   "memory",
   "program",
 ]
-
-
-def _read(env, v):
-  return v.val if isinstance(v, _compat.Literal) else env[v]
-
-
-def _run(jaxpr, eqn_ids, env):
-  for k in eqn_ids:
-    eqn = jaxpr.eqns[k]
-    outs = _compat.bind_eqn(eqn, [_read(env, v) for v in eqn.invars])
-    for v, x in zip(eqn.outvars, outs):
-      if not isinstance(v, _compat.DropVar):
-        env[v] = x
 
 
 # --- the program ------------------------------------------------------------------
@@ -161,7 +130,7 @@ def lower(
         local(side_m),
         has_aux,
       )
-    body = _body(
+    body = tick_loop(
       prog,
       sched.stages,
       sched.chunks,
@@ -253,58 +222,6 @@ def _shard(
   return out[0], last, out[1], opt[1], loss
 
 
-CPU_EXCHANGE = "OOOJAX_CPU_EXCHANGE"
-
-
-def one_way(mesh) -> bool:
-  """Whether each exchange runs as one-way collective permutes (no device both
-  sends and receives in one): on CPU (gloo), unless the environment variable
-  `OOOJAX_CPU_EXCHANGE=two_way`. gloo's collective permute posts a device's
-  send, then its receive, and waits for both; two processes that exchange in
-  one permute took 1.4-3 ms for 16-32 kB under the kernel's fair scheduler,
-  two one-way permutes in a row 0.08-0.11 ms (benchmarks/RESULTS.md, issue 34).
-  Under a real-time scheduler (`chrt -f`) the two-way permute costs 0.03 ms,
-  and on a full-duplex link it carries both directions at once: `two_way` is
-  for that. NCCL pairs the send and receive in one group, so accelerators
-  always keep one permute."""
-  if mesh.devices.flat[0].platform != "cpu":
-    return False
-  mode = os.environ.get(CPU_EXCHANGE, "one_way")
-  if mode not in ("one_way", "two_way"):
-    raise ValueError(f"{CPU_EXCHANGE}={mode!r}: use one_way (the default) or two_way")
-  return mode == "one_way"
-
-
-RECORD_WRITES = "OOOJAX_RECORD_WRITES"
-
-
-def every_tick_writes_records() -> bool:
-  """Whether every tick writes its residual records, a tick that produces none
-  into a trash slot (`OOOJAX_RECORD_WRITES=always`), instead of under a `cond`
-  (`cond`, the default). XLA:GPU reads each conditional's branch index back on
-  the host, a copy and a wait per `cond`: on the first H100 the executor's ticks
-  (a switch and two such conds) cost about 0.1 ms each beyond their work. The
-  unconditional write costs one record's copy per tick instead, which on CPU
-  is a memcpy. Which wins on a GPU is for `benchmarks/gpu.sh` to measure
-  (`executor_cost --record-writes cond always`); until then the default stays."""
-  mode = os.environ.get(RECORD_WRITES, "cond")
-  if mode not in ("cond", "always"):
-    raise ValueError(f"{RECORD_WRITES}={mode!r}: use cond (the default) or always")
-  return mode == "always"
-
-
-def _permute(x, axis_name, pairs, split: bool):
-  """`ppermute(x, pairs)`, as one-way permutes in a row with `split` (each
-  device receives at most once, so the sum of the parts is the whole)."""
-  if not split:
-    return lax.ppermute(x, axis_name, list(pairs))
-  parts = [lax.ppermute(x, axis_name, list(g)) for g in one_way_groups(pairs)]
-  out = parts[0]
-  for p in parts[1:]:
-    out = out + p
-  return out
-
-
 def device_order(sched: PipelineSchedule) -> np.ndarray:
   """The virtual stage at each row of a device-major stack: device s's chunk c at
   row s * chunks + c (the identity without chunks)."""
@@ -346,309 +263,3 @@ def _untake(xs, idx, inv):
 def _explicit(mesh) -> bool:
   explicit = getattr(jax.sharding.AxisType, "Explicit", None)
   return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ()))
-
-
-def _gather(a, axis_name, data_axis):
-  """An aux buffer written by the last stage alone, on every device; with a
-  `data_axis`, the replicas' rows after each microbatch's: `(M * D, ...)`."""
-  x = a.astype(jnp.int32) if a.dtype == jnp.bool_ else a
-  x = lax.psum(x, axis_name).astype(a.dtype)
-  if data_axis is not None:
-    x = lax.all_gather(x, data_axis, axis=1)
-    x = x.reshape(-1, *x.shape[2:])
-  return x
-
-
-def _body(
-  prog: Program,
-  S,
-  v,
-  M,
-  axis_name,
-  lag,
-  updater=None,
-  steps=1,
-  data_axis=None,
-  owners=None,
-  split=False,
-):
-  """The per-device program. With an `updater` (a table tiled over `steps`),
-  the weights (shared ones too) and optimizer states are loop state, updated at
-  the ticks whose `upd` bits name a chunk; otherwise the weights are loop
-  constants. `owners[j]`: the (device, chunk, virtual stage) that alone reads
-  shared leaf j, updated at that chunk's U there and broadcast at the end, or
-  None (read by the first and the last stage: updated at `sync` ticks).
-  With `split`, each exchange runs as one-way permutes (`one_way`)."""
-  F = plan_pass.F
-  flavors, pl, x_aval, fres, bres = (prog.flavors, prog.plan, prog.x_aval, prog.fres, prog.bres)
-  n_aux = max(len(fl.aux) for fl in flavors)
-  train = updater is not None
-  always = every_tick_writes_records()
-
-  def body(chunks, shared, batch_m, consts, opt=None, opt_rep=None):
-    inputs_m, targets_m, side_m = batch_m
-    p_tree = jax.tree.structure(chunks[0])
-    # Chunk c's weights (the actions of chunk c are their own branches).
-    chunk_w = [[x[0] for x in jax.tree.leaves(ch)] for ch in chunks]
-    sh_leaves = jax.tree.leaves(shared)
-    in_leaves, tg_leaves = jax.tree.leaves(inputs_m), jax.tree.leaves(targets_m)
-    sd_leaves = jax.tree.leaves(side_m)
-    table = jnp.asarray(pl.rows)[:, lax.axis_index(axis_name)]  # (ticks, fields)
-    vstage = jnp.asarray(prog.vstages)[lax.axis_index(axis_name)]  # (chunks,)
-
-    def stack(n, shape, dtype):
-      return jnp.zeros((n + 1, *shape), dtype)  # +1: the trash slot
-
-    def rec_rows(name):
-      return pl.counts[name] + 1 if always else max(pl.counts[name], 1)
-
-    bufs = {
-      "act": stack(pl.counts["act"], x_aval.shape, x_aval.dtype),
-      "grad": stack(pl.counts["grad"], x_aval.shape, x_aval.dtype),
-      # Records have a trash slot only if every tick writes one (`always`);
-      # otherwise only the ticks that produce one write it.
-      "fres": {dt: jnp.zeros((rec_rows("fres"), w), dt) for dt, w in fres.widths.items()},
-      "bres": {dt: jnp.zeros((rec_rows("bres"), w), dt) for dt, w in bres.widths.items()},
-    }
-    acc = {
-      "gp": [[jnp.zeros_like(x) for x in ws] for ws in chunk_w],
-      "gsh": [jnp.zeros_like(x) for x in sh_leaves],
-    }
-    no_out = jnp.zeros(x_aval.shape, x_aval.dtype)
-    zero = jnp.zeros((), jnp.float32)
-
-    def get(b, slot):
-      return lax.dynamic_index_in_dim(b, slot, keepdims=False)
-
-    def put(b, slot, x):
-      return lax.dynamic_update_index_in_dim(b, x.astype(b.dtype), slot, 0)
-
-    def env_of(i, fl, c, r, ws):
-      """The phase's static inputs: constants, chunk weights, shared, this microbatch."""
-      vals = [*consts[i], *ws[0][c]]
-      if fl.n_shared:
-        vals += ws[1]
-      if fl.first:
-        vals += [get(x, r[F["mb"]]) for x in in_leaves]
-      if fl.last:
-        vals += [get(x, r[F["mb"]]) for x in tg_leaves]
-      vals += [get(x, r[F["mb"]]) for x in sd_leaves]  # every stage: its microbatch's side
-      if fl.index:  # the chunk's virtual stage (per-layer data: dropout key constants)
-        vals.append(vstage[c])
-      assert len(vals) == len(fl.static), (len(vals), len(fl.static))
-      return dict(zip(fl.static, vals))
-
-    # the loss's aux outputs (metrics): the last stage's F writes microbatch m's at row m
-    aux_avals = [u.aval for fl in flavors if fl.last for u in fl.aux][:n_aux]
-    aux0 = tuple(jnp.zeros((steps * M, *a.shape), a.dtype) for a in aux_avals) if n_aux else ()
-    no_aux = tuple(jnp.zeros(a.shape, a.dtype) for a in aux_avals)
-    zero_l = (zero, no_aux)
-
-    def records(bufs, name, slot):
-      return {dt: get(b, slot) for dt, b in bufs[name].items()}
-
-    def action(i, kind, c):
-      fl = flavors[i]
-
-      def run(r, bufs, acc, f_rec, b_rec, w):
-        out, loss = no_out, zero_l
-        ws = (chunk_w, sh_leaves) if w is None else w  # constants, or training's state
-        env = env_of(i, fl, c, r, ws)
-        if kind == "F":
-          if fl.x is not None:
-            env[fl.x] = get(bufs["act"], r[F["in_slot"]])
-          _run(fl.jaxpr, fl.f_eqns, env)
-          y = _read(env, fl.jaxpr.outvars[0])
-          if fl.last:
-            loss = (y.astype(jnp.float32) / M, tuple(_read(env, u) for u in fl.aux))
-          else:
-            out = y.astype(x_aval.dtype)
-          return out, loss, acc, fres.pack(i, [_read(env, u) for u in fl.fres]), b_rec
-        env.update(zip(fl.fres, fres.unpack(i, records(bufs, "fres", r[F["fres"]]))))
-        if kind in ("B", "BW"):
-          ct = fl.jaxpr.invars[0]
-          env[ct] = (
-            jnp.asarray(1.0 / M, ct.aval.dtype) if fl.last else get(bufs["grad"], r[F["in_slot"]])
-          )
-          _run(fl.jaxpr, fl.b_eqns, env)
-          if fl.dx is not None:
-            out = jnp.broadcast_to(_read(env, fl.dx), x_aval.shape).astype(x_aval.dtype)
-          if kind == "B":
-            return out, loss, acc, f_rec, bres.pack(i, [_read(env, u) for u in fl.bres])
-        else:
-          env.update(zip(fl.bres, bres.unpack(i, records(bufs, "bres", r[F["bres"]]))))
-        _run(fl.jaxpr, fl.w_eqns, env)
-        g = [_read(env, u) for u in fl.grads]
-        n = len(chunk_w[c])
-        gp = list(acc["gp"])
-        gp[c] = [a + d.astype(a.dtype) for a, d in zip(gp[c], g[:n])]
-        gsh = [a + d.astype(a.dtype) for a, d in zip(acc["gsh"], g[n:])] or acc["gsh"]
-        return out, loss, {"gp": gp, "gsh": gsh}, f_rec, b_rec
-
-      return run
-
-    def idle(r, bufs, acc, f_rec, b_rec, w):
-      return no_out, zero_l, acc, f_rec, b_rec
-
-    aux_f = jnp.asarray(
-      [0] + [int(k == "F" and flavors[i].last) for i, k, _ in pl.branches], jnp.int32
-    )  # per branch: a last-stage F (writes the aux)
-
-    branches = [idle] + [action(*b) for b in pl.branches]
-    ring_up = [(k, (k + 1) % S) for k in range(S)]
-    ring_dn = [(k, (k - 1) % S) for k in range(S)]
-
-    def ring(out, r, name, full):
-      """What arrives on one ring. With lag 0 only the pairs that carry a value
-      this tick send (a switch over the table's patterns, the same on every
-      device): no filler crosses a slow link. With lag 1 the whole ring sends,
-      unconditionally, so that XLA can overlap it with the tick's action (a
-      collective inside a conditional cannot)."""
-      pats = pl.patterns[name]
-      if len(pats) == 1:  # nothing ever moves on this ring
-        return no_out
-      if lag:
-        return _permute(out, axis_name, full, split)
-      return lax.switch(
-        r[F[f"{name}_pat"]],
-        [(lambda o, p=p: _permute(o, axis_name, p, split) if p else no_out) for p in pats],
-        out,
-      )
-
-    def send(out, r):
-      """What arrives from below (stage s - 1) and from above (s + 1)."""
-      if S == 1:
-        return out, out
-      up = ring(out, r, "up", ring_up)
-      # With 2 stages both neighbours are the same device: the plan puts all on "up".
-      return up, (up if S == 2 else ring(out, r, "dn", ring_dn))
-
-    def keep(bufs, name, slot, rec):
-      """`rec` into slot `slot` of stack `name`, only on the ticks that produced one
-      (`always`: on every tick, the others' into the trash slot `counts[name]`)."""
-      if always:
-        return {dt: put(b, slot, rec[dt]) for dt, b in bufs[name].items()}
-      return lax.cond(
-        slot < pl.counts[name],
-        lambda st: {dt: put(b, slot, rec[dt]) for dt, b in st.items()},
-        lambda st: st,
-        bufs[name],
-      )
-
-    def update(r, w, o, acc):
-      """Each chunk whose bit is set in `upd`: its update on its summed gradients
-      (all of its step's W ran by this tick), then a zero accumulator. At a
-      `sync` tick (the same on every device, so the psum inside the cond is
-      collective), the shared weights' update on their gradient summed over
-      the stages."""
-      (ws, sh), (oc, orep), gp = (list(w[0]), w[1]), (list(o[0]), o[1]), list(acc["gp"])
-      for c in range(v):
-
-        def apply(args, c=c):
-          wc, occ, orp, gc = args
-          wc, occ, orp = updater.chunk(c, wc, gc, occ, orp)
-          return list(wc), occ, orp, [jnp.zeros_like(g) for g in gc]
-
-        ws[c], oc[c], orep, gp[c] = lax.cond(
-          ((r[F["upd"]] >> c) & 1) == 1, apply, lambda a: a, (ws[c], oc[c], orep, gp[c])
-        )
-      gsh = acc["gsh"]
-      for key, (d, c, js) in groups.items():  # the owner's update, or all at a sync
-
-        def shared_update(args, key=key, js=js):
-          shl, orp, g = list(args[0]), args[1], list(args[2])
-          gj = [g[j] if key is not None else lax.psum(g[j], axis_name) for j in js]
-          new, orp = updater.shared(key, js, [shl[j] for j in js], gj, orp)
-          for j, x in zip(js, new):
-            shl[j], g[j] = x, jnp.zeros_like(g[j])
-          return shl, orp, g
-
-        pred = (
-          r[F["sync"]] == 1
-          if key is None
-          else (((r[F["upd"]] >> c) & 1) == 1) & (lax.axis_index(axis_name) == d)
-        )
-        sh, orep, gsh = lax.cond(pred, shared_update, lambda a: a, (sh, orep, gsh))
-      return (ws, sh), (oc, orep), {"gp": gp, "gsh": gsh}
-
-    def tick(carry, r):
-      bufs, acc, (loss, aux), out, f_rec, b_rec, w, o = carry
-      if lag:  # the last tick's output travels while this tick computes
-        below, above = send(out, r)
-      out, (dl, da), acc, f_rec, b_rec = lax.switch(
-        r[F["branch"]], branches, r, bufs, acc, f_rec, b_rec, w
-      )
-      if n_aux:
-        aux = lax.cond(
-          aux_f[r[F["branch"]]] == 1,
-          lambda a: tuple(put(b, r[F["mb"]], x) for b, x in zip(a, da)),
-          lambda a: a,
-          aux,
-        )
-      if not lag:
-        below, above = send(out, r)
-      act, grad = bufs["act"], bufs["grad"]
-      act = put(put(put(act, r[F["loc_act"]], out), r[F["up_act"]], below), r[F["dn_act"]], above)
-      grad = put(
-        put(put(grad, r[F["loc_grad"]], out), r[F["up_grad"]], below), r[F["dn_grad"]], above
-      )
-      bufs = {
-        "act": act,
-        "grad": grad,
-        "fres": keep(bufs, "fres", r[F["f_write"]], f_rec),
-        "bres": keep(bufs, "bres", r[F["b_write"]], b_rec),
-      }
-      if train:
-        w, o, acc = update(r, w, o, acc)
-        loss = loss.at[r[F["step"]]].add(dl)
-      else:
-        loss = loss + dl
-      return (bufs, acc, (loss, aux), out, f_rec, b_rec, w, o), None
-
-    groups = {}  # None (tied: sync) or owner vstage -> (device, chunk, leaf indices)
-    for j, own in enumerate(owners or [None] * len(sh_leaves)):
-      key, d, c = (None, 0, 0) if own is None else (own[2], own[0], own[1])
-      groups.setdefault(key, (d, c, []))[2].append(j)
-
-    def bcast(key, x):
-      """`x` as the owner of group `key` holds it, on every device."""
-      if key is None:
-        return x
-      mine = lax.axis_index(axis_name) == groups[key][0]
-      return lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), axis_name)
-
-    w0 = o0 = None
-    if train:
-      w0 = (chunk_w, list(sh_leaves))
-      o0 = ([jax.tree.map(lambda x: x[0], oc) for oc in opt], updater.start(opt_rep))
-    loss0 = jnp.zeros((steps,), jnp.float32) if train else zero
-    init = (bufs, acc, (loss0, aux0), no_out, fres.empty(), bres.empty(), w0, o0)
-    (_, acc, (loss, aux), _, _, _, w, o), _ = lax.scan(tick, init, table)
-    loss = lax.psum(loss, axis_name)
-    if n_aux:  # the last stage's rows (the others hold zeros), on every device
-      aux = tuple(_gather(a, axis_name, data_axis) for a in aux)
-      loss = (loss, aux)
-    if train:
-      sh = list(w[1])
-      for key, (_, _, js) in groups.items():
-        for j in js:
-          sh[j] = bcast(key, sh[j])
-      return (
-        loss,
-        tuple(p_tree.unflatten([x[None] for x in ws]) for ws in w[0]),
-        jax.tree.unflatten(jax.tree.structure(shared), sh),
-        tuple(jax.tree.map(lambda x: x[None], oc) for oc in o[0]),
-        updater.finish(o[1], bcast),
-      )
-    gsh = [lax.psum(g, axis_name) for g in acc["gsh"]]
-    if data_axis is not None:  # the mean over the data replicas' slices
-      if n_aux:
-        loss = (lax.pmean(loss[0], data_axis), loss[1])
-      else:
-        loss = lax.pmean(loss, data_axis)
-      gsh = [lax.pmean(g, data_axis) for g in gsh]
-      acc["gp"] = [[lax.pmean(g, data_axis) for g in gs] for gs in acc["gp"]]
-    gp = tuple(p_tree.unflatten([g[None] for g in gs]) for gs in acc["gp"])
-    return loss, gp, jax.tree.unflatten(jax.tree.structure(shared), gsh)
-
-  return body

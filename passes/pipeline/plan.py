@@ -1,6 +1,6 @@
 """pipeline.plan: a validated table -> per (tick, device) integer rows and slot counts.
 
-Contract: `plan(sched, flavor_of) -> Plan`, read by `passes.pipeline.execute`.
+Contract: `plan(sched, flavor_of) -> Plan`, read by `passes.pipeline.ticks`.
 
 Every buffer the executor keeps is a stack of slots: received activations
 ("act"), received input gradients ("grad"), F's residual records ("fres": what

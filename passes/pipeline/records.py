@@ -1,7 +1,7 @@
 """pipeline.records: a phase's residuals packed into one flat record per dtype.
 
 Contract: `layout(var_lists) -> Records`; `Records.pack(i, values)` and
-`Records.unpack(i, rows)`, read by `passes.pipeline.execute`.
+`Records.unpack(i, rows)`, read by `passes.pipeline.ticks`.
 
 The executor's switch returns what an action produces instead of the buffers
 it updates (a buffer updated inside a branch and read in another is copied

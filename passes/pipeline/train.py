@@ -20,9 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ooojax.passes.pipeline import plan as plan_pass
-from ooojax.passes.pipeline.execute import _body, _check, _shard, one_way
+from ooojax.passes.pipeline.execute import _check, _shard
 from ooojax.passes.pipeline.program import Program, split_microbatches, trace
 from ooojax.passes.pipeline.schedule import PipelineSchedule
+from ooojax.passes.pipeline.ticks import one_way, tick_loop
 
 __all__ = ["Updater", "lower_train", "lower_updates"]
 
@@ -143,7 +144,7 @@ def lower_updates(
     own = list(owners or [None] * len(jax.tree.leaves(shared)))
     if None in own:
       _check_sync(prog, sched)
-    body = _body(
+    body = tick_loop(
       prog,
       sched.stages,
       sched.chunks,
