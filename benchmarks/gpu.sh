@@ -30,7 +30,7 @@ fi
   $PY -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())"
   echo "DRY=${DRY:-<unset>} BUDGET=$BUDGET $(date -u +%FT%TZ)"; } >> "$OUT/env.txt" 2>&1
 
-V=(--variants "jax.grad" "ooo single_gpu" "ooo single_gpu (none)" "ooo in_order")
+V=(--variants "jax.grad" "ooo single_gpu" "ooo single_gpu (none)" "ooo in_order" "ooo single_gpu (call 40us)")
 if [ -n "$DRY" ]; then  # tiny sizes, two variants: every step runs through, fast, on CPU
   V=(--variants "jax.grad" "ooo single_gpu")
   SIZE=(--tiny --batch 4 --no-sim-check) ROUNDS=(--rounds 1 --iters 1) CHECK=(--batch 4)
