@@ -22,6 +22,9 @@ passes to `jax.value_and_grad`, cuts the stages itself
 `make_train_step(loss_fn, optimizer, mesh=..., axis_name=...)` adds the
 optimizer, applied per stage on the stage-sharded parameters; with `steps=n`
 one call runs n steps as a table tiled over steps (`ooojax.pipeline._tiled`).
+`step.tune(state, *batch)` times the candidate tables (`ooo`, 1F1B's, GPipe's)
+on the devices at hand and keeps the fastest (`tune` for any step built from a
+table).
 """
 
 from __future__ import annotations
