@@ -54,6 +54,35 @@ def close():
   return assert_trees_close
 
 
+def run_workers(worker: str, outs, *extra) -> None:
+  """`python tests/WORKER PROCESS_ID N PORT OUT *extra` for each of the N `outs`:
+  processes on localhost (jax.distributed + gloo, one CPU device each). A
+  failed worker ends its peers at once; no time limit decides the verdict,
+  only a hang's (`benchmarks.pipeline_mp.wait_workers`)."""
+  import socket
+  import subprocess
+  import sys
+
+  from benchmarks.pipeline_mp import wait_workers
+
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = str(s.getsockname()[1])
+  script = os.path.join(os.path.dirname(__file__), worker)
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  procs = [
+    subprocess.Popen(
+      [sys.executable, script, str(i), str(len(outs)), port, str(out), *extra],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i, out in enumerate(outs)
+  ]
+  wait_workers(procs)
+
+
 def pytest_unconfigure(config):
   # the process that made the run's cache removes it (xdist: the controller)
   if _OWN_CACHE and not hasattr(config, "workerinput"):

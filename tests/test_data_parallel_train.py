@@ -98,30 +98,9 @@ def test_errors():
 
 def test_two_processes_match_single_process(tmp_path, close):
   """2 processes on localhost (jax.distributed + gloo CPU collectives), 1 device each."""
-  import os
-  import socket
-  import subprocess
-  import sys
+  from tests.conftest import run_workers
 
-  from benchmarks.pipeline_mp import wait_workers
-
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    port = str(s.getsockname()[1])
-  worker = os.path.join(os.path.dirname(__file__), "_dp_worker.py")
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  procs = [
-    subprocess.Popen(
-      [sys.executable, worker, str(i), "2", port, str(tmp_path / f"{i}.npz")],
-      env=env,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
-    for i in range(2)
-  ]
-  # a failed worker ends its peer at once; no time limit decides the verdict (only a hang's)
-  wait_workers(procs)
+  run_workers("_dp_worker.py", [tmp_path / f"{i}.npz" for i in range(2)])
   params, loss, xs = make_problem()
   ref, _ = _plain(loss, optax.adam(1e-2), params, xs)
   ref = {

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import ooojax as ooo
-from tests.conftest import assert_trees_close
+from tests.conftest import assert_trees_close, run_workers
 from tests.test_pipeline_auto import _gpt
 from tests.test_pipeline_train_step import _batches, _follow, _make, _mesh, _reference
 
@@ -98,29 +98,8 @@ def test_tune_errors():
 def test_two_processes_pick_the_same_table(tmp_path):
   """2 processes (jax.distributed + gloo, 1 CPU device each): process 0's times decide."""
   import json
-  import os
-  import socket
-  import subprocess
-  import sys
 
-  from benchmarks.pipeline_mp import wait_workers
-
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    port = str(s.getsockname()[1])
-  worker = os.path.join(os.path.dirname(__file__), "_tune_worker.py")
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  procs = [
-    subprocess.Popen(
-      [sys.executable, worker, str(i), "2", port, str(tmp_path / f"{i}.json")],
-      env=env,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
-    for i in range(2)
-  ]
-  wait_workers(procs)
+  run_workers("_tune_worker.py", [tmp_path / f"{i}.json" for i in range(2)])
   got = [json.loads((tmp_path / f"{i}.json").read_text()) for i in range(2)]
   assert got[0] == got[1]  # the same label, and process 0's times on both
   assert got[0]["label"] in got[0]["times"] and len(got[0]["times"]) == 3
