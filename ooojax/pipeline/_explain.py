@@ -19,7 +19,6 @@ from typing import Any
 
 import jax
 
-from ooojax.passes.hlo.windows import Window
 from ooojax.passes.pipeline.schedule import PipelineSchedule
 from ooojax.pipeline._report import AutoCut, PipelineReport
 
@@ -365,24 +364,3 @@ def _explain(
     sliced_weights=max(sliced(fl) for fl in prog.flavors),
   )
   return report.compiled(gpu, compiler_options=compiler_options) if gpu else report
-
-
-def compile_windows(report: PipelineReport, gpu: str, compiler_options=None) -> tuple[Window, ...]:
-  from ooojax import gpu_hlo
-  from ooojax.passes.hlo.windows import windows
-  from ooojax.passes.pipeline.execute import lower
-
-  c = report.call
-  if c is None:
-    raise ValueError(
-      "this PipelineReport was not made by ooo.pipeline.explain, so there is no step to compile"
-    )
-  reason = gpu_hlo.unavailable_reason()
-  if reason is not None:
-    raise RuntimeError(f"cannot compile for a GPU here: {reason}")
-  sched = report.schedule
-  mesh = gpu_hlo.mesh(gpu, sched.stages, ("stage",))
-  step = lower(c.stage_fn, c.loss_fn, sched, mesh, "stage", c.input_fn)
-  args = (c.stage_params, c.batch) + (() if c.shared is None else (c.shared,))
-  hlo = gpu_hlo.schedule(jax.jit(step), *args, mesh=mesh, compiler_options=compiler_options)
-  return windows(hlo, "collective-permute")

@@ -2,7 +2,8 @@
 
 Plain frozen dataclasses: the table, the cost-model phase costs, the bytes per
 device and (with a compile-only GPU) the collective-permute windows, with the
-summaries, the plot and the HTML a notebook shows. `_explain` builds them.
+summaries, the plot and the HTML a notebook shows; `compile_windows` compiles the
+report's step for compile-only GPUs (`PipelineReport.compiled`). `_explain` builds them.
 Bubble and times are simulated (cost model), never measured.
 """
 
@@ -12,6 +13,8 @@ import dataclasses
 import html
 from collections.abc import Mapping
 from typing import Any
+
+import jax
 
 from ooojax.passes.hlo.windows import Window
 from ooojax.passes.pipeline.program import Memory
@@ -248,8 +251,6 @@ class PipelineReport:
   def compiled(self, gpu: str = "H100", *, compiler_options=None) -> PipelineReport:
     """This report with `windows`: the step compiled for `schedule.stages`
     compile-only `gpu`s and each collective-permute's window read back."""
-    from ooojax.pipeline._explain import compile_windows
-
     return dataclasses.replace(self, gpu=gpu, windows=compile_windows(self, gpu, compiler_options))
 
 
@@ -270,3 +271,24 @@ def _windows_text(windows, gpu) -> str:
   ]
   lines += [f"    {w.summary()}" for w in windows]
   return "\n".join(lines)
+
+
+def compile_windows(report: PipelineReport, gpu: str, compiler_options=None) -> tuple[Window, ...]:
+  from ooojax import gpu_hlo
+  from ooojax.passes.hlo.windows import windows
+  from ooojax.passes.pipeline.execute import lower
+
+  c = report.call
+  if c is None:
+    raise ValueError(
+      "this PipelineReport was not made by ooo.pipeline.explain, so there is no step to compile"
+    )
+  reason = gpu_hlo.unavailable_reason()
+  if reason is not None:
+    raise RuntimeError(f"cannot compile for a GPU here: {reason}")
+  sched = report.schedule
+  mesh = gpu_hlo.mesh(gpu, sched.stages, ("stage",))
+  step = lower(c.stage_fn, c.loss_fn, sched, mesh, "stage", c.input_fn)
+  args = (c.stage_params, c.batch) + (() if c.shared is None else (c.shared,))
+  hlo = gpu_hlo.schedule(jax.jit(step), *args, mesh=mesh, compiler_options=compiler_options)
+  return windows(hlo, "collective-permute")
