@@ -76,7 +76,30 @@ def test_a_tiled_step_tunes_too():
   assert_trees_close(s1.params, s2.params)
 
 
+def test_tunes_under_an_explicit_set_mesh_with_data_replicas():
+  # today's JAX: the mesh set with Explicit axes, the batch sharded over "data";
+  # every candidate runs the same data x stage step
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  explicit = (jax.sharding.AxisType.Explicit,) * 2
+  mesh = jax.make_mesh((2, 2), ("data", "stage"), devices=jax.devices()[:4], axis_types=explicit)
+  with jax.set_mesh(mesh):
+    x = jax.device_put(jax.random.normal(jax.random.key(0), (8, 8)), NamedSharding(mesh, P("data")))
+    t = jnp.zeros_like(x)
+    step = ooo.pipeline.make_train_step(
+      _scan_loss, optax.sgd(0.1), mesh=mesh, axis_name="stage", data_axis="data", microbatches=2
+    )
+    state = step.init(jnp.full((4, 8, 8), 0.1), x, t)
+    tuned = step.tune(state, x, t, candidates=["1f1b", "gpipe"], rounds=1)
+    (s1, l1), (s2, l2) = tuned(state, x, t), step(state, x, t)
+  assert tuned.tuning.label in ("1f1b", "gpipe")
+  assert_trees_close(l1, l2)
+  assert_trees_close(s1.params, s2.params)
+
+
 def test_tune_errors():
+  with pytest.raises(ValueError, match="tie must be"):
+    ooo.pipeline.tune(lambda t: None, (), stages=2, microbatches=4, tie=1.5)
   with pytest.raises(ValueError, match="rounds must be"):
     ooo.pipeline.tune(lambda t: None, (), stages=2, microbatches=4, rounds=0)
   with pytest.raises(ValueError, match="no candidate fits budget=1"):
