@@ -6,11 +6,14 @@ action) and its transfers. With `lag=0` a tick's transfers wait for its
 action, and only the (sender, receiver) pairs that carry a value send: each
 transfer pattern of the table is one collective-permute in a branch of a
 small conditional, so no filler crosses the link. With `lag=1` (receives one
-tick after the send) the two rings (one each way) send whole, issued before
-the action, and one of the two permutes has the action switch (the tick's F/B/W GEMMs) between its start and done; XLA's GPU
+tick after the send) the two rings (one each way) send on every pair the
+table uses (not the last stage -> first stage hop of a 1-chunk table), issued
+before the action, and one of the two permutes has the action switch (the tick's F/B/W GEMMs) between its start and done; XLA's GPU
 scheduler runs the other after it (one collective-permute in flight at a
 time). tests/test_pipeline_memory.py checks that no slot is copied.
 """
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +21,7 @@ import pytest
 
 import ooojax as ooo
 from ooojax import gpu_hlo
+from ooojax.passes.hlo import schedule as hlo_schedule
 
 pytestmark = pytest.mark.skipif(
   gpu_hlo.unavailable_reason() is not None,
@@ -39,7 +43,8 @@ def test_four_stage_program_has_collective_permutes_in_the_tick_loop(lag):
   step = ooo.pipeline.value_and_grad(
     stage_fn, lambda y, t: jnp.mean((y - t) ** 2), mesh=mesh, axis_name="stage", schedule=sched
   )
-  s = gpu_hlo.schedule(jax.jit(step), params, (x, x), mesh=mesh)
+  text = gpu_hlo.compile_text(jax.jit(step), params, (x, x), mesh=mesh)
+  s = hlo_schedule.parse(text)
   permutes = s.pairs_of("collective-permute")
   print(s.summary())
   # The action switch: the conditional whose branches run GEMMs (the record
@@ -62,6 +67,11 @@ def test_four_stage_program_has_collective_permutes_in_the_tick_loop(lag):
     # One ring each way, issued before the action: one window holds it.
     assert len(permutes) == 2 and all(p.computation == body for p in permutes)
     assert any(switch in p.between for p in permutes)
+    # Each ring sends on the pairs the 1-chunk table uses: no wrap-around hop.
+    rings = sorted(
+      re.findall(r"collective-permute-start\(.*?source_target_pairs=(\{[{}0-9,]*\})", text)
+    )
+    assert rings == ["{{0,1},{1,2},{2,3}}", "{{1,0},{2,1},{3,2}}"]
   else:
     # Only the pairs that carry a value send: one permute per pattern of the
     # table, each in its own branch; nothing to overlap (the tick waits).

@@ -28,10 +28,10 @@ Two ways a table can run (`mode`):
   written (at once with `blocking_send=False`, after the wire time with
   True). Transfers that leave together on one resource share it and finish
   together (TCP's fair share between flows); later ones queue behind them.
-  With lag 1 every tick but the first starts with the whole ring's exchange
-  of the previous tick's output (every pair, filler included: the executor
-  sends unconditionally so that XLA may overlap it), then computes; a CPU
-  runs the exchange before the compute, so nothing overlaps.
+  With lag 1 every tick but the first starts with the exchange of the
+  previous tick's output over every pair the table uses (filler included: the
+  executor sends unconditionally so that XLA may overlap it), then computes;
+  a CPU runs the exchange before the compute, so nothing overlaps.
 - `"overlap"`: transfers run beside compute (asynchronous collectives, the
   OOO BackProp paper's runtime): each stage runs its actions in the table's
   order as soon as their inputs have arrived; a transfer leaves when its
@@ -214,9 +214,18 @@ def _executor(sched, cs, link: LinkModel) -> LinkTimeline:
   clock = [0.0] * S
   wire = _Wire(link)
   spans, transfers = [], []
-  ring = sorted({(s, (s + 1) % S) for s in range(S)} | {(s, (s - 1) % S) for s in range(S)})
-  ring = [p for p in ring if p[0] != p[1]]
-  moves = any(a.kind[0] == "S" for row in sched.grid for cell in row for a in cell)
+  # lag 1: every pair the table ever sends over (what the executor's rings carry)
+  ring = sorted(
+    {
+      (a.stage, _dest(sched, a))
+      for row in sched.grid
+      for cell in row
+      for a in cell
+      if a.kind[0] == "S"
+    }
+    - {(s, s) for s in range(S)}
+  )
+  moves = bool(ring)
 
   def exchange(pairs, kinds):
     """One exchange over `pairs`: one collective permute, or one-way ones in a row."""
@@ -243,7 +252,7 @@ def _executor(sched, cs, link: LinkModel) -> LinkTimeline:
       clock[x] = max(clock[x], t)
 
   for t in range(sched.ticks):
-    if sched.lag and t and moves:  # lag 1: last tick's outputs on the whole ring first
+    if sched.lag and t and moves:  # lag 1: last tick's outputs over the used pairs first
       exchange(
         ring,
         {

@@ -253,20 +253,19 @@ def tick_loop(
     )  # per branch: a last-stage F (writes the aux)
 
     branches = [idle] + [action(*b) for b in pl.branches]
-    ring_up = [(k, (k + 1) % S) for k in range(S)]
-    ring_dn = [(k, (k - 1) % S) for k in range(S)]
 
-    def ring(out, r, name, full):
+    def ring(out, r, name):
       """What arrives on one ring. With lag 0 only the pairs that carry a value
       this tick send (a switch over the table's patterns, the same on every
-      device): no filler crosses a slow link. With lag 1 the whole ring sends,
-      unconditionally, so that XLA can overlap it with the tick's action (a
-      collective inside a conditional cannot)."""
+      device): no filler crosses a slow link. With lag 1 every pair the table
+      ever uses sends, unconditionally, so that XLA can overlap it with the
+      tick's action (a collective inside a conditional cannot). A 1-chunk table
+      never sends from the last stage to the first, so that hop carries nothing."""
       pats = pl.patterns[name]
       if len(pats) == 1:  # nothing ever moves on this ring
         return no_out
       if lag:
-        return _permute(out, axis_name, full, split)
+        return _permute(out, axis_name, sorted(set().union(*pats)), split)
       return lax.switch(
         r[F[f"{name}_pat"]],
         [(lambda o, p=p: _permute(o, axis_name, p, split) if p else no_out) for p in pats],
@@ -277,9 +276,9 @@ def tick_loop(
       """What arrives from below (stage s - 1) and from above (s + 1)."""
       if S == 1:
         return out, out
-      up = ring(out, r, "up", ring_up)
+      up = ring(out, r, "up")
       # With 2 stages both neighbours are the same device: the plan puts all on "up".
-      return up, (up if S == 2 else ring(out, r, "dn", ring_dn))
+      return up, (up if S == 2 else ring(out, r, "dn"))
 
     def keep(bufs, name, slot, rec):
       """`rec` into slot `slot` of stack `name`, only on the ticks that produced one
