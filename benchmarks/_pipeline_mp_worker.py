@@ -373,6 +373,7 @@ def _pipeline():
           "ms": [],
           "compile_s": time.perf_counter() - t0,
           "bubble": sched.bubble_fraction(),
+          "peak": max(sched.peak_activations()),
           "ticks": sched.ticks,
           **_ticks(sched, params, batch),
           "table": sched.to_text(),

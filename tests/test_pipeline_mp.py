@@ -203,6 +203,12 @@ def test_prediction_and_verdict_pair_the_rounds():
   res = {f"{s}/8": {"schedule": s, "microbatches": 8, "ms": ms} for s, ms in rounds.items()}
   (line,) = pipeline_mp.verdict(res, "link")
   assert "median 1.05x [0.95-1.11], ooo faster in 2 of 3 rounds" in line
+  assert "within its memory" not in line  # no peaks recorded: nothing to tell apart
+  # the bar is "at the same memory": GPipe holds 8, ooo and 1F1B 2
+  for s, peak in (("gpipe", 8), ("1f1b", 2), ("ooo", 2)):
+    res[f"{s}/8"]["peak"] = peak
+  (line,) = pipeline_mp.verdict(res, "link")
+  assert "over 1f1b, the one within its memory: median 1.16x [1.05-1.33]" in line
 
 
 def test_speedup_over_one_core_pairs_the_rounds_it_was_timed_in():

@@ -76,6 +76,27 @@ def test_a_tiled_step_tunes_too():
   assert_trees_close(s1.params, s2.params)
 
 
+def test_lags_tried_in_turn_and_a_lag_one_step_keeps_its_lag():
+  build = lambda t: lambda *_: time.sleep(0.001)  # noqa: E731
+  _, t = ooo.pipeline.tune(build, (), stages=2, microbatches=4, rounds=1, lag=(0, 1))
+  assert list(t.times) == ["ooo", "1f1b", "gpipe", "ooo, lag 1", "1f1b, lag 1", "gpipe, lag 1"]
+  _, t = ooo.pipeline.tune(build, (), stages=2, microbatches=4, candidates=["1f1b"], lag=1)
+  assert list(t.times) == ["1f1b"] and t.schedule.lag == 1
+  for bad in (2, (), True, (0, 2)):
+    with pytest.raises(ValueError, match="lag must be 0, 1"):
+      ooo.pipeline.tune(build, (), stages=2, microbatches=4, lag=bad)
+  # a step built on a lag-1 table tunes among lag-1 tables unless told otherwise
+  sched = ooo.pipeline.schedule("ooo", stages=2, microbatches=2, lag=1)
+  step = _make(_scan_loss, optax.sgd(0.1), _mesh(), schedule=sched)
+  x = jax.random.normal(jax.random.key(0), (2, 8, 8))
+  state = step.init(jnp.full((4, 8, 8), 0.1), x, jnp.zeros_like(x))
+  tuned = step.tune(state, x, jnp.zeros_like(x), candidates=["gpipe", "1f1b"], rounds=1)
+  assert tuned.sched.lag == 1 and {t.lag for t in [tuned.tuning.schedule]} == {1}
+  (s1, l1), (s2, l2) = tuned(state, x, jnp.zeros_like(x)), step(state, x, jnp.zeros_like(x))
+  assert_trees_close(l1, l2)
+  assert_trees_close(s1.params, s2.params)
+
+
 def test_tunes_under_an_explicit_set_mesh_with_data_replicas():
   # today's JAX: the mesh set with Explicit axes, the batch sharded over "data";
   # every candidate runs the same data x stage step

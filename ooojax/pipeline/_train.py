@@ -313,6 +313,7 @@ class PipelineTrainStep:
     costs=None,
     rounds: int = 5,
     tie: float = 0.03,
+    lag=None,
   ) -> PipelineTrainStep:
     """This step running the table that times fastest here (`ooo.pipeline.tune`).
 
@@ -323,7 +324,9 @@ class PipelineTrainStep:
     every process. Returns a new step (same state layout, the layers per stage
     of `step.balance` kept) whose `tuning` holds the times; `state` is not
     updated. Candidates must lay out the weights as this step's table does
-    (the same chunks and device order).
+    (the same chunks and device order). Named candidates are generated at this
+    step's lag unless `lag` says otherwise (`(0, 1)`: both, see
+    `ooo.pipeline.tune`).
 
     >>> step = step.tune(state, *batch)   # doctest: +SKIP
     >>> print(step.tuning)                # doctest: +SKIP
@@ -355,6 +358,7 @@ class PipelineTrainStep:
       costs=costs,
       rounds=rounds,
       tie=tie,
+      lag=self.sched.lag if lag is None else lag,
     )
     s.tuning = s_tuning
     return s

@@ -60,7 +60,7 @@ class Tuning:
     for k, m in med.items():
       mark = "*" if k == self.label else " "
       lines.append(
-        f" {mark} {k:<10} {m:8.3f} ms  score {score[k]:5.3f}  "
+        f" {mark} {k:<12} {m:8.3f} ms  score {score[k]:5.3f}  "
         f"peak {self.peaks[k]} activations/stage  ({len(self.times[k])} rounds)"
       )
     return "\n".join(lines)
@@ -78,19 +78,45 @@ def _candidates(
   link=None,
   costs=None,
   mode: str = "executor",
+  lag: int | Sequence[int] = 0,
 ) -> tuple[tuple[str, PipelineSchedule], ...]:
   """`(label, table)` pairs to time: `trial_tables` (ooo at 1F1B's depth, ooo
   planned on `link`, 1F1B's, GPipe's; within `budget`) when `names` is None,
-  else each name generated (or each `(label, table)` as given)."""
-  if names is None:
-    return trial_tables(stages, microbatches, costs, link, budget, mode)
+  else each name generated (or each `(label, table)` as given). Names are
+  generated at each of `lag`'s lags in turn; a lag-1 table's label ends in
+  ", lag 1" when lag 0 is tried too."""
+  lags = _lags(lag)
   if isinstance(names, str):
     raise TypeError(f"candidates is a sequence of names, got the string {names!r}")
+  tag = lambda lab, g: f"{lab}, lag {g}" if g and 0 in lags else lab  # noqa: E731
+  if names is None:
+    return tuple(
+      (tag(lab, g), t)
+      for g in lags
+      for lab, t in trial_tables(stages, microbatches, costs, link, budget, mode, g)
+    )
   out = []
   for c in names:
-    label, t = (c, generate(c, stages, microbatches)) if isinstance(c, str) else c
+    if isinstance(c, str):
+      out += [(tag(c, g), generate(c, stages, microbatches, lag=g)) for g in lags]
+      continue
+    label, t = c
     if not isinstance(t, PipelineSchedule):
       raise TypeError(f"a candidate is a schedule name or (label, PipelineSchedule), got {c!r}")
+    out.append((label, t))
+  return _checked(out, stages, microbatches, budget)
+
+
+def _lags(lag) -> tuple[int, ...]:
+  lags = (lag,) if isinstance(lag, int) else tuple(lag)
+  if not lags or any(g not in (0, 1) or isinstance(g, bool) for g in lags):
+    raise ValueError(f"lag must be 0, 1 or a sequence of them, got {lag!r}")
+  return tuple(dict.fromkeys(lags))
+
+
+def _checked(cands, stages: int, microbatches: int, budget) -> tuple:
+  out = []
+  for label, t in cands:
     if (t.stages, t.microbatches) != (stages, microbatches):
       raise ValueError(
         f"candidate {label!r} is a table of {t.stages} stages and {t.microbatches} "
@@ -135,6 +161,7 @@ def tune(
   costs=None,
   rounds: int = 5,
   tie: float = 0.03,
+  lag: int | Sequence[int] = 0,
 ) -> tuple[Callable, Tuning]:
   """Time each candidate table and keep the fastest: `(fn, Tuning)`.
 
@@ -161,6 +188,11 @@ def tune(
     tie: a candidate within this fraction of the fastest that comes earlier in
       the order of preference wins (a shared host's equal tables differ by a
       few percent).
+    lag: the lag the named (and default) candidates are generated at, or a
+      sequence of lags to try each at, in order of preference: `(0, 1)` also
+      times every table receiving one tick after its send (labels ending in
+      ", lag 1"), which lets a GPU overlap a tick's transfer with its compute
+      (`docs/pipeline.md`); on a CPU it only adds ticks.
 
   >>> import jax, jax.numpy as jnp
   >>> from ooojax import pipeline
@@ -177,7 +209,9 @@ def tune(
     raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
   if not 0 <= tie < 1:
     raise ValueError(f"tie must be in [0, 1), got {tie!r}")
-  cands = _candidates(stages, microbatches, candidates, budget=budget, link=link, costs=costs)
+  cands = _candidates(
+    stages, microbatches, candidates, budget=budget, link=link, costs=costs, lag=lag
+  )
   fns = {label: build(t) for label, t in cands}
   for fn in fns.values():  # compile and warm up
     jax.block_until_ready(fn(*args))
