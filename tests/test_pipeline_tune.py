@@ -76,6 +76,26 @@ def test_a_tiled_step_tunes_too():
   assert_trees_close(s1.params, s2.params)
 
 
+def test_a_candidate_that_fails_is_left_out_in_one_process():
+  def build(t):
+    if t.name != "gpipe":
+      return lambda *_: time.sleep(0.001)
+
+    def oom(*_):
+      raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 64 GiB\nmore detail")
+
+    return oom
+
+  names = ["ooo", "1f1b", "gpipe"]
+  _, t = ooo.pipeline.tune(build, (), stages=2, microbatches=4, candidates=names, rounds=1)
+  assert list(t.times) == ["ooo", "1f1b"] and t.label in ("ooo", "1f1b")
+  assert t.failed == {"gpipe": "RuntimeError: RESOURCE_EXHAUSTED: Out of memory allocating 64 GiB"}
+  assert "gpipe" in t.summary() and "left out" in t.summary()
+  # every candidate failing: the step itself is broken, and its first error is raised
+  with pytest.raises(ZeroDivisionError):
+    ooo.pipeline.tune(lambda t: lambda *_: 1 / 0, (), stages=2, microbatches=4)
+
+
 def test_lags_tried_in_turn_and_a_lag_one_step_keeps_its_lag():
   build = lambda t: lambda *_: time.sleep(0.001)  # noqa: E731
   _, t = ooo.pipeline.tune(build, (), stages=2, microbatches=4, rounds=1, lag=(0, 1))

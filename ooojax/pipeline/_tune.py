@@ -38,7 +38,9 @@ class Tuning:
   `label`: the chosen candidate; `schedule`: its table; `times`: `{label:
   (ms per round, ...)}`, process 0's, in the candidates' order of preference;
   `peaks`: `{label: activations held per stage}`; `tie`: the relative margin
-  within which an earlier label wins (`pick_measured`).
+  within which an earlier label wins (`pick_measured`); `failed`: `{label:
+  error}` of the candidates whose first run failed (in one process) and were
+  left out.
   """
 
   label: str
@@ -46,6 +48,7 @@ class Tuning:
   times: dict
   peaks: dict
   tie: float
+  failed: dict = dataclasses.field(default_factory=dict)  # label -> its error, left out
 
   def summary(self) -> str:
     """One line per candidate: median ms, the score `pick_measured` ranked by
@@ -63,6 +66,7 @@ class Tuning:
         f" {mark} {k:<12} {m:8.3f} ms  score {score[k]:5.3f}  "
         f"peak {self.peaks[k]} activations/stage  ({len(self.times[k])} rounds)"
       )
+    lines += [f" x {k:<12} left out, its first run failed: {e}" for k, e in self.failed.items()]
     return "\n".join(lines)
 
   def __str__(self) -> str:
@@ -213,8 +217,7 @@ def tune(
     stages, microbatches, candidates, budget=budget, link=link, costs=costs, lag=lag
   )
   fns = {label: build(t) for label, t in cands}
-  for fn in fns.values():  # compile and warm up
-    jax.block_until_ready(fn(*args))
+  failed = _warm_up(fns, args)
   times = {label: [] for label in fns}
   for _ in range(rounds):
     for label, fn in fns.items():
@@ -226,4 +229,26 @@ def tune(
   label = pick_measured(times, tie)
   tables = dict(cands)
   peaks = {k: max(t.peak_activations()) for k, t in cands}
-  return fns[label], Tuning(label, tables[label], times, peaks, tie)
+  return fns[label], Tuning(label, tables[label], times, peaks, tie, failed)
+
+
+def _warm_up(fns: dict, args) -> dict:
+  """Compiles and runs each candidate once. In one process, a candidate that
+  fails (a deep table out of memory) is dropped and its error kept, unless every
+  candidate fails (then the first error is raised: the step itself is broken).
+  Across processes a failure is raised: one process dropping a table while its
+  peers run it would leave them waiting in its collectives."""
+  failed, first = {}, None
+  for label, fn in list(fns.items()):
+    try:
+      jax.block_until_ready(fn(*args))
+    except Exception as e:  # noqa: BLE001 - any failure of a candidate is a result
+      if jax.process_count() > 1:
+        raise
+      first = first or e
+      msg = str(e).strip().splitlines()
+      failed[label] = f"{type(e).__name__}: {msg[0][:200] if msg else ''}"
+      del fns[label]
+  if not fns:
+    raise first
+  return failed
