@@ -102,7 +102,7 @@ def test_lags_tried_in_turn_and_a_lag_one_step_keeps_its_lag():
   assert list(t.times) == ["ooo", "1f1b", "gpipe", "ooo, lag 1", "1f1b, lag 1", "gpipe, lag 1"]
   _, t = ooo.pipeline.tune(build, (), stages=2, microbatches=4, candidates=["1f1b"], lag=1)
   assert list(t.times) == ["1f1b"] and t.schedule.lag == 1
-  for bad in (2, (), True, (0, 2)):
+  for bad in (2, (), True, (0, 2), None):
     with pytest.raises(ValueError, match="lag must be 0, 1"):
       ooo.pipeline.tune(build, (), stages=2, microbatches=4, lag=bad)
   # a step built on a lag-1 table tunes among lag-1 tables unless told otherwise

@@ -112,10 +112,13 @@ def _candidates(
 
 
 def _lags(lag) -> tuple[int, ...]:
-  lags = (lag,) if isinstance(lag, int) else tuple(lag)
+  try:
+    lags = (lag,) if isinstance(lag, (int, np.integer)) else tuple(lag)
+  except TypeError:
+    lags = ()
   if not lags or any(g not in (0, 1) or isinstance(g, bool) for g in lags):
     raise ValueError(f"lag must be 0, 1 or a sequence of them, got {lag!r}")
-  return tuple(dict.fromkeys(lags))
+  return tuple(dict.fromkeys(int(g) for g in lags))
 
 
 def _checked(cands, stages: int, microbatches: int, budget) -> tuple:
