@@ -17,7 +17,10 @@ pinned to cores 0 and 1), each timing loops of 100 ticks inside one jitted
   (the executor's tick: compute, then the send), and `work alone`;
 - `work beside two-way`: the matmuls and a send that needs nothing they compute,
   in one tick: XLA:CPU runs them one after the other (on a shaped link the tick
-  costs the sum; `--link-gbit 0.1`).
+  costs the sum; `--link-gbit 0.1`);
+- `the same, 8 more thunks` (and `carries swapped`): the loop body padded past
+  the 8 thunks under which XLA:CPU's ThunkExecutor runs a body in sequence, and
+  with no buffer-reuse edge between the exchange and the work: still the sum.
 
 Prints the median and min microseconds per tick over the rounds (issue 34).
 """
@@ -62,6 +65,27 @@ def _worker(pid: int, port: int, rounds: int) -> None:
       jax.shard_map(body, mesh=mesh, in_specs=P("stage"), out_specs=P("stage"), check_vma=False)
     )
 
+  def padded(swap: bool):
+    """`work beside two-way` with 8 small sorts on carries of their own: over 8
+    thunks, XLA:CPU's ThunkExecutor runs the loop body as a graph, not in
+    sequence. With `swap` the exchanged carries alternate, so buffer reuse adds
+    no edge between the exchange and the work (TF_CPP_VMODULE=thunk_executor=6)."""
+
+    def body(x):
+      def step(c, i):
+        a, b0, b1, pads = c
+        a, got = _work(a), lax.ppermute(b0, "stage", up + down)
+        pads = tuple(lax.sort(p + i.astype(p.dtype)) for p in pads)
+        return ((a, b1, got, pads) if swap else (a, got, b1, pads)), None
+
+      pads = tuple(jnp.arange(4.0) * k for k in range(8))
+      a, b0, b1, pads = lax.scan(step, (x, x * 2, x * 3, pads), jnp.arange(T))[0]
+      return b0 + b1 + a * 1e-30 + sum(jnp.sum(p) for p in pads) * 1e-30
+
+    return jax.jit(
+      jax.shard_map(body, mesh=mesh, in_specs=P("stage"), out_specs=P("stage"), check_vma=False)
+    )
+
   up, down = [(0, 1)], [(1, 0)]
   wmat = jnp.full((512, 512), 1e-3, jnp.float32)
 
@@ -100,6 +124,9 @@ def _worker(pid: int, port: int, rounds: int) -> None:
     "work beside two-way (independent)": loop2(
       lambda x, y, i: (_work(x), lax.ppermute(y, "stage", up + down))
     ),
+    # over 8 thunks the body runs as a graph; swapped: no buffer edge either
+    "the same, 8 more thunks": padded(swap=False),
+    "the same, 8 more thunks, carries swapped": padded(swap=True),
   }
   res = {}
   for kb in KBS:
