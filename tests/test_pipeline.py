@@ -67,6 +67,9 @@ def _mlp(n_vstages):
     (4, "ooo", 0),
     (4, "interleaved", 0),
     (4, "zb-v", 1),
+    # lag 1 sends on the pairs a table uses: interleaved's last -> first hop, 1F1B's none
+    (4, "interleaved", 1),
+    (4, "1f1b", 1),
   ],
 )
 def test_mlp_matches_jax_grad(stages, name, lag):
