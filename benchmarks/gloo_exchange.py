@@ -65,6 +65,15 @@ def _worker(pid: int, port: int, rounds: int) -> None:
       jax.shard_map(body, mesh=mesh, in_specs=P("stage"), out_specs=P("stage"), check_vma=False)
     )
 
+  up, down = [(0, 1)], [(1, 0)]
+  wmat = jnp.full((512, 512), 1e-3, jnp.float32)
+
+  def _work(c):  # about 1.5 ms of matmuls, then the same shape back
+    # (seeded by the carry: a loop-invariant seed was hoisted out of the loop,
+    # so the rows before 2026-11-26 20:50 timed about 16 us of work)
+    y = lax.fori_loop(0, 8, lambda _, a: jnp.tanh(a @ wmat), jnp.ones((64, 512)) + c[0] * 1e-9)
+    return c + jnp.sum(y) * 1e-9
+
   def padded(swap: bool):
     """`work beside two-way` with 8 small sorts on carries of their own: over 8
     thunks, XLA:CPU's ThunkExecutor runs the loop body as a graph, not in
@@ -85,15 +94,6 @@ def _worker(pid: int, port: int, rounds: int) -> None:
     return jax.jit(
       jax.shard_map(body, mesh=mesh, in_specs=P("stage"), out_specs=P("stage"), check_vma=False)
     )
-
-  up, down = [(0, 1)], [(1, 0)]
-  wmat = jnp.full((512, 512), 1e-3, jnp.float32)
-
-  def _work(c):  # about 1.5 ms of matmuls, then the same shape back
-    # (seeded by the carry: a loop-invariant seed was hoisted out of the loop,
-    # so the rows before 2026-11-26 20:50 timed about 16 us of work)
-    y = lax.fori_loop(0, 8, lambda _, a: jnp.tanh(a @ wmat), jnp.ones((64, 512)) + c[0] * 1e-9)
-    return c + jnp.sum(y) * 1e-9
 
   ticks = {
     "two-way": loop(lambda c, i: lax.ppermute(c, "stage", up + down)),
