@@ -300,6 +300,23 @@ def test_pipeline_compiled_ppermute_windows(lag):
   assert "collective-permutes" in repr(r) and "tick loop" in repr(r)
 
 
+@needs_gpu_hlo
+def test_pipeline_compiled_both_rings_beside_the_action():
+  # 4 stages at lag 1: a ring each way. `compiled` uses the table's
+  # compiler_options (two collectives in flight): both windows hold the action;
+  # XLA's default (one in flight) leaves one ring after it. (2 KiB per
+  # transfer: at a few hundred bytes XLA finds nothing worth hiding.)
+  stage_fn, loss_fn, params, batch = mlp_stack.make(4, layers=4, dim=128, hidden=256, batch=32)
+  sched = ooo.pipeline.schedule("zb-h1", stages=4, microbatches=8, lag=1)
+  r = ooo.pipeline.explain(stage_fn, loss_fn, sched, params, batch)
+  both, default = (
+    r.compiled("H100", compiler_options=o)
+    for o in ({}, {"xla_gpu_experimental_parallel_collective_overlap_limit": 1})
+  )
+  assert [w.overlapped for w in both.windows] == [True, True]
+  assert sorted(w.overlapped for w in default.windows) == [False, True]
+
+
 # --- the hlo CLI --------------------------------------------------------------------
 def test_cli_data_parallel(capsys):
   from ooojax.__main__ import main

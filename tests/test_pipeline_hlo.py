@@ -8,9 +8,11 @@ transfer pattern of the table is one collective-permute in a branch of a
 small conditional, so no filler crosses the link. With `lag=1` (receives one
 tick after the send) the two rings (one each way) send on every pair the
 table uses (not the last stage -> first stage hop of a 1-chunk table), issued
-before the action, and one of the two permutes has the action switch (the tick's F/B/W GEMMs) between its start and done; XLA's GPU
-scheduler runs the other after it (one collective-permute in flight at a
-time). tests/test_pipeline_memory.py checks that no slot is copied.
+before the action. By default one of the two permutes has the action switch
+(the tick's F/B/W GEMMs) between its start and done and XLA's GPU scheduler
+runs the other after it (one collective in flight at a time); compiled with
+`ooo.pipeline.compiler_options(sched)` (two in flight) both have it.
+tests/test_pipeline_memory.py checks that no slot is copied.
 """
 
 import re
@@ -27,6 +29,19 @@ pytestmark = pytest.mark.skipif(
   gpu_hlo.unavailable_reason() is not None,
   reason=f"compile-only GPU: {gpu_hlo.unavailable_reason()}",
 )
+
+
+def _action_switch(s):
+  """(loop body, instruction) of the action switch: the conditional whose
+  branches run GEMMs (the record writes and lag-0 transfers are conditionals too)."""
+  (switch,) = [
+    (c, i)
+    for c, instrs in s.computations.items()
+    for i in instrs
+    if i.op == "conditional"
+    and any(x.kind == "gemm" for b in s.reachable(i.calls) for x in s.computations[b])
+  ]
+  return switch
 
 
 @pytest.mark.parametrize("lag", [0, 1])
@@ -47,26 +62,27 @@ def test_four_stage_program_has_collective_permutes_in_the_tick_loop(lag):
   s = hlo_schedule.parse(text)
   permutes = s.pairs_of("collective-permute")
   print(s.summary())
-  # The action switch: the conditional whose branches run GEMMs (the record
-  # writes and lag-0 transfers are conditionals too).
-  switch = [
-    (c, i)
-    for c, instrs in s.computations.items()
-    for i in instrs
-    if i.op == "conditional"
-    and any(x.kind == "gemm" for b in s.reachable(i.calls) for x in s.computations[b])
-  ]
-  assert len(switch) == 1
-  body, switch = switch[0]
+  body, switch = _action_switch(s)
   assert body != s.entry_name and body in s.loop_bodies()  # inside the tick loop
   gemms = [i for c in s.computations.values() for i in c if i.kind == "gemm"]
   assert gemms  # F, B and W kernels are cuBLAS GEMMs
   loop = set(s.loop_bodies())
   assert permutes and all(p.computation in loop for p in permutes)
   if lag:
-    # One ring each way, issued before the action: one window holds it.
+    # One ring each way, issued before the action. XLA's default keeps one
+    # collective in flight: one window holds the action, the other ring waits
+    # after it.
     assert len(permutes) == 2 and all(p.computation == body for p in permutes)
-    assert any(switch in p.between for p in permutes)
+    assert [switch in p.between for p in permutes].count(True) == 1
+    # With the table's options (two in flight) both rings run beside it.
+    opts = ooo.pipeline.compiler_options(sched)
+    assert opts
+    both = hlo_schedule.parse(
+      gpu_hlo.compile_text(jax.jit(step), params, (x, x), mesh=mesh, compiler_options=opts)
+    )
+    _, switch2 = _action_switch(both)
+    permutes2 = both.pairs_of("collective-permute")
+    assert len(permutes2) == 2 and all(switch2 in p.between for p in permutes2)
     # Each ring sends on the pairs the 1-chunk table uses: no wrap-around hop.
     rings = sorted(
       re.findall(r"collective-permute-start\(.*?source_target_pairs=(\{[{}0-9,]*\})", text)

@@ -93,6 +93,39 @@ def _assert_no_gather(step, state, batch):
   assert_train_step_moves_only_activations(step, state, *batch)
 
 
+def test_lag_one_on_four_stages_compiles_with_the_tables_options():
+  # A lag-1 table on 4 stages sends on two rings: the step compiles with
+  # ooo.pipeline.compiler_options(table) (both beside the action on a GPU; other
+  # backends ignore it), merged with the user's options, the user's winning.
+  loss, params, (tokens,) = _gpt()
+  sched = ooo.pipeline.schedule("1f1b", stages=4, microbatches=2, lag=1)
+  table_opts = ooo.pipeline.compiler_options(sched)
+  assert table_opts
+  step = _make(loss, optax.sgd(0.1), _mesh(stages=4), schedule=sched)
+  assert step._jit_options() == {"compiler_options": {**table_opts, **O0}}
+  mine = {k: 1 for k in table_opts}
+  overridden = ooo.pipeline.make_train_step(
+    loss,
+    optax.sgd(0.1),
+    mesh=_mesh(stages=4),
+    axis_name="stage",
+    schedule=sched,
+    compiler_options=mine,
+  )
+  assert overridden._jit_options() == {"compiler_options": mine}
+  lag0 = ooo.pipeline.schedule("1f1b", stages=4, microbatches=2)
+  assert _make(loss, optax.sgd(0.1), _mesh(stages=4), schedule=lag0)._jit_options() == {
+    "compiler_options": O0
+  }
+  batches = _batches(tokens, steps=2)
+  _follow(
+    step,
+    step.init(params, *batches[0]),
+    batches,
+    _reference(loss, optax.sgd(0.1), params, batches, 2),
+  )
+
+
 def test_adam_sharded_by_stage_checkpoint_restores_training(tmp_path):
   import orbax.checkpoint as ocp
 

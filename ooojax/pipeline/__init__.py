@@ -36,7 +36,7 @@ import optax
 from ooojax.passes.pipeline.balance import Balance
 from ooojax.passes.pipeline.cut import Cut, CutError
 from ooojax.passes.pipeline.depth import DepthChoice, pick_measured, plan_ooo, trial_tables
-from ooojax.passes.pipeline.execute import device_order, lower
+from ooojax.passes.pipeline.execute import device_order, lower, xla_options
 from ooojax.passes.pipeline.generate import SCHEDULES, generate
 from ooojax.passes.pipeline.link import LinkModel, simulate_link
 from ooojax.passes.pipeline.program import Memory, memory as _memory
@@ -82,6 +82,7 @@ __all__ = [
   "ScheduleError",
   "StageParams",
   "SteadyState",
+  "compiler_options",
   "device_order",
   "explain",
   "make_train_step",
@@ -95,6 +96,31 @@ __all__ = [
   "Tuning",
   "value_and_grad",
 ]
+
+
+def compiler_options(schedule: PipelineSchedule) -> dict:
+  """The XLA options to compile a step of `schedule` with, for its transfers to
+  run beside its compute on a GPU: `jax.jit(step, compiler_options=...)`.
+
+  A lag-1 table (`schedule(..., lag=1)`) on more than 2 stages sends each
+  tick's output on two rings, up and down, before the tick's action. XLA:GPU's
+  scheduler keeps one collective in flight by default, so only one ring runs
+  beside the action; these options allow both. Otherwise the dict is empty.
+  `make_train_step` and `explain(...).compiled()` apply them themselves (options
+  you pass win); other backends ignore them.
+
+  >>> import ooojax as ooo
+  >>> ooo.pipeline.compiler_options(ooo.pipeline.schedule("ooo", 4, 8, lag=1))
+  {'xla_gpu_experimental_parallel_collective_overlap_limit': 2}
+  >>> ooo.pipeline.compiler_options(ooo.pipeline.schedule("ooo", 4, 8))
+  {}
+  """
+  if not isinstance(schedule, PipelineSchedule):
+    raise TypeError(
+      f"compiler_options takes a PipelineSchedule (ooo.pipeline.schedule(...)), got "
+      f"{type(schedule).__name__}"
+    )
+  return xla_options(schedule)
 
 
 def schedule(

@@ -250,7 +250,10 @@ class PipelineReport:
 
   def compiled(self, gpu: str = "H100", *, compiler_options=None) -> PipelineReport:
     """This report with `windows`: the step compiled for `schedule.stages`
-    compile-only `gpu`s and each collective-permute's window read back."""
+    compile-only `gpu`s and each collective-permute's window read back. It
+    compiles with `ooo.pipeline.compiler_options(schedule)`, updated by
+    `compiler_options` (pass `{"xla_gpu_experimental_parallel_collective_overlap_limit":
+    1}` to see XLA's default)."""
     return dataclasses.replace(self, gpu=gpu, windows=compile_windows(self, gpu, compiler_options))
 
 
@@ -276,7 +279,7 @@ def _windows_text(windows, gpu) -> str:
 def compile_windows(report: PipelineReport, gpu: str, compiler_options=None) -> tuple[Window, ...]:
   from ooojax import gpu_hlo
   from ooojax.passes.hlo.windows import windows
-  from ooojax.passes.pipeline.execute import lower
+  from ooojax.passes.pipeline.execute import lower, xla_options
 
   c = report.call
   if c is None:
@@ -290,5 +293,7 @@ def compile_windows(report: PipelineReport, gpu: str, compiler_options=None) -> 
   mesh = gpu_hlo.mesh(gpu, sched.stages, ("stage",))
   step = lower(c.stage_fn, c.loss_fn, sched, mesh, "stage", c.input_fn)
   args = (c.stage_params, c.batch) + (() if c.shared is None else (c.shared,))
-  hlo = gpu_hlo.schedule(jax.jit(step), *args, mesh=mesh, compiler_options=compiler_options)
+  # what a user's step compiles with (`ooo.pipeline.compiler_options`), theirs winning
+  opts = {**xla_options(sched), **(compiler_options or {})}
+  hlo = gpu_hlo.schedule(jax.jit(step), *args, mesh=mesh, compiler_options=opts)
   return windows(hlo, "collective-permute")

@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ooojax.passes.pipeline.balance import Balance
 from ooojax.passes.pipeline.cut import Cut
-from ooojax.passes.pipeline.execute import device_order
+from ooojax.passes.pipeline.execute import device_order, xla_options
 
 
 class StageParams(struct.PyTreeNode):
@@ -270,8 +270,7 @@ class PipelineTrainStep:
     if self._grad is None:
       shardings = self._shardings(jax.eval_shape(lambda s: s, state)).params
       rep = NamedSharding(self.mesh, P())
-      kw = {"compiler_options": self.compiler_options} if self.compiler_options else {}
-      self._grad = jax.jit(self._grads, out_shardings=(rep, shardings), **kw)
+      self._grad = jax.jit(self._grads, out_shardings=(rep, shardings), **self._jit_options())
     return self._grad(state, *batch)
 
   def _grads(self, state: PipelineTrainState, *batch):
@@ -286,14 +285,21 @@ class PipelineTrainStep:
 
   _extra_outputs = 0  # outputs after (state, loss)
 
+  def _jit_options(self) -> dict:
+    """`jax.jit`'s keywords: the table's XLA options (`compiler_options`: both
+    rings of a lag-1 table beside the action on a GPU), the user's winning."""
+    opts = {**xla_options(self.sched), **(self.compiler_options or {})}
+    return {"compiler_options": opts} if opts else {}
+
   def _jitted(self, state):
     self._check_init()
     if self._step is None:
       shardings = self._shardings(jax.eval_shape(lambda s: s, state))
       rep = NamedSharding(self.mesh, P())
-      kw = {"compiler_options": self.compiler_options} if self.compiler_options else {}
       extra = (rep,) * self._extra_outputs  # the tiled step's model state
-      self._step = jax.jit(self._body, out_shardings=(shardings, rep, *extra), **kw)
+      self._step = jax.jit(
+        self._body, out_shardings=(shardings, rep, *extra), **self._jit_options()
+      )
     return self._step
 
   def lower(self, state: PipelineTrainState, *batch):

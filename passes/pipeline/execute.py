@@ -45,6 +45,7 @@ __all__ = [
   "device_order",
   "every_tick_writes_records",
   "lower",
+  "xla_options",
   "one_way",
   "one_way_groups",
   "make_flavor",
@@ -68,6 +69,22 @@ def _check(sched: PipelineSchedule, mesh, axis_name: str) -> None:
     raise ValueError("an interleaved schedule needs at least 2 stages to execute")
   if sched.lag not in (0, 1):
     raise ValueError(f"the executor runs tables with lag 0 or 1, got {sched.lag}")
+
+
+# XLA:GPU's latency-hiding scheduler keeps one collective in flight by default.
+# A lag-1 tick on more than 2 stages sends on two rings (up and down), issued
+# before its action: with the default only one ring's window holds the action
+# and the other waits after it (tests/test_pipeline_hlo.py reads both cases).
+GPU_OVERLAP_LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
+
+
+def xla_options(sched: PipelineSchedule) -> dict:
+  """The XLA compiler options under which the lowered step hides its transfers
+  on a GPU: two collectives in flight where a lag-1 tick sends on two rings
+  (more than 2 stages); none otherwise (a lag-0 tick's transfers wait for its
+  action; at 2 stages both directions are one permute). Other backends ignore
+  the option."""
+  return {GPU_OVERLAP_LIMIT: 2} if sched.lag >= 1 and sched.stages > 2 else {}
 
 
 def lower(
