@@ -290,7 +290,9 @@ def value_and_grad(
     `(inputs, targets)` or `(inputs, targets, side)`; `grads` mirrors `stage_params`, or is
     `(stage_grads, shared_grads)` when `shared` is given. `shared` weights (tied
     embeddings) are replicated; their gradient is reduced once over the stages.
-    `step` may be wrapped in `jax.jit`.
+    `step` may be wrapped in `jax.jit`; for a `lag=1` table run on GPUs, pass
+    `compiler_options=compiler_options(schedule)` (both rings of its transfers
+    beside each tick's compute).
 
   >>> import jax, jax.numpy as jnp, numpy as np
   >>> mesh = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])

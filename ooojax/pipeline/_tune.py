@@ -173,7 +173,9 @@ def tune(
   """Time each candidate table and keep the fastest: `(fn, Tuning)`.
 
   `build(table)` returns the step to time (e.g. `jax.jit` of
-  `value_and_grad(..., schedule=table)`), called as `fn(*args)`. Each candidate
+  `value_and_grad(..., schedule=table)` with `compiler_options=
+  compiler_options(table)`, which a lag-1 table of more than 2 stages needs on
+  a GPU), called as `fn(*args)`. Each candidate
   runs once to compile and warm up, then `rounds` times, the candidates
   alternating within each round; the pick is `pick_measured(times, tie)` on
   process 0's times (every process gets the same). Its outputs are discarded,
@@ -206,7 +208,8 @@ def tune(
   >>> mesh = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
   >>> build = lambda t: jax.jit(pipeline.value_and_grad(
   ...     lambda w, x: jnp.tanh(x @ w), lambda y, t: jnp.mean((y - t) ** 2),
-  ...     mesh=mesh, axis_name="stage", schedule=t))
+  ...     mesh=mesh, axis_name="stage", schedule=t),
+  ...     compiler_options=pipeline.compiler_options(t))
   >>> w, batch = jnp.ones((2, 3, 3)) * 0.1, (jnp.ones((8, 3)), jnp.zeros((8, 3)))
   >>> fn, tuning = pipeline.tune(build, (w, batch), stages=2, microbatches=4, rounds=2)
   >>> sorted(tuning.times)
