@@ -101,6 +101,8 @@ def test_lag_one_on_four_stages_compiles_with_the_tables_options():
   sched = ooo.pipeline.schedule("1f1b", stages=4, microbatches=2, lag=1)
   table_opts = ooo.pipeline.compiler_options(sched)
   assert table_opts
+  with pytest.raises(TypeError, match="takes a PipelineSchedule"):
+    ooo.pipeline.compiler_options("ooo")
   step = _make(loss, optax.sgd(0.1), _mesh(stages=4), schedule=sched)
   assert step._jit_options() == {"compiler_options": {**table_opts, **O0}}
   mine = {k: 1 for k in table_opts}
