@@ -35,6 +35,9 @@ MODES = ("auto", "single_gpu", "in_order", "data_parallel")
 AUTO_MODE = {"cpu": "in_order", "gpu": "in_order"}
 
 
+FSDP = ("regather", "keep")
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
   """Keyword options shared by `grad`, `value_and_grad` and `explain`.
@@ -59,6 +62,11 @@ class Options:
     and layers to reverse (None: chosen by the cost and network model); the
     network preset ("nvlink", "100GbE", "25GbE", "10GbE") or a
     `ooojax.passes.simulate.Link`.
+  fsdp: mode="data_parallel" inside a sharded `jax.jit`, parameters sharded
+    over the data axis (FSDP / ZeRO-3): "regather" (each weight all-gathered
+    just before the forward reads it and again before the backward does, so a
+    device holds 1/N of the parameters plus a few gathered layers) or "keep"
+    (gathered once at the step's start and kept: the whole model per device).
   """
 
   mode: str = "auto"
@@ -71,6 +79,7 @@ class Options:
   bucket_bytes: int | None = None
   first_k: int | None = None
   link: Any = None
+  fsdp: str = "regather"
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -82,6 +91,8 @@ class Options:
     _collectives.validate_options(
       self.mode, self.axis_name, self.reduce, self.bucket_bytes, self.first_k, self.link
     )
+    if self.fsdp not in FSDP:
+      raise ValueError(f"fsdp must be one of {FSDP}, got {self.fsdp!r}")
 
   def resolved_mode(self) -> str:
     if self.mode != "auto":
@@ -107,6 +118,7 @@ class Options:
       self.bucket_bytes,
       self.first_k,
       self.link,
+      self.fsdp,
     )
 
 
@@ -226,6 +238,7 @@ class _Transformed:
     # and, while one runs in its shard_map, the gradient leaves it reduce-scatters
     self._bound: dict = {}
     self._scatter: dict = {}
+    self._gather: dict = {}  # id(gathered leaf) -> (shard, dim): ZeRO-3 (`_dp_gspmd`)
     self._aux_sums: list | None = None  # per aux leaf: computed last by a sum (to psum)
     functools.update_wrapper(self, fun)
 
@@ -378,6 +391,8 @@ class _Transformed:
     stats: dict = {}
     flat, consts = inline_calls(closed, stats)
     opts = self.options
+    if self._gather:  # ZeRO-3: the shards in, each gathered where it is used
+      flat, dyn = _dp_gspmd.regathered(flat, len(consts), dyn, self._gather, opts.axis_name)
     # g_tree (its key paths name the clusters) and which grads are traced
     key = (n_aux, g_tree, tuple(p is None for p in g_parts), opts.key(), _dp.axis_size(opts))
     hit, fp = self._lookup(key, flat)

@@ -415,15 +415,39 @@ def _bound_to(vg, axis):
   return t
 
 
-def _call_local(vg, fun, args, kwargs, scatter):
+def _call_local(vg, fun, args, kwargs, scatter, gather=None):
   """`(vg(*args, **kwargs), which aux leaves are sums)`, differentiating `fun` (the
   function with its closed-over batch replaced by the shard's) and reduce-scattering
-  the gradient leaves in `scatter` (position -> dimension)."""
+  the gradient leaves in `scatter` (position -> dimension). `gather`: id(gathered
+  leaf) -> (that leaf, its shard, dimension): each is gathered where it is used
+  instead (`regathered`)."""
   saved, vg.fun, vg._scatter, vg._aux_sums = vg.fun, fun, dict(scatter), []
+  vg._gather = dict(gather or {})
   try:
     return vg(*args, **kwargs), tuple(vg._aux_sums)
   finally:
-    vg.fun, vg._scatter, vg._aux_sums = saved, {}, None
+    vg.fun, vg._scatter, vg._aux_sums, vg._gather = saved, {}, None, {}
+
+
+def regathered(flat, n_consts: int, dyn: list, gathered: dict, axis):
+  """ZeRO-3: `(flat, dyn)` with the gathered leaves replaced by their shards, each
+  all-gathered where the forward and again where the backward reads it
+  (`passes.collectives.regather`). Leaves traced without the data axis in their
+  type (the untyped fallback of `_dp.traced`) keep the gather at the start."""
+  from ooojax.passes.collectives.regather import Gather, regather
+
+  first = 1 + n_consts
+  pos, dyn = {}, list(dyn)
+  for i, x in enumerate(dyn):
+    hit = gathered.get(id(x))
+    if hit is None or hit[0] is not x:
+      continue
+    _, shard, dim = hit
+    if axis not in _compat.varying_axes(flat.jaxpr.invars[first + i].aval):
+      continue
+    pos[i] = Gather(dim, _compat.shape_dtype(jax.typeof(shard)))
+    dyn[i] = shard
+  return regather(flat, first, pos, axis), dyn
 
 
 def call(vg, args, kwargs):
@@ -465,13 +489,19 @@ def call(vg, args, kwargs):
   # gradient leaf position -> the dimension its reduce-scatter splits
   grad_dims = [g for g, d in zip(lay.gather, diff) if d]
   scatter = {i: g for i, g in enumerate(grad_dims) if g is not None}
+  zero3 = vg.options.fsdp == "regather"
 
   def body(*local):
-    vals = list(local[:n_dyn])
+    shards = list(local[:n_dyn])
+    # traced at their full shape; `regathered` puts the shards back in, each gathered
+    # where it is used (these up-front gathers are then dead)
     vals = [
       x if g is None else jax.lax.all_gather(x, ax, axis=g, tiled=True)
-      for x, g in zip(vals, lay.gather)
+      for x, g in zip(shards, lay.gather)
     ]
+    gathered = {
+      id(v): (v, x, g) for v, x, g in zip(vals, shards, lay.gather) if g is not None and zero3
+    }
     a, k = rebuild(vals)
     swap = {id(o): (o, l) for o, l in zip(lay.split_consts, local[n_dyn:])}
     hits: set = set()
@@ -483,7 +513,7 @@ def call(vg, args, kwargs):
         "function's closure, a functools.partial or a pytree there); pass it as an "
         "argument of the differentiated function instead"
       )
-    (out, g), sums = _call_local(inner, _in_shard(fun, ax, had_mesh, rows), a, k, scatter)
+    (out, g), sums = _call_local(inner, _in_shard(fun, ax, had_mesh, rows), a, k, scatter, gathered)
     if vg.has_aux:
       val, aux = out
       leaves, aux_tree = jax.tree.flatten(aux)
