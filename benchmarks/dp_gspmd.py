@@ -7,12 +7,16 @@ or `ooo.value_and_grad(mode="data_parallel")` swapped in, nothing else changed.
 
   python -m benchmarks.dp_gspmd --hlo          # compile-only H100 x8: collectives
   python -m benchmarks.dp_gspmd --mp           # 2 processes on CPU, alternating
+  python -m benchmarks.dp_gspmd --mem          # compile-only H100 x8: FSDP temp memory
   python -m benchmarks.dp_gspmd --hlo --mp --write
 
 `--hlo` compiles both steps for 8 compile-only H100s (no GPU runs) and counts
 the async reductions, reduce-scatters and all-gathers, and the GEMMs XLA
 scheduled inside each start..done window; with FSDP on, where the first
 gradient reduce-scatter starts relative to the backward's last GEMM.
+`--mem` compiles nanodo's FSDP step at `MEM_CFG` for 8 compile-only H100s
+with `jax.value_and_grad`, ooojax's ZeRO-3 (`fsdp="regather"`, the default)
+and `fsdp="keep"` (gathered once) and reads XLA's `memory_analysis()`.
 `--mp` starts 2 processes (`jax.distributed` + gloo, one CPU device each, each
 pinned to its own core) and times both steps, alternating, medians.
 """
@@ -31,6 +35,8 @@ import time
 # nanodo-style sizes (D, H, L, N, V, F), global batch = 8 rows per device
 HLO_CFG = dict(D=512, H=8, L=128, N=4, V=2048, F=2048)
 MP_CFG = dict(D=128, H=4, L=64, N=2, V=512, F=512)
+# FSDP memory (issue 49's size): 8 layers of D 2048, 1.6 GB of float32 parameters
+MEM_CFG = dict(D=2048, H=16, L=128, N=8, V=2048, F=8192)
 
 
 def _abstract_state(cfg, mesh):
@@ -99,9 +105,64 @@ def h100_counts(
     out[kind] = [len(p.overlapped_heavy) for p in pairs]
     out[kind + " sync"] = sum(p.sync for p in pairs)
     out[kind + " starts"] = [entry.index(p.start.name) for p in pairs]
+    # ooojax's forward units are named ooo_F<i> (backward ones ooo_X<i>, ooo_W<i>)
+    out[kind + " forward"] = [len(p.overlapped_heavy) for p in pairs if "/ooo_F" in p.start.op_name]
   out["last gemm"] = gemms[-1] if gemms else -1
   out["gemms"] = len(gemms)
   return out
+
+
+def h100_memory(variant: str, devices: int = 8, sizes=None) -> dict:
+  """FSDP step's compiled memory per device on compile-only H100s (`variant`: "jax",
+  "regather" or "keep"), in bytes."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  import ooojax as ooo
+  from ooojax import gpu_hlo
+  from tests import nanodo as nd
+
+  cfg = nd.DoConfig(**(sizes or MEM_CFG), fsdp_enabled=True)
+  mesh = gpu_hlo.mesh("H100", devices, ("data",))
+  shardings, state = _abstract_state(cfg, mesh)
+  batch = jax.ShapeDtypeStruct((8 * devices, cfg.L), jnp.int32, sharding=NamedSharding(mesh, P()))
+  vg = (
+    jax.value_and_grad
+    if variant == "jax"
+    else functools.partial(
+      ooo.value_and_grad, mode="data_parallel", ordering="none", device="H100", fsdp=variant
+    )
+  )
+  m = gpu_hlo.compiled(
+    nd.make_step(shardings, mesh, value_and_grad=vg), state, batch, mesh=mesh
+  ).memory_analysis()
+  return {"temp": m.temp_size_in_bytes, "arguments": m.argument_size_in_bytes}
+
+
+def _mem_rows(args) -> list[str]:
+  import jax
+
+  cfg = ", ".join(f"{k}={v}" for k, v in MEM_CFG.items())
+  lines = [
+    f"nanodo FSDP ({cfg}, global batch {8 * args.devices}), compile-only H100 x{args.devices}, "
+    f"jax {jax.__version__}, XLA's memory_analysis() per device (MB):",
+    "",
+    "| step | temporary | arguments (parameters and optimizer state) | temp / plain jit |",
+    "|---|---|---|---|",
+  ]
+  got = {v: h100_memory(v, args.devices) for v in ("jax", "regather", "keep")}
+  for v, name in (
+    ("jax", "plain jit, jax.value_and_grad"),
+    ("regather", "ooo data_parallel, fsdp='regather' (default)"),
+    ("keep", "ooo data_parallel, fsdp='keep'"),
+  ):
+    m = got[v]
+    lines.append(
+      f"| {name} | {m['temp'] / 1e6:.1f} | {m['arguments'] / 1e6:.1f} | "
+      f"{m['temp'] / got['jax']['temp']:.2f} |"
+    )
+  return lines
 
 
 def _hlo_rows(args) -> list[str]:
@@ -234,6 +295,7 @@ def main(argv=None):
   )
   ap.add_argument("--hlo", action="store_true")
   ap.add_argument("--mp", action="store_true")
+  ap.add_argument("--mem", action="store_true")
   ap.add_argument("--devices", type=int, default=8)
   ap.add_argument("--rounds", type=int, default=20)
   ap.add_argument("--warmup", type=int, default=3)
@@ -260,6 +322,8 @@ def main(argv=None):
       + _hlo_rows(a)
       + [""]
     )
+  if a.mem:
+    lines += _mem_rows(a) + [""]
   if a.mp:
     lines += _mp_rows(a)
   _report.emit(lines, a.write)
