@@ -175,6 +175,29 @@ def test_fsdp_temp_memory_at_most_plain_jit():
   assert ours <= 0.6 * keep, (ours, keep)
 
 
+def test_explain_predicts_fsdp_memory_beside_plain_gspmd():
+  """explain's memory section: parameters held at 1/N over the data axis (and 1/M over
+  a model axis), a replicated bias whole; gathered weights two layers at a time
+  (fsdp="regather") against the whole FSDP model (fsdp="keep")."""
+  mesh = _mesh(shape=(2, 2), names=("data", "model"))
+  put = lambda x, *s: jax.device_put(x, NamedSharding(mesh, P(*s)))
+  ws = {
+    f"l{i}": {"w": put(jnp.ones((64, 64)), "data", "model" if i == 1 else None)} for i in range(4)
+  }
+  ws["bias"] = {"b": put(jnp.ones(64))}
+
+  def loss(p, x):
+    for i in range(4):
+      x = jnp.tanh(x @ p[f"l{i}"]["w"])
+    return jnp.mean((x + p["bias"]["b"]) ** 2)
+
+  r = ooo.explain(loss, ws, put(jnp.ones((8, 64)), "data"), mesh=mesh, mode="data_parallel")
+  m, w = r.memory, 64 * 64 * 4
+  assert m.params == m.grads == 3 * w // 2 + w // 4 + 64 * 4
+  assert (m.gathered, m.gathered_keep, m.fsdp_leaves) == (2 * w, 3 * w + w // 2, 4)
+  assert "memory per device" in repr(r) and "fsdp='keep'" in repr(r)
+
+
 def test_other_mesh_axes_are_left_to_the_partitioner(close):
   loss, params, x, y = _mlp()
   mesh = _mesh(shape=(2, 2), names=("data", "model"))

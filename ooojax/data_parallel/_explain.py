@@ -55,6 +55,8 @@ class DataParallelReport:
   baseline: float  # one all-reduce after the backward, simulated
   chosen: tuple[str, ...] = ()  # which of "bucket_bytes", "first_k" the model chose
   call: Any = dataclasses.field(default=None, compare=False, repr=False)  # for compiled()
+  # predicted per-device memory beside plain GSPMD's (`data_parallel._memory`)
+  memory: Any = None
 
   mode = "data_parallel"
 
@@ -197,6 +199,8 @@ class DataParallelReport:
       f"backward {self.baseline * 1e3:.3f} ms ({self.baseline / p.makespan:.2f}x){cross}"
     )
     lines.append(self._carried_line())
+    if self.memory is not None:  # the memory section (`data_parallel._memory`)
+      lines += self.memory.lines()
     return "\n".join(lines)
 
   def _first_k_text(self) -> str:
@@ -400,9 +404,21 @@ def explain_dp(
   names = _param_names(args, argnums, idx, plan.out_tree[3])
   chosen = tuple(k for k in ("bucket_bytes", "first_k") if getattr(opts, k) is None)
   call = Call(fun, tuple(args), argnums, has_aux, dict(options), dict(kwargs))
+  memory = _predict_memory(args, argnums, idx, plan.out_tree[3], split, cp, names, opts, n)
   return DataParallelReport(
-    Report(split, sched, "in_order"), cp, opts.axis_name, names, base, chosen, call
+    Report(split, sched, "in_order"), cp, opts.axis_name, names, base, chosen, call, memory
   )
+
+
+def _predict_memory(args, argnums, idx, g_parts, split, cp, names, opts, n):
+  """The report's memory section: parameters' layouts from their shardings."""
+  from ooojax import _dp_gspmd
+  from ooojax.data_parallel import _memory
+
+  tree = args[idx[0]] if isinstance(argnums, int) else tuple(args[i] for i in idx)
+  leaves = [x for x, part in zip(jax.tree_util.tree_leaves(tree), g_parts) if part is None]
+  layouts = _memory.leaf_layouts(leaves, _dp_gspmd._boxed_specs(args, idx), opts.axis_name, n)
+  return _memory.predict(split, cp, names, layouts, n, opts.fsdp)
 
 
 def compile_dp(
