@@ -283,8 +283,15 @@ def _place(args, m: jax.sharding.Mesh):
     if isinstance(a, (bool, int, float, complex)):
       return jax.ShapeDtypeStruct((), jax.numpy.result_type(a), sharding=rep, weak_type=True)
     s = getattr(a, "sharding", None)
-    if isinstance(a, jax.ShapeDtypeStruct) and s is not None and set(s.device_set) <= devs:
-      return a
+    if isinstance(a, jax.ShapeDtypeStruct) and s is not None:
+      abstract = isinstance(getattr(s, "mesh", None), jax.sharding.AbstractMesh)
+      if not abstract and set(s.device_set) <= devs:
+        return a
+      if abstract and tuple(s.mesh.shape.items()) == tuple(m.shape.items()):
+        # traced under `jax.set_mesh` (an abstract mesh of `m`'s shape): placed on `m`
+        return jax.ShapeDtypeStruct(
+          a.shape, a.dtype, sharding=jax.sharding.NamedSharding(m, s.spec)
+        )
     if not hasattr(a, "shape") or not hasattr(a, "dtype"):
       raise TypeError(
         f"gpu_hlo: argument leaf {a!r} is not an array or ShapeDtypeStruct; "

@@ -31,6 +31,9 @@ class _Call:
   batch: Any
   shared: Any
   input_fn: Callable | None
+  # (data axis, its size, the mesh's axis types by name) of a (data, stage) mesh: the
+  # compiled step runs the table on every data replica, as `value_and_grad(data_axis=)`
+  data: Any = None
 
 
 def _phase_costs(prog, device) -> tuple[tuple[str, float, float, float], ...]:
@@ -89,6 +92,7 @@ def explain(
   steps: int = 1,
   budget: int | None = None,
   state_argnums=(),
+  data_axis: str | None = None,
 ) -> PipelineReport:
   """The schedule, its simulated bubble and the memory per stage for this model.
 
@@ -119,6 +123,8 @@ def explain(
     stages, mesh, axis_name, layers, has_aux, state_argnums: (automatic form) the
       stage count (or the mesh axis that sets it) and `value_and_grad`'s
       `layers`, `has_aux`, `state_argnums`.
+    data_axis: (automatic form, with `mesh=`) the mesh axis the batch is split
+      over, as in `value_and_grad`: `gpu=` compiles the (data, stage) step.
     steps: >= 2 also simulates the table tiled over that many training steps
       (`passes.pipeline.steps`): the per-step bubble beside the one-step
       bubble, and which actions of step t run during step t + 1's warm-up.
@@ -174,6 +180,7 @@ def explain(
         layers=layers,
         has_aux=has_aux,
         state_argnums=state_argnums,
+        data_axis=data_axis,
       ).items()
       if v
     }
@@ -201,6 +208,29 @@ def explain(
       "explain(loss_fn, params, *batch, stages=...) needs the params and "
       "the batch (arrays or jax.ShapeDtypeStructs)"
     )
+  ctx = jax.sharding.get_abstract_mesh()
+  if gpu and mesh is not None and not ctx.empty and not _ON_GPUS:
+    # a loss traced under the user's `jax.set_mesh` carries that mesh in its equations
+    # (`reshard`, `out_sharding=`): traced again under compile-only GPUs of its shape
+    g_mesh, args = _on_gpus(gpu, mesh, args)
+    _ON_GPUS.append(True)
+    try:
+      with jax.set_mesh(g_mesh):
+        return explain(
+          fn,
+          *args,
+          schedule=schedule,
+          stages=stages,
+          mesh=g_mesh,
+          axis_name=axis_name,
+          layers=layers,
+          has_aux=has_aux,
+          state_argnums=state_argnums,
+          data_axis=data_axis,
+          **{k: v for k, v in kw.items() if k != "plan"},
+        )
+    finally:
+      _ON_GPUS.pop()
   return _explain_auto(
     fn,
     args[0],
@@ -212,8 +242,33 @@ def explain(
     layers,
     has_aux,
     state_argnums=state_argnums,
+    data_axis=data_axis,
     **kw,
   )
+
+
+_ON_GPUS: list = []  # non-empty while explain re-traces under compile-only GPUs
+
+
+def _on_gpus(gpu, mesh, args):
+  """A mesh of compile-only `gpu`s of `mesh`'s shape, names and axis types, and `args`
+  as structs placed on it with the same specs."""
+  from ooojax import gpu_hlo
+
+  names = tuple(mesh.axis_names)
+  g = gpu_hlo.mesh(gpu, tuple(mesh.shape[a] for a in names), names)
+  types = tuple(getattr(mesh, "axis_types", ()) or ())
+  if len(types) == len(names):
+    g = jax.sharding.Mesh(g.devices, names, axis_types=types)
+
+  def put(x):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      return x
+    s = getattr(x, "sharding", None)
+    spec = s.spec if isinstance(s, jax.sharding.NamedSharding) else jax.sharding.PartitionSpec()
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(g, spec))
+
+  return g, jax.tree.map(put, args)
 
 
 def _bind(loss_fn, schedule, stage_params, batch, shared=None, input_fn=None):
@@ -234,6 +289,7 @@ def _explain_auto(
   microbatches,
   chunks,
   state_argnums=(),
+  data_axis=None,
   **kw,
 ) -> PipelineReport:
   """The automatic form: `loss_fn` cut and balanced by `ooojax.pipeline._automatic._auto_parts`
@@ -247,6 +303,15 @@ def _explain_auto(
     if axis_name not in mesh.shape:
       raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
     stages = mesh.shape[axis_name]
+  data = None
+  if data_axis is not None:
+    if mesh is None or data_axis not in mesh.shape or data_axis == axis_name:
+      raise ValueError(
+        f"data_axis={data_axis!r} must name another axis of mesh= (its axes: "
+        f"{dict(mesh.shape) if mesh is not None else None}), as in value_and_grad"
+      )
+    types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()) or ()))
+    data = (data_axis, mesh.shape[data_axis], types)
   sched = _table(schedule, stages, microbatches, chunks)
   named, p_tree = jax.tree_util.tree_flatten_with_path(params)
   leaves = [x for _, x in named]
@@ -276,7 +341,17 @@ def _explain_auto(
   rows = jax.eval_shape(lambda bs: parts.rowed(bs), jax.tree.leaves(b_avals))
   shared = tuple(p_avals[i] for i in c.shared)
   report = _explain(
-    stage_fn, lfn, sched, stage_params, rows, shared, ifn, microbatches=None, chunks=None, **kw
+    stage_fn,
+    lfn,
+    sched,
+    stage_params,
+    rows,
+    shared,
+    ifn,
+    microbatches=None,
+    chunks=None,
+    data=data,
+    **kw,
   )
   # the ends as a stage runs them: on one microbatch (their equations were traced at
   # its shapes, so the whole batch would not broadcast against them)
@@ -318,6 +393,7 @@ def _explain(
   steps,
   budget=None,
   plan=False,
+  data=None,
 ) -> PipelineReport:
   from ooojax.passes.collectives.plan import get_link
   from ooojax.passes.cost import get_spec
@@ -358,7 +434,7 @@ def _explain(
     name,
     get_link(link).name if link is not None else "",
     phases,
-    call=_Call(stage_fn, loss_fn, stage_params, batch, shared, input_fn),
+    call=_Call(stage_fn, loss_fn, stage_params, batch, shared, input_fn, data),
     steps=steps,
     depth=depth,
     sliced_weights=max(sliced(fl) for fl in prog.flavors),

@@ -9,6 +9,7 @@ Bubble and times are simulated (cost model), never measured.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import html
 from collections.abc import Mapping
@@ -290,10 +291,22 @@ def compile_windows(report: PipelineReport, gpu: str, compiler_options=None) -> 
   if reason is not None:
     raise RuntimeError(f"cannot compile for a GPU here: {reason}")
   sched = report.schedule
-  mesh = gpu_hlo.mesh(gpu, sched.stages, ("stage",))
-  step = lower(c.stage_fn, c.loss_fn, sched, mesh, "stage", c.input_fn)
+  data = getattr(c, "data", None)
+  if data is None:
+    mesh = gpu_hlo.mesh(gpu, sched.stages, ("stage",))
+  else:  # a (data, stage) mesh of compile-only GPUs, the user's axis types kept
+    name, size, types = data
+    mesh = gpu_hlo.mesh(gpu, (size, sched.stages), (name, "stage"))
+    if types:
+      kinds = (types.get(name), types.get(next(a for a in types if a != name), None))
+      if all(k is not None for k in kinds):
+        mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=kinds)
+  step = lower(c.stage_fn, c.loss_fn, sched, mesh, "stage", c.input_fn, data_axis=data and data[0])
   args = (c.stage_params, c.batch) + (() if c.shared is None else (c.shared,))
   # what a user's step compiles with (`ooo.pipeline.compiler_options`), theirs winning
   opts = {**xla_options(sched), **(compiler_options or {})}
-  hlo = gpu_hlo.schedule(jax.jit(step), *args, mesh=mesh, compiler_options=opts)
+  # a loss traced under the user's `jax.set_mesh` compiles under this mesh set the same way
+  ctx = jax.sharding.get_abstract_mesh()
+  with jax.set_mesh(mesh) if not ctx.empty else contextlib.nullcontext():
+    hlo = gpu_hlo.schedule(jax.jit(step), *args, mesh=mesh, compiler_options=opts)
   return windows(hlo, "collective-permute")

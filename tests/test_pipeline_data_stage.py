@@ -1,0 +1,61 @@
+"""Pipelines inside a sharded jit: a (2 data x 4 stage) mesh under `jax.set_mesh` with
+explicit axes, on 8 CPU devices (issue 49).
+
+The loss reads `jax.typeof(x).sharding` and calls `reshard`, as code written for
+explicit axes does; every schedule equals `jax.value_and_grad`, the train step
+applies the update, and `explain` compiles the step for 8 compile-only H100s.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import ooojax as ooo
+from ooojax import gpu_hlo
+from tests.conftest import assert_trees_close
+
+
+def _loss(p, x, y):
+  for w in p["ws"]:
+    s = jax.typeof(x).sharding
+    x = jax.sharding.reshard(jnp.tanh(jnp.einsum("bd,de->be", x, w, out_sharding=s)), s)
+  return jnp.mean((x - y) ** 2)
+
+
+def _setup():
+  ks = jax.random.split(jax.random.key(0), 10)
+  params = {"ws": [jax.random.normal(k, (16, 16)) / 4 for k in ks[:8]]}
+  explicit = (jax.sharding.AxisType.Explicit,) * 2
+  mesh = jax.make_mesh((2, 4), ("data", "stage"), devices=jax.devices()[:8], axis_types=explicit)
+  data = NamedSharding(mesh, P("data"))
+  x, y = (jax.device_put(jax.random.normal(k, (16, 16)), data) for k in ks[8:])
+  return params, mesh, x, y
+
+
+KW = dict(axis_name="stage", data_axis="data", microbatches=4)
+
+
+@pytest.mark.parametrize("schedule", ooo.pipeline.SCHEDULES)
+def test_every_schedule_equals_value_and_grad(schedule):
+  params, mesh, x, y = _setup()
+  with jax.set_mesh(mesh):
+    want = jax.jit(jax.value_and_grad(_loss))(params, x, y)
+    step = ooo.pipeline.value_and_grad(_loss, mesh=mesh, schedule=schedule, **KW)
+    assert_trees_close(jax.jit(step)(params, x, y), want)
+
+
+def test_train_step_and_explain_on_compile_only_gpus():
+  params, mesh, x, y = _setup()
+  with jax.set_mesh(mesh):
+    want_loss, g = jax.jit(jax.value_and_grad(_loss))(params, x, y)
+    step = ooo.pipeline.make_train_step(_loss, optax.sgd(0.1), mesh=mesh, schedule="1f1b", **KW)
+    state, loss = step(step.init(params, x, y), x, y)
+    assert_trees_close(loss, want_loss)
+    assert_trees_close(step.params(state), jax.tree.map(lambda p, g: p - 0.1 * g, params, g))
+    r = ooo.pipeline.explain(_loss, params, x, y, mesh=mesh, schedule="1f1b", **KW)
+    assert r.schedule.stages == 4 and r.balance.counts == (2, 2, 2, 2)
+    if gpu_hlo.unavailable_reason() is None:  # the (data, stage) step, 8 compile-only H100s
+      c = ooo.pipeline.explain(_loss, params, x, y, mesh=mesh, schedule="1f1b", gpu="H100", **KW)
+      assert c.windows  # its collective-permutes, read from the compiled HLO
