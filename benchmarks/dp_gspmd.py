@@ -189,8 +189,10 @@ def _hlo_rows(args) -> list[str]:
 
 
 # --- 2 processes on CPU -----------------------------------------------------------
-def worker(rank: int, port: int, rounds: int, warmup: int, out: str) -> None:
-  """One of 2 processes: both steps, alternating, per-round seconds to `out`."""
+def worker(rank: int, port: int, rounds: int, warmup: int, out: str, fsdp: bool = False) -> None:
+  """One of 2 processes: both steps, alternating, per-round seconds to `out` (each
+  rank its own file: `out` + rank), with the compiled steps' temporary memory and the
+  process's peak resident memory."""
   import jax
 
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -203,7 +205,7 @@ def worker(rank: int, port: int, rounds: int, warmup: int, out: str) -> None:
   import ooojax as ooo
   from tests import nanodo as nd
 
-  cfg = nd.DoConfig(**MP_CFG, fsdp_enabled=False)
+  cfg = nd.DoConfig(**MP_CFG, fsdp_enabled=fsdp)
   mesh = Mesh(np.array(jax.devices()), ("data",))
   shardings, state = nd.init_train_state(cfg, mesh)
   # nanodo's jit takes the batch replicated (in_shardings P()) and constrains it to P("data")
@@ -215,6 +217,10 @@ def worker(rank: int, port: int, rounds: int, warmup: int, out: str) -> None:
       shardings, mesh, value_and_grad=functools.partial(ooo.value_and_grad, mode="data_parallel")
     ),
   }
+  temp = {
+    k: f.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+    for k, f in steps.items()
+  }
   times = {k: [] for k in steps}
   states = dict.fromkeys(steps, state)
   for r in range(warmup + rounds):
@@ -224,9 +230,11 @@ def worker(rank: int, port: int, rounds: int, warmup: int, out: str) -> None:
       jax.block_until_ready((states[k], m))
       if r >= warmup:
         times[k].append(time.perf_counter() - t0)
-  if rank == 0:
-    with open(out, "w") as f:
-      json.dump({"times": times, "devices": jax.device_count()}, f)
+  import resource
+
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # bytes (Linux: KiB)
+  with open(f"{out}{rank}", "w") as f:
+    json.dump({"times": times, "devices": jax.device_count(), "temp": temp, "peak": peak}, f)
   jax.distributed.shutdown()
 
 
@@ -257,6 +265,7 @@ def _mp_rows(args) -> list[str]:
       str(args.rounds),
       str(args.warmup),
       out,
+      str(int(args.fsdp)),
     ]
     if len(cores) >= 2:
       cmd = ["taskset", "-c", str(sorted(cores)[rank])] + cmd
@@ -264,26 +273,36 @@ def _mp_rows(args) -> list[str]:
   for p in procs:
     if p.wait() != 0:
       raise RuntimeError("a worker failed")
-  with open(out) as f:
-    res = json.load(f)
-  os.unlink(out)
+  res = []
+  for rank in range(2):
+    with open(f"{out}{rank}") as f:
+      res.append(json.load(f))
+    os.unlink(f"{out}{rank}")
+  peaks = [r["peak"] / 1e6 for r in res]
+  temp = {k: v / 1e6 for k, v in res[0]["temp"].items()}
+  res = res[0]
   med = {k: statistics.median(v) * 1e3 for k, v in res["times"].items()}
   lo = {k: min(v) * 1e3 for k, v in res["times"].items()}
   hi = {k: max(v) * 1e3 for k, v in res["times"].items()}
   cfg = ", ".join(f"{k}={v}" for k, v in MP_CFG.items())
   lines = [
-    f"nanodo ({cfg}, global batch 16), 2 processes x 1 CPU device, gloo, "
+    f"nanodo ({cfg}, {'FSDP, ' if args.fsdp else ''}global batch 16), 2 processes x 1 CPU "
+    "device, gloo, "
     f"{args.rounds} alternating rounds after {args.warmup} warm-up, per step (ms):",
     "",
-    "| step | median | min | max |",
-    "|---|---|---|---|",
+    "| step | median | min | max | compiled temp (MB) |",
+    "|---|---|---|---|---|",
   ]
   for k, name in (
     ("jax", "plain jit, jax.value_and_grad"),
     ("ooo", "jit, ooo.value_and_grad(mode='data_parallel')"),
   ):
-    lines.append(f"| {name} | {med[k]:.1f} | {lo[k]:.1f} | {hi[k]:.1f} |")
+    lines.append(f"| {name} | {med[k]:.1f} | {lo[k]:.1f} | {hi[k]:.1f} | {temp[k]:.2f} |")
   lines.append(f"\nratio (plain / ooo, medians): {med['jax'] / med['ooo']:.3f}")
+  lines.append(
+    "peak resident memory per process (both steps in it): "
+    + ", ".join(f"{p:.0f} MB" for p in peaks)
+  )
   return lines
 
 
@@ -296,15 +315,16 @@ def main(argv=None):
   ap.add_argument("--hlo", action="store_true")
   ap.add_argument("--mp", action="store_true")
   ap.add_argument("--mem", action="store_true")
+  ap.add_argument("--fsdp", action="store_true", help="--mp with nanodo's FSDP rules")
   ap.add_argument("--devices", type=int, default=8)
   ap.add_argument("--rounds", type=int, default=20)
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--write", action="store_true")
-  ap.add_argument("--worker", nargs=5, default=None, help=argparse.SUPPRESS)
+  ap.add_argument("--worker", nargs=6, default=None, help=argparse.SUPPRESS)
   a = ap.parse_args(argv)
   if a.worker:
-    rank, port, rounds, warmup, out = a.worker
-    worker(int(rank), int(port), int(rounds), int(warmup), out)
+    rank, port, rounds, warmup, out, fsdp = a.worker
+    worker(int(rank), int(port), int(rounds), int(warmup), out, bool(int(fsdp)))
     return
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax
