@@ -258,6 +258,8 @@ def test_errors_name_axis_name_and_the_mesh_axes():
 
   with pytest.raises(ValueError, match="pass it as an argument"):
     jax.jit(step)(params, x, y)
+  with pytest.raises(ValueError, match=r"fsdp must be one of \('regather', 'keep'\)"):
+    DP(loss, fsdp="once")
 
 
 # --- nanodo: the authors' train step under its sharded jit, 5 AdamW steps -------------
