@@ -18,6 +18,7 @@ from ooojax import _dp, _dp_gspmd
 from ooojax._args import _check_argnums, _is_dynamic, _resolve_argnums
 from ooojax.passes import _compat
 from ooojax.passes.collectives import plan as _collectives
+from ooojax.passes.collectives.regather import regathered
 from ooojax.passes.cost import CostModel, DeviceSpec
 from ooojax.passes.emit import ORDERINGS, emit
 from ooojax.passes.fingerprint import fingerprint
@@ -392,7 +393,7 @@ class _Transformed:
     flat, consts = inline_calls(closed, stats)
     opts = self.options
     if self._gather:  # ZeRO-3: the shards in, each gathered where it is used
-      flat, dyn = _dp_gspmd.regathered(flat, len(consts), dyn, self._gather, opts.axis_name)
+      flat, dyn = regathered(flat, len(consts), dyn, self._gather, opts.axis_name)
     # g_tree (its key paths name the clusters) and which grads are traced
     key = (n_aux, g_tree, tuple(p is None for p in g_parts), opts.key(), _dp.axis_size(opts))
     hit, fp = self._lookup(key, flat)

@@ -17,11 +17,13 @@ or `shard_map`. There, `ooo.grad(loss, mode="data_parallel")`:
    dimension, and values the loss closes over that are (nanodo closes over
    its batch: `jax.value_and_grad(get_loss_fn(in_BxL, ...))`;
    `with_closure` rebuilds the function with the shard in its place);
-4. FSDP: a differentiated leaf sharded over the data axis on a dimension
-   is all-gathered at the start of the shard's program (XLA schedules the
-   async all-gathers under the forward) and its gradient is
-   reduce-scattered (`psum_scatter`) back to that sharding, bucket by bucket,
-   as early as the dX chain allows.
+4. FSDP / ZeRO-3: a differentiated leaf sharded over the data axis on a
+   dimension stays sharded: it is traced at its full shape, then
+   all-gathered where the forward reads it and again where the backward
+   does (`fsdp="regather"`, `passes.collectives.regather`; `fsdp="keep"`
+   gathers it once at the start of the shard's program). Its gradient is
+   reduce-scattered (`psum_scatter`) back to that sharding, bucket by
+   bucket, as early as the dX chain allows.
 
 The value is the mean of the shards' losses, the gradient the mean of their
 gradients: `jax.value_and_grad` of the full-batch mean loss for equal shards.
@@ -420,34 +422,13 @@ def _call_local(vg, fun, args, kwargs, scatter, gather=None):
   function with its closed-over batch replaced by the shard's) and reduce-scattering
   the gradient leaves in `scatter` (position -> dimension). `gather`: id(gathered
   leaf) -> (that leaf, its shard, dimension): each is gathered where it is used
-  instead (`regathered`)."""
+  instead (`passes.collectives.regather.regathered`)."""
   saved, vg.fun, vg._scatter, vg._aux_sums = vg.fun, fun, dict(scatter), []
   vg._gather = dict(gather or {})
   try:
     return vg(*args, **kwargs), tuple(vg._aux_sums)
   finally:
     vg.fun, vg._scatter, vg._aux_sums, vg._gather = saved, {}, None, {}
-
-
-def regathered(flat, n_consts: int, dyn: list, gathered: dict, axis):
-  """ZeRO-3: `(flat, dyn)` with the gathered leaves replaced by their shards, each
-  all-gathered where the forward and again where the backward reads it
-  (`passes.collectives.regather`). Leaves traced without the data axis in their
-  type (the untyped fallback of `_dp.traced`) keep the gather at the start."""
-  from ooojax.passes.collectives.regather import Gather, regather
-
-  first = 1 + n_consts
-  pos, dyn = {}, list(dyn)
-  for i, x in enumerate(dyn):
-    hit = gathered.get(id(x))
-    if hit is None or hit[0] is not x:
-      continue
-    _, shard, dim = hit
-    if axis not in _compat.varying_axes(flat.jaxpr.invars[first + i].aval):
-      continue
-    pos[i] = Gather(dim, _compat.shape_dtype(jax.typeof(shard)))
-    dyn[i] = shard
-  return regather(flat, first, pos, axis), dyn
 
 
 def call(vg, args, kwargs):
@@ -493,7 +474,7 @@ def call(vg, args, kwargs):
 
   def body(*local):
     shards = list(local[:n_dyn])
-    # traced at their full shape; `regathered` puts the shards back in, each gathered
+    # traced at their full shape; `regather.regathered` puts the shards back in, each gathered
     # where it is used (these up-front gathers are then dead)
     vals = [
       x if g is None else jax.lax.all_gather(x, ax, axis=g, tiled=True)

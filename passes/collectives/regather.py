@@ -1,6 +1,8 @@
 """collectives.regather: ZeRO-3, each parameter gathered where it is used, and again in the backward.
 
-Contract: `regather(flat, first_dyn, gather, axis_name) -> ClosedJaxpr`.
+Contract: `regather(flat, first_dyn, gather, axis_name) -> ClosedJaxpr`;
+`regathered(flat, n_consts, dyn, gathered, axis_name)` finds the leaves by
+identity among the traced dynamic leaves (`ooojax._dp_gspmd`).
 
 `flat` is the inlined forward + vjp jaxpr (`passes.split.inline_calls`:
 inputs `(ct, *consts, *dyn)`), traced with some parameters at their full
@@ -212,3 +214,22 @@ def regather(flat, first_dyn: int, gather: dict, axis_name):
   if out.consts:  # pragma: no cover - the emitted equations made constants: keep the flat form
     return flat
   return out
+
+
+def regathered(flat, n_consts: int, dyn: list, gathered: dict, axis):
+  """ZeRO-3: `(flat, dyn)` with the gathered leaves replaced by their shards, each
+  all-gathered where the forward and again where the backward reads it
+  (`passes.collectives.regather`). Leaves traced without the data axis in their
+  type (the untyped fallback of `ooojax._dp.traced`) keep the gather at the start."""
+  first = 1 + n_consts
+  pos, dyn = {}, list(dyn)
+  for i, x in enumerate(dyn):
+    hit = gathered.get(id(x))
+    if hit is None or hit[0] is not x:
+      continue
+    _, shard, dim = hit
+    if axis not in _compat.varying_axes(flat.jaxpr.invars[first + i].aval):
+      continue
+    pos[i] = Gather(dim, _compat.shape_dtype(jax.typeof(shard)))
+    dyn[i] = shard
+  return regather(flat, first, pos, axis), dyn
