@@ -36,7 +36,12 @@ from ooojax.passes.pipeline.program import (
   trace,
 )
 from ooojax.passes.pipeline.schedule import PipelineSchedule
-from ooojax.passes.pipeline.ticks import every_tick_writes_records, one_way, tick_loop
+from ooojax.passes.pipeline.ticks import (
+  every_tick_writes_records,
+  one_way,
+  tick_loop,
+  tick_lowering,
+)
 
 __all__ = [
   "Flavor",
@@ -156,6 +161,7 @@ def lower(
       sched.lag,
       data_axis=data_axis,
       split=one_way(mesh),
+      select=tick_lowering(mesh) == "select",
     )
     loss, gp, gsh = _shard(
       body,
