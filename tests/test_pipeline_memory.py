@@ -102,7 +102,8 @@ def test_h100_ticks_that_write_every_record_leave_out_their_conds(monkeypatch):
   branch index XLA:GPU would read back on the host; no slot stack is copied."""
   import re
 
-  from ooojax.passes.pipeline.ticks import RECORD_WRITES, TICKS
+  from ooojax.passes.pipeline.lowering import TICKS
+  from ooojax.passes.pipeline.ticks import RECORD_WRITES
 
   monkeypatch.setenv(TICKS, "switch")  # the lowering that has conds (not a GPU's default)
   mesh = gpu_hlo.mesh("H100", 1, ("stage",))

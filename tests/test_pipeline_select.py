@@ -16,7 +16,7 @@ import pytest
 import ooojax as ooo
 from ooojax import gpu_hlo
 from ooojax.passes.hlo import schedule as hlo_schedule
-from ooojax.passes.pipeline.ticks import TICKS, tick_lowering
+from ooojax.passes.pipeline.lowering import TICKS, select_pays, tick_lowering
 from tests.conftest import assert_trees_close
 from tests.test_pipeline import _jit, _mesh, _mlp, _reference
 from tests.test_pipeline_train import _batches
@@ -60,6 +60,11 @@ def test_select_ticks_tiled_match_synchronous_loop(name, monkeypatch):
 def test_tick_lowering_default_and_bad_value(monkeypatch):
   monkeypatch.delenv(TICKS, raising=False)
   assert tick_lowering(_mesh(2)) == "switch"  # a CPU conditional is a branch
+  # On a GPU `select` where its masked work costs less than a host round trip
+  # per tick (small ticks), else `switch`.
+  sched = ooo.pipeline.schedule("1f1b", stages=4, microbatches=8)
+  assert select_pays(sched, {"F": 1e-6, "B": 1e-6, "W": 1e-6})
+  assert not select_pays(sched, {"F": 1e-3, "B": 2e-3, "W": 1e-3})
   monkeypatch.setenv(TICKS, "fused")
   with pytest.raises(ValueError, match="use auto"):
     tick_lowering(_mesh(2))
@@ -90,11 +95,10 @@ def _loop_conditionals(text):
   [(n, False) for n in NAMES] + [(n, True) for n in ("1f1b", "zb-h2", "interleaved", "zb-v")],
 )
 def test_h100_tick_loop_has_no_conditional(name, tiled, monkeypatch):
-  monkeypatch.delenv(TICKS, raising=False)  # a GPU's default lowering
+  monkeypatch.setenv(TICKS, "select")  # (`auto` picks it for ticks this small, too)
   S = 2
   mesh = gpu_hlo.mesh("H100", S, ("stage",))
   sched = ooo.pipeline.schedule(name, stages=S, microbatches=4, steps=2 if tiled else 1)
-  assert tick_lowering(mesh) == "select"
   stage_fn, loss_fn, params, x = _tiny(S, sched)
   if tiled:
     opt = optax.sgd(0.1, momentum=0.9)

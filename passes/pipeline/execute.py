@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ooojax.passes import _compat
 from ooojax.passes.pipeline.flavor import Flavor, make_flavor
 from ooojax.passes.pipeline.link import one_way_groups
+from ooojax.passes.pipeline.lowering import tick_lowering
 from ooojax.passes.pipeline.program import (
   Memory,
   Program,
@@ -40,7 +41,6 @@ from ooojax.passes.pipeline.ticks import (
   every_tick_writes_records,
   one_way,
   tick_loop,
-  tick_lowering,
 )
 
 __all__ = [
@@ -161,7 +161,7 @@ def lower(
       sched.lag,
       data_axis=data_axis,
       split=one_way(mesh),
-      select=tick_lowering(mesh) == "select",
+      select=tick_lowering(mesh, sched, prog) == "select",
     )
     loss, gp, gsh = _shard(
       body,

@@ -41,11 +41,9 @@ from ooojax.passes.pipeline.program import Program
 __all__ = [
   "CPU_EXCHANGE",
   "RECORD_WRITES",
-  "TICKS",
   "every_tick_writes_records",
   "one_way",
   "tick_loop",
-  "tick_lowering",
 ]
 
 
@@ -100,29 +98,6 @@ def every_tick_writes_records() -> bool:
   if mode not in ("cond", "always"):
     raise ValueError(f"{RECORD_WRITES}={mode!r}: use cond (the default) or always")
   return mode == "always"
-
-
-TICKS = "OOOJAX_TICKS"
-
-
-def tick_lowering(mesh) -> str:
-  """How the tick loop is lowered on `mesh`'s devices: `switch` (one
-  `lax.switch` over the actions, `cond`s for record writes, lag-0 transfers and
-  updates) on CPU, where a conditional is a branch; `select` elsewhere: every
-  tick runs every action the table uses and keeps the one its row names
-  (`lax.select_n`), sends on every pair unconditionally, writes records and
-  updates under `where`, so the loop body holds no `conditional`. XLA:GPU's
-  conditional copies its branch index to the host and waits for the device on
-  every execution (about 0.1 ms per tick on the first H100); command-buffer
-  conditionals would avoid that, but XLA drops CONDITIONAL from the command
-  types below CUDA 12.3 and a compile-only device reports none (RESULTS,
-  issue 48). `OOOJAX_TICKS=switch|select` forces one (tests run `select` on CPU)."""
-  mode = os.environ.get(TICKS, "auto")
-  if mode not in ("auto", "switch", "select"):
-    raise ValueError(f"{TICKS}={mode!r}: use auto (the default), switch or select")
-  if mode != "auto":
-    return mode
-  return "switch" if mesh.devices.flat[0].platform == "cpu" else "select"
 
 
 def _barrier(trees):
@@ -183,7 +158,7 @@ def tick_loop(
   shared leaf j, updated at that chunk's U there and broadcast at the end, or
   None (read by the first and the last stage: updated at `sync` ticks).
   With `split`, each exchange runs as one-way permutes (`one_way`). With
-  `select`, the loop body holds no conditional (`tick_lowering`)."""
+  `select`, the loop body holds no conditional (`lowering.tick_lowering`)."""
   F = plan_pass.F
   flavors, pl, x_aval, fres, bres = (prog.flavors, prog.plan, prog.x_aval, prog.fres, prog.bres)
   n_aux = max(len(fl.aux) for fl in flavors)
