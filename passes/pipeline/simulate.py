@@ -122,17 +122,13 @@ class SelectCost:
   useful: float  # the table's own work, summed over the stages
   stages: int
 
+  comm: float = 0.0  # the part of `tick` that waits for the transfer (lag 0)
+
   @property
   def wasted_fraction(self) -> float:
     """Share of the computed work that is masked: `1 - useful / computed`."""
-    computed = self.stages * self.ticks * self._work
+    computed = self.stages * self.ticks * (self.tick - self.comm)
     return 1.0 - self.useful / computed if computed else 0.0
-
-  @property
-  def _work(self) -> float:
-    return self.tick - self._comm
-
-  _comm: float = 0.0
 
 
 def _stage_kind(vs: int, V: int) -> str:
@@ -149,9 +145,9 @@ def select_cost(
   last (one stage function; automatic cuts with unequal stages have more).
 
   >>> from ooojax.passes.pipeline.generate import generate
-  >>> c = select_cost(generate("gpipe", 2, 2))   # 6 ticks, first and last F, B, W each
+  >>> c = select_cost(generate("gpipe", 2, 2))   # 8 ticks, first and last F, B, W each
   >>> c.ticks, len(c.actions), c.makespan, round(c.wasted_fraction, 3)
-  (6, 6, 36.0, 0.833)
+  (8, 6, 48.0, 0.875)
   """
   from ooojax.passes.pipeline.generate import unfuse
 
