@@ -116,3 +116,16 @@ def test_h100_tick_loop_has_no_conditional(name, tiled, monkeypatch):
   assert s.loop_bodies()  # the tick loop is there
   assert _loop_conditionals(text) == []
   assert " conditional(" not in text
+
+
+def test_explain_says_which_tick_loop_runs_and_what_select_wastes():
+  stage_fn, loss_fn, params, x, t = _mlp(4)
+  r = ooo.pipeline.explain(stage_fn, loss_fn, "1f1b", params, (x, t), device="H100")
+  c = r.select_cost()
+  assert len(c.actions) == 9 and 0.85 < c.wasted_fraction < 1  # F, B, W x first/middle/last
+  assert c.makespan > r.step_seconds  # every action on every tick
+  assert r.lowering == "select"  # ticks this small: cheaper than a host round trip each
+  (line,) = [l for l in r.summary().splitlines() if "tick loop on H100" in l]
+  assert "select" in line and "masked" in line and "host round trip" in line
+  cpu = ooo.pipeline.explain(stage_fn, loss_fn, "1f1b", params, (x, t), device="CPU")
+  assert cpu.lowering == "switch" and "tick loop on CPU: switch" in cpu.summary()
