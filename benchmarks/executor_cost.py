@@ -7,6 +7,7 @@ the ratio is what the executor's ticks, records and per-phase tracing cost.
   python -m benchmarks.executor_cost --also-with xla_gpu_enable_triton_gemm=false
   python -m benchmarks.executor_cost --compile-only H100    # count kernels, run nothing
   python -m benchmarks.executor_cost --record-writes cond always   # both record writes
+  python -m benchmarks.executor_cost --ticks switch select   # both tick loops (lowering.py)
 
 Besides the times it counts the weight-slice copies in the compiled step: the
 stacked model's stage function indexes each layer's weights out of its stack
@@ -31,6 +32,7 @@ import numpy as np
 import ooojax as ooo
 from benchmarks import _mlp_model as model, _report
 from ooojax._hlo_cli import parse_kv
+from ooojax.passes.pipeline.lowering import TICKS
 from ooojax.passes.pipeline.ticks import RECORD_WRITES
 
 _MOVES = {"slice", "dynamic-slice", "bitcast", "copy", "parameter", "reshape", "transpose"}
@@ -130,6 +132,13 @@ def main(argv=None):
     help="the executor's record writes (OOOJAX_RECORD_WRITES): each mode's pipelined "
     "rows, alternating with the rest",
   )
+  ap.add_argument(
+    "--ticks",
+    nargs="+",
+    default=["auto"],
+    choices=["auto", "switch", "select"],
+    help="the executor's tick loop (OOOJAX_TICKS): each one's pipelined rows",
+  )
   ap.add_argument("--write", action="store_true")
   a = ap.parse_args(argv)
   option_sets = [("", {})] + [(f" [{o}]", parse_kv(o.split(","))) for o in a.also_with]
@@ -146,14 +155,19 @@ def main(argv=None):
     to_arg = jax.numpy.asarray
     device = jax.devices()[0].device_kind
   fns, copies, conds = {}, {}, {}
+  # `select` writes every record (its ticks have no cond): one record mode for it
+  modes = [(t, r) for t in a.ticks for r in a.record_writes]
+  modes = [(t, r) for t, r in modes if t != "select" or r == a.record_writes[0]]
   for m in a.microbatches:
-    for mode in a.record_writes:
+    for ticks, mode in modes:
       os.environ[RECORD_WRITES] = mode  # read while the executor traces
+      os.environ[TICKS] = ticks
       for name, (f, args) in steps(m, mesh, params, batch).items():
-        if mode != a.record_writes[0]:
+        if (ticks, mode) != modes[0]:
           if "accumulated" in name:  # no executor: the first mode's row stands
             continue
-          name += f" [records: {mode}]"
+          name += f" [records: {mode}]" if mode != a.record_writes[0] else ""
+          name += f" [ticks: {ticks}]" if ticks != a.ticks[0] else ""
         args = jax.tree.map(to_arg, args)
         for suffix, opts in option_sets:
           if a.compile_only:
@@ -184,7 +198,9 @@ def main(argv=None):
     "weight matrix (per loop body where the step loops). Conditionals: in the compiled "
     "step (XLA:GPU reads each one's branch index back on the host); `[records: always]`: "
     "every tick writes its records, a trash slot for ticks with none "
-    "(OOOJAX_RECORD_WRITES=always), where the default writes them under a cond.",
+    "(OOOJAX_RECORD_WRITES=always), where the default writes them under a cond; "
+    "`[ticks: select]`: every tick runs every action, the row's kept by `where` (no "
+    "conditional; OOOJAX_TICKS=select, passes.pipeline.lowering).",
     "",
     "| step | ms (median) | pipelined / accumulated | weight-slice copies | conditionals |",
     "|---|---|---|---|---|",
@@ -193,7 +209,7 @@ def main(argv=None):
   for key, n in copies.items():
     ms = f"{np.median(times[key]) * 1e3:.2f}" if key in times else failed.get(key, "-")
     pre = next((p for p in base if key.startswith(p)), None)
-    acc = re.sub(r" \[records: \w+\]", "", key.replace(pre, base[pre])) if pre else None
+    acc = re.sub(r" \[(records|ticks): \w+\]", "", key.replace(pre, base[pre])) if pre else None
     ratio = (
       f"{np.median(times[key]) / np.median(times[acc]):.2f}x"
       if acc and key in times and acc in times

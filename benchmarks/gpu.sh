@@ -37,11 +37,13 @@ if [ -n "$DRY" ]; then  # tiny sizes, two variants: every step runs through, fas
   SCHED=(--tiny --batch 4) MECH=(--model demo_cnn --batch 4) SCAN=(--layers 2 --seq 8 --dim 16 --heads 2 --vocab 32 --rounds 1 --iters 1 --sim-layers 2 --skip-compile-only)
   PYTEST=(--collect-only)  # the suite runs in CI already: check that the command works
   EXEC=(--layers 2 --dim 16 --hidden 32 --batch 16 --microbatches 4 --rounds 1 --iters 1)
+  TICK=(--ticks 8 --dims 16 --rounds 1 --iters 1)
   TRACE=(--batch 4 --steps 2) TRACE_BIG=(--model resnet50 --tiny --steps 2) TRACE_EXEC=(--tiny --steps 2)
 else
   SIZE=(--batch 32) ROUNDS=(--rounds 5) CHECK=(--batch 32) SCHED=(--batch 32) SCAN=(--sim-layers 4)
   MECH=(--model resnet50 --batch 32)
   EXEC=()
+  TICK=()
   PYTEST=()
   TRACE=(--batch 32) TRACE_BIG=(--model resnet50 --batch 32) TRACE_EXEC=()
 fi
@@ -81,10 +83,14 @@ step gpu_check 120 $PY -m benchmarks.gpu_check "${CHECK[@]}"
 # at m=8, about 0.1 ms a tick): a tick holds a switch and two conds (the record
 # writes), whose branch index XLA:GPU reads back on the host. `always` writes the
 # records on every tick (a trash slot): one conditional a tick instead of three.
-step executor_cost 120 $PY -m benchmarks.executor_cost "${EXEC[@]}" --record-writes cond always
+# `select` ticks (issue 48) run every action and keep the row's: no conditional at all.
+step executor_cost 180 $PY -m benchmarks.executor_cost "${EXEC[@]}" --record-writes cond always --ticks switch select
+# What one conditional, one select tick and one CUDA-graph conditional cost here
+# (settles passes.pipeline.lowering's HOST_SYNC and its choice).
+step tick_cost 60 $PY -m benchmarks.tick_cost "${TICK[@]}"
 # CUDA-graph conditionals branch on the device.
 export XLA_FLAGS="--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE"
-step executor_cost_graph_conditionals 120 $PY -m benchmarks.executor_cost "${EXEC[@]}" --record-writes cond always
+step executor_cost_graph_conditionals 180 $PY -m benchmarks.executor_cost "${EXEC[@]}" --record-writes cond always --ticks switch select
 unset XLA_FLAGS
 # The executor's device trace beside the accumulated step: idle time is the ticks' gaps.
 step gpu_trace_executor 90 $PY -m benchmarks.gpu_trace --executor 8 "${TRACE_EXEC[@]}" --hlo-dir "$OUT/hlo"

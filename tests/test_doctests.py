@@ -22,6 +22,7 @@ MODULES = [
   "ooojax.pipeline._explain",
   "ooojax.models.mlp_stack",
   "ooojax.passes.pipeline.steps",
+  "ooojax.passes.pipeline.simulate",
   "ooojax.single_gpu",
   "ooojax.passes.fingerprint",
   "ooojax.pipeline._automatic",

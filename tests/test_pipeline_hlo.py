@@ -45,7 +45,9 @@ def _action_switch(s):
 
 
 @pytest.mark.parametrize("lag", [0, 1])
-def test_four_stage_program_has_collective_permutes_in_the_tick_loop(lag):
+def test_four_stage_program_has_collective_permutes_in_the_tick_loop(lag, monkeypatch):
+  # The switch lowering (a GPU runs `select` by default: tests/test_pipeline_ticks_gpu.py).
+  monkeypatch.setenv("OOOJAX_TICKS", "switch")
   mesh = gpu_hlo.mesh("H100", 4, ("stage",))
   d = 128
 

@@ -52,8 +52,13 @@ def _loop_copies(text, limit):
   return [c for c in copies if shape_bytes(c[1]) > limit], copies
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "interleaved", "zb-v"])
-def test_cpu_loop_body_copies_no_slot_and_memory_is_the_schedules(name):
+@pytest.mark.parametrize(
+  "name,ticks",
+  [("1f1b", "switch"), ("zb-h1", "switch"), ("interleaved", "switch"), ("zb-v", "switch")]
+  + [("1f1b", "select"), ("interleaved", "select")],
+)
+def test_cpu_loop_body_copies_no_slot_and_memory_is_the_schedules(name, ticks, monkeypatch):
+  monkeypatch.setenv("OOOJAX_TICKS", ticks)  # `select`: the GPU's lowering, forced on CPU
   mesh = jax.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
   sched = ooo.pipeline.schedule(name, stages=4, microbatches=8)
   params, batch = _args(sched.virtual_stages)
@@ -97,8 +102,10 @@ def test_h100_ticks_that_write_every_record_leave_out_their_conds(monkeypatch):
   branch index XLA:GPU would read back on the host; no slot stack is copied."""
   import re
 
+  from ooojax.passes.pipeline.lowering import TICKS
   from ooojax.passes.pipeline.ticks import RECORD_WRITES
 
+  monkeypatch.setenv(TICKS, "switch")  # the lowering that has conds (not a GPU's default)
   mesh = gpu_hlo.mesh("H100", 1, ("stage",))
   sched = ooo.pipeline.schedule("1f1b", stages=1, microbatches=8)
   params, batch = _args(sched.virtual_stages)

@@ -37,19 +37,9 @@ class _Call:
 
 
 def _phase_costs(prog, device) -> tuple[tuple[str, float, float, float], ...]:
-  from ooojax.passes.cost import CostModel
+  from ooojax.passes.pipeline.lowering import phase_costs
 
-  cm = CostModel(device)
-  out = []
-  for fl in prog.flavors:
-    price = lambda ids, fl=fl: cm.unit_cost([fl.jaxpr.eqns[k] for k in ids]).seconds  # noqa: E731
-    kind = (
-      "first and last"
-      if fl.first and fl.last
-      else ("first" if fl.first else "last" if fl.last else "middle")
-    )
-    out.append((kind, price(fl.f_eqns), price(fl.b_eqns), price(fl.w_eqns)))
-  return tuple(out)
+  return phase_costs(prog, device)
 
 
 def _schedule(schedule, stage_params, microbatches, chunks) -> PipelineSchedule:

@@ -114,6 +114,46 @@ class PipelineReport:
   def step_seconds(self) -> float:
     return self.timeline().makespan
 
+  def select_cost(self):
+    """`passes.pipeline.simulate.SelectCost`: the `select` tick loop (every
+    action on every tick, no conditional) with the model's costs (simulated)."""
+    from ooojax.passes.pipeline.simulate import select_cost
+
+    return select_cost(self.schedule, self.costs, self.comm)
+
+  @property
+  def lowering(self) -> str:
+    """The tick loop a GPU runs for this model (`passes.pipeline.lowering`):
+    `select` where its masked work costs less than the `switch` ticks' host
+    round trips, else `switch`; on a CPU device, `switch`. `OOOJAX_TICKS` is
+    not read here."""
+    from ooojax.passes.pipeline.lowering import select_pays
+
+    if self.device.upper() == "CPU":
+      return "switch"
+    return "select" if select_pays(self.schedule, self.costs, self.comm) else "switch"
+
+  def _lowering_lines(self) -> list[str]:
+    from ooojax.passes.pipeline.generate import unfuse
+    from ooojax.passes.pipeline.lowering import HOST_SYNC
+
+    ms = lambda t: f"{t * 1e3:.3f}"  # noqa: E731
+    c = self.select_cost()
+    switch = self.step_seconds + unfuse(self.schedule).ticks * HOST_SYNC
+    wasted = c.wasted_fraction * c.stages * c.ticks * (c.tick - c.comm)
+    sel = (
+      f"select: every tick runs all {len(c.actions)} actions, {c.wasted_fraction:.0%} of "
+      f"its work masked ({ms(wasted)} ms per step, summed over the stages), step "
+      f"{ms(c.makespan)} ms"
+    )
+    if self.device.upper() == "CPU":
+      return [f"  tick loop on CPU: switch (a conditional is a branch; simulated {sel})"]
+    return [
+      f"  tick loop on {self.device}: {self.lowering} (simulated). {sel}; switch: the "
+      f"table's {ms(self.step_seconds)} ms + {ms(HOST_SYNC)} ms host round trip x "
+      f"{c.ticks} ticks = {ms(switch)} ms (OOOJAX_TICKS=switch|select forces one)"
+    ]
+
   def steady_state(self):
     """`passes.pipeline.steps.SteadyState` of the table tiled over `steps` steps with
     the model's costs (simulated; per-step bubble beside the one-step bubble), or
@@ -184,6 +224,7 @@ class PipelineReport:
       f"{self.unit_bubble_fraction:.1%} with F = B = W = 1; step "
       f"{ms(self.step_seconds)} ms (simulated)"
     )
+    lines += self._lowering_lines()
     lines.append(
       f"  memory per device: weights {mb(m.weights)}, gradients {mb(m.grads)}, "
       f"one microbatch's records {mb(m.fres + m.bres)}, one activation "

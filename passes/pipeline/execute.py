@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ooojax.passes import _compat
 from ooojax.passes.pipeline.flavor import Flavor, make_flavor
 from ooojax.passes.pipeline.link import one_way_groups
+from ooojax.passes.pipeline.lowering import tick_lowering
 from ooojax.passes.pipeline.program import (
   Memory,
   Program,
@@ -36,7 +37,11 @@ from ooojax.passes.pipeline.program import (
   trace,
 )
 from ooojax.passes.pipeline.schedule import PipelineSchedule
-from ooojax.passes.pipeline.ticks import every_tick_writes_records, one_way, tick_loop
+from ooojax.passes.pipeline.ticks import (
+  every_tick_writes_records,
+  one_way,
+  tick_loop,
+)
 
 __all__ = [
   "Flavor",
@@ -156,6 +161,7 @@ def lower(
       sched.lag,
       data_axis=data_axis,
       split=one_way(mesh),
+      select=tick_lowering(mesh, sched, prog) == "select",
     )
     loss, gp, gsh = _shard(
       body,

@@ -38,7 +38,13 @@ from ooojax.passes.pipeline import plan as plan_pass
 from ooojax.passes.pipeline.link import one_way_groups
 from ooojax.passes.pipeline.program import Program
 
-__all__ = ["CPU_EXCHANGE", "RECORD_WRITES", "every_tick_writes_records", "one_way", "tick_loop"]
+__all__ = [
+  "CPU_EXCHANGE",
+  "RECORD_WRITES",
+  "every_tick_writes_records",
+  "one_way",
+  "tick_loop",
+]
 
 
 def _read(env, v):
@@ -94,6 +100,20 @@ def every_tick_writes_records() -> bool:
   return mode == "always"
 
 
+def _barrier(trees):
+  """`lax.optimization_barrier` over the distinct leaves of `trees` (a leaf
+  several trees share stays shared: `_where` leaves it unselected)."""
+  leaves, tdef = jax.tree.flatten(trees)
+  uniq = list({id(x): x for x in leaves}.values())
+  out = dict(zip(map(id, uniq), lax.optimization_barrier(uniq)))
+  return jax.tree.unflatten(tdef, [out[id(x)] for x in leaves])
+
+
+def _where(pred, new, old):
+  """`new` where the scalar `pred` holds, else `old` (pytrees)."""
+  return jax.tree.map(lambda a, b: b if a is b else lax.select(pred, a, b), new, old)
+
+
 def _permute(x, axis_name, pairs, split: bool):
   """`ppermute(x, pairs)`, as one-way permutes in a row with `split` (each
   device receives at most once, so the sum of the parts is the whole)."""
@@ -129,6 +149,7 @@ def tick_loop(
   data_axis=None,
   owners=None,
   split=False,
+  select=False,
 ):
   """The per-device program. With an `updater` (a table tiled over `steps`),
   the weights (shared ones too) and optimizer states are loop state, updated at
@@ -136,12 +157,13 @@ def tick_loop(
   constants. `owners[j]`: the (device, chunk, virtual stage) that alone reads
   shared leaf j, updated at that chunk's U there and broadcast at the end, or
   None (read by the first and the last stage: updated at `sync` ticks).
-  With `split`, each exchange runs as one-way permutes (`one_way`)."""
+  With `split`, each exchange runs as one-way permutes (`one_way`). With
+  `select`, the loop body holds no conditional (`lowering.tick_lowering`)."""
   F = plan_pass.F
   flavors, pl, x_aval, fres, bres = (prog.flavors, prog.plan, prog.x_aval, prog.fres, prog.bres)
   n_aux = max(len(fl.aux) for fl in flavors)
   train = updater is not None
-  always = every_tick_writes_records()
+  always = select or every_tick_writes_records()
 
   def body(chunks, shared, batch_m, consts, opt=None, opt_rep=None):
     inputs_m, targets_m, side_m = batch_m
@@ -254,6 +276,22 @@ def tick_loop(
 
     branches = [idle] + [action(*b) for b in pl.branches]
 
+    def every_action(r, bufs, acc, f_rec, b_rec, w):
+      """The `select` tick's action: every branch runs in turn, each folding
+      its results into the tick's where it is the row's branch (`where`, in
+      place: a branch's gradient and record die once folded in). Each branch's
+      reads wait for the previous one's fold (a barrier): with all of them in
+      flight the tick would hold every branch's gradient and record at once.
+      The last barrier orders every read before the tick's slot writes (a
+      write that need not wait for a read makes XLA copy the stack)."""
+      idx = r[F["branch"]]
+      res = (no_out, zero_l, acc, f_rec, b_rec)  # branch 0: idle
+      for k, br in enumerate(branches[1:], 1):
+        bufs, res = _barrier((bufs, res))
+        new = br(r, bufs, *res[2:], w)
+        res = _where(idx == k, new, res)
+      return _barrier((bufs, res))
+
     def ring(out, r, name):
       """What arrives on one ring. With lag 0 only the pairs that carry a value
       this tick send (a switch over the table's patterns, the same on every
@@ -264,7 +302,7 @@ def tick_loop(
       pats = pl.patterns[name]
       if len(pats) == 1:  # nothing ever moves on this ring
         return no_out
-      if lag:
+      if lag or select:  # a receiver outside this tick's pattern keeps it in trash
         return _permute(out, axis_name, sorted(set().union(*pats)), split)
       return lax.switch(
         r[F[f"{name}_pat"]],
@@ -292,6 +330,13 @@ def tick_loop(
         bufs[name],
       )
 
+    def when(pred, f, args):
+      """`f(args)` if `pred`, else `args`: a `cond`, or with `select` both
+      computed and one kept (a psum inside runs on every tick, on every device)."""
+      if select:
+        return _where(pred, f(args), args)
+      return lax.cond(pred, f, lambda a: a, args)
+
     def update(r, w, o, acc):
       """Each chunk whose bit is set in `upd`: its update on its summed gradients
       (all of its step's W ran by this tick), then a zero accumulator. At a
@@ -306,8 +351,8 @@ def tick_loop(
           wc, occ, orp = updater.chunk(c, wc, gc, occ, orp)
           return list(wc), occ, orp, [jnp.zeros_like(g) for g in gc]
 
-        ws[c], oc[c], orep, gp[c] = lax.cond(
-          ((r[F["upd"]] >> c) & 1) == 1, apply, lambda a: a, (ws[c], oc[c], orep, gp[c])
+        ws[c], oc[c], orep, gp[c] = when(
+          ((r[F["upd"]] >> c) & 1) == 1, apply, (ws[c], oc[c], orep, gp[c])
         )
       gsh = acc["gsh"]
       for key, (d, c, js) in groups.items():  # the owner's update, or all at a sync
@@ -325,17 +370,26 @@ def tick_loop(
           if key is None
           else (((r[F["upd"]] >> c) & 1) == 1) & (lax.axis_index(axis_name) == d)
         )
-        sh, orep, gsh = lax.cond(pred, shared_update, lambda a: a, (sh, orep, gsh))
+        sh, orep, gsh = when(pred, shared_update, (sh, orep, gsh))
       return (ws, sh), (oc, orep), {"gp": gp, "gsh": gsh}
 
     def tick(carry, r):
       bufs, acc, (loss, aux), out, f_rec, b_rec, w, o = carry
       if lag:  # the last tick's output travels while this tick computes
         below, above = send(out, r)
-      out, (dl, da), acc, f_rec, b_rec = lax.switch(
-        r[F["branch"]], branches, r, bufs, acc, f_rec, b_rec, w
-      )
-      if n_aux:
+      if select:  # every action, the row's kept: no conditional
+        bufs, (out, (dl, da), acc, f_rec, b_rec) = every_action(r, bufs, acc, f_rec, b_rec, w)
+      else:
+        out, (dl, da), acc, f_rec, b_rec = lax.switch(
+          r[F["branch"]], branches, r, bufs, acc, f_rec, b_rec, w
+        )
+      if n_aux and select:  # row mb rewritten with itself unless this tick's F wrote it
+        keep_aux = aux_f[r[F["branch"]]] == 1
+        aux = tuple(
+          put(b, r[F["mb"]], lax.select(keep_aux, x.astype(b.dtype), get(b, r[F["mb"]])))
+          for b, x in zip(aux, da)
+        )
+      elif n_aux:
         aux = lax.cond(
           aux_f[r[F["branch"]]] == 1,
           lambda a: tuple(put(b, r[F["mb"]], x) for b, x in zip(a, da)),

@@ -21,6 +21,7 @@ import numpy as np
 
 from ooojax.passes.pipeline import plan as plan_pass
 from ooojax.passes.pipeline.execute import _check, _shard
+from ooojax.passes.pipeline.lowering import tick_lowering
 from ooojax.passes.pipeline.program import Program, split_microbatches, trace
 from ooojax.passes.pipeline.schedule import PipelineSchedule
 from ooojax.passes.pipeline.ticks import one_way, tick_loop
@@ -155,6 +156,7 @@ def lower_updates(
       steps=N,
       owners=[None if o is None else (*sched.place(o), o) for o in own],
       split=one_way(mesh),
+      select=tick_lowering(mesh, sched, prog) == "select",
     )
     return _shard(
       body,
