@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from ooojax import _dp, _dp_gspmd
+from ooojax import _dp, _dp_gspmd, _filter
 from ooojax._args import _check_argnums, _is_dynamic, _resolve_argnums
 from ooojax.passes import _compat
 from ooojax.passes.collectives import plan as _collectives
@@ -160,6 +160,17 @@ jax.tree_util.register_pytree_node(_Static, lambda s: ((), s.i), lambda i, _: _S
 _is_static = lambda x: isinstance(x, _Static)  # noqa: E731
 
 
+def _filtered_leaves(a, tree, keep) -> list:
+  """The differentiated leaves of a filtered argument, in order."""
+  return [x for x, k in zip(tree.flatten_up_to(a), keep) if k]
+
+
+def _unfiltered(leaves, tree, keep):
+  """A filtered argument's tree from its differentiated leaves, None elsewhere."""
+  it = iter(leaves)
+  return jax.tree_util.tree_unflatten(tree, [next(it) if k else None for k in keep])
+
+
 def _fun_name(fun) -> str:
   f = fun
   while isinstance(f, functools.partial):
@@ -213,8 +224,11 @@ class _Transformed:
   `passes.fingerprint` equals a cached one's.
   """
 
-  def __init__(self, fun, argnums, has_aux, holomorphic, allow_int, options):
+  def __init__(self, fun, argnums, has_aux, holomorphic, allow_int, options, filter=False):
     self.fun = fun
+    # differentiate the inexact array leaves only, as eqx.filter_value_and_grad
+    # (ooojax.equinox); an argument holding an eqx.Module is filtered regardless
+    self.filter = filter
     self.argnums = argnums
     self.has_aux = has_aux
     self.holomorphic = holomorphic
@@ -252,19 +266,21 @@ class _Transformed:
       return _Static(len(statics) - 1)
 
     marked_args = []
+    # per filtered argument (an Equinox module, or under ooojax.equinox): its
+    # treedef and which leaves are differentiated (the inexact arrays)
+    kept: dict[int, tuple] = {}
     for i, a in enumerate(args):
       diff = i in idx
       leaves, tree = jax.tree_util.tree_flatten(a)
+      if diff and (self.filter or _filter.holds_module(a)):
+        keep = tuple(_filter.is_inexact_array(x) for x in leaves)
+        kept[i] = (tree, keep)
+        marked_args.append(
+          jax.tree_util.tree_unflatten(tree, [mark(x, k) for x, k in zip(leaves, keep)])
+        )
+        continue
       if diff:
-        for leaf in leaves:
-          try:
-            _compat.check_input_dtype_grad(holomorphic, self.allow_int, leaf)
-          except TypeError as e:
-            if not holomorphic:  # an nnx module's RNG key / count, say what to do
-              from ooojax._explain_inputs import int_leaves_note
-
-              raise int_leaves_note(e)  # noqa: B904 - the same error, a note added
-            raise
+        self._check_leaves(a, i, len(idx))
       marked_args.append(jax.tree_util.tree_unflatten(tree, [mark(x, diff) for x in leaves]))
     # kwargs are flattened in sorted-key order, as make_jaxpr flattens them
     marked_kwargs = {
@@ -283,6 +299,13 @@ class _Transformed:
       def f_partial(*dargs):
         full = list(t_args)
         for i, d in zip(idx, dargs):
+          if i in kept:  # the differentiated leaves put back among the static ones
+            tree, keep = kept[i]
+            it = iter(d)
+            rest = tree.flatten_up_to(t_args[i])
+            d = jax.tree_util.tree_unflatten(
+              tree, [next(it) if k else x for x, k in zip(rest, keep)]
+            )
           full[i] = d
         out = fun(*full, **t_kwargs)
         if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
@@ -292,7 +315,8 @@ class _Transformed:
           )
         return out
 
-      out = jax.vjp(f_partial, *(t_args[i] for i in idx), has_aux=has_aux)
+      primals = [_filtered_leaves(t_args[i], *kept[i]) if i in kept else t_args[i] for i in idx]
+      out = jax.vjp(f_partial, *primals, has_aux=has_aux)
       ans, vjp_fn = out[0], out[1]
       aux = out[2] if has_aux else None
       if (
@@ -314,6 +338,8 @@ class _Transformed:
       a_aval = jax.typeof(ans)
       ct_ = _compat.convert_element_type(ct, a_aval.dtype, a_aval.weak_type)
       g = vjp_fn(_compat.like_varying(ct_, ans))  # a varying loss takes a varying cotangent
+      # a filtered argument's gradient: its tree, None at the static leaves (as Equinox's)
+      g = tuple(_unfiltered(gi, *kept[i]) if i in kept else gi for i, gi in zip(idx, g))
       g = g[0] if isinstance(self.argnums, int) else g
       # Only traced leaves are outputs of the jaxpr; Python values (an int or
       # str aux, float0 zeros) come back as the trace produced them.
@@ -349,8 +375,25 @@ class _Transformed:
     except _compat.TRACER_VALUE_ERRORS as e:
       e.add_note(_CONTROL_FLOW_NOTE.format(name=name))
       raise
-    diff = tuple(args[i] for i in idx)
+    diff = tuple(
+      _unfiltered(_filtered_leaves(args[i], *kept[i]), *kept[i]) if i in kept else args[i]
+      for i in idx
+    )
     return closed, dyn, cell["layout"], diff
+
+  def _check_leaves(self, a, argnum: int, n_diff: int) -> None:
+    """jax.grad's TypeErrors for a leaf it cannot differentiate, naming the leaf's path."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(a)[0]:
+      if not _is_dynamic(leaf) and not isinstance(leaf, (bool, int, float, complex)):
+        raise _filter.not_array_error(path, leaf, argnum, n_diff)
+      try:
+        _compat.check_input_dtype_grad(self.holomorphic, self.allow_int, leaf)
+      except TypeError as e:
+        if not self.holomorphic:  # an nnx module's RNG key / count, say what to do
+          from ooojax._explain_inputs import int_leaves_note
+
+          int_leaves_note(e)
+        raise _filter.path_note(e, path, argnum, n_diff)  # noqa: B904 - the same error
 
   def plan(self, args, kwargs) -> tuple[_Plan, list]:
     # Tracing runs with the GC on: JAX's tracing leaves cyclic garbage

@@ -1,0 +1,76 @@
+"""Which leaves of a differentiated argument are differentiated.
+
+`jax.grad`'s contract: every leaf is, and a leaf that is not a float array (a
+function, an int field) is a TypeError. Equinox's `filter_value_and_grad`
+differentiates the inexact arrays only and leaves the rest static (Python
+floats such as a max-pool's `init=-inf` or `Dropout.p` included), its
+gradient holding None there. `ooo.grad` keeps jax's contract for plain trees
+and follows Equinox's for a tree holding an `eqx.Module` (or for any tree
+under `ooojax.equinox.filter_*`); it never imports equinox itself.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import numpy as np
+
+from ooojax.passes import _compat
+
+
+def holds_module(tree) -> bool:
+  """Whether `tree` is or holds an `equinox.Module` (only if equinox is imported)."""
+  eqx = sys.modules.get("equinox")
+  if eqx is None:
+    return False
+  found = []
+
+  def leaf(x):
+    if isinstance(x, eqx.Module):
+      found.append(True)
+      return True
+    return False
+
+  jax.tree_util.tree_flatten(tree, is_leaf=leaf)
+  return bool(found)
+
+
+def is_inexact_array(x) -> bool:
+  """`eqx.is_inexact_array`, shape structs and tracers included; Python floats not."""
+  if isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)) or (
+    _compat.is_tracer(x)
+  ):
+    return bool(jax.numpy.issubdtype(x.dtype, jax.numpy.inexact))
+  return False
+
+
+_HOW = (
+  "ooo.grad, like jax.grad, differentiates every leaf of a plain pytree. For a "
+  "tree with static fields, differentiate only its float arrays as Equinox does: "
+  "ooojax.equinox.filter_value_and_grad(loss)(model, ...) (any pytree; an "
+  "eqx.Module passed to ooo.grad is filtered so already), or split it first "
+  "(params, static = eqx.partition(model, eqx.is_inexact_array)) and "
+  "differentiate params."
+)
+
+
+def not_array_error(path, leaf, argnum: int, n_diff: int) -> TypeError:
+  """jax.grad's TypeError for a leaf that is not an array, naming its path."""
+  where = f"argument {argnum}" if n_diff > 1 else "the differentiated argument"
+  return TypeError(
+    f"{where} has a leaf at {jax.tree_util.keystr(path) or '(root)'} of type "
+    f"{type(leaf).__name__} ({_short(leaf)}), which is not a JAX type and cannot be "
+    f"differentiated. {_HOW}"
+  )
+
+
+def path_note(err: TypeError, path, argnum: int, n_diff: int) -> TypeError:
+  where = f"argument {argnum}" if n_diff > 1 else "the differentiated argument"
+  err.add_note(f"ooo.grad: the leaf is {where}'s {jax.tree_util.keystr(path) or '(root)'}. {_HOW}")
+  return err
+
+
+def _short(x) -> str:
+  r = repr(x)
+  return r if len(r) <= 60 else r[:57] + "..."
