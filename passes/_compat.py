@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import jax
 from jax._src import core as _core, flattree as _ft, source_info_util as _siu
-from jax._src.interpreters import partial_eval as _pe
+from jax._src.interpreters import batching as _batching, partial_eval as _pe
 from jax._src.lax.lax import _convert_element_type as _cet
 from jax._src.linear_util import DebugInfo as _DebugInfo
 from jax.extend import core as jex_core
@@ -947,7 +947,10 @@ def per_example_draws(axis: str, rows: frozenset) -> Iterator[None]:
   So each shard sees the rows of the draw `jax.value_and_grad` makes on the
   whole batch (with `jax_threefry_partitionable`, a draw's values do not
   depend on its sharding), instead of the same first rows on every shard.
-  The draw costs the full batch's random bits on every device.
+  The draw costs the full batch's random bits on every device. Likewise a
+  single key split into the shard's batch size (more than 2) outside `vmap`
+  (`keys = split(key, batch)`, then vmapped over the rows) gives this
+  shard's rows of the whole batch's split.
   """
   from jax._src.random import prng as _prng
 
@@ -961,8 +964,26 @@ def per_example_draws(axis: str, rows: frozenset) -> Iterator[None]:
       return jax.lax.dynamic_slice_in_dim(full, at, shape[0], 0)
     return orig(keys, bit_width, shape)
 
-  _prng.random_bits = bits
+  orig_split = _prng.random_split
+
+  def split(keys, shape):
+    # per-example keys: one key split into the shard's rows at the top of the
+    # loss (not under vmap, where a split is per example), as the whole batch's
+    # split's rows; split(key) (2 keys) is left alone even for 2-row shards
+    if (
+      not getattr(keys, "shape", ())
+      and len(shape) == 1
+      and shape[0] in rows
+      and shape[0] > 2
+      and not isinstance(keys, _batching.BatchTracer)
+    ):
+      n = jax.lax.axis_size(axis)
+      full = orig_split(keys, (n * shape[0],))
+      return jax.lax.dynamic_slice_in_dim(full, jax.lax.axis_index(axis) * shape[0], shape[0], 0)
+    return orig_split(keys, shape)
+
+  _prng.random_bits, _prng.random_split = bits, split
   try:
     yield
   finally:
-    _prng.random_bits = orig
+    _prng.random_bits, _prng.random_split = orig, orig_split

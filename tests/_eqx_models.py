@@ -130,13 +130,18 @@ def encoder_data(batch=8, seq=6, n_layers=4):
   return Encoder(n_layers=n_layers, key=k2), (tokens, jnp.arange(batch) % 2)
 
 
-def train(value_and_grad, loss, model, batch, steps=3, key=None, lr=1e-2):
-  """`steps` Adam steps inside eqx.filter_jit; returns (losses, model)."""
+def train(value_and_grad, loss, model, batch, steps=3, key=None, lr=1e-2, sharding=None):
+  """`steps` Adam steps inside eqx.filter_jit; returns (losses, model).
+
+  `sharding`: the batch's, applied in the step with `eqx.filter_shard` as
+  Equinox's data-parallel example does."""
   opt = optax.adam(lr)
   state = opt.init(eqx.filter(model, eqx.is_inexact_array))
 
   @eqx.filter_jit
   def step(model, state, batch, key):
+    if sharding is not None:
+      batch = eqx.filter_shard(batch, sharding)
     args = (*batch, key) if key is not None else batch
     value, grads = value_and_grad(loss)(model, *args)
     updates, state = opt.update(grads, state, eqx.filter(model, eqx.is_inexact_array))
