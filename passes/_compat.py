@@ -987,3 +987,26 @@ def per_example_draws(axis: str, rows: frozenset) -> Iterator[None]:
     yield
   finally:
     _prng.random_bits, _prng.random_split = orig, orig_split
+
+
+def key_picks(eqn) -> list | None:
+  """How `eqn` picks single entries out of an array along one axis, as
+  `[(axis, index, squeezed, outvar)]`: an `unstack` (each output one index,
+  the axis dropped) or a `slice` one wide along one axis and whole along the
+  others (the axis kept); None for any other equation
+  (`passes.pipeline.layer_keys`)."""
+  name = eqn.primitive.name
+  if name == "unstack":
+    axis = int(eqn.params["axis"])
+    return [(axis, j, True, v) for j, v in enumerate(eqn.outvars)]
+  if name != "slice":
+    return None
+  shape = eqn.invars[0].aval.shape
+  start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+  strides = eqn.params.get("strides")
+  if strides is not None and any(s != 1 for s in strides):
+    return None
+  narrow = [d for d, (a, b) in enumerate(zip(start, limit)) if (a, b) != (0, shape[d])]
+  if len(narrow) != 1 or limit[narrow[0]] - start[narrow[0]] != 1:
+    return None
+  return [(narrow[0], int(start[narrow[0]]), False, eqn.outvars[0])]

@@ -43,6 +43,7 @@ from ooojax.passes.pipeline.program import Memory, memory as _memory
 from ooojax.passes.pipeline.schedule import Action, PipelineSchedule, ScheduleError
 from ooojax.passes.pipeline.steps import SteadyState, steady_state, tile
 from ooojax.passes.pipeline.train import lower_train
+from ooojax.pipeline import _modules
 from ooojax.pipeline._automatic import (  # noqa: F401 - the private ones: tests, models.matrix
   _auto,
   _auto_parts,
@@ -331,7 +332,12 @@ def value_and_grad(
         "loss_fn, input_fn=...); the automatic form value_and_grad(loss_fn) "
         "finds the embedding itself"
       )
-    return _auto(fn, sched, mesh, axis_name, has_aux, data_axis, layers, aux_reduce, state_argnums)
+    return _modules.automatic(
+      lambda f: _auto(
+        f, sched, mesh, axis_name, has_aux, data_axis, layers, aux_reduce, state_argnums
+      ),
+      fn,
+    )
   if has_aux or layers is not None or aux_reduce is not None or state_argnums:
     raise TypeError(
       f"{'has_aux' if has_aux else 'layers'} belongs to the automatic form "

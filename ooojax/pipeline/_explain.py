@@ -20,6 +20,7 @@ from typing import Any
 import jax
 
 from ooojax.passes.pipeline.schedule import PipelineSchedule
+from ooojax.pipeline import _modules
 from ooojax.pipeline._report import AutoCut, PipelineReport
 
 
@@ -164,7 +165,10 @@ def explain(
     budget=budget,
     plan=plan,
   )
-  if args and callable(args[0]):  # explicit: (stage_fn, loss_fn, schedule, ...)
+  module = _modules.filtered(args[0]) if args else None
+  if module is not None:  # an Equinox module (callable, but the parameters): automatic
+    fn, args = module.loss(fn), (module.diff, *args[1:])
+  elif args and callable(args[0]):  # explicit: (stage_fn, loss_fn, schedule, ...)
     auto = {
       k: v
       for k, v in dict(

@@ -1,0 +1,63 @@
+"""Equinox modules as the pipeline's parameters.
+
+A module passed where the automatic form takes its parameters is split as
+`eqx.filter_value_and_grad` splits it: its inexact arrays are the parameters
+(cut, staged, differentiated), the rest (int fields, functions, Python floats
+such as a max-pool's `init=-inf` or `Dropout.p`) is closed into the loss as
+it was given. Gradients are the module's tree with None at the static leaves.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from ooojax import _filter
+
+
+class Filtered:
+  """One module's split: `diff` (None at the static leaves) and the loss over it."""
+
+  def __init__(self, params):
+    leaves, self.tree = jax.tree.flatten(params)
+    self.keep = tuple(_filter.is_inexact_array(x) for x in leaves)
+    self.rest = tuple(None if k else x for x, k in zip(leaves, self.keep))
+    self.diff = self.tree.unflatten([x if k else None for x, k in zip(leaves, self.keep)])
+
+  def combine(self, diff):
+    it = iter(jax.tree.leaves(diff))
+    return self.tree.unflatten([next(it) if k else r for r, k in zip(self.rest, self.keep)])
+
+  def loss(self, loss_fn):
+    @functools.wraps(loss_fn)
+    def loss_of_diff(diff, *batch, **kwargs):
+      return loss_fn(self.combine(diff), *batch, **kwargs)
+
+    return loss_of_diff
+
+
+def filtered(params) -> Filtered | None:
+  return Filtered(params) if _filter.holds_module(params) else None
+
+
+def automatic(make, loss_fn):
+  """`make(loss_fn)` (the automatic form's `step(params, *batch)`), taking a module
+  as its parameters: `make` is called again with the module's loss per call."""
+  plain = make(loss_fn)
+
+  def step(params, *batch, **kwargs):
+    f = filtered(params)
+    if f is None:
+      return plain(params, *batch, **kwargs)
+    return make(f.loss(loss_fn))(f.diff, *batch, **kwargs)
+
+  def balance(params, *batch):
+    f = filtered(params)
+    if f is None:
+      return plain.balance(params, *batch)
+    return make(f.loss(loss_fn)).balance(f.diff, *batch)
+
+  functools.update_wrapper(step, plain, assigned=(), updated=("__dict__",))
+  step.balance = balance
+  return step
