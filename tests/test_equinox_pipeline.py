@@ -1,0 +1,90 @@
+"""Equinox modules in the pipeline: the module as the parameters, per-layer keys
+(`keys[i]` of a split) and a padding mask read by every block cut with the stack.
+
+The reference is the microbatch loop with each microbatch's key folded with
+its index (the pipeline's documented key semantics)."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+eqx = pytest.importorskip("equinox")
+
+import ooojax as ooo  # noqa: E402
+from ooojax.passes.pipeline.cut import cut  # noqa: E402
+from tests import _eqx_models as M  # noqa: E402
+
+
+def _mesh(n):
+  return jax.make_mesh((n,), ("stage",), devices=jax.devices()[:n])
+
+
+def _loop(model, tokens, labels, key, mb):
+  r = tokens.shape[0] // mb
+  parts = [
+    M.encoder_loss(model, tokens[i * r : (i + 1) * r], labels[i * r : (i + 1) * r], k)
+    for i, k in enumerate(jax.random.fold_in(key, i) for i in range(mb))
+  ]
+  return sum(parts) / mb
+
+
+def _inexact(m):
+  return eqx.filter(m, eqx.is_inexact_array)
+
+
+def test_encoder_module_pipelines_as_the_microbatch_loop(close):
+  model, (tokens, labels) = M.encoder_data(batch=8, n_layers=2)
+  key = jax.random.key(3)
+  step = ooo.pipeline.value_and_grad(
+    M.encoder_loss, mesh=_mesh(2), axis_name="stage", schedule="1f1b", microbatches=2
+  )
+  loss, g = eqx.filter_jit(step)(model, tokens, labels, key)
+  ref, rg = eqx.filter_jit(eqx.filter_value_and_grad(_loop))(model, tokens, labels, key, 2)
+  close(loss, ref)
+  close(_inexact(g), _inexact(rg))
+  assert g.blocks[0].drop.p is None  # Dropout's p: static, as in Equinox's gradient
+
+
+def test_explain_takes_the_module():
+  model, (tokens, labels) = M.encoder_data(batch=8, n_layers=4)
+  r = ooo.pipeline.explain(
+    M.encoder_loss, model, tokens, labels, jax.random.key(0), stages=2, microbatches=2
+  )
+  assert r.cut.layers == 4 and r.cut.first == (".embed.weight",)
+  assert r.cut.side == ("batch[0]", "batch[2]")  # the tokens (mask) and the key
+
+
+@pytest.mark.parametrize("index", ["zip", "subscript"])
+def test_per_layer_keys_cut_with_the_stack(index):
+  # a plain loss: block i draws its dropout mask from keys[i] of one split
+  def loss(params, x, key):
+    keys = jax.random.split(key, len(params["w"]))
+    for i, w in enumerate(params["w"]):
+      k = list(keys)[i] if index == "zip" else keys[i]
+      keep = jax.random.bernoulli(k, 0.9, x.shape)
+      x = jnp.where(keep, jnp.tanh(x @ w), 0.0) / 0.9
+    return jnp.mean(x**2)
+
+  params = {"w": [jnp.eye(3) * 0.5 for _ in range(4)]}
+  leaves, tree = jax.tree.flatten(params)
+  flat = lambda *xs: loss(tree.unflatten(xs[:4]), *xs[4:])  # noqa: E731
+  c = cut(jax.make_jaxpr(flat)(*leaves, jnp.ones((2, 3)), jax.random.key(0)), 4)
+  assert c.layers == 4 and len(c.per_layer) == 1
+  assert c.per_layer[0].tolist() == [0, 1, 2, 3]  # each layer's index into the split
+
+
+def test_make_train_step_keeps_the_static_fields(close):
+  model, (tokens, labels) = M.encoder_data(batch=8, n_layers=2)
+  key = jax.random.key(3)
+  opt = optax.adam(1e-2)
+  step = ooo.pipeline.make_train_step(
+    M.encoder_loss, opt, mesh=_mesh(2), axis_name="stage", schedule="1f1b", microbatches=2
+  )
+  state, loss = step(step.init(model, tokens, labels, key), tokens, labels, key)
+  trained = step.params(state)
+  assert isinstance(trained, M.Encoder) and trained.blocks[0].drop.p == 0.1
+  ref, g = eqx.filter_value_and_grad(_loop)(model, tokens, labels, key, 2)
+  updates, _ = opt.update(g, opt.init(_inexact(model)))
+  close(loss, ref)
+  close(_inexact(trained), _inexact(eqx.apply_updates(model, updates)))
