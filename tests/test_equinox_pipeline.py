@@ -88,3 +88,16 @@ def test_make_train_step_keeps_the_static_fields(close):
   updates, _ = opt.update(g, opt.init(_inexact(model)))
   close(loss, ref)
   close(_inexact(trained), _inexact(eqx.apply_updates(model, updates)))
+
+
+def test_plain_tree_with_a_function_leaf_names_its_path():
+  params = {"w": [jnp.eye(3)] * 2, "act": jnp.tanh}
+  step = ooo.pipeline.value_and_grad(
+    lambda p, x: jnp.mean(p["act"](x @ p["w"][0] @ p["w"][1])),
+    mesh=_mesh(2),
+    axis_name="stage",
+    schedule="1f1b",
+    microbatches=2,
+  )
+  with pytest.raises(TypeError, match=r"\['act'\].*filter_value_and_grad"):
+    step(params, jnp.ones((4, 3)))

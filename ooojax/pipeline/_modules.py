@@ -38,7 +38,16 @@ class Filtered:
 
 
 def filtered(params) -> Filtered | None:
-  return Filtered(params) if _filter.holds_module(params) else None
+  """The split of an Equinox module, or None for a plain tree (whose leaves must
+  all be arrays: jax's TypeError, naming the first that is not, otherwise)."""
+  if _filter.holds_module(params):
+    return Filtered(params)
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")) and not isinstance(
+      x, (bool, int, float, complex)
+    ):
+      raise _filter.not_array_error(path, x, 0, 1)
+  return None
 
 
 def automatic(make, loss_fn):
