@@ -11,6 +11,7 @@ under `ooojax.equinox.filter_*`); it never imports equinox itself.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import jax
@@ -43,6 +44,30 @@ def is_inexact_array(x) -> bool:
   ):
     return bool(jax.numpy.issubdtype(x.dtype, jax.numpy.inexact))
   return False
+
+
+class Filtered:
+  """A module split as Equinox splits it: `diff` (the inexact arrays, None at the
+  static leaves), `combine(diff)` the module again, `loss(fn)` fn over `diff`.
+  The train steps' form (the pipeline's, data parallel's); `ooo.grad` filters
+  inside its own trace."""
+
+  def __init__(self, params):
+    leaves, self.tree = jax.tree.flatten(params)
+    self.keep = tuple(is_inexact_array(x) for x in leaves)
+    self.rest = tuple(None if k else x for x, k in zip(leaves, self.keep))
+    self.diff = self.tree.unflatten([x if k else None for x, k in zip(leaves, self.keep)])
+
+  def combine(self, diff):
+    it = iter(jax.tree.leaves(diff))
+    return self.tree.unflatten([next(it) if k else r for r, k in zip(self.rest, self.keep)])
+
+  def loss(self, loss_fn):
+    @functools.wraps(loss_fn)
+    def loss_of_diff(diff, *batch, **kwargs):
+      return loss_fn(self.combine(diff), *batch, **kwargs)
+
+    return loss_of_diff
 
 
 _HOW = (

@@ -29,11 +29,8 @@ def _same(a, b, close):
   "name,spelling,mode",
   [
     ("cnn", "module", "auto"),
-    ("cnn", "filter", "single_gpu"),
-    ("fields", "module", "single_gpu"),
     ("fields", "filter", "in_order"),
-    ("encoder", "module", "in_order"),
-    ("encoder", "filter", "single_gpu"),
+    ("encoder", "module", "single_gpu"),
   ],
 )
 def test_adam_steps_match_filter_value_and_grad(name, spelling, mode, close):

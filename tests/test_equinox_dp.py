@@ -9,6 +9,7 @@ the step with `eqx.filter_shard`, as Equinox's data-parallel example does.
 import functools
 
 import jax
+import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
@@ -49,3 +50,27 @@ def test_data_parallel_equals_the_whole_batch(name, make, close):
   (v, g), (rv, rg) = _both(vg, loss, model, batch, jax.random.key(7))
   close(v, rv)
   close(eqx.filter(g, eqx.is_inexact_array), eqx.filter(rg, eqx.is_inexact_array))
+
+
+def test_make_train_step_takes_the_module(close):
+  # ooojax.data_parallel's own step (its shard_map, cross-step overlap): the module's
+  # inexact arrays are the state's params, held(state) gives the module back
+  import optax
+
+  from ooojax import data_parallel as dp
+
+  model, (x, y) = M.cnn_data()
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("batch",))
+  opt = optax.sgd(0.1)
+  loss = lambda m, b: M.cnn_loss(m, *b, jax.random.key(0))  # noqa: E731
+  step = dp.make_train_step(loss, opt, mesh, cross_step=False)
+  state, got = step(step.init(model, (x, y)), (x, y))
+  trained = step.held(state)
+  assert isinstance(trained, M.CNN) and trained.layers[1].init == -float("inf")
+  ref, g = eqx.filter_value_and_grad(loss)(model, (x, y))
+  close(got, ref)
+  updates, _ = opt.update(g, opt.init(eqx.filter(model, eqx.is_inexact_array)))
+  close(
+    eqx.filter(trained, eqx.is_inexact_array),
+    eqx.filter(eqx.apply_updates(model, updates), eqx.is_inexact_array),
+  )

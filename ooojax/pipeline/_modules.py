@@ -14,27 +14,7 @@ import functools
 import jax
 
 from ooojax import _filter
-
-
-class Filtered:
-  """One module's split: `diff` (None at the static leaves) and the loss over it."""
-
-  def __init__(self, params):
-    leaves, self.tree = jax.tree.flatten(params)
-    self.keep = tuple(_filter.is_inexact_array(x) for x in leaves)
-    self.rest = tuple(None if k else x for x, k in zip(leaves, self.keep))
-    self.diff = self.tree.unflatten([x if k else None for x, k in zip(leaves, self.keep)])
-
-  def combine(self, diff):
-    it = iter(jax.tree.leaves(diff))
-    return self.tree.unflatten([next(it) if k else r for r, k in zip(self.rest, self.keep)])
-
-  def loss(self, loss_fn):
-    @functools.wraps(loss_fn)
-    def loss_of_diff(diff, *batch, **kwargs):
-      return loss_fn(self.combine(diff), *batch, **kwargs)
-
-    return loss_of_diff
+from ooojax._filter import Filtered
 
 
 def filtered(params) -> Filtered | None:
