@@ -1010,3 +1010,25 @@ def key_picks(eqn) -> list | None:
   if len(narrow) != 1 or limit[narrow[0]] - start[narrow[0]] != 1:
     return None
   return [(narrow[0], int(start[narrow[0]]), False, eqn.outvars[0])]
+
+
+@contextlib.contextmanager
+def splits_replaced(by_key: dict) -> Iterator[None]:
+  """While tracing, `jax.random.split(k, n)` of a key `k` in `by_key` (id(k) ->
+  `(n, keys)`) gives `keys` instead: a pipelined microbatch's per-example keys
+  taken as its rows of the whole batch's split (`ooojax.pipeline._example_keys`)."""
+  from jax._src.random import prng as _prng
+
+  orig = _prng.random_split
+
+  def split(keys, shape):
+    hit = by_key.get(id(keys))
+    if hit is not None and tuple(shape) == (hit[0],):
+      return hit[1]
+    return orig(keys, shape)
+
+  _prng.random_split = split
+  try:
+    yield
+  finally:
+    _prng.random_split = orig

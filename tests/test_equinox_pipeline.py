@@ -1,8 +1,8 @@
 """Equinox modules in the pipeline: the module as the parameters, per-layer keys
-(`keys[i]` of a split) and a padding mask read by every block cut with the stack.
-
-The reference is the microbatch loop with each microbatch's key folded with
-its index (the pipeline's documented key semantics)."""
+(`keys[i]` of a split) and a padding mask read by every block cut with the stack,
+per-example keys (`split(key, batch)`) taken as each microbatch's rows of the
+whole batch's split: the reference is `eqx.filter_value_and_grad` on the whole
+batch."""
 
 import jax
 import jax.numpy as jnp
@@ -20,27 +20,18 @@ def _mesh(n):
   return jax.make_mesh((n,), ("stage",), devices=jax.devices()[:n])
 
 
-def _loop(model, tokens, labels, key, mb):
-  r = tokens.shape[0] // mb
-  parts = [
-    M.encoder_loss(model, tokens[i * r : (i + 1) * r], labels[i * r : (i + 1) * r], k)
-    for i, k in enumerate(jax.random.fold_in(key, i) for i in range(mb))
-  ]
-  return sum(parts) / mb
-
-
 def _inexact(m):
   return eqx.filter(m, eqx.is_inexact_array)
 
 
-def test_encoder_module_pipelines_as_the_microbatch_loop(close):
+def test_encoder_module_pipelines_as_the_whole_batch(close):
   model, (tokens, labels) = M.encoder_data(batch=8, n_layers=2)
   key = jax.random.key(3)
   step = ooo.pipeline.value_and_grad(
     M.encoder_loss, mesh=_mesh(2), axis_name="stage", schedule="1f1b", microbatches=2
   )
   loss, g = eqx.filter_jit(step)(model, tokens, labels, key)
-  ref, rg = eqx.filter_jit(eqx.filter_value_and_grad(_loop))(model, tokens, labels, key, 2)
+  ref, rg = eqx.filter_jit(eqx.filter_value_and_grad(M.encoder_loss))(model, tokens, labels, key)
   close(loss, ref)
   close(_inexact(g), _inexact(rg))
   assert g.blocks[0].drop.p is None  # Dropout's p: static, as in Equinox's gradient
@@ -52,7 +43,24 @@ def test_explain_takes_the_module():
     M.encoder_loss, model, tokens, labels, jax.random.key(0), stages=2, microbatches=2
   )
   assert r.cut.layers == 4 and r.cut.first == (".embed.weight",)
-  assert r.cut.side == ("batch[0]", "batch[2]")  # the tokens (mask) and the key
+  # the tokens (the mask) and the key's whole-batch split (the per-example keys)
+  assert r.cut.side == ("batch[0]", "split(batch[2])")
+
+
+def test_keys_picked_one_per_layer_are_not_per_example_keys():
+  # split(key, 4) with 4 rows a microbatch, read as keys[i] by layer i: per-layer
+  # keys, traced as written (folded per microbatch), not the batch's split
+  def loss(params, x, key):
+    keys = jax.random.split(key, 4)
+    for w, k in zip(params, keys):
+      x = jnp.where(jax.random.bernoulli(k, 0.9, x.shape), jnp.tanh(x @ w), 0.0)
+    return jnp.mean(x**2)
+
+  params = [jnp.eye(3) * 0.5 for _ in range(4)]
+  r = ooo.pipeline.explain(
+    loss, params, jnp.ones((8, 3)), jax.random.key(0), stages=2, microbatches=2
+  )
+  assert r.cut.layers == 4 and r.cut.side == ("batch[1]",)
 
 
 @pytest.mark.parametrize("index", ["zip", "subscript"])
@@ -84,7 +92,7 @@ def test_make_train_step_keeps_the_static_fields(close):
   state, loss = step(step.init(model, tokens, labels, key), tokens, labels, key)
   trained = step.params(state)
   assert isinstance(trained, M.Encoder) and trained.blocks[0].drop.p == 0.1
-  ref, g = eqx.filter_value_and_grad(_loop)(model, tokens, labels, key, 2)
+  ref, g = eqx.filter_value_and_grad(M.encoder_loss)(model, tokens, labels, key)
   updates, _ = opt.update(g, opt.init(_inexact(model)))
   close(loss, ref)
   close(_inexact(trained), _inexact(eqx.apply_updates(model, updates)))

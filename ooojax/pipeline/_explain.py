@@ -220,6 +220,20 @@ def explain(
   )
 
 
+def _batch_name(b_named, i: int) -> str:
+  """A batch leaf's name; past the user's leaves, a scalar key's whole-batch split
+  (`ooojax.pipeline._example_keys`), in the order of the keys."""
+  if i < len(b_named):
+    return "batch" + jax.tree_util.keystr(b_named[i][0])
+  keys = [
+    p
+    for p, x in b_named
+    if not jax.numpy.ndim(x)
+    and jax.dtypes.issubdtype(jax.numpy.result_type(x), jax.dtypes.prng_key)
+  ]
+  return f"split(batch{jax.tree_util.keystr(keys[i - len(b_named)])})"
+
+
 def _bind(loss_fn, schedule, stage_params, batch, shared=None, input_fn=None):
   return loss_fn, schedule, stage_params, batch, shared, input_fn
 
@@ -299,7 +313,7 @@ def _explain_auto(
     pick(0),
     pick(sched.virtual_stages - 1),
     pick(None),
-    tuple("batch" + jax.tree_util.keystr(b_named[i][0]) for i in c.side),
+    tuple(_batch_name(b_named, i) for i in c.side),
   )
   return dataclasses.replace(report, cut=info, balance=parts.balance)
 
