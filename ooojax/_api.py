@@ -160,17 +160,6 @@ jax.tree_util.register_pytree_node(_Static, lambda s: ((), s.i), lambda i, _: _S
 _is_static = lambda x: isinstance(x, _Static)  # noqa: E731
 
 
-def _filtered_leaves(a, tree, keep) -> list:
-  """The differentiated leaves of a filtered argument, in order."""
-  return [x for x, k in zip(tree.flatten_up_to(a), keep) if k]
-
-
-def _unfiltered(leaves, tree, keep):
-  """A filtered argument's tree from its differentiated leaves, None elsewhere."""
-  it = iter(leaves)
-  return jax.tree_util.tree_unflatten(tree, [next(it) if k else None for k in keep])
-
-
 def _fun_name(fun) -> str:
   f = fun
   while isinstance(f, functools.partial):
@@ -280,7 +269,7 @@ class _Transformed:
         )
         continue
       if diff:
-        self._check_leaves(a, i, len(idx))
+        _filter.check_leaves(a, i, len(idx), holomorphic, self.allow_int)
       marked_args.append(jax.tree_util.tree_unflatten(tree, [mark(x, diff) for x in leaves]))
     # kwargs are flattened in sorted-key order, as make_jaxpr flattens them
     marked_kwargs = {
@@ -299,14 +288,8 @@ class _Transformed:
       def f_partial(*dargs):
         full = list(t_args)
         for i, d in zip(idx, dargs):
-          if i in kept:  # the differentiated leaves put back among the static ones
-            tree, keep = kept[i]
-            it = iter(d)
-            rest = tree.flatten_up_to(t_args[i])
-            d = jax.tree_util.tree_unflatten(
-              tree, [next(it) if k else x for x, k in zip(rest, keep)]
-            )
-          full[i] = d
+          # a filtered argument: its differentiated leaves put back among the static ones
+          full[i] = _filter.merged(d, t_args[i], *kept[i]) if i in kept else d
         out = fun(*full, **t_kwargs)
         if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
           raise TypeError(
@@ -315,7 +298,7 @@ class _Transformed:
           )
         return out
 
-      primals = [_filtered_leaves(t_args[i], *kept[i]) if i in kept else t_args[i] for i in idx]
+      primals = [_filter.leaves_of(t_args[i], *kept[i]) if i in kept else t_args[i] for i in idx]
       out = jax.vjp(f_partial, *primals, has_aux=has_aux)
       ans, vjp_fn = out[0], out[1]
       aux = out[2] if has_aux else None
@@ -339,7 +322,7 @@ class _Transformed:
       ct_ = _compat.convert_element_type(ct, a_aval.dtype, a_aval.weak_type)
       g = vjp_fn(_compat.like_varying(ct_, ans))  # a varying loss takes a varying cotangent
       # a filtered argument's gradient: its tree, None at the static leaves (as Equinox's)
-      g = tuple(_unfiltered(gi, *kept[i]) if i in kept else gi for i, gi in zip(idx, g))
+      g = tuple(_filter.unfiltered(gi, *kept[i]) if i in kept else gi for i, gi in zip(idx, g))
       g = g[0] if isinstance(self.argnums, int) else g
       # Only traced leaves are outputs of the jaxpr; Python values (an int or
       # str aux, float0 zeros) come back as the trace produced them.
@@ -376,24 +359,10 @@ class _Transformed:
       e.add_note(_CONTROL_FLOW_NOTE.format(name=name))
       raise
     diff = tuple(
-      _unfiltered(_filtered_leaves(args[i], *kept[i]), *kept[i]) if i in kept else args[i]
+      _filter.unfiltered(_filter.leaves_of(args[i], *kept[i]), *kept[i]) if i in kept else args[i]
       for i in idx
     )
     return closed, dyn, cell["layout"], diff
-
-  def _check_leaves(self, a, argnum: int, n_diff: int) -> None:
-    """jax.grad's TypeErrors for a leaf it cannot differentiate, naming the leaf's path."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(a)[0]:
-      if not _is_dynamic(leaf) and not isinstance(leaf, (bool, int, float, complex)):
-        raise _filter.not_array_error(path, leaf, argnum, n_diff)
-      try:
-        _compat.check_input_dtype_grad(self.holomorphic, self.allow_int, leaf)
-      except TypeError as e:
-        if not self.holomorphic:  # an nnx module's RNG key / count, say what to do
-          from ooojax._explain_inputs import int_leaves_note
-
-          int_leaves_note(e)
-        raise _filter.path_note(e, path, argnum, n_diff)  # noqa: B904 - the same error
 
   def plan(self, args, kwargs) -> tuple[_Plan, list]:
     # Tracing runs with the GC on: JAX's tracing leaves cyclic garbage

@@ -17,6 +17,7 @@ import sys
 import jax
 import numpy as np
 
+from ooojax._args import _is_dynamic
 from ooojax.passes import _compat
 
 
@@ -44,6 +45,39 @@ def is_inexact_array(x) -> bool:
   ):
     return bool(jax.numpy.issubdtype(x.dtype, jax.numpy.inexact))
   return False
+
+
+def leaves_of(a, tree, keep) -> list:
+  """The differentiated leaves of a filtered argument, in order."""
+  return [x for x, k in zip(tree.flatten_up_to(a), keep) if k]
+
+
+def unfiltered(leaves, tree, keep):
+  """A filtered argument's tree from its differentiated leaves, None elsewhere."""
+  it = iter(leaves)
+  return jax.tree_util.tree_unflatten(tree, [next(it) if k else None for k in keep])
+
+
+def merged(leaves, a, tree, keep):
+  """`a` with its differentiated leaves replaced by `leaves`."""
+  it = iter(leaves)
+  rest = tree.flatten_up_to(a)
+  return jax.tree_util.tree_unflatten(tree, [next(it) if k else x for x, k in zip(rest, keep)])
+
+
+def check_leaves(a, argnum: int, n_diff: int, holomorphic: bool, allow_int: bool) -> None:
+  """jax.grad's TypeErrors for a leaf it cannot differentiate, naming the leaf's path."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(a)[0]:
+    if not _is_dynamic(leaf) and not isinstance(leaf, (bool, int, float, complex)):
+      raise not_array_error(path, leaf, argnum, n_diff)
+    try:
+      _compat.check_input_dtype_grad(holomorphic, allow_int, leaf)
+    except TypeError as e:
+      if not holomorphic:  # an nnx module's RNG key / count, say what to do
+        from ooojax._explain_inputs import int_leaves_note
+
+        int_leaves_note(e)
+      raise path_note(e, path, argnum, n_diff)  # noqa: B904 - the same error, notes added
 
 
 class Filtered:
