@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from ooojax import _dp, _dp_gspmd
+from ooojax import _dp, _dp_gspmd, _filter
 from ooojax._args import _check_argnums, _is_dynamic, _resolve_argnums
 from ooojax.passes import _compat
 from ooojax.passes.collectives import plan as _collectives
@@ -226,8 +226,11 @@ class _Transformed:
   `passes.fingerprint` equals a cached one's.
   """
 
-  def __init__(self, fun, argnums, has_aux, holomorphic, allow_int, options):
+  def __init__(self, fun, argnums, has_aux, holomorphic, allow_int, options, filter=False):
     self.fun = fun
+    # differentiate the inexact array leaves only, as eqx.filter_value_and_grad
+    # (ooojax.equinox); an argument holding an eqx.Module is filtered regardless
+    self.filter = filter
     self.argnums = argnums
     self.has_aux = has_aux
     self.holomorphic = holomorphic
@@ -266,19 +269,21 @@ class _Transformed:
       return _Static(len(statics) - 1)
 
     marked_args = []
+    # per filtered argument (an Equinox module, or under ooojax.equinox): its
+    # treedef and which leaves are differentiated (the inexact arrays)
+    kept: dict[int, tuple] = {}
     for i, a in enumerate(args):
       diff = i in idx
       leaves, tree = jax.tree_util.tree_flatten(a)
+      if diff and (self.filter or _filter.holds_module(a)):
+        keep = tuple(_filter.is_inexact_array(x) for x in leaves)
+        kept[i] = (tree, keep)
+        marked_args.append(
+          jax.tree_util.tree_unflatten(tree, [mark(x, k) for x, k in zip(leaves, keep)])
+        )
+        continue
       if diff:
-        for leaf in leaves:
-          try:
-            _compat.check_input_dtype_grad(holomorphic, self.allow_int, leaf)
-          except TypeError as e:
-            if not holomorphic:  # an nnx module's RNG key / count, say what to do
-              from ooojax._explain_inputs import int_leaves_note
-
-              raise int_leaves_note(e)  # noqa: B904 - the same error, a note added
-            raise
+        _filter.check_leaves(a, i, len(idx), holomorphic, self.allow_int)
       marked_args.append(jax.tree_util.tree_unflatten(tree, [mark(x, diff) for x in leaves]))
     # kwargs are flattened in sorted-key order, as make_jaxpr flattens them
     marked_kwargs = {
@@ -297,7 +302,8 @@ class _Transformed:
       def f_partial(*dargs):
         full = list(t_args)
         for i, d in zip(idx, dargs):
-          full[i] = d
+          # a filtered argument: its differentiated leaves put back among the static ones
+          full[i] = _filter.merged(d, t_args[i], *kept[i]) if i in kept else d
         out = fun(*full, **t_kwargs)
         if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
           raise TypeError(
@@ -306,7 +312,8 @@ class _Transformed:
           )
         return out
 
-      out = jax.vjp(f_partial, *(t_args[i] for i in idx), has_aux=has_aux)
+      primals = [_filter.leaves_of(t_args[i], *kept[i]) if i in kept else t_args[i] for i in idx]
+      out = jax.vjp(f_partial, *primals, has_aux=has_aux)
       ans, vjp_fn = out[0], out[1]
       aux = out[2] if has_aux else None
       if (
@@ -328,6 +335,8 @@ class _Transformed:
       a_aval = jax.typeof(ans)
       ct_ = _compat.convert_element_type(ct, a_aval.dtype, a_aval.weak_type)
       g = vjp_fn(_compat.like_varying(ct_, ans))  # a varying loss takes a varying cotangent
+      # a filtered argument's gradient: its tree, None at the static leaves (as Equinox's)
+      g = tuple(_filter.unfiltered(gi, *kept[i]) if i in kept else gi for i, gi in zip(idx, g))
       g = g[0] if isinstance(self.argnums, int) else g
       # Only traced leaves are outputs of the jaxpr; Python values (an int or
       # str aux, float0 zeros) come back as the trace produced them.
@@ -363,7 +372,10 @@ class _Transformed:
     except _compat.TRACER_VALUE_ERRORS as e:
       e.add_note(_CONTROL_FLOW_NOTE.format(name=name))
       raise
-    diff = tuple(args[i] for i in idx)
+    diff = tuple(
+      _filter.unfiltered(_filter.leaves_of(args[i], *kept[i]), *kept[i]) if i in kept else args[i]
+      for i in idx
+    )
     return closed, dyn, cell["layout"], diff
 
   def plan(self, args, kwargs) -> tuple[_Plan, list]:

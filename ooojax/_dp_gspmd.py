@@ -412,7 +412,7 @@ def _bound_to(vg, axis):
   if t is None:
     opts = dataclasses.replace(vg.options, axis_name=axis)
     t = vg._bound[axis] = type(vg)(
-      vg.fun, vg.argnums, vg.has_aux, vg.holomorphic, vg.allow_int, opts
+      vg.fun, vg.argnums, vg.has_aux, vg.holomorphic, vg.allow_int, opts, vg.filter
     )
   return t
 
@@ -433,6 +433,7 @@ def _call_local(vg, fun, args, kwargs, scatter, gather=None):
 
 def call(vg, args, kwargs):
   """`vg(*args, **kwargs)` for an unbound data axis: the per-shard gradient in a shard_map."""
+  from ooojax import _filter
   from ooojax._args import _is_dynamic, _resolve_argnums
 
   idx = _resolve_argnums(vg.argnums, len(args))
@@ -440,9 +441,16 @@ def call(vg, args, kwargs):
   arg_sizes = [len(jax.tree_util.tree_leaves(a)) for a in args]
   where = [(i, True) for i, k in enumerate(arg_sizes) for _ in range(k)]
   where += [(None, False)] * (len(flat) - len(where))
-  dyn_pos = [j for j, x in enumerate(flat) if _is_dynamic(x) or where[j][0] in idx]
+  # an Equinox module (or ooojax.equinox): only its inexact arrays are differentiated
+  filtered = {i for i in idx if vg.filter or _filter.holds_module(args[i])}
+
+  def differentiated(j) -> bool:
+    i = where[j][0]
+    return i in idx and (i not in filtered or _filter.is_inexact_array(flat[j]))
+
+  dyn_pos = [j for j, x in enumerate(flat) if _is_dynamic(x) or differentiated(j)]
   leaves = [flat[j] for j in dyn_pos]
-  diff = [where[j][0] in idx for j in dyn_pos]
+  diff = [differentiated(j) for j in dyn_pos]
   positional = [where[j][1] for j in dyn_pos]
 
   def rebuild(vals):
@@ -511,7 +519,14 @@ def call(vg, args, kwargs):
     return jax.lax.pmean(val, ax), aux, g
 
   grad_specs = [sp for sp, d in zip(lay.specs, diff) if d]
-  diff_tree = args[idx[0]] if isinstance(vg.argnums, int) else tuple(args[i] for i in idx)
+  # the gradient's tree: a filtered argument's with None at its static leaves
+  diff_args = [
+    jax.tree.map(lambda x: x if _filter.is_inexact_array(x) else None, args[i])
+    if i in filtered
+    else args[i]
+    for i in idx
+  ]
+  diff_tree = diff_args[0] if isinstance(vg.argnums, int) else tuple(diff_args)
   g_specs = (
     jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(diff_tree), grad_specs)
     if grad_specs

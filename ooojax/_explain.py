@@ -82,10 +82,15 @@ def explain(fun, *args, argnums=0, has_aux=False, **options):
         if mesh is None
         else f"axis_name={bound!r} is not an axis of mesh= ({list(axes)})"
       )
+  from ooojax import _filter
   from ooojax._args import _check_argnums, _resolve_argnums
 
   idx = _resolve_argnums(_check_argnums(argnums), len(args))
-  moved = inputs.float_only(fun, tuple(args), idx, options.get("allow_int", False))
+  # an Equinox module is filtered by value_and_grad itself: its Python floats
+  # (a max-pool's init, Dropout's p) stay static, as eqx.filter_value_and_grad
+  moved = None
+  if not any(_filter.holds_module(args[i]) for i in idx):
+    moved = inputs.float_only(fun, tuple(args), idx, options.get("allow_int", False))
   if moved is not None:
     fun, args = moved.fun, moved.args
 

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import jax
 from jax._src import core as _core, flattree as _ft, source_info_util as _siu
-from jax._src.interpreters import partial_eval as _pe
+from jax._src.interpreters import batching as _batching, partial_eval as _pe
 from jax._src.lax.lax import _convert_element_type as _cet
 from jax._src.linear_util import DebugInfo as _DebugInfo
 from jax.extend import core as jex_core
@@ -947,7 +947,10 @@ def per_example_draws(axis: str, rows: frozenset) -> Iterator[None]:
   So each shard sees the rows of the draw `jax.value_and_grad` makes on the
   whole batch (with `jax_threefry_partitionable`, a draw's values do not
   depend on its sharding), instead of the same first rows on every shard.
-  The draw costs the full batch's random bits on every device.
+  The draw costs the full batch's random bits on every device. Likewise a
+  single key split into the shard's batch size (more than 2) outside `vmap`
+  (`keys = split(key, batch)`, then vmapped over the rows) gives this
+  shard's rows of the whole batch's split.
   """
   from jax._src.random import prng as _prng
 
@@ -961,8 +964,71 @@ def per_example_draws(axis: str, rows: frozenset) -> Iterator[None]:
       return jax.lax.dynamic_slice_in_dim(full, at, shape[0], 0)
     return orig(keys, bit_width, shape)
 
-  _prng.random_bits = bits
+  orig_split = _prng.random_split
+
+  def split(keys, shape):
+    # per-example keys: one key split into the shard's rows at the top of the
+    # loss (not under vmap, where a split is per example), as the whole batch's
+    # split's rows; split(key) (2 keys) is left alone even for 2-row shards
+    if (
+      not getattr(keys, "shape", ())
+      and len(shape) == 1
+      and shape[0] in rows
+      and shape[0] > 2
+      and not isinstance(keys, _batching.BatchTracer)
+    ):
+      n = jax.lax.axis_size(axis)
+      full = orig_split(keys, (n * shape[0],))
+      return jax.lax.dynamic_slice_in_dim(full, jax.lax.axis_index(axis) * shape[0], shape[0], 0)
+    return orig_split(keys, shape)
+
+  _prng.random_bits, _prng.random_split = bits, split
   try:
     yield
   finally:
-    _prng.random_bits = orig
+    _prng.random_bits, _prng.random_split = orig, orig_split
+
+
+def key_picks(eqn) -> list | None:
+  """How `eqn` picks single entries out of an array along one axis, as
+  `[(axis, index, squeezed, outvar)]`: an `unstack` (each output one index,
+  the axis dropped) or a `slice` one wide along one axis and whole along the
+  others (the axis kept); None for any other equation
+  (`passes.pipeline.layer_keys`)."""
+  name = eqn.primitive.name
+  if name == "unstack":
+    axis = int(eqn.params["axis"])
+    return [(axis, j, True, v) for j, v in enumerate(eqn.outvars)]
+  if name != "slice":
+    return None
+  shape = eqn.invars[0].aval.shape
+  start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+  strides = eqn.params.get("strides")
+  if strides is not None and any(s != 1 for s in strides):
+    return None
+  narrow = [d for d, (a, b) in enumerate(zip(start, limit)) if (a, b) != (0, shape[d])]
+  if len(narrow) != 1 or limit[narrow[0]] - start[narrow[0]] != 1:
+    return None
+  return [(narrow[0], int(start[narrow[0]]), False, eqn.outvars[0])]
+
+
+@contextlib.contextmanager
+def splits_replaced(by_key: dict) -> Iterator[None]:
+  """While tracing, `jax.random.split(k, n)` of a key `k` in `by_key` (id(k) ->
+  `(n, keys)`) gives `keys` instead: a pipelined microbatch's per-example keys
+  taken as its rows of the whole batch's split (`ooojax.pipeline._example_keys`)."""
+  from jax._src.random import prng as _prng
+
+  orig = _prng.random_split
+
+  def split(keys, shape):
+    hit = by_key.get(id(keys))
+    if hit is not None and tuple(shape) == (hit[0],):
+      return hit[1]
+    return orig(keys, shape)
+
+  _prng.random_split = split
+  try:
+    yield
+  finally:
+    _prng.random_split = orig

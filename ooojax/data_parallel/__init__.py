@@ -38,7 +38,7 @@ import optax
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ooojax import _dp
+from ooojax import _dp, _filter
 from ooojax._api import _make_options, value_and_grad
 from ooojax.passes.collectives import plan as collectives
 from ooojax.passes.collectives.emit import chain_after, reduce_buffers
@@ -145,6 +145,13 @@ class DataParallelStep:
       self.loss_fn = lambda p, *b: user(nnx.merge(graphdef, p), *b)
       self._held = ("nnx", graphdef)
       return params, None
+    if _filter.holds_module(held):  # Equinox: its inexact arrays, the rest closed in
+      if self.tx is None:
+        raise TypeError("make_train_step(..., tx=None) with an Equinox module: pass tx")
+      module = _filter.Filtered(held)
+      self.loss_fn = module.loss(self.user_loss_fn)
+      self._held = ("equinox", module)
+      return module.diff, None
     if all(hasattr(held, a) for a in ("params", "opt_state", "tx", "apply_fn")):  # TrainState
       if self.tx is None:
         self.tx = held.tx
@@ -166,14 +173,18 @@ class DataParallelStep:
       return self._held[1].replace(step=state.step, params=state.params, opt_state=state.opt_state)
     if kind == "nnx":
       return self._held[1], state.params
+    if kind == "equinox":  # the module, its trained arrays put back
+      return self._held[1].combine(state.params)
     return state.params
 
   def init(self, params, batch) -> DPTrainState:
     """The first state: nothing pending. `batch` is only traced (shapes).
 
     `params` may be the parameters, a flax `TrainState` (its params, optimizer
-    state and, with `tx=None`, its `tx`), or an nnx `(graphdef, params)` pair
-    (`loss_fn(model, batch)` then gets `nnx.merge(graphdef, params)`).
+    state and, with `tx=None`, its `tx`), an nnx `(graphdef, params)` pair
+    (`loss_fn(model, batch)` then gets `nnx.merge(graphdef, params)`), or an
+    Equinox module (its inexact arrays are the state's params, its other
+    fields kept as `init` saw them; `held(state)` gives the module back).
     """
     params, opt_state = self._take(params)
     lay = self._layout = self._plan_layout(params, batch)

@@ -43,6 +43,7 @@ from ooojax.passes.pipeline.program import Memory, memory as _memory
 from ooojax.passes.pipeline.schedule import Action, PipelineSchedule, ScheduleError
 from ooojax.passes.pipeline.steps import SteadyState, steady_state, tile
 from ooojax.passes.pipeline.train import lower_train
+from ooojax.pipeline import _modules
 from ooojax.pipeline._automatic import (  # noqa: F401 - the private ones: tests, models.matrix
   _auto,
   _auto_parts,
@@ -223,7 +224,12 @@ def value_and_grad(
     key in the batch (or a keyword argument of `step`, e.g. `rngs={"dropout":
     key}`) reaches microbatch m as `fold_in(key, m)`, and each layer of a loop
     of blocks draws its bits as the model does (flax's per-module constants):
-    dropout equals the microbatch loop with those keys. With `has_aux=True` `loss_fn`
+    dropout equals the microbatch loop with those keys. A split of that key into
+    the microbatch's rows (per-example keys, `split(key, batch)` vmapped over
+    the rows) is the microbatch's rows of the whole batch's split, and keys
+    split per layer (`keys[i]`) cut with the stack (docs/guides/equinox.md).
+    An Equinox module passed as the parameters is split as
+    `eqx.filter_value_and_grad` splits it. With `has_aux=True` `loss_fn`
     returns `(loss, aux)` and `step` returns `((loss, aux), grads)`: the last
     stage computes each microbatch's aux in its forward (no activation moves
     for it), and `aux_reduce` combines them (default `mean_aux`: the mean over
@@ -331,7 +337,12 @@ def value_and_grad(
         "loss_fn, input_fn=...); the automatic form value_and_grad(loss_fn) "
         "finds the embedding itself"
       )
-    return _auto(fn, sched, mesh, axis_name, has_aux, data_axis, layers, aux_reduce, state_argnums)
+    return _modules.automatic(
+      lambda f: _auto(
+        f, sched, mesh, axis_name, has_aux, data_axis, layers, aux_reduce, state_argnums
+      ),
+      fn,
+    )
   if has_aux or layers is not None or aux_reduce is not None or state_argnums:
     raise TypeError(
       f"{'has_aux' if has_aux else 'layers'} belongs to the automatic form "

@@ -21,6 +21,7 @@ from ooojax.passes.pipeline.cut import EXPLICIT as _EXPLICIT, Cut, CutError, cut
 from ooojax.passes.pipeline.execute import device_order, lower
 from ooojax.passes.pipeline.generate import SCHEDULES, generate
 from ooojax.passes.pipeline.schedule import PipelineSchedule
+from ooojax.pipeline import _example_keys
 
 
 def _device_major(layout: str | None) -> bool:
@@ -191,9 +192,14 @@ def _auto_parts_bound(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers
   ]
   n = len(p_avals)
   box = {"tree": None}
+  # per-example keys: an extra batch leaf per scalar key, its whole batch's split
+  nb, ex, mb_rows = len(b_leaves), _example_keys.key_leaves(b_leaves, scalar), B // (M * D)
+  b_avals += _example_keys.avals(b_leaves, ex, mb_rows)
+  scalar += [False] * len(ex)
 
   def flat(*xs):
-    out = loss_fn(p_tree.unflatten(xs[:n]), *b_tree.unflatten(xs[n:]))
+    with _example_keys.tracing([xs[n + i] for i in ex], xs[n + nb :], mb_rows):
+      out = loss_fn(p_tree.unflatten(xs[:n]), *b_tree.unflatten(xs[n : n + nb]))
     if not has_aux:
       return out
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
@@ -205,6 +211,10 @@ def _auto_parts_bound(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers
 
   try:
     closed = jax.make_jaxpr(flat)(*_compat.manual_avals([*p_avals, *b_avals]))
+    if ex and _example_keys.picked(closed.jaxpr, n + nb):
+      # the split is read entry by entry (per-layer keys as many as the rows): as written
+      ex, b_avals, scalar = (), b_avals[:nb], scalar[:nb]
+      closed = jax.make_jaxpr(flat)(*_compat.manual_avals([*p_avals, *b_avals]))
   except (TypeError, ValueError) as e:
     m = jax.sharding.get_abstract_mesh()
     if not m.empty and m.are_all_axes_manual:  # under set_mesh with Explicit axes
@@ -260,6 +270,7 @@ def _auto_parts_bound(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers
   )
 
   def rowed(b_leaves):
+    b_leaves = [*b_leaves, *_example_keys.extra(b_leaves, ex, B)]
     row = lambda ids: tuple(  # noqa: E731
       microbatch_keys(b_leaves[i], B, M)
       if scalar[i] and is_key(b_leaves[i])

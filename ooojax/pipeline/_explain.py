@@ -20,6 +20,7 @@ from typing import Any
 import jax
 
 from ooojax.passes.pipeline.schedule import PipelineSchedule
+from ooojax.pipeline import _modules
 from ooojax.pipeline._report import AutoCut, PipelineReport
 
 
@@ -160,7 +161,10 @@ def explain(
     budget=budget,
     plan=plan,
   )
-  if args and callable(args[0]):  # explicit: (stage_fn, loss_fn, schedule, ...)
+  module = _modules.filtered(args[0]) if args else None
+  if module is not None:  # an Equinox module (callable, but the parameters): automatic
+    fn, args = module.loss(fn), (module.diff, *args[1:])
+  elif args and callable(args[0]):  # explicit: (stage_fn, loss_fn, schedule, ...)
     auto = {
       k: v
       for k, v in dict(
@@ -259,6 +263,20 @@ def _on_gpus(gpu, mesh, args):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(g, spec))
 
   return g, jax.tree.map(put, args)
+
+
+def _batch_name(b_named, i: int) -> str:
+  """A batch leaf's name; past the user's leaves, a scalar key's whole-batch split
+  (`ooojax.pipeline._example_keys`), in the order of the keys."""
+  if i < len(b_named):
+    return "batch" + jax.tree_util.keystr(b_named[i][0])
+  keys = [
+    p
+    for p, x in b_named
+    if not jax.numpy.ndim(x)
+    and jax.dtypes.issubdtype(jax.numpy.result_type(x), jax.dtypes.prng_key)
+  ]
+  return f"split(batch{jax.tree_util.keystr(keys[i - len(b_named)])})"
 
 
 def _bind(loss_fn, schedule, stage_params, batch, shared=None, input_fn=None):
@@ -360,7 +378,7 @@ def _explain_auto(
     pick(0),
     pick(sched.virtual_stages - 1),
     pick(None),
-    tuple("batch" + jax.tree_util.keystr(b_named[i][0]) for i in c.side),
+    tuple(_batch_name(b_named, i) for i in c.side),
   )
   return dataclasses.replace(report, cut=info, balance=parts.balance)
 

@@ -209,14 +209,30 @@ class PipelineTrainStep:
       ) from e
     return make, self._shardings(shape)
 
+  def _split_module(self, params):
+    """An Equinox module's inexact arrays (its other fields kept, static, for the
+    loss and for `params`), or `params` as given."""
+    from ooojax.pipeline import _modules
+
+    if not hasattr(self, "_user_loss"):
+      self._user_loss = self.loss_fn
+    self._module = _modules.filtered(params)
+    if self._module is None:
+      self.loss_fn = self._user_loss
+      return params
+    self.loss_fn = self._module.loss(self._user_loss)
+    return self._module.diff
+
   def init(self, params, *batch) -> PipelineTrainState:
     """The first state, laid out and sharded by stage. `batch` is only traced (shapes)."""
+    params = self._split_module(params)
     make, shardings = self._make(params, batch)
     return jax.jit(make, out_shardings=shardings)(params)
 
   def abstract_state(self, params, *batch) -> PipelineTrainState:
     """`init`'s state as sharded `jax.ShapeDtypeStruct`s, from shapes alone: the
     target of an orbax restore in a fresh process (it also readies `step`)."""
+    params = self._split_module(params)
     make, shardings = self._make(params, batch)
     return jax.tree.map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -239,7 +255,9 @@ class PipelineTrainStep:
     out = lay.cut.grads(zeros, stacked, p.shared, lay.balance.counts)  # stage_params^-1
     for i, x in zip(lay.rest, p.rest):
       out[i] = x
-    return lay.treedef.unflatten(out)
+    out = lay.treedef.unflatten(out)
+    module = getattr(self, "_module", None)
+    return out if module is None else module.combine(out)  # an Equinox module's own tree
 
   @property
   def balance(self) -> Balance:

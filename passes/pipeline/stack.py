@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from ooojax.passes import _compat, fingerprint
-from ooojax.passes.pipeline import side as side_pass
+from ooojax.passes.pipeline import layer_keys, side as side_pass
 from ooojax.passes.pipeline.eqns import flatten as _flatten
 
 __all__ = ["EXPLICIT", "CutError", "Program", "Stack", "emits", "pick", "program"]
@@ -105,13 +105,15 @@ def _per_layer_data(e, dep, consts, lits, eqns, producer):
 
 def program(closed, n_params: int, n_aux: int = 0, state: Sequence[int] = ()) -> Program:
   eqns, outs, consts = _flatten(closed)
+  lits: set = set()
+  # per-layer keys (`keys[i]` of a split): read at a per-layer constant index
+  eqns = layer_keys.expand(eqns, consts, lits)
   invars = list(closed.jaxpr.invars)
   dep = {v: _P for v in invars[:n_params]}
   dep.update({v: _B for v in invars[n_params:]})
   state_vars = frozenset(invars[n_params + i] for i in state)
   dep.update({v: _P for v in state_vars})  # model state goes with its layer, as weights do
   producer = {}
-  lits: set = set()
   for k, e in enumerate(eqns):
     e = eqns[k] = _per_layer_data(e, dep, consts, lits, eqns, producer)
     # a value of the data axis (axis_index, a psum over it) is recomputed like any other:
