@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 
+from ooojax import _filter
 from ooojax.passes.pipeline.schedule import PipelineSchedule
 from ooojax.pipeline import _modules
 from ooojax.pipeline._report import AutoCut, PipelineReport
@@ -161,7 +162,14 @@ def explain(
     budget=budget,
     plan=plan,
   )
-  module = _modules.filtered(args[0]) if args else None
+  # A module is callable too: only a module (or a non-callable tree) is the automatic
+  # form's parameters; any other callable is the explicit form's stage_fn.
+  first = args[0] if args else None
+  module = (
+    _modules.filtered(first)
+    if args and (_filter.holds_module(first) or not callable(first))
+    else None
+  )
   if module is not None:  # an Equinox module (callable, but the parameters): automatic
     fn, args = module.loss(fn), (module.diff, *args[1:])
   elif args and callable(args[0]):  # explicit: (stage_fn, loss_fn, schedule, ...)
