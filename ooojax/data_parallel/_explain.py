@@ -298,6 +298,7 @@ class CompiledDataParallel:
   windows: tuple[Window, ...]
   predicted: int  # all-reduces the plan issues (buckets + loop reductions)
   hlo: Any = dataclasses.field(compare=False, repr=False)  # passes.hlo.schedule.HloSchedule
+  text: str = dataclasses.field(default="", compare=False, repr=False)  # the optimized HLO
 
   def summary(self) -> str:
     busy = sum(w.overlapped for w in self.windows)
@@ -412,6 +413,7 @@ def compile_dp(
 
   from ooojax import gpu_hlo
   from ooojax._api import _resolve_argnums, grad
+  from ooojax.passes.hlo.schedule import parse
   from ooojax.passes.hlo.windows import windows
 
   call = report.call
@@ -460,7 +462,8 @@ def compile_dp(
   fn = jax.jit(
     jax.shard_map(per_device, mesh=m, in_specs=tuple(specs), out_specs=P(), check_vma=False)
   )
-  hlo = gpu_hlo.schedule(fn, *placed, mesh=m, compiler_options=compiler_options)
+  text = gpu_hlo.compile_text(fn, *placed, mesh=m, compiler_options=compiler_options)
+  hlo = parse(text)
   return CompiledDataParallel(
-    gpu, n, windows(hlo, "all-reduce"), len(report.plan.buckets) + len(report.plan.loops), hlo
+    gpu, n, windows(hlo, "all-reduce"), len(report.plan.buckets) + len(report.plan.loops), hlo, text
   )
