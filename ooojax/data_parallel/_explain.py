@@ -197,6 +197,10 @@ class DataParallelReport:
       f"backward {self.baseline * 1e3:.3f} ms ({self.baseline / p.makespan:.2f}x){cross}"
     )
     lines.append(self._carried_line())
+    lines.append(
+      "  XLA's own data parallel (plain jax.jit of jax.grad) next to this plan, compiled and "
+      "replayed per link: .versus_xla()"
+    )
     return "\n".join(lines)
 
   def _first_k_text(self) -> str:
@@ -288,6 +292,19 @@ class DataParallelReport:
     """
     return compile_dp(self, gpu, batch_argnums, compiler_options)
 
+  def versus_xla(self, gpu: str = "H100", *, links=None, batch_argnums=None, compiler_options=None):
+    """ooojax's compiled step next to XLA's own (plain `jax.jit(jax.grad)`, GSPMD), per link.
+
+    Both programs are compiled for `plan.n_devices` compile-only `gpu`s and
+    replayed (`passes.hlo.replay`) on each link of `links` (default: the plan's
+    link, NVLink, 400 / 100 Gb InfiniBand, 25GbE): step, exposed communication,
+    reductions, and the compiled temp memory; where XLA's step is shorter the
+    report says to step aside. A `data_parallel._versus.VersusXla`.
+    """
+    from ooojax.data_parallel._versus import versus_xla
+
+    return versus_xla(self, gpu, links, batch_argnums, compiler_options)
+
 
 @dataclasses.dataclass(frozen=True)
 class CompiledDataParallel:
@@ -299,6 +316,7 @@ class CompiledDataParallel:
   predicted: int  # all-reduces the plan issues (buckets + loop reductions)
   hlo: Any = dataclasses.field(compare=False, repr=False)  # passes.hlo.schedule.HloSchedule
   text: str = dataclasses.field(default="", compare=False, repr=False)  # the optimized HLO
+  temp_bytes: int = 0  # compiled temp memory per device (`memory_analysis()`)
 
   def summary(self) -> str:
     busy = sum(w.overlapped for w in self.windows)
@@ -406,15 +424,16 @@ def explain_dp(
   )
 
 
-def compile_dp(
-  report: DataParallelReport, gpu: str, batch_argnums, compiler_options
-) -> CompiledDataParallel:
+def placed_args(report: DataParallelReport, gpu: str, batch_argnums):
+  """The explained call's arguments on `plan.n_devices` compile-only `gpu`s: the batch
+  arguments' leading axis `n`-fold and split over the axis, the rest replicated.
+
+  Returns `(mesh, rebuild, specs, placed)`: `rebuild(*vals)` puts the placed leaves
+  back into the call's argument list."""
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   from ooojax import gpu_hlo
-  from ooojax._api import _resolve_argnums, grad
-  from ooojax.passes.hlo.schedule import parse
-  from ooojax.passes.hlo.windows import windows
+  from ooojax._api import _resolve_argnums
 
   call = report.call
   if call is None:
@@ -433,12 +452,6 @@ def compile_dp(
     else tuple(_resolve_argnums(batch_argnums, len(call.args)))
   )
   m = gpu_hlo.mesh(gpu, n, (ax,))
-  opts = {k: v for k, v in call.options.items() if k != "ordering"}
-  # bucket size and k as the report planned them; XLA:GPU has no control-dep handler
-  opts.update(
-    bucket_bytes=max(report.plan.bucket_bytes, 1), first_k=report.first_k, ordering="none"
-  )
-  g = grad(call.fun, call.argnums, call.has_aux, **opts)
   leaves, tree = jax.tree_util.tree_flatten(list(call.args))
   arg_of = [i for i, a in enumerate(call.args) for _ in jax.tree_util.tree_leaves(a)]
   dyn = [k for k, x in enumerate(leaves) if hasattr(x, "shape") and hasattr(x, "dtype")]
@@ -452,18 +465,50 @@ def compile_dp(
     for k, s in zip(dyn, specs)
   ]
 
-  def per_device(*vals):
+  def rebuild(*vals):
     full = list(leaves)
     for k, v in zip(dyn, vals):
       full[k] = v
-    out = g(*jax.tree_util.tree_unflatten(tree, full), **call.kwargs)
+    return jax.tree_util.tree_unflatten(tree, full)
+
+  return m, rebuild, specs, placed
+
+
+def compile_dp(
+  report: DataParallelReport, gpu: str, batch_argnums, compiler_options
+) -> CompiledDataParallel:
+  from jax.sharding import PartitionSpec as P
+
+  from ooojax import gpu_hlo
+  from ooojax._api import grad
+  from ooojax.passes.hlo.schedule import parse
+  from ooojax.passes.hlo.windows import windows
+
+  m, rebuild, specs, placed = placed_args(report, gpu, batch_argnums)
+  call, n = report.call, report.plan.n_devices
+  opts = {k: v for k, v in call.options.items() if k != "ordering"}
+  # bucket size and k as the report planned them; XLA:GPU has no control-dep handler
+  opts.update(
+    bucket_bytes=max(report.plan.bucket_bytes, 1), first_k=report.first_k, ordering="none"
+  )
+  g = grad(call.fun, call.argnums, call.has_aux, **opts)
+
+  def per_device(*vals):
+    out = g(*rebuild(*vals), **call.kwargs)
     return out[0] if call.has_aux else out
 
   fn = jax.jit(
     jax.shard_map(per_device, mesh=m, in_specs=tuple(specs), out_specs=P(), check_vma=False)
   )
-  text = gpu_hlo.compile_text(fn, *placed, mesh=m, compiler_options=compiler_options)
+  c = gpu_hlo.compiled(fn, *placed, mesh=m, compiler_options=compiler_options)
+  text = c.as_text()
   hlo = parse(text)
   return CompiledDataParallel(
-    gpu, n, windows(hlo, "all-reduce"), len(report.plan.buckets) + len(report.plan.loops), hlo, text
+    gpu,
+    n,
+    windows(hlo, "all-reduce"),
+    len(report.plan.buckets) + len(report.plan.loops),
+    hlo,
+    text,
+    int(c.memory_analysis().temp_size_in_bytes),
   )
