@@ -83,11 +83,13 @@ def _resnet(variant, devices, layers):
   vg = _vg(variant)
 
   def step(p, s, x, y):
+    # as nanodo does: the batch's split made visible inside the jit
+    x, y = jax.lax.with_sharding_constraint((x, y), dat)
     (loss, upd), g = vg(loss_fn, has_aux=True)(p, s, x, y)
     p = jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
     return p, upd, loss
 
-  f = jax.jit(step, out_shardings=(rep, rep, rep))
+  f = jax.jit(step, in_shardings=(rep, rep, dat, dat), out_shardings=(rep, rep, rep))
   args = (jax.tree.map(lambda a: sds(a, rep), params), jax.tree.map(lambda a: sds(a, rep), stats))
   return gpu_hlo.compiled(f, *args, xs, ys, mesh=mesh)
 

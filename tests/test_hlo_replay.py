@@ -95,6 +95,14 @@ def test_link_costs_and_errors():
   assert ar == pytest.approx(14 * 3e-6 + 1.75 * b / bw)
   assert rs == pytest.approx(7 * 3e-6 + 0.875 * b / bw)
   assert {"nvlink", "IB100", "IB400", "25GbE"} <= set(REPLAY_LINKS)
+  # replica groups in the mesh form XLA prints on 0.11: the named axes' sizes
+  two_d = HAND.replace("replica_groups=[1,4]<=[4]", "replica_groups=mesh['d'=2, 'm'=4] {'m'}")
+  two_d = two_d.replace("replica_groups={{0,1,2,3}}", "replica_groups=mesh['d'=2, 'm'=4] {'d'}")
+  ar, rs = replay(two_d, 8, LINK, SPEC).transfers
+  assert ar.end - ar.start == pytest.approx(collective_seconds("all-reduce", ar.nbytes, 2, LINK))
+  assert rs.end - rs.start == pytest.approx(
+    collective_seconds("reduce-scatter", rs.nbytes, 4, LINK)
+  )
   with pytest.raises(ValueError, match="unknown link"):
     replay(HAND, 4, "carrier-pigeon")
   with pytest.raises(ValueError, match="n_devices"):

@@ -68,6 +68,7 @@ _DIM_LABELS = re.compile(r"dim_labels=[^_]*_([^-]*)->")
 _GROUPS = re.compile(r"feature_group_count=(\d+)")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _REPLICA = re.compile(r"replica_groups=(\{\{[\d,]*\}|\[(\d+),(\d+)\])")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _LINE_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
 _ASYNC_COLLECTIVE = tuple(f"{k}-start" for k in COLLECTIVE_OPS)
 
@@ -166,7 +167,7 @@ class _Module:
     self.attrs: dict[str, str] = {}
     for line in text.splitlines():
       m = _LINE_NAME.match(line)
-      if m and ("dims" in line or "dim_labels" in line or "trip" in line or "replica" in line):
+      if m and any(k in line for k in ("dims", "dim_labels", "trip", "replica")):
         self.attrs[m.group(1)] = line
 
   def operand_bytes(self, i: Instr) -> int:
@@ -215,6 +216,11 @@ class _Module:
 
   def group_size(self, i: Instr, n: int) -> int:
     line = self.attrs.get(i.name, "")
+    mesh = _MESH_GROUPS.search(line)
+    if mesh:  # replica_groups=mesh['data'=8, 'model'=2] {'data'}: the named axes' sizes
+      sizes = dict(re.findall(r"'([^']*)'=(\d+)", mesh.group(1)))
+      axes = re.findall(r"'([^']*)'", mesh.group(2))
+      return math.prod(int(sizes.get(a, 1)) for a in axes) if axes else n
     m = _REPLICA.search(line)
     if not m:
       return n
@@ -243,8 +249,10 @@ class _Replayer:
     self.measured = dict(measured or {})
 
   def kernel_seconds(self, i: Instr) -> float:
-    if i.name in self.measured:
-      return self.measured[i.name]
+    # A profiler names a kernel after its instruction, '.' written as '_'.
+    for key in (i.name, i.name.replace(".", "_")):
+      if key in self.measured:
+        return self.measured[key]
     s = self.spec
     nbytes = self.mod.operand_bytes(i) + _nbytes(i.shape)
     if i.is_heavy:
@@ -342,7 +350,8 @@ def replay(
     n_devices: devices a collective spans when its replica groups are not printed.
     link: a name in `REPLAY_LINKS` ("nvlink", "IB400", "IB100", "25GbE", ...) or a `Link`.
     device: a `passes.cost` device spec ("H100") for the roofline.
-    measured: seconds per instruction name, from a GPU (replace the roofline).
+    measured: seconds per instruction (or kernel) name, timed on a GPU: replace
+      the roofline (`benchmarks.dp_calibrate` records them).
 
   Returns:
     A `Replay`: `compute`, `comm`, `exposed`, `step` in seconds and each transfer.
