@@ -37,13 +37,26 @@ MODELS = (*NANODO, "ResNet-50")
 
 
 def _vg(variant):
+  """ "jax", "ooo" (the default link, NVLink) or "ooo@<link>" (planned for that link)."""
   import jax
 
   import ooojax as ooo
+  from ooojax.passes.collectives.plan import get_link
 
   if variant == "jax":
     return jax.value_and_grad
-  return functools.partial(ooo.value_and_grad, mode="data_parallel", ordering="none", device="H100")
+  link = variant.partition("@")[2] or None
+  if link is not None and link not in ("nvlink", "100GbE", "25GbE", "10GbE"):
+    from ooojax.passes.hlo.replay import get_link as replay_link
+
+    link = replay_link(link)
+  return functools.partial(
+    ooo.value_and_grad,
+    mode="data_parallel",
+    ordering="none",
+    device="H100",
+    link=get_link(link),
+  )
 
 
 def _nanodo(name, variant, devices, fsdp, layers):
