@@ -102,9 +102,16 @@ def reduce_buffers(vals, axis_name, reduce: str = "mean", scatter=None):
       for j, v in zip(idx, vma)
     ]
     flat = [jax.lax.reshape(x, (n,)) if len(s) != 1 else x for x, s, n in zip(flat, shapes, sizes)]
+    # A bucket of several leaves is scaled before the pack, where XLA fuses the
+    # scale into the concatenation: after the psum it was a pass of its own over
+    # the whole bucket (nanodo D 2048 on H100 x8: 0.6 ms of a 9 ms step, replayed).
+    packed = reduce == "mean" and len(flat) > 1
+    if packed:
+      n_dev = jax.lax.axis_size(axis_name)
+      flat = [x / jnp.asarray(n_dev, x.dtype) for x in flat]
     buf = flat[0] if len(flat) == 1 else jax.lax.concatenate(flat, 0)
     buf = jax.lax.psum(buf, axis_name)
-    if reduce == "mean":
+    if reduce == "mean" and not packed:
       buf = buf / jax.lax.axis_size(axis_name)
     bufs.append(buf)
     parts = jax.lax.split(buf, sizes) if len(idx) > 1 else [buf]

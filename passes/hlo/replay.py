@@ -167,11 +167,19 @@ class _Module:
     self.attrs: dict[str, str] = {}
     for line in text.splitlines():
       m = _LINE_NAME.match(line)
-      if m and any(k in line for k in ("dims", "dim_labels", "trip", "replica")):
+      if m and any(k in line for k in ("dims", "dim_labels", "trip", "replica", "kind=kLoop")):
         self.attrs[m.group(1)] = line
 
   def operand_bytes(self, i: Instr) -> int:
     return sum(_nbytes(self.shape.get(o, "")) for o in i.operands)
+
+  def read_bytes(self, i: Instr) -> int:
+    """Bytes a kernel reads: a loop (elementwise) fusion reads at most as many
+    elements of an operand as it writes (a slice of a bucket buffer, not all of it)."""
+    if "kind=kLoop" not in self.attrs.get(i.name, ""):
+      return self.operand_bytes(i)
+    out = _nbytes(i.shape)
+    return sum(min(_nbytes(self.shape.get(o, "")), out) for o in i.operands)
 
   def find_heavy(self, i: Instr, seen=()) -> tuple[Instr, str] | None:
     """The dot/conv (itself, or inside its fused computation) and its computation."""
@@ -254,7 +262,7 @@ class _Replayer:
       if key in self.measured:
         return self.measured[key]
     s = self.spec
-    nbytes = self.mod.operand_bytes(i) + _nbytes(i.shape)
+    nbytes = self.mod.read_bytes(i) + _nbytes(i.shape)
     if i.is_heavy:
       flops, dt = self.mod.flops(i)
       peak = s.matmul_flops_16 if _BYTES.get(dt, 4) <= 2 else s.matmul_flops
