@@ -107,8 +107,9 @@ def _resnet(variant, devices, layers):
   return gpu_hlo.compiled(f, *args, xs, ys, mesh=mesh)
 
 
-def measure(name, variant, devices, fsdp, layers) -> dict:
-  """Compiles one step and replays it on every link: seconds and temp bytes."""
+def measure(name, variant, devices, fsdp, layers, hlo_dir=None) -> dict:
+  """Compiles one step and replays it on every link: seconds and temp bytes.
+  With `hlo_dir`, the compiled HLO is kept there (gzip) for a later replay."""
   from ooojax.passes.hlo.replay import replay
 
   t0 = time.perf_counter()
@@ -117,6 +118,13 @@ def measure(name, variant, devices, fsdp, layers) -> dict:
   else:
     c = _nanodo(name, variant, devices, fsdp, layers)
   text = c.as_text()
+  if hlo_dir:
+    import gzip
+
+    os.makedirs(hlo_dir, exist_ok=True)
+    tag = f"{name}-{devices}-{'fsdp' if fsdp else 'dp'}-{variant}".replace(" ", "_")
+    with gzip.open(os.path.join(hlo_dir, tag + ".hlo.gz"), "wt") as f:
+      f.write(text)
   out = {
     "compile_s": time.perf_counter() - t0,
     "temp": int(c.memory_analysis().temp_size_in_bytes),
@@ -191,6 +199,7 @@ def main(argv=None):
   ap.add_argument("--models", nargs="+", default=list(MODELS))
   ap.add_argument("--layers", type=int, default=4, help="transformer blocks (nanodo, BERT)")
   ap.add_argument("--json", default=None, help="cache of compiled results (read and extended)")
+  ap.add_argument("--hlo-dir", default=None, help="keep each compiled HLO here (gzip)")
   ap.add_argument("--write", action="store_true")
   a = ap.parse_args(argv)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -209,7 +218,7 @@ def main(argv=None):
         for variant in ("jax", "ooo"):
           if variant in cache.get(key, {}):
             continue
-          cache.setdefault(key, {})[variant] = measure(name, variant, n, fsdp, a.layers)
+          cache.setdefault(key, {})[variant] = measure(name, variant, n, fsdp, a.layers, a.hlo_dir)
           print(key, variant, f"{cache[key][variant]['compile_s']:.0f} s", file=sys.stderr)
           if a.json:
             with open(a.json, "w") as f:
