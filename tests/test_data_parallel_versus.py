@@ -54,3 +54,24 @@ def test_versus_xla_per_link():
   text = v.summary()
   assert "XLA's own" in text and "not timed" in text and "25GbE" in text
   assert "<pre>" in v._repr_html_()
+
+
+def test_versus_xla_bucket_size_chosen_on_the_compiled_program():
+  r = ooo.explain(
+    loss,
+    PARAMS,
+    jax.ShapeDtypeStruct((128, D), jnp.float32),
+    mode="data_parallel",
+    axis_name="batch",
+    axis_size=8,
+    device="H100",
+    bucket_bytes=1,
+  )
+  v = r.versus_xla(links=("nvlink",), buckets=(1 << 30,))
+  (row,) = v.rows
+  assert v.buckets == (1 << 30,) and row.bucket_bytes in (1, 1 << 30)
+  # the whole gradient in one bucket: fewer all-reduces, each latency paid once
+  assert row.bucket_bytes == 1 << 30 and row.ooo.reductions < 2 * L
+  assert "chosen per link on the compiled programs" in v.summary()
+  with pytest.raises(ValueError, match="positive"):
+    r.versus_xla(buckets=(0,))

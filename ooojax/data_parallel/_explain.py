@@ -292,18 +292,28 @@ class DataParallelReport:
     """
     return compile_dp(self, gpu, batch_argnums, compiler_options)
 
-  def versus_xla(self, gpu: str = "H100", *, links=None, batch_argnums=None, compiler_options=None):
+  def versus_xla(
+    self,
+    gpu: str = "H100",
+    *,
+    links=None,
+    buckets=(),
+    batch_argnums=None,
+    compiler_options=None,
+  ):
     """ooojax's compiled step next to XLA's own (plain `jax.jit(jax.grad)`, GSPMD), per link.
 
     Both programs are compiled for `plan.n_devices` compile-only `gpu`s and
     replayed (`passes.hlo.replay`) on each link of `links` (default: the plan's
     link, NVLink, 400 / 100 Gb InfiniBand, 25GbE): step, exposed communication,
     reductions, and the compiled temp memory; where XLA's step is shorter the
-    report says to step aside. A `data_parallel._versus.VersusXla`.
+    report says to step aside. `buckets`: more bucket sizes (bytes) to compile and
+    replay beside the plan's; each link keeps the fastest (the bucket size chosen on
+    the compiled program). A `data_parallel._versus.VersusXla`.
     """
     from ooojax.data_parallel._versus import versus_xla
 
-    return versus_xla(self, gpu, links, batch_argnums, compiler_options)
+    return versus_xla(self, gpu, links, batch_argnums, compiler_options, buckets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -425,7 +435,7 @@ def explain_dp(
 
 
 def compile_dp(
-  report: DataParallelReport, gpu: str, batch_argnums, compiler_options
+  report: DataParallelReport, gpu: str, batch_argnums, compiler_options, bucket_bytes=None
 ) -> CompiledDataParallel:
   from jax.sharding import PartitionSpec as P
 
@@ -439,9 +449,8 @@ def compile_dp(
   call, n = report.call, report.plan.n_devices
   opts = {k: v for k, v in call.options.items() if k != "ordering"}
   # bucket size and k as the report planned them; XLA:GPU has no control-dep handler
-  opts.update(
-    bucket_bytes=max(report.plan.bucket_bytes, 1), first_k=report.first_k, ordering="none"
-  )
+  bb = report.plan.bucket_bytes if bucket_bytes is None else bucket_bytes
+  opts.update(bucket_bytes=max(bb, 1), first_k=report.first_k, ordering="none")
   g = grad(call.fun, call.argnums, call.has_aux, **opts)
 
   def per_device(*vals):

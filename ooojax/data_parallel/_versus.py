@@ -35,6 +35,7 @@ class LinkRow:
   link: str
   ooo: Replay
   xla: Replay
+  bucket_bytes: int = 0  # the bucket size of the `ooo` program replayed here
 
   @property
   def speedup(self) -> float:
@@ -57,8 +58,9 @@ class VersusXla:
   gpu: str
   devices: int
   rows: tuple[LinkRow, ...]
-  ooo_temp: int
+  ooo_temp: int  # the plan's program
   xla_temp: int
+  buckets: tuple[int, ...] = ()  # bucket sizes compiled beside the plan's
   texts: Any = dataclasses.field(default=None, compare=False, repr=False)  # (ooo, xla) HLO
 
   def best(self, link: str) -> str:
@@ -75,6 +77,12 @@ class VersusXla:
       f"  {'link':<8} {'ooojax step (exposed) ms':>26} {'XLA step (exposed) ms':>24} "
       f"{'XLA/ooo':>8} {'reductions ooo/XLA':>19}  faster",
     ]
+    if self.buckets:
+      lines.insert(
+        2,
+        "  ooojax's bucket size chosen per link on the compiled programs: "
+        + ", ".join(f"{r.link} {r.bucket_bytes} B" for r in self.rows),
+      )
     for r in self.rows:
       o, x = r.ooo, r.xla
       lines.append(
@@ -161,10 +169,20 @@ def compile_xla(report, gpu: str, batch_argnums=None, compiler_options=None):
 
 
 def versus_xla(
-  report, gpu: str = "H100", links=None, batch_argnums=None, compiler_options=None
+  report, gpu: str = "H100", links=None, batch_argnums=None, compiler_options=None, buckets=()
 ) -> VersusXla:
   """`DataParallelReport.versus_xla`: see the module docstring."""
+  from ._explain import compile_dp
+
+  plan_bb = report.plan.bucket_bytes
+  # the plan's bucket size first: a tie keeps it
+  more = [int(b) for b in dict.fromkeys(buckets) if int(b) != plan_bb]
+  if any(b <= 0 for b in more):
+    raise ValueError(f"buckets must be positive byte counts, got {tuple(buckets)!r}")
   ours = report.compiled(gpu, batch_argnums=batch_argnums, compiler_options=compiler_options)
+  others = [
+    (b, compile_dp(report, gpu, batch_argnums, compiler_options, bucket_bytes=b)) for b in more
+  ]
   theirs = compile_xla(report, gpu, batch_argnums, compiler_options)
   text = theirs.as_text()
   n = report.plan.n_devices
@@ -175,19 +193,20 @@ def versus_xla(
   names = tuple(links) if links is not None else (report.plan.link.name, *LINKS)
   names = tuple(dict.fromkeys(l if isinstance(l, str) else l.name for l in names))
   by_name = {report.plan.link.name: report.plan.link}
-  rows = tuple(
-    LinkRow(
-      l,
-      replay(ours.text, n, by_name.get(l, l), device),
-      replay(text, n, by_name.get(l, l), device),
-    )
-    for l in names
-  )
+  rows = []
+  for l in names:
+    lk = by_name.get(l, l)
+    tried = [(replay(ours.text, n, lk, device), plan_bb)]
+    tried += [(replay(c.text, n, lk, device), b) for b, c in others]
+    best, bb = min(tried, key=lambda t: t[0].step)
+    rows.append(LinkRow(l, best, replay(text, n, lk, device), bb))
+  rows = tuple(rows)
   return VersusXla(
     gpu,
     n,
     rows,
     ours.temp_bytes,
     int(theirs.memory_analysis().temp_size_in_bytes),
+    tuple(more),
     (ours.text, text),
   )
