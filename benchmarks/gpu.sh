@@ -39,6 +39,7 @@ if [ -n "$DRY" ]; then  # tiny sizes, two variants: every step runs through, fas
   EXEC=(--layers 2 --dim 16 --hidden 32 --batch 16 --microbatches 4 --rounds 1 --iters 1)
   TICK=(--ticks 8 --dims 16 --rounds 1 --iters 1)
   TRACE=(--batch 4 --steps 2) TRACE_BIG=(--model resnet50 --tiny --steps 2) TRACE_EXEC=(--tiny --steps 2)
+  DPCAL=(--tiny --steps 2)
 else
   SIZE=(--batch 32) ROUNDS=(--rounds 5) CHECK=(--batch 32) SCHED=(--batch 32) SCAN=(--sim-layers 4)
   MECH=(--model resnet50 --batch 32)
@@ -46,6 +47,7 @@ else
   TICK=()
   PYTEST=()
   TRACE=(--batch 32) TRACE_BIG=(--model resnet50 --batch 32) TRACE_EXEC=()
+  DPCAL=()
 fi
 
 step() {  # step NAME TIMEOUT CMD...: runs CMD (a program, not a shell function) for at most TIMEOUT s
@@ -77,6 +79,10 @@ step step_time_demo_cnn 90 "${ST[@]}" --model demo_cnn "${SIZE[@]}"
 step step_time_resnet50 90 "${ST[@]}" --model resnet50 "${SIZE[@]}" --no-sim-check
 # 2. Each ordering compiles on this GPU and matches jax.grad; heavy dW overlap as compiled here.
 step gpu_check 120 $PY -m benchmarks.gpu_check "${CHECK[@]}"
+# 2b. One data-parallel step (nanodo, plain jit and ooojax) on this one device: its
+# kernel times beside the replay's H100 roofline (benchmarks.dp_exposed prices
+# compiled multi-GPU programs with that roofline); dp_kernels.json calibrates it.
+step dp_calibrate 120 $PY -m benchmarks.dp_calibrate "${DPCAL[@]}" --json "$OUT/dp_kernels.json"
 # 3. The pipeline executor's own cost on one GPU (its ticks against the accumulated
 # scan); the stacked explicit form beside a flax loop pipelined automatically (no
 # slices). On the first GPU the executor took 2x the accumulated step (2.3 ms more

@@ -17,6 +17,7 @@ MODULES = [
   "ooojax.passes.hlo.schedule",
   "ooojax.passes.hlo.compare",
   "ooojax.passes.hlo.windows",
+  "ooojax.passes.hlo.replay",
   "ooojax.gpu_hlo",
   "ooojax.passes.collectives.plan",
   "ooojax.data_parallel",

@@ -199,6 +199,10 @@ class DataParallelReport:
       f"backward {self.baseline * 1e3:.3f} ms ({self.baseline / p.makespan:.2f}x){cross}"
     )
     lines.append(self._carried_line())
+    lines.append(
+      "  XLA's own data parallel (plain jax.jit of jax.grad) next to this plan, compiled and "
+      "replayed per link: .versus_xla()"
+    )
     if self.memory is not None:  # the memory section (`data_parallel._memory`)
       lines += self.memory.lines()
     return "\n".join(lines)
@@ -292,6 +296,29 @@ class DataParallelReport:
     """
     return compile_dp(self, gpu, batch_argnums, compiler_options)
 
+  def versus_xla(
+    self,
+    gpu: str = "H100",
+    *,
+    links=None,
+    buckets=(),
+    batch_argnums=None,
+    compiler_options=None,
+  ):
+    """ooojax's compiled step next to XLA's own (plain `jax.jit(jax.grad)`, GSPMD), per link.
+
+    Both programs are compiled for `plan.n_devices` compile-only `gpu`s and
+    replayed (`passes.hlo.replay`) on each link of `links` (default: the plan's
+    link, NVLink, 400 / 100 Gb InfiniBand, 25GbE): step, exposed communication,
+    reductions, and the compiled temp memory; where XLA's step is shorter the
+    report says to step aside. `buckets`: more bucket sizes (bytes) to compile and
+    replay beside the plan's; each link keeps the fastest (the bucket size chosen on
+    the compiled program). A `data_parallel._versus.VersusXla`.
+    """
+    from ooojax.data_parallel._versus import versus_xla
+
+    return versus_xla(self, gpu, links, batch_argnums, compiler_options, buckets)
+
 
 @dataclasses.dataclass(frozen=True)
 class CompiledDataParallel:
@@ -302,6 +329,8 @@ class CompiledDataParallel:
   windows: tuple[Window, ...]
   predicted: int  # all-reduces the plan issues (buckets + loop reductions)
   hlo: Any = dataclasses.field(compare=False, repr=False)  # passes.hlo.schedule.HloSchedule
+  text: str = dataclasses.field(default="", compare=False, repr=False)  # the optimized HLO
+  temp_bytes: int = 0  # compiled temp memory per device (`memory_analysis()`)
 
   def summary(self) -> str:
     busy = sum(w.overlapped for w in self.windows)
@@ -422,61 +451,40 @@ def _predict_memory(args, argnums, idx, g_parts, split, cp, names, opts, n):
 
 
 def compile_dp(
-  report: DataParallelReport, gpu: str, batch_argnums, compiler_options
+  report: DataParallelReport, gpu: str, batch_argnums, compiler_options, bucket_bytes=None
 ) -> CompiledDataParallel:
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import PartitionSpec as P
 
   from ooojax import gpu_hlo
-  from ooojax._api import _resolve_argnums, grad
+  from ooojax._api import grad
+  from ooojax.data_parallel._versus import placed_args
+  from ooojax.passes.hlo.schedule import parse
   from ooojax.passes.hlo.windows import windows
 
-  call = report.call
-  if call is None:
-    raise ValueError(
-      "this DataParallelReport was not made by ooo.explain(fun, *args, "
-      "mode='data_parallel', ...), so there is no function to compile"
-    )
-  reason = gpu_hlo.unavailable_reason()
-  if reason is not None:
-    raise RuntimeError(f"cannot compile for a GPU here: {reason}")
-  n, ax = report.plan.n_devices, report.axis_name
-  diff = set(_resolve_argnums(call.argnums, len(call.args)))
-  batch = (
-    tuple(i for i in range(len(call.args)) if i not in diff)
-    if batch_argnums is None
-    else tuple(_resolve_argnums(batch_argnums, len(call.args)))
-  )
-  m = gpu_hlo.mesh(gpu, n, (ax,))
+  m, rebuild, specs, placed = placed_args(report, gpu, batch_argnums)
+  call, n = report.call, report.plan.n_devices
   opts = {k: v for k, v in call.options.items() if k != "ordering"}
   # bucket size and k as the report planned them; XLA:GPU has no control-dep handler
-  opts.update(
-    bucket_bytes=max(report.plan.bucket_bytes, 1), first_k=report.first_k, ordering="none"
-  )
+  bb = report.plan.bucket_bytes if bucket_bytes is None else bucket_bytes
+  opts.update(bucket_bytes=max(bb, 1), first_k=report.first_k, ordering="none")
   g = grad(call.fun, call.argnums, call.has_aux, **opts)
-  leaves, tree = jax.tree_util.tree_flatten(list(call.args))
-  arg_of = [i for i, a in enumerate(call.args) for _ in jax.tree_util.tree_leaves(a)]
-  dyn = [k for k, x in enumerate(leaves) if hasattr(x, "shape") and hasattr(x, "dtype")]
-  specs = [P(ax) if arg_of[k] in batch and len(leaves[k].shape) else P() for k in dyn]
-  placed = [
-    jax.ShapeDtypeStruct(
-      (leaves[k].shape[0] * n, *leaves[k].shape[1:]) if s != P() else tuple(leaves[k].shape),
-      leaves[k].dtype,
-      sharding=NamedSharding(m, s),
-    )
-    for k, s in zip(dyn, specs)
-  ]
 
   def per_device(*vals):
-    full = list(leaves)
-    for k, v in zip(dyn, vals):
-      full[k] = v
-    out = g(*jax.tree_util.tree_unflatten(tree, full), **call.kwargs)
+    out = g(*rebuild(*vals), **call.kwargs)
     return out[0] if call.has_aux else out
 
   fn = jax.jit(
     jax.shard_map(per_device, mesh=m, in_specs=tuple(specs), out_specs=P(), check_vma=False)
   )
-  hlo = gpu_hlo.schedule(fn, *placed, mesh=m, compiler_options=compiler_options)
+  c = gpu_hlo.compiled(fn, *placed, mesh=m, compiler_options=compiler_options)
+  text = c.as_text()
+  hlo = parse(text)
   return CompiledDataParallel(
-    gpu, n, windows(hlo, "all-reduce"), len(report.plan.buckets) + len(report.plan.loops), hlo
+    gpu,
+    n,
+    windows(hlo, "all-reduce"),
+    len(report.plan.buckets) + len(report.plan.loops),
+    hlo,
+    text,
+    int(c.memory_analysis().temp_size_in_bytes),
   )

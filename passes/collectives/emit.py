@@ -59,7 +59,7 @@ def _typed_sharded(x) -> bool:
   return spec is not None and any(e is not None for e in spec)
 
 
-def reduce_buffers(vals, axis_name, reduce: str = "mean", scatter=None):
+def reduce_buffers(vals, axis_name, reduce: str = "mean", scatter=None, prescale: bool = False):
   """One all-reduce per dtype of `vals` flattened together.
 
   `scatter`: per value, None or the dimension it is reduce-scattered over
@@ -67,6 +67,8 @@ def reduce_buffers(vals, axis_name, reduce: str = "mean", scatter=None):
   `psum_scatter` per dtype instead, each coming back as this device's slice.
   Values whose type is sharded over another mesh axis (explicit sharding)
   go into one multi-operand `psum` per dtype, unflattened.
+  `prescale`: a mean over several leaves is scaled before the pack (a bucket
+  outside loops; in a loop body it would change what XLA overlaps).
   Returns `(reduced values, the reduced flat buffers)`.
   """
   scatter = scatter or [None] * len(vals)
@@ -102,9 +104,16 @@ def reduce_buffers(vals, axis_name, reduce: str = "mean", scatter=None):
       for j, v in zip(idx, vma)
     ]
     flat = [jax.lax.reshape(x, (n,)) if len(s) != 1 else x for x, s, n in zip(flat, shapes, sizes)]
+    # A bucket of several leaves is scaled before the pack, where XLA fuses the
+    # scale into the concatenation: after the psum it was a pass of its own over
+    # the whole bucket (nanodo D 2048 on H100 x8: 0.6 ms of a 9 ms step, replayed).
+    packed = prescale and reduce == "mean" and len(flat) > 1
+    if packed:
+      n_dev = jax.lax.axis_size(axis_name)
+      flat = [x / jnp.asarray(n_dev, x.dtype) for x in flat]
     buf = flat[0] if len(flat) == 1 else jax.lax.concatenate(flat, 0)
     buf = jax.lax.psum(buf, axis_name)
-    if reduce == "mean":
+    if reduce == "mean" and not packed:
       buf = buf / jax.lax.axis_size(axis_name)
     bufs.append(buf)
     parts = jax.lax.split(buf, sizes) if len(idx) > 1 else [buf]
@@ -274,6 +283,6 @@ class BucketEmitter:
     vals = [self._value(env, i) for i in bucket.grads]
     vals = chain_after(self._prev, vals)  # this all-reduce after the previous one
     reduced, self._prev = reduce_buffers(
-      vals, self.axis_name, self.reduce, [self.scatter.get(i) for i in bucket.grads]
+      vals, self.axis_name, self.reduce, [self.scatter.get(i) for i in bucket.grads], True
     )
     self._reduced.update(zip(bucket.grads, reduced))

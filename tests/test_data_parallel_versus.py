@@ -1,0 +1,77 @@
+"""`DataParallelReport.versus_xla`: ooojax's compiled step next to XLA's own, per link."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import ooojax as ooo
+from ooojax import gpu_hlo
+
+pytestmark = pytest.mark.skipif(
+  gpu_hlo.unavailable_reason() is not None,
+  reason=f"compile-only H100: {gpu_hlo.unavailable_reason()}",
+)
+
+L, D = 3, 256
+PARAMS = {
+  f"l{i}": {
+    "w": jax.ShapeDtypeStruct((D, D), jnp.float32),
+    "b": jax.ShapeDtypeStruct((D,), jnp.float32),
+  }
+  for i in range(L)
+}
+
+
+def loss(p, x):
+  for i in range(L):
+    x = jnp.tanh(x @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"])
+  return jnp.mean(x**2)
+
+
+def test_versus_xla_per_link():
+  r = ooo.explain(
+    loss,
+    PARAMS,
+    jax.ShapeDtypeStruct((128, D), jnp.float32),
+    mode="data_parallel",
+    axis_name="batch",
+    axis_size=8,
+    device="H100",
+    link="25GbE",
+    bucket_bytes=1,
+  )
+  assert ".versus_xla()" in r.summary()
+  v = r.versus_xla(links=("25GbE", "nvlink"))
+  assert [row.link for row in v.rows] == ["25GbE", "nvlink"] and v.devices == 8
+  for row in v.rows:
+    # one all-reduce per leaf (bucket_bytes=1) against XLA's combined one(s)
+    assert row.ooo.reductions == 2 * L > row.xla.reductions >= 1
+    assert row.ooo.step >= row.ooo.compute and row.xla.exposed > 0
+  slow, fast = v.rows
+  assert slow.xla.exposed > fast.xla.exposed  # the same program on a slower link
+  assert v.ooo_temp > 0 and v.xla_temp > 0
+  assert v.best("nvlink") in ("ooojax", "XLA")
+  text = v.summary()
+  assert "XLA's own" in text and "not timed" in text and "25GbE" in text
+  assert "<pre>" in v._repr_html_()
+
+
+def test_versus_xla_bucket_size_chosen_on_the_compiled_program():
+  r = ooo.explain(
+    loss,
+    PARAMS,
+    jax.ShapeDtypeStruct((128, D), jnp.float32),
+    mode="data_parallel",
+    axis_name="batch",
+    axis_size=8,
+    device="H100",
+    bucket_bytes=1,
+  )
+  v = r.versus_xla(links=("nvlink",), buckets=(1 << 30,))
+  (row,) = v.rows
+  assert v.buckets == (1 << 30,) and row.bucket_bytes in (1, 1 << 30)
+  # the whole gradient in one bucket: fewer all-reduces, each latency paid once
+  assert row.bucket_bytes == 1 << 30 and row.ooo.reductions < 2 * L
+  assert "chosen per link on the compiled programs" in v.summary()
+  with pytest.raises(ValueError, match="positive"):
+    r.versus_xla(buckets=(0,))
