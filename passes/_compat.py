@@ -966,3 +966,17 @@ def per_example_draws(axis: str, rows: frozenset) -> Iterator[None]:
     yield
   finally:
     _prng.random_bits = orig
+
+
+def sharded_over_mesh(avals) -> bool:
+  """Some aval's type names a mesh axis (Explicit sharding: `jax.typeof(x).sharding`).
+
+  A reshape that merges such dimensions needs an `out_sharding`, and a module
+  partitioned over several devices lowers the stream calls inline anyway
+  (`on_stream`), so their operands then go in and out as they are.
+  """
+  for a in avals:
+    spec = getattr(getattr(a, "sharding", None), "spec", None)
+    if spec and any(p is not None for p in spec):
+      return True
+  return False
