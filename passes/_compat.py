@@ -201,6 +201,13 @@ def conv_out_feature_dim(eqn) -> int:
   return dn.rhs_spec[0] if dn is not None else 0
 
 
+def conv_asymmetric_padding(eqn) -> bool:
+  """A `conv_general_dilated` whose padding differs between the two sides of
+  some spatial dimension (cuDNN takes symmetric padding only: XLA:GPU pads or
+  slices the input in a kernel of its own)."""
+  return any(lo != hi for lo, hi in eqn.params["padding"])
+
+
 def conv_group_count(eqn) -> int:
   return max(int(eqn.params.get("batch_group_count", 1)), 1)
 

@@ -16,6 +16,7 @@ MODULES = [
   "ooojax.passes.hlo.schedule",
   "ooojax.passes.hlo.compare",
   "ooojax.passes.hlo.windows",
+  "ooojax.passes.hlo.kernels",
   "ooojax.gpu_hlo",
   "ooojax.passes.collectives.plan",
   "ooojax.data_parallel",

@@ -47,7 +47,7 @@ def _zoo_case(name, **sizes):
 CASES = {
   "demo_cnn": (_demo_case, 4),
   "mobilenet_v3_small": (lambda: _zoo_case("mobilenet_v3_small"), 40),
-  "resnet50": (lambda: _zoo_case("resnet50"), 50),
+  "resnet50": (lambda: _zoo_case("resnet50"), 45),
   "densenet121": (lambda: _zoo_case("densenet121"), 110),
   "bert_block": (lambda: _zoo_case("bert", layers=1), 4),
 }
@@ -121,7 +121,14 @@ def test_schedule_merges_calls_and_anchors_on_later_dx_work():
   units = {u.name: u for u in s.units}
   side = [a.unit for a in s.streams[1]]
   assert sorted(u for c in s.calls for u in c.units) == sorted(side)
-  assert len(s.calls) < len(side)  # a conv's dW and its bias's share one call
+  # on a GPU the light dW (bias, BatchNorm) stay on stream 0, where XLA fuses
+  # them into the dX chain's kernels, and the report says why (kernel parity)
+  from ooojax.passes.schedule import LIGHT
+
+  kept = dict(s.kept)
+  assert kept and set(kept.values()) <= {LIGHT} and not set(kept) & set(side)
+  assert all(units[u].label.endswith(("['bias']", "['scale']")) for u in kept)
+  assert "kept on stream 0 for XLA:GPU" in repr(r)
   main = [a.unit for a in s.streams[0]]
   eqns = r.split.jaxpr.jaxpr.eqns
   for k, c in enumerate(s.calls):
@@ -201,3 +208,31 @@ def test_pins_leave_out_what_xla_folds_into_the_anchor(close):
   g = ooo.grad(loss, mode="single_gpu", device="H100", ordering="barriers")
   close(jax.jit(g)(p, x), want)
   close(g(p, x), want)
+
+
+# Kernel parity (issue 50): the two-stream program runs jax.grad's conv/GEMM
+# kernels and few others. Cheap sizes that still plan stream calls; measured on
+# jax 0.11.2: ResNet +1.7% kernels, +3.5% bytes; MobileNetV3-small +3.1%, +2.5%
+# (flax-size ResNet-50 at batch 32: +0.5%, +2.0%; benchmarks/RESULTS.md).
+PARITY = {
+  "resnet50": (8, {"depth": 26, "image": 64, "width": 16}),
+  "mobilenet_v3_small": (16, {"image": 96}),
+}
+
+
+@needs_gpu_hlo
+@pytest.mark.parametrize("name", list(PARITY))
+def test_kernel_parity_with_jax_grad(name):
+  from ooojax import _hlo_cli
+  from ooojax.passes.hlo import kernels
+
+  batch, sizes = PARITY[name]
+  loss, args, kw = _hlo_cli.load_model(name, batch=batch, sizes=sizes)
+  args = _shapes(args)
+  got = gpu_hlo.schedule(ooo.grad(loss, mode="single_gpu", device="H100", **kw), *args)
+  want = gpu_hlo.schedule(jax.grad(loss, **kw), *args)
+  p = kernels.compare(got, want)
+  assert len(got.stream_calls()) >= 20, "the plan has stream calls to compare"
+  assert p.same_heavy, p.summary()
+  assert p.kernel_ratio <= 1.05, p.summary()  # the issue's bound: 1.10
+  assert p.bytes_ratio <= 1.04, p.summary()  # the issue's bound on ResNet-50 at batch 32: 1.02

@@ -238,9 +238,13 @@ def test_explain_resnet_sync_bn_names_its_mesh_axis():
   from ooojax.models import features
 
   c = features.resnet18_sync_bn(batch=4, hw=8, width=4)
-  with pytest.raises(NameError, match="batch") as e:
-    ooo.explain(c.loss, *c.args, has_aux=True)
-  assert "mesh=" in "".join(e.value.__notes__)
+  # as the user holds it, outside pmap: the axis is bound (size 1) and the report says so
+  a = ooo.explain(c.loss, *c.args, has_aux=True)
+  assert a.counts["DW"] > 0 and len(a.notes) == 1
+  assert "'batch'" in a.notes[0] and "size-1" in a.notes[0] and "mesh=" in a.notes[0]
+  assert "note: the loss names mesh axis 'batch'" in repr(a)
+  with pytest.raises(ValueError, match="axis_size"):  # data parallel: its size is the plan
+    ooo.explain(c.loss, *c.args, has_aux=True, mode="data_parallel", axis_name="batch")
   r = ooo.explain(c.loss, *c.args, has_aux=True, mesh={"batch": 4}, axis_name="batch")
   assert r.counts["DW"] > 0
   with pytest.raises(ValueError, match="mesh="):
@@ -607,3 +611,14 @@ def test_resnet_sync_bn_under_pmap_five_steps(close):
     kw = {"axis_name": features.AXIS} if mode == "data_parallel" else {}
     got = train(ooo.value_and_grad(c.loss, has_aux=True, mode=mode, **kw), mode != "data_parallel")
     close(got, want, rtol=1e-4, atol_scale=1e-4)
+
+
+def test_pipeline_explain_binds_the_loss_axis():
+  from ooojax.models import features
+
+  c = features.resnet18_sync_bn(batch=4, hw=8, width=4)
+  r = ooo.pipeline.explain(
+    c.loss, c.args[0], *c.args[1:], stages=2, has_aux=True, microbatches=2, state_argnums=(1,)
+  )
+  assert len(r.notes) == 1 and "'batch'" in r.notes[0] and "data_axis='batch'" in r.notes[0]
+  assert "note: the loss names mesh axis" in repr(r)

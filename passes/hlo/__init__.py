@@ -6,4 +6,5 @@ in the cost model.
 * `schedule`: scheduled HLO text as frozen dataclasses (async pairs, what runs inside).
 * `compare`: per dW unit, the predicted stream and overlap against the compiled one.
 * `windows`: per collective, the compute XLA scheduled while it is in flight.
+* `kernels`: the kernels a program launches and the bytes they write, set beside jax.grad's.
 """
