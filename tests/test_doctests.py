@@ -17,6 +17,7 @@ MODULES = [
   "ooojax.passes.hlo.compare",
   "ooojax.passes.hlo.windows",
   "ooojax.passes.hlo.kernels",
+  "ooojax.passes.calibration",
   "ooojax.gpu_hlo",
   "ooojax.passes.collectives.plan",
   "ooojax.data_parallel",
