@@ -70,15 +70,27 @@ def test_every_heavy_dw_call_has_dx_work_inside_its_window(name):
   ]
   assert n >= at_least, f"{name}: only {n} heavy stream calls"
   assert k == n, f"{name}: {n - k} of {n} heavy dW calls with no conv/GEMM inside: {empty[:5]}"
+  if name in REWRITES or name in PARITY:
+    base = gpu_hlo.schedule(jax.jit(jax.grad(loss, **kw)), *args, gpu="H100")
   if name in REWRITES:
     # The pins hide nothing XLA pattern-matches: its cuDNN convs are jax.grad's
     # (they once lost the dX convs' backward-input form and the residual add
     # fused into them: 16 of each on ResNet-50, in the build measured on an H100).
-    base = gpu_hlo.schedule(jax.jit(jax.grad(loss, **kw)), *args, gpu="H100")
     assert _cudnn(sched) == _cudnn(base)
+  if name in PARITY:
+    # Kernel parity (issue 50): jax.grad's conv/GEMM kernels, at most 10% more
+    # kernels and PARITY[name] times the bytes the other kernels write.
+    from ooojax.passes.hlo import kernels
+
+    p = kernels.compare(sched, base)
+    assert p.same_heavy, p.summary()
+    assert p.kernel_ratio <= 1.10 and p.bytes_ratio <= PARITY[name], p.summary()
 
 
 REWRITES = ("demo_cnn", "resnet50")
+# Measured (jax 0.11.2 and 0.12.0.1, batch 32): ResNet-50 +0.5% kernels, +1.98%
+# bytes; MobileNetV3-small +2.1%, +2.9% (0.11.2; benchmarks/RESULTS.md, "Kernel parity").
+PARITY = {"resnet50": 1.02, "mobilenet_v3_small": 1.035}
 
 
 def _cudnn(sched):
@@ -208,31 +220,3 @@ def test_pins_leave_out_what_xla_folds_into_the_anchor(close):
   g = ooo.grad(loss, mode="single_gpu", device="H100", ordering="barriers")
   close(jax.jit(g)(p, x), want)
   close(g(p, x), want)
-
-
-# Kernel parity (issue 50): the two-stream program runs jax.grad's conv/GEMM
-# kernels and few others. Cheap sizes that still plan stream calls; measured on
-# jax 0.11.2: ResNet +1.7% kernels, +3.5% bytes; MobileNetV3-small +3.1%, +2.5%
-# (flax-size ResNet-50 at batch 32: +0.5%, +2.0%; benchmarks/RESULTS.md).
-PARITY = {
-  "resnet50": (8, {"depth": 26, "image": 64, "width": 16}),
-  "mobilenet_v3_small": (16, {"image": 96}),
-}
-
-
-@needs_gpu_hlo
-@pytest.mark.parametrize("name", list(PARITY))
-def test_kernel_parity_with_jax_grad(name):
-  from ooojax import _hlo_cli
-  from ooojax.passes.hlo import kernels
-
-  batch, sizes = PARITY[name]
-  loss, args, kw = _hlo_cli.load_model(name, batch=batch, sizes=sizes)
-  args = _shapes(args)
-  got = gpu_hlo.schedule(ooo.grad(loss, mode="single_gpu", device="H100", **kw), *args)
-  want = gpu_hlo.schedule(jax.grad(loss, **kw), *args)
-  p = kernels.compare(got, want)
-  assert len(got.stream_calls()) >= 20, "the plan has stream calls to compare"
-  assert p.same_heavy, p.summary()
-  assert p.kernel_ratio <= 1.05, p.summary()  # the issue's bound: 1.10
-  assert p.bytes_ratio <= 1.04, p.summary()  # the issue's bound on ResNet-50 at batch 32: 1.02
