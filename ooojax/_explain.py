@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from ooojax._report import LoopRow, Report
 from ooojax.passes.cost import CostModel
 
@@ -95,14 +97,19 @@ def explain(fun, *args, argnums=0, has_aux=False, **options):
     fun, args = moved.fun, moved.args
 
   def run():
+    return _explain(fun, args, argnums, has_aux, options, kwargs)
+
+  if mode == "data_parallel":  # the data axis's size is the plan: never guessed
     try:
-      return _explain(fun, args, argnums, has_aux, options, kwargs)
+      return inputs.run_bound(run, axes) if axes else run()
     except NameError as e:
-      if "axis name" in str(e):
+      if inputs.unbound_name(e) is not None:
         raise inputs.unbound_axis_note(e, mode)  # noqa: B904 - the same error, a note added
       raise
-
-  return inputs.run_bound(run, axes) if axes else run()
+  out, guessed = inputs.run_binding(run, axes)
+  if guessed and hasattr(out, "notes"):
+    out = dataclasses.replace(out, notes=(*out.notes, inputs.bound_note(guessed)))
+  return out
 
 
 def _explain_dp_size_ok(n) -> bool:

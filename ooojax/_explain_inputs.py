@@ -18,6 +18,7 @@ contract and its errors):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -145,6 +146,63 @@ def run_bound(fn: Callable[[], Any], axes: Mapping[str, int]) -> Any:
     jax.shard_map(body, mesh=am, in_specs=(), out_specs=PartitionSpec(), check_vma=False)
   )
   return box["out"]
+
+
+def unbound_name(err: NameError) -> str | None:
+  """The axis of JAX's "unbound axis name" error, else None."""
+  text = str(err)
+  if "axis name" not in text:
+    return None
+  return text.split("axis name:")[-1].split(".")[0].strip() or None
+
+
+def run_binding(fn: Callable[[], Any], axes: Mapping[str, int]) -> tuple[Any, dict[str, int]]:
+  """`run_bound(fn, axes)`, binding each axis the trace finds unbound as a
+  size-1 axis too (a loss that names a mesh axis, explained outside `pmap`).
+
+  Returns `(fn's result, the axes bound that way)`.
+  """
+  guessed: dict[str, int] = {}
+  while True:
+    try:
+      both = {**axes, **guessed}
+      return (run_bound(fn, both) if both else fn()), guessed
+    except NameError as e:
+      name = unbound_name(e)
+      if name is None or name in guessed or name in axes or len(guessed) >= 8:
+        raise
+      guessed[name] = 1
+
+
+def binds_unbound_axes(explain_fn: Callable) -> Callable:
+  """Wraps `ooo.pipeline.explain` so a loss naming an unbound axis is explained
+  with it bound (`run_binding`) and the report (its `notes`) says how."""
+
+  @functools.wraps(explain_fn)
+  def explain(*args, **kwargs):
+    out, guessed = run_binding(lambda: explain_fn(*args, **kwargs), {})
+    if guessed:
+      out = dataclasses.replace(out, notes=(*out.notes, bound_note(guessed, pipeline=True)))
+    return out
+
+  return explain
+
+
+def bound_note(guessed: Mapping[str, int], pipeline: bool = False) -> str:
+  """What a report says about the axes `run_binding` bound."""
+  names = ", ".join(repr(n) for n in guessed)
+  a = next(iter(guessed))
+  real = (
+    f"the pipeline step binds it from a mesh axis: ooo.pipeline.value_and_grad(loss, "
+    f"mesh=jax.make_mesh((N, S), ({a!r}, 'stage')), axis_name='stage', data_axis={a!r})"
+    if pipeline
+    else f"pass mesh=jax.make_mesh((N,), ({a!r},)) (or mesh={{{a!r}: N}}) and axis_name={a!r}"
+  )
+  return (
+    f"the loss names mesh axis {names}, unbound here: explained with it bound as a "
+    f"size-1 axis (shapes only; a collective over it is the identity). For its real "
+    f"size, {real}."
+  )
 
 
 def unbound_axis_note(err: NameError, mode: str) -> NameError:

@@ -47,6 +47,7 @@ class Report:
   mode: str
   call: Any = dataclasses.field(default=None, compare=False, repr=False)  # for compiled()
   carried: Any = None
+  notes: tuple[str, ...] = ()  # how explain traced the loss (an axis it bound, ...)
 
   @property
   def counts(self) -> dict[str, int]:
@@ -160,6 +161,16 @@ class Report:
         f"{'; '.join(shown)}"
         f"{' ...' if len(s.calls) > 4 else ''}"
       )
+    lines += [f"  note: {n}" for n in self.notes]
+    if s.kept:
+      by: dict[str, list[str]] = {}
+      for name, why in s.kept:
+        by.setdefault(why, []).append(s.unit(name).label)
+      lines.append(f"  dW clusters kept on stream 0 for XLA:GPU ({len(s.kept)}):")
+      lines += [
+        f"    {len(v)} {why}: {', '.join(v[:3])}{' ...' if len(v) > 3 else ''}"
+        for why, v in by.items()
+      ]
     return "\n".join(lines)
 
   def __repr__(self) -> str:

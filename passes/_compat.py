@@ -201,6 +201,13 @@ def conv_out_feature_dim(eqn) -> int:
   return dn.rhs_spec[0] if dn is not None else 0
 
 
+def conv_asymmetric_padding(eqn) -> bool:
+  """A `conv_general_dilated` whose padding differs between the two sides of
+  some spatial dimension (cuDNN takes symmetric padding only: XLA:GPU pads or
+  slices the input in a kernel of its own)."""
+  return any(lo != hi for lo, hi in eqn.params["padding"])
+
+
 def conv_group_count(eqn) -> int:
   return max(int(eqn.params.get("batch_group_count", 1)), 1)
 
@@ -1032,3 +1039,17 @@ def splits_replaced(by_key: dict) -> Iterator[None]:
     yield
   finally:
     _prng.random_split = orig
+
+
+def sharded_over_mesh(avals) -> bool:
+  """Some aval's type names a mesh axis (Explicit sharding: `jax.typeof(x).sharding`).
+
+  A reshape that merges such dimensions needs an `out_sharding`, and a module
+  partitioned over several devices lowers the stream calls inline anyway
+  (`on_stream`), so their operands then go in and out as they are.
+  """
+  for a in avals:
+    spec = getattr(getattr(a, "sharding", None), "spec", None)
+    if spec and any(p is not None for p in spec):
+      return True
+  return False

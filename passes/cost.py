@@ -61,11 +61,19 @@ def get_spec(name_or_spec: str | DeviceSpec | None) -> DeviceSpec:
   key = str(name_or_spec).upper()
   for name, spec in DEVICE_SPECS.items():
     if name in key:
-      return spec
+      return calibrated(spec)
   raise ValueError(
     f"unknown device spec {name_or_spec!r}; use one of "
     f"{sorted(DEVICE_SPECS)} or pass an ooojax.passes.cost.DeviceSpec"
   )
+
+
+def calibrated(spec: DeviceSpec) -> DeviceSpec:
+  """`spec` with its device's measured per-call cost (`passes.calibration`), if any."""
+  from ooojax.passes import calibration
+
+  cal = calibration.for_device(spec.name)
+  return spec if cal is None else dataclasses.replace(spec, sync=cal.call_seconds)
 
 
 def _guess_device() -> str:

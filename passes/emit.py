@@ -10,6 +10,8 @@ Under `jax.jit` the result is an XLA module that carries the schedule:
   async call on another stream. Its outputs leave the call flattened, so a
   layout change (a conv filter comes back in cuDNN's layout) happens inside
   the call on the side stream rather than as a transpose right after it;
+  under Explicit mesh axes (a type that names a mesh axis) the operands and
+  outputs go in and out as they are (`_compat.sharded_over_mesh`);
 * the call's window is pinned by data (see `passes.ir.Call`): "barriers"
   ties the call's inputs to the anchor equation's inputs (the anchor cannot
   run before the call starts) and the call's outputs to the anchor's output,

@@ -150,6 +150,8 @@ class Schedule:
   in_order_makespan: float = dataclasses.field(default=0.0, compare=False)
   device: str = dataclasses.field(default="", compare=False)
   calls: tuple[Call, ...] = dataclasses.field(default=(), compare=False)
+  # (dW unit, why it stays on stream 0) for clusters the GPU rules keep there
+  kept: tuple[tuple[str, str], ...] = dataclasses.field(default=(), compare=False)
 
   @property
   def predicted_speedup(self) -> float:

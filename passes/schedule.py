@@ -160,6 +160,27 @@ def _heavy_fractions(split: Split, cost: CostModel, units) -> dict[str, list[tup
   return out
 
 
+# Why XLA:GPU runs a dW cluster best on stream 0 (measured on ResNet-50, batch 32,
+# compile-only H100: admitting them cost 196 kernels and 6.5% more bytes written
+# beside jax.grad's; see benchmarks/RESULTS.md, "Kernel parity").
+LIGHT = "light (no conv/matmul): XLA fuses it into the dX chain's kernels; a side call re-reads"
+PADDED = (
+  "its conv pads its input asymmetrically: jax.grad shares that pad kernel with the "
+  "forward conv, a side call pads again"
+)
+
+
+def stays_on_main(eqns, unit: Unit) -> str | None:
+  """Why a dW unit stays on stream 0 of a GPU plan (`LIGHT`, `PADDED`), or None."""
+  heavy = [eqns[k] for k in unit.eqns if is_heavy(eqns[k])]
+  if not heavy:
+    return LIGHT
+  for e in heavy:
+    if e.primitive.name == "conv_general_dilated" and _compat.conv_asymmetric_padding(e):
+      return PADDED
+  return None
+
+
 def _admit(units: Sequence[Unit], heavy: dict, sync: float) -> set[str]:
   """Greedy side-stream admission in ready order; see the module docstring."""
   main = [u for u in units if u.kind in (UnitKind.FORWARD, UnitKind.DX)]
@@ -265,10 +286,15 @@ def schedule(split: Split, cost: CostModel, streams: int = 2) -> Schedule:
   spec = cost.spec
   base = in_order(units)
   t_base = simulate(base, units, spec.sync).makespan
-  best, t_best, calls = base, t_base, ()
+  best, t_best, calls, kept = base, t_base, (), ()
   if streams == 2:
     heavy = _heavy_fractions(split, cost, units)
     side = _admit(units, heavy, spec.sync)
+    if spec.name.upper() != "CPU":  # kernel parity with jax.grad on XLA:GPU
+      eqns = split.jaxpr.jaxpr.eqns
+      why = {u.name: stays_on_main(eqns, u) for u in units if u.name in side}
+      kept = tuple((n, r) for n, r in why.items() if r is not None)
+      side -= {n for n, _ in kept}
     if side:
       cand = _assign(units, side)
       tl = simulate(cand, units, spec.sync)
@@ -296,7 +322,8 @@ def schedule(split: Split, cost: CostModel, streams: int = 2) -> Schedule:
         }
         calls = plan_calls(cand, units, tl, heavy, heavy_side, eqn_unit, main_heavy)
   best = tuple(s for s in best if s) or ((),)
-  return Schedule(best, _syncs(best, units), units, t_best, t_base, spec.name, calls)
+  kept = kept if calls else ()
+  return Schedule(best, _syncs(best, units), units, t_best, t_base, spec.name, calls, kept)
 
 
 def replace_streams(

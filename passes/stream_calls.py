@@ -158,6 +158,12 @@ class StreamCall:
     sizes = [int(np.prod(s)) for s in shapes]
     dtypes = list(dict.fromkeys(v.aval.dtype for v in outs))
     slot = [dtypes.index(v.aval.dtype) for v in outs]
+    if _compat.sharded_over_mesh([v.aval for v in (*ins, *outs)]):
+      # Explicit sharding: as they are (see `_compat.sharded_over_mesh`)
+      plain = _compat.on_stream(_plain_body(eqns, ins, outs, stacks), stream, len(outs))
+      self.pack = _Traced(lambda *vals: (*vals, *plain(*vals)), [v.aval for v in ins])
+      self.unpack = _Traced(lambda *bufs: list(bufs), [v.aval for v in outs])
+      return
     call = _compat.on_stream(
       _body(eqns, ins, outs, in_shapes, dtypes, slot, stacks), stream, len(dtypes)
     )
@@ -166,6 +172,7 @@ class StreamCall:
       # Inputs go in flat as well: a layout change XLA needs for an operand is
       # then made on the value the emitter pins (see `Anchor.before`), not on
       # a copy the memory scheduler may compute late, holding back the start.
+      # (Measured free: bitcasts on ResNet-50, compile-only H100.)
       flat = [
         lax.reshape(x, (int(np.prod(s)),)) if len(s) >= 2 else x for x, s in zip(vals, in_shapes)
       ]
@@ -234,6 +241,17 @@ def _body(eqns, ins, outs, in_shapes, dtypes, slot, stacks):
     for v, i in zip(outs, slot):
       parts[i].append(lax.reshape(local[v], (int(np.prod(np.shape(v.aval))),)))
     return tuple(p[0] if len(p) == 1 else lax.concatenate(p, 0) for p in parts)
+
+  return body
+
+
+def _plain_body(eqns, ins, outs, stacks):
+  """The call's body with its operands and outputs as they are."""
+
+  def body(*vals):
+    local = dict(zip(ins, vals))
+    _compat.emit_eqns(eqns, local, stacks)
+    return tuple(local[v] for v in outs)
 
   return body
 

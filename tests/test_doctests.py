@@ -18,6 +18,8 @@ MODULES = [
   "ooojax.passes.hlo.compare",
   "ooojax.passes.hlo.windows",
   "ooojax.passes.hlo.replay",
+  "ooojax.passes.hlo.kernels",
+  "ooojax.passes.calibration",
   "ooojax.gpu_hlo",
   "ooojax.passes.collectives.plan",
   "ooojax.data_parallel",

@@ -47,7 +47,7 @@ def _zoo_case(name, **sizes):
 CASES = {
   "demo_cnn": (_demo_case, 4),
   "mobilenet_v3_small": (lambda: _zoo_case("mobilenet_v3_small"), 40),
-  "resnet50": (lambda: _zoo_case("resnet50"), 50),
+  "resnet50": (lambda: _zoo_case("resnet50"), 45),
   "densenet121": (lambda: _zoo_case("densenet121"), 110),
   "bert_block": (lambda: _zoo_case("bert", layers=1), 4),
 }
@@ -70,15 +70,27 @@ def test_every_heavy_dw_call_has_dx_work_inside_its_window(name):
   ]
   assert n >= at_least, f"{name}: only {n} heavy stream calls"
   assert k == n, f"{name}: {n - k} of {n} heavy dW calls with no conv/GEMM inside: {empty[:5]}"
+  if name in REWRITES or name in PARITY:
+    base = gpu_hlo.schedule(jax.jit(jax.grad(loss, **kw)), *args, gpu="H100")
   if name in REWRITES:
     # The pins hide nothing XLA pattern-matches: its cuDNN convs are jax.grad's
     # (they once lost the dX convs' backward-input form and the residual add
     # fused into them: 16 of each on ResNet-50, in the build measured on an H100).
-    base = gpu_hlo.schedule(jax.jit(jax.grad(loss, **kw)), *args, gpu="H100")
     assert _cudnn(sched) == _cudnn(base)
+  if name in PARITY:
+    # Kernel parity (issue 50): jax.grad's conv/GEMM kernels, at most 10% more
+    # kernels and PARITY[name] times the bytes the other kernels write.
+    from ooojax.passes.hlo import kernels
+
+    p = kernels.compare(sched, base)
+    assert p.same_heavy, p.summary()
+    assert p.kernel_ratio <= 1.10 and p.bytes_ratio <= PARITY[name], p.summary()
 
 
 REWRITES = ("demo_cnn", "resnet50")
+# Measured (jax 0.11.2 and 0.12.0.1, batch 32): ResNet-50 +0.5% kernels, +1.98%
+# bytes; MobileNetV3-small +2.1%, +2.9% (0.11.2; benchmarks/RESULTS.md, "Kernel parity").
+PARITY = {"resnet50": 1.02, "mobilenet_v3_small": 1.035}
 
 
 def _cudnn(sched):
@@ -121,7 +133,14 @@ def test_schedule_merges_calls_and_anchors_on_later_dx_work():
   units = {u.name: u for u in s.units}
   side = [a.unit for a in s.streams[1]]
   assert sorted(u for c in s.calls for u in c.units) == sorted(side)
-  assert len(s.calls) < len(side)  # a conv's dW and its bias's share one call
+  # on a GPU the light dW (bias, BatchNorm) stay on stream 0, where XLA fuses
+  # them into the dX chain's kernels, and the report says why (kernel parity)
+  from ooojax.passes.schedule import LIGHT
+
+  kept = dict(s.kept)
+  assert kept and set(kept.values()) <= {LIGHT} and not set(kept) & set(side)
+  assert all(units[u].label.endswith(("['bias']", "['scale']")) for u in kept)
+  assert "kept on stream 0 for XLA:GPU" in repr(r)
   main = [a.unit for a in s.streams[0]]
   eqns = r.split.jaxpr.jaxpr.eqns
   for k, c in enumerate(s.calls):

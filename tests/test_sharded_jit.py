@@ -238,9 +238,13 @@ def test_explain_resnet_sync_bn_names_its_mesh_axis():
   from ooojax.models import features
 
   c = features.resnet18_sync_bn(batch=4, hw=8, width=4)
-  with pytest.raises(NameError, match="batch") as e:
-    ooo.explain(c.loss, *c.args, has_aux=True)
-  assert "mesh=" in "".join(e.value.__notes__)
+  # as the user holds it, outside pmap: the axis is bound (size 1) and the report says so
+  a = ooo.explain(c.loss, *c.args, has_aux=True)
+  assert a.counts["DW"] > 0 and len(a.notes) == 1
+  assert "'batch'" in a.notes[0] and "size-1" in a.notes[0] and "mesh=" in a.notes[0]
+  assert "note: the loss names mesh axis 'batch'" in repr(a)
+  with pytest.raises(ValueError, match="axis_size"):  # data parallel: its size is the plan
+    ooo.explain(c.loss, *c.args, has_aux=True, mode="data_parallel", axis_name="batch")
   r = ooo.explain(c.loss, *c.args, has_aux=True, mesh={"batch": 4}, axis_name="batch")
   assert r.counts["DW"] > 0
   with pytest.raises(ValueError, match="mesh="):
@@ -384,6 +388,132 @@ def test_nnx_minigpt_explicit_sharding_five_adam_steps(mode, kw, minigpt_referen
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
 
+# A MiniGPT wide enough that single_gpu plans stream calls (light ones folded
+# into heavy ones); its activations are sharded over both mesh axes, which a
+# flat-buffer reshape cannot merge under Explicit axes (issue 52).
+_PLANNED = {"d": 128, "seq": 16, "blocks": 1}
+
+
+@pytest.fixture(scope="module")
+def minigpt_planned_reference():
+  mesh = _mesh(EXPLICIT)
+  with jax.set_mesh(mesh):
+    model, tokens = _minigpt(mesh, **_PLANNED)
+    return mesh, _nnx_loop(jax.value_and_grad, model, tokens)
+
+
+# Under partitioning "barriers" and "control_deps" lower as "auto" does (no
+# control edges, calls inline): the three distinct emissions.
+@pytest.mark.parametrize("ordering", ["auto", "scheduling_group", "none"])
+def test_nnx_minigpt_single_gpu_every_ordering(ordering, minigpt_planned_reference, close):
+  mesh, (want_params, want_losses) = minigpt_planned_reference
+  with jax.set_mesh(mesh):
+    model, tokens = _minigpt(mesh, **_PLANNED)
+    vg = lambda f, has_aux: ooo.value_and_grad(  # noqa: E731
+      f, has_aux=has_aux, mode="single_gpu", ordering=ordering
+    )
+    params, losses = _nnx_loop(vg, model, tokens)
+  np.testing.assert_allclose(losses, want_losses, rtol=2e-5)
+  for g, w in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
+    assert g.sharding.is_equivalent_to(w.sharding, g.ndim)
+  close(params, want_params)
+
+
+def test_nnx_minigpt_single_gpu_plans_folded_calls_and_compiles_for_h100x4():
+  """The plan the test above runs has stream calls, some holding several dW
+  clusters (light ones folded in); the same step compiles for 4 compile-only
+  H100s under Explicit axes, each device holding its shard."""
+  from flax import nnx
+
+  mesh = _mesh(EXPLICIT)
+  with jax.set_mesh(mesh):
+    model, tokens = _minigpt(mesh, **_PLANNED)
+
+    def loss(m, tokens):
+      logits = m(tokens[:, :-1], training=True)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    calls = ooo.explain(loss, model, tokens, mode="single_gpu").schedule.calls
+  assert calls and any(len(c.units) > 1 for c in calls)
+  if GPU is not None:
+    pytest.skip(f"compile-only GPU: {GPU}")
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  h = gpu_hlo.mesh("H100", (2, 2), ("batch", "model"))
+  h = jax.sharding.Mesh(h.devices, h.axis_names, axis_types=(EXPLICIT, EXPLICIT))
+
+  def spec(x):
+    s = getattr(x, "sharding", None)
+    sh = NamedSharding(h, s.spec) if isinstance(s, NamedSharding) else NamedSharding(h, P())
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+
+  def step(params, rest, tokens):
+    def f(params, rest, tokens):
+      m = nnx.merge(graphdef, params, rest, copy=True)
+      logits = m(tokens[:, :-1], training=True)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    return ooo.value_and_grad(f, mode="single_gpu", device="H100")(params, rest, tokens)
+
+  with jax.set_mesh(h):
+    args = jax.tree.map(spec, (params, rest, tokens))
+    hlo = gpu_hlo.compile_text(step, *args, mesh=h)
+  assert "f32[128,128]" in hlo and "f32[128,256]" not in hlo  # ff1, ff2: kernel shards
+
+
+def test_single_gpu_next_step_dw_under_explicit_axes(close):
+  """The deferred dW (`single_gpu.make_train_step`) reads 3-d activations and
+  cotangents sharded over both mesh axes; its stream call takes them as they are."""
+  from ooojax import single_gpu
+
+  mesh = _mesh(EXPLICIT)
+  with jax.set_mesh(mesh):
+    k = jax.random.split(jax.random.key(0), 4)
+    specs = [P(None, "model"), P("model", None)] * 2
+    params = {
+      f"l{i}": {
+        "w": jax.device_put(jax.random.normal(k[i], (16, 16)) * 0.3, NamedSharding(mesh, sp)),
+        "b": jax.device_put(jnp.zeros(16), NamedSharding(mesh, P(sp[1]))),
+      }
+      for i, sp in enumerate(specs)
+    }
+
+    def loss(p, x):
+      for i, sp in enumerate(specs):
+        out = P("batch", None, sp[1])
+        x = jnp.tanh(
+          jnp.einsum("btd,de->bte", x, p[f"l{i}"]["w"], out_sharding=out) + p[f"l{i}"]["b"]
+        )
+      return jnp.mean(x**2)
+
+    xs = [
+      jax.device_put(
+        jax.random.normal(jax.random.key(10 + t), (8, 4, 16)), NamedSharding(mesh, P("batch"))
+      )
+      for t in range(3)
+    ]
+    tx = optax.adam(1e-2)
+
+    @jax.jit
+    def plain(p, o, x):
+      l, g = jax.value_and_grad(loss)(p, x)
+      u, o = tx.update(g, o, p)
+      return l, optax.apply_updates(p, u), o
+
+    ref, o, want = params, tx.init(params), []
+    for x in xs:
+      l, ref, o = plain(ref, o, x)
+      want.append(float(l))
+    step = single_gpu.make_train_step(
+      loss, tx, defer=("l2", "l3"), mode="single_gpu", device="H100"
+    )
+    state, got = step.init(params, xs[0]), []
+    for x in xs:
+      state, l = step(state, x)
+      got.append(float(l))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    close(step.flush(state).params, ref)
+
+
 def test_explain_nnx_module_and_graphdef_state():
   from flax import nnx
 
@@ -481,3 +611,14 @@ def test_resnet_sync_bn_under_pmap_five_steps(close):
     kw = {"axis_name": features.AXIS} if mode == "data_parallel" else {}
     got = train(ooo.value_and_grad(c.loss, has_aux=True, mode=mode, **kw), mode != "data_parallel")
     close(got, want, rtol=1e-4, atol_scale=1e-4)
+
+
+def test_pipeline_explain_binds_the_loss_axis():
+  from ooojax.models import features
+
+  c = features.resnet18_sync_bn(batch=4, hw=8, width=4)
+  r = ooo.pipeline.explain(
+    c.loss, c.args[0], *c.args[1:], stages=2, has_aux=True, microbatches=2, state_argnums=(1,)
+  )
+  assert len(r.notes) == 1 and "'batch'" in r.notes[0] and "data_axis='batch'" in r.notes[0]
+  assert "note: the loss names mesh axis" in repr(r)

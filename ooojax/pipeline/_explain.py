@@ -20,6 +20,7 @@ from typing import Any
 import jax
 
 from ooojax import _filter
+from ooojax._explain_inputs import binds_unbound_axes
 from ooojax.passes.pipeline.schedule import PipelineSchedule
 from ooojax.pipeline import _modules
 from ooojax.pipeline._report import AutoCut, PipelineReport
@@ -64,6 +65,7 @@ def _schedule(schedule, stage_params, microbatches, chunks) -> PipelineSchedule:
   return generate(schedule, v // c, microbatches or 2 * (v // c), chunks)
 
 
+@binds_unbound_axes
 def explain(
   fn: Callable,
   *args,

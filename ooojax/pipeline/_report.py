@@ -94,6 +94,7 @@ class PipelineReport:
   # GEMM operands that are rows of a stacked stage parameter (`p["w"][j]`), in the
   # stage kind with the most (`passes.pipeline.sliced`)
   sliced_weights: int = 0
+  notes: tuple[str, ...] = ()  # how explain traced the loss (an axis it bound, ...)
 
   # --- simulated from the table and the costs ------------------------------
   def timeline(self):
@@ -247,6 +248,7 @@ class PipelineReport:
         "each w_j (stages, ...) (docs/pipeline.md)",
       ]
     lines += self._steps_lines()
+    lines += [f"  note: {n}" for n in self.notes]
     if self.windows is not None:
       lines.append(_windows_text(self.windows, self.gpu))
     return "\n".join(lines)

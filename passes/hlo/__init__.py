@@ -7,4 +7,5 @@ in the cost model.
 * `compare`: per dW unit, the predicted stream and overlap against the compiled one.
 * `windows`: per collective, the compute XLA scheduled while it is in flight.
 * `replay`: the schedule priced, compute stream next to one link: exposed communication.
+* `kernels`: the kernels a program launches and the bytes they write, set beside jax.grad's.
 """

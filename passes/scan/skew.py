@@ -155,6 +155,10 @@ def skewed_scan(
     n_out = sum(len(w.eqn.outvars) for w in Ws)
     if stream is None or n_out == 0:
       return flat, None, lambda _: split(f(*flat))
+    if _compat.sharded_over_mesh([jax.typeof(x) for x in flat]):
+      # Explicit sharding: operands and results as they are (see passes.stream_calls)
+      bufs = _compat.on_stream(f, stream, n_out)(*flat)
+      return flat, list(bufs), lambda b: split(list(b))
     # As in passes.stream_calls: operands in flat, one flat buffer per dtype out, so
     # layout changes happen inside the call and the done's only user is the
     # barrier that ties it to B's dX work (see `body`).

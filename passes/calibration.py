@@ -1,0 +1,85 @@
+"""calibration: per-device figures measured on a GPU, read by the cost model.
+
+Contract: `load(path) -> Calibration`; `for_device(name) -> Calibration | None`
+finds the file for a device spec name; `passes.cost.get_spec` applies it.
+
+A calibration file is JSON, one per device, written by the GPU experiment
+(`benchmarks/gpu.sh`, issue 50) and shipped in `ooojax/calibration/` once a GPU
+has run it (`$OOOJAX_CALIBRATION`, a folder, is searched first):
+
+    {"format": 1, "device": "H100", "jax": "0.11.2",
+     "call_seconds": 4e-05,
+     "pair_gain": {"resnet50_stage4_3x3": 1.02, "mobilenet_depthwise": 1.3}}
+
+* `call_seconds`: what one stream call costs on that GPU beyond its kernels
+  (event record, wait, a split command buffer), measured from chained small
+  dots with and without `compute_on`. The cost model prices each side-stream
+  call at this instead of the spec's `sync`, so admission (`passes.schedule`)
+  leaves on stream 0 every dW cluster not worth it.
+* `pair_gain`: G = (t_dX + t_dW) / t_both for measured dX/dW pairs; kept for
+  the concurrency-gain model (not read yet).
+
+>>> c = Calibration.from_dict({"format": 1, "device": "H100", "jax": "0.11.2", "call_seconds": 4e-5})
+>>> c.call_seconds, c.pair_gain
+(4e-05, {})
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+from collections.abc import Mapping
+
+ENV = "OOOJAX_CALIBRATION"
+SHIPPED = pathlib.Path(__file__).parent.parent / "calibration"  # ooojax/calibration
+FORMAT = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+  device: str
+  jax: str
+  call_seconds: float
+  pair_gain: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  source: str = ""
+
+  @classmethod
+  def from_dict(cls, d: Mapping, source: str = "") -> Calibration:
+    where = f" in {source}" if source else ""
+    if d.get("format") != FORMAT:
+      raise ValueError(f"calibration{where}: format must be {FORMAT}, got {d.get('format')!r}")
+    missing = [k for k in ("device", "jax", "call_seconds") if k not in d]
+    if missing:
+      raise ValueError(f"calibration{where}: missing {missing} (see passes.calibration)")
+    t = d["call_seconds"]
+    if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t < 1:
+      raise ValueError(f"calibration{where}: call_seconds must be seconds in [0, 1), got {t!r}")
+    gain = {str(k): float(v) for k, v in dict(d.get("pair_gain", {})).items()}
+    return cls(str(d["device"]), str(d["jax"]), float(t), gain, source)
+
+
+def load(path: str | os.PathLike) -> Calibration:
+  """Reads and checks one calibration file."""
+  p = pathlib.Path(path)
+  return _load(str(p), p.stat().st_mtime)
+
+
+@functools.lru_cache(maxsize=16)
+def _load(path: str, mtime: float) -> Calibration:
+  del mtime  # part of the cache key: a rewritten file is read again
+  with open(path) as f:
+    return Calibration.from_dict(json.load(f), path)
+
+
+def for_device(name: str) -> Calibration | None:
+  """The calibration of device spec `name` ("H100"): `$OOOJAX_CALIBRATION/h100.json`,
+  else the shipped one, else None."""
+  dirs = [pathlib.Path(os.environ[ENV])] if os.environ.get(ENV) else []
+  for d in [*dirs, SHIPPED]:
+    f = d / f"{name.lower()}.json"
+    if f.is_file():
+      return load(f)
+  return None
