@@ -1,7 +1,7 @@
 """The pipeline tick loop's two lowerings, per schedule, on a compile-only GPU:
 `conditional`s in the compiled step's loop (each one a host round trip on
 XLA:GPU), temporary memory, and the simulated step of each lowering
-(`passes.pipeline.lowering`; `simulate.select_cost`). Nothing runs.
+(`passes.pipeline.lowering`; `lowering.select_cost`). Nothing runs.
 
   python -m benchmarks.tick_lowering                      # compile-only H100
   python -m benchmarks.tick_lowering --layers 8 --dim 512 --write
@@ -23,8 +23,7 @@ from benchmarks import _mlp_model as model, _report
 from ooojax import gpu_hlo
 from ooojax.passes.hlo import schedule as hlo_schedule
 from ooojax.passes.pipeline.generate import unfuse
-from ooojax.passes.pipeline.lowering import HOST_SYNC, TICKS
-from ooojax.passes.pipeline.simulate import select_cost
+from ooojax.passes.pipeline.lowering import HOST_SYNC, TICKS, select_cost
 
 NAMES = ("gpipe", "1f1b", "ooo", "zb-h1", "zb-h2", "interleaved", "zb-v")
 

@@ -27,6 +27,7 @@ MODULES = [
   "ooojax.models.mlp_stack",
   "ooojax.passes.pipeline.steps",
   "ooojax.passes.pipeline.simulate",
+  "ooojax.passes.pipeline.lowering",
   "ooojax.single_gpu",
   "ooojax.passes.fingerprint",
   "ooojax.pipeline._automatic",

@@ -16,7 +16,6 @@ from typing import Any
 import jax
 
 from ooojax.passes.collectives import plan as collectives
-from ooojax.passes.hlo.windows import Window
 from ooojax.passes.simulate import Timeline
 
 # `explain` keywords that only the data-parallel report takes (not `ooo.grad` options).
@@ -294,6 +293,8 @@ class DataParallelReport:
       A `CompiledDataParallel`: `.windows` (`passes.hlo.windows.Window`, one per
       all-reduce), `.summary()`, `.hlo`.
     """
+    from ooojax.data_parallel._compile import compile_dp
+
     return compile_dp(self, gpu, batch_argnums, compiler_options)
 
   def versus_xla(
@@ -318,35 +319,6 @@ class DataParallelReport:
     from ooojax.data_parallel._versus import versus_xla
 
     return versus_xla(self, gpu, links, batch_argnums, compiler_options, buckets)
-
-
-@dataclasses.dataclass(frozen=True)
-class CompiledDataParallel:
-  """The all-reduces XLA scheduled for the explained gradient, and what runs inside each."""
-
-  gpu: str
-  devices: int
-  windows: tuple[Window, ...]
-  predicted: int  # all-reduces the plan issues (buckets + loop reductions)
-  hlo: Any = dataclasses.field(compare=False, repr=False)  # passes.hlo.schedule.HloSchedule
-  text: str = dataclasses.field(default="", compare=False, repr=False)  # the optimized HLO
-  temp_bytes: int = 0  # compiled temp memory per device (`memory_analysis()`)
-
-  def summary(self) -> str:
-    busy = sum(w.overlapped for w in self.windows)
-    lines = [
-      f"compiled for {self.gpu} x {self.devices} (compile-only): "
-      f"all-reduces: {len(self.windows)} (the plan issues {self.predicted}), {busy} with "
-      "conv/GEMM work inside their window"
-    ]
-    lines += [f"  {w.summary()}" for w in self.windows]
-    return "\n".join(lines)
-
-  def __repr__(self) -> str:
-    return self.summary()
-
-  def _repr_html_(self) -> str:
-    return f"<pre>{html.escape(self.summary())}</pre>"
 
 
 def _names(layers, most: int = 12) -> str:
@@ -448,43 +420,3 @@ def _predict_memory(args, argnums, idx, g_parts, split, cp, names, opts, n):
   leaves = [x for x, part in zip(jax.tree_util.tree_leaves(tree), g_parts) if part is None]
   layouts = _memory.leaf_layouts(leaves, _dp_gspmd._boxed_specs(args, idx), opts.axis_name, n)
   return _memory.predict(split, cp, names, layouts, n, opts.fsdp)
-
-
-def compile_dp(
-  report: DataParallelReport, gpu: str, batch_argnums, compiler_options, bucket_bytes=None
-) -> CompiledDataParallel:
-  from jax.sharding import PartitionSpec as P
-
-  from ooojax import gpu_hlo
-  from ooojax._api import grad
-  from ooojax.data_parallel._versus import placed_args
-  from ooojax.passes.hlo.schedule import parse
-  from ooojax.passes.hlo.windows import windows
-
-  m, rebuild, specs, placed = placed_args(report, gpu, batch_argnums)
-  call, n = report.call, report.plan.n_devices
-  opts = {k: v for k, v in call.options.items() if k != "ordering"}
-  # bucket size and k as the report planned them; XLA:GPU has no control-dep handler
-  bb = report.plan.bucket_bytes if bucket_bytes is None else bucket_bytes
-  opts.update(bucket_bytes=max(bb, 1), first_k=report.first_k, ordering="none")
-  g = grad(call.fun, call.argnums, call.has_aux, **opts)
-
-  def per_device(*vals):
-    out = g(*rebuild(*vals), **call.kwargs)
-    return out[0] if call.has_aux else out
-
-  fn = jax.jit(
-    jax.shard_map(per_device, mesh=m, in_specs=tuple(specs), out_specs=P(), check_vma=False)
-  )
-  c = gpu_hlo.compiled(fn, *placed, mesh=m, compiler_options=compiler_options)
-  text = c.as_text()
-  hlo = parse(text)
-  return CompiledDataParallel(
-    gpu,
-    n,
-    windows(hlo, "all-reduce"),
-    len(report.plan.buckets) + len(report.plan.loops),
-    hlo,
-    text,
-    int(c.memory_analysis().temp_size_in_bytes),
-  )

@@ -18,8 +18,6 @@ import dataclasses
 import html
 from typing import Any
 
-import jax
-
 from ooojax.passes.cost import get_spec
 from ooojax.passes.hlo.replay import Replay, replay
 
@@ -99,80 +97,11 @@ class VersusXla:
     return f"<pre>{html.escape(self.summary())}</pre>"
 
 
-def placed_args(report, gpu: str, batch_argnums):
-  """The explained call's arguments on `plan.n_devices` compile-only `gpu`s: the batch
-  arguments' leading axis `n`-fold and split over the axis, the rest replicated.
-
-  Returns `(mesh, rebuild, specs, placed)`: `rebuild(*vals)` puts the placed leaves
-  back into the call's argument list."""
-  from jax.sharding import NamedSharding, PartitionSpec as P
-
-  from ooojax import gpu_hlo
-  from ooojax._api import _resolve_argnums
-
-  call = report.call
-  if call is None:
-    raise ValueError(
-      "this DataParallelReport was not made by ooo.explain(fun, *args, "
-      "mode='data_parallel', ...), so there is no function to compile"
-    )
-  reason = gpu_hlo.unavailable_reason()
-  if reason is not None:
-    raise RuntimeError(f"cannot compile for a GPU here: {reason}")
-  n, ax = report.plan.n_devices, report.axis_name
-  diff = set(_resolve_argnums(call.argnums, len(call.args)))
-  batch = (
-    tuple(i for i in range(len(call.args)) if i not in diff)
-    if batch_argnums is None
-    else tuple(_resolve_argnums(batch_argnums, len(call.args)))
-  )
-  m = gpu_hlo.mesh(gpu, n, (ax,))
-  leaves, tree = jax.tree_util.tree_flatten(list(call.args))
-  arg_of = [i for i, a in enumerate(call.args) for _ in jax.tree_util.tree_leaves(a)]
-  dyn = [k for k, x in enumerate(leaves) if hasattr(x, "shape") and hasattr(x, "dtype")]
-  specs = [P(ax) if arg_of[k] in batch and len(leaves[k].shape) else P() for k in dyn]
-  placed = [
-    jax.ShapeDtypeStruct(
-      (leaves[k].shape[0] * n, *leaves[k].shape[1:]) if s != P() else tuple(leaves[k].shape),
-      leaves[k].dtype,
-      sharding=NamedSharding(m, s),
-    )
-    for k, s in zip(dyn, specs)
-  ]
-
-  def rebuild(*vals):
-    full = list(leaves)
-    for k, v in zip(dyn, vals):
-      full[k] = v
-    return jax.tree_util.tree_unflatten(tree, full)
-
-  return m, rebuild, specs, placed
-
-
-def compile_xla(report, gpu: str, batch_argnums=None, compiler_options=None):
-  """XLA's own data-parallel gradient of the explained call: `jax.jit(jax.grad)`
-  over the whole batch, sharded on the axis (GSPMD); the `jax.stages.Compiled`."""
-  from jax.sharding import NamedSharding, PartitionSpec as P
-
-  from ooojax import gpu_hlo
-
-  m, rebuild, _, placed = placed_args(report, gpu, batch_argnums)
-  call = report.call
-  g = jax.grad(call.fun, call.argnums, call.has_aux)
-
-  def full(*vals):
-    out = g(*rebuild(*vals), **call.kwargs)
-    return out[0] if call.has_aux else out
-
-  fn = jax.jit(full, out_shardings=NamedSharding(m, P()))
-  return gpu_hlo.compiled(fn, *placed, mesh=m, compiler_options=compiler_options)
-
-
 def versus_xla(
   report, gpu: str = "H100", links=None, batch_argnums=None, compiler_options=None, buckets=()
 ) -> VersusXla:
   """`DataParallelReport.versus_xla`: see the module docstring."""
-  from ._explain import compile_dp
+  from ooojax.data_parallel._compile import compile_dp, compile_xla
 
   plan_bb = report.plan.bucket_bytes
   # the plan's bucket size first: a tie keeps it

@@ -116,9 +116,9 @@ class PipelineReport:
     return self.timeline().makespan
 
   def select_cost(self):
-    """`passes.pipeline.simulate.SelectCost`: the `select` tick loop (every
+    """`passes.pipeline.lowering.SelectCost`: the `select` tick loop (every
     action on every tick, no conditional) with the model's costs (simulated)."""
-    from ooojax.passes.pipeline.simulate import select_cost
+    from ooojax.passes.pipeline.lowering import select_cost
 
     return select_cost(self.schedule, self.costs, self.comm)
 

@@ -109,67 +109,6 @@ def simulate(
   return PipelineTimeline(tuple(spans), makespan, S)
 
 
-@dataclasses.dataclass(frozen=True)
-class SelectCost:
-  """The `select` tick loop, priced (simulated): every device runs, on every
-  tick, every (stage kind, F / B / W, chunk) action the table holds, and keeps
-  its own; the rest is masked (wasted) work. Ticks are lock-step."""
-
-  ticks: int
-  actions: tuple[tuple[str, str, int], ...]  # (stage kind, kind, chunk) run every tick
-  tick: float  # one tick: every action (and, with lag 0, the transfer after it)
-  makespan: float
-  useful: float  # the table's own work, summed over the stages
-  stages: int
-
-  comm: float = 0.0  # the part of `tick` that waits for the transfer (lag 0)
-
-  @property
-  def wasted_fraction(self) -> float:
-    """Share of the computed work that is masked: `1 - useful / computed`."""
-    computed = self.stages * self.ticks * (self.tick - self.comm)
-    return 1.0 - self.useful / computed if computed else 0.0
-
-
-def _stage_kind(vs: int, V: int) -> str:
-  return "only" if V == 1 else "first" if vs == 0 else "last" if vs == V - 1 else "middle"
-
-
-def select_cost(
-  sched: PipelineSchedule, costs: Mapping[str, float] | None = None, comm: float = 0.0
-) -> SelectCost:
-  """What the `select` tick loop costs: `ticks x (sum of every action's cost)`,
-  the table run lock-step with fused BW split (`generate.unfuse`, as the
-  executor runs it); with lag 0 each tick also waits for its transfer, with lag
-  1 the transfer runs beside the tick's work. Stage kinds are first / middle /
-  last (one stage function; automatic cuts with unequal stages have more).
-
-  >>> from ooojax.passes.pipeline.generate import generate
-  >>> c = select_cost(generate("gpipe", 2, 2))   # 8 ticks, first and last F, B, W each
-  >>> c.ticks, len(c.actions), c.makespan, round(c.wasted_fraction, 3)
-  (8, 6, 48.0, 0.875)
-  """
-  from ooojax.passes.pipeline.generate import unfuse
-
-  costs = {"F": 1.0, "B": 1.0, "W": 1.0, UPDATE: 0.0, **(costs or {})}
-  u = unfuse(sched)
-  V = u.virtual_stages
-  acts, useful = set(), 0.0
-  for s, row in enumerate(u.grid):
-    for cell in row:
-      for a in cell:
-        if a.kind in ("F", "B", "W"):
-          acts.add((_stage_kind(u.vstage(s, a.chunk), V), a.kind, a.chunk))
-          useful += _cost(costs, a.kind, u.chunks)
-  order = {"first": 0, "only": 0, "middle": 1, "last": 2}
-  actions = tuple(sorted(acts, key=lambda x: (order[x[0]], x[2], "FBW".index(x[1]))))
-  work = sum(_cost(costs, k, u.chunks) for _, k, _ in actions)
-  upd = costs[UPDATE] * u.chunks / u.chunks if u.steps > 1 else 0.0  # every tick, masked
-  work += upd
-  tick = work + comm if sched.lag == 0 else max(work, comm)
-  return SelectCost(u.ticks, actions, tick, u.ticks * tick, useful, u.stages, tick - work)
-
-
 def plot(
   sched: PipelineSchedule, costs: Mapping[str, float] | None = None, ax=None, comm: float = 0.0
 ):
