@@ -67,36 +67,42 @@ def _abstract_state(cfg, mesh):
   )
 
 
-def h100_counts(
-  fsdp: bool, variant: str, devices: int = 8, sizes=None, compiler_options=None
-) -> dict:
-  """The compiled step's collectives on compile-only H100s (`variant`: "jax" or "ooo")."""
+def _h100_step(fsdp_enabled: bool, devices: int, sizes: dict, plain: bool, **ooo_options):
+  """nanodo's train step on `devices` compile-only H100s, with abstract state and
+  batch: `(step, state, batch, mesh)`. `plain`: `jax.value_and_grad`; else
+  `ooo.value_and_grad(mode="data_parallel", **ooo_options)`."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   import ooojax as ooo
   from ooojax import gpu_hlo
-  from ooojax.passes.hlo import schedule as hlo_schedule
   from tests import nanodo as nd
 
-  cfg = nd.DoConfig(**(sizes or HLO_CFG), fsdp_enabled=fsdp)
+  cfg = nd.DoConfig(**sizes, fsdp_enabled=fsdp_enabled)
   mesh = gpu_hlo.mesh("H100", devices, ("data",))
   shardings, state = _abstract_state(cfg, mesh)
   batch = jax.ShapeDtypeStruct((8 * devices, cfg.L), jnp.int32, sharding=NamedSharding(mesh, P()))
   vg = (
     jax.value_and_grad
-    if variant == "jax"
-    else functools.partial(ooo.value_and_grad, mode="data_parallel", ordering="none", device="H100")
+    if plain
+    else functools.partial(
+      ooo.value_and_grad, mode="data_parallel", ordering="none", device="H100", **ooo_options
+    )
   )
+  return nd.make_step(shardings, mesh, value_and_grad=vg), state, batch, mesh
+
+
+def h100_counts(
+  fsdp: bool, variant: str, devices: int = 8, sizes=None, compiler_options=None
+) -> dict:
+  """The compiled step's collectives on compile-only H100s (`variant`: "jax" or "ooo")."""
+  from ooojax import gpu_hlo
+  from ooojax.passes.hlo import schedule as hlo_schedule
+
+  step, state, batch, mesh = _h100_step(fsdp, devices, sizes or HLO_CFG, variant == "jax")
   t0 = time.perf_counter()
-  c = gpu_hlo.compiled(
-    nd.make_step(shardings, mesh, value_and_grad=vg),
-    state,
-    batch,
-    mesh=mesh,
-    compiler_options=compiler_options,
-  )
+  c = gpu_hlo.compiled(step, state, batch, mesh=mesh, compiler_options=compiler_options)
   s = hlo_schedule.parse(c.as_text())
   seconds = time.perf_counter() - t0
   out = {"seconds": seconds, "temp": c.memory_analysis().temp_size_in_bytes}
@@ -117,28 +123,12 @@ def h100_counts(
 def h100_memory(variant: str, devices: int = 8, sizes=None) -> dict:
   """FSDP step's compiled memory per device on compile-only H100s (`variant`: "jax",
   "regather" or "keep"), in bytes."""
-  import jax
-  import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec as P
-
-  import ooojax as ooo
   from ooojax import gpu_hlo
-  from tests import nanodo as nd
 
-  cfg = nd.DoConfig(**(sizes or MEM_CFG), fsdp_enabled=True)
-  mesh = gpu_hlo.mesh("H100", devices, ("data",))
-  shardings, state = _abstract_state(cfg, mesh)
-  batch = jax.ShapeDtypeStruct((8 * devices, cfg.L), jnp.int32, sharding=NamedSharding(mesh, P()))
-  vg = (
-    jax.value_and_grad
-    if variant == "jax"
-    else functools.partial(
-      ooo.value_and_grad, mode="data_parallel", ordering="none", device="H100", fsdp=variant
-    )
-  )
-  m = gpu_hlo.compiled(
-    nd.make_step(shardings, mesh, value_and_grad=vg), state, batch, mesh=mesh
-  ).memory_analysis()
+  plain = variant == "jax"
+  opts = {} if plain else {"fsdp": variant}
+  step, state, batch, mesh = _h100_step(True, devices, sizes or MEM_CFG, plain, **opts)
+  m = gpu_hlo.compiled(step, state, batch, mesh=mesh).memory_analysis()
   return {"temp": m.temp_size_in_bytes, "arguments": m.argument_size_in_bytes}
 
 

@@ -170,3 +170,22 @@ def tanh_mlp(batches: int):
 
   xs = [jax.random.normal(jax.random.PRNGKey(10 + t), (32, 16)) for t in range(batches)]
   return params, loss, xs
+
+
+def tanh_mlp_structs(layers: int, dim: int):
+  """`tanh_mlp`'s loss at any size, with shapes only (compile-only tests):
+  (params as `ShapeDtypeStruct`s, loss(p, x))."""
+  params = {
+    f"l{i}": {
+      "w": jax.ShapeDtypeStruct((dim, dim), jnp.float32),
+      "b": jax.ShapeDtypeStruct((dim,), jnp.float32),
+    }
+    for i in range(layers)
+  }
+
+  def loss(p, x):
+    for i in range(layers):
+      x = jnp.tanh(x @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"])
+    return jnp.mean(x**2)
+
+  return params, loss

@@ -9,6 +9,7 @@ from ooojax import gpu_hlo
 from ooojax.passes.cost import DeviceSpec
 from ooojax.passes.hlo.replay import REPLAY_LINKS, collective_seconds, replay
 from ooojax.passes.simulate import Link
+from tests.models import tanh_mlp_structs
 
 # Round numbers: a GEMM of 2 * 256^3 FLOPs takes 1 us launch + 33.554 us.
 SPEC = DeviceSpec("T", 1e12, 2e12, 1e12, 1e12, 1e-6, 1)
@@ -117,19 +118,8 @@ def test_replay_of_the_compiled_plan_agrees_with_the_plan():
   # ooojax's data-parallel plan (cost + link model over the jaxpr) and the
   # replay of the program XLA compiled from it (H100 x8): the same buckets,
   # the same link time, the step within 15%.
-  L, D = 4, 512
-  params = {
-    f"l{i}": {
-      "w": jax.ShapeDtypeStruct((D, D), jnp.float32),
-      "b": jax.ShapeDtypeStruct((D,), jnp.float32),
-    }
-    for i in range(L)
-  }
-
-  def loss(p, x):
-    for i in range(L):
-      x = jnp.tanh(x @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"])
-    return jnp.mean(x**2)
+  D = 512
+  params, loss = tanh_mlp_structs(4, D)
 
   r = ooo.explain(
     loss,
