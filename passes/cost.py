@@ -39,7 +39,10 @@ class DeviceSpec:
   bandwidth: float  # bytes/s, device memory
   launch: float  # seconds per kernel launch (no CUDA graph)
   parallel_elems: int  # output elements that fill the device (SMs x resident threads)
-  sync: float = 2e-6  # cross-stream event record + wait
+  sync: float = 2e-6  # cross-stream event record + wait (a stream call left to XLA)
+  # what a pinned stream call costs the step beyond its kernels, measured on this
+  # GPU (`passes.calibration`); None: uncalibrated, calls priced at `sync` only
+  pinned_call: float | None = None
 
 
 # Vendor datasheet peaks (dense), rounded. Launch overhead from common
@@ -75,7 +78,9 @@ def calibrated(spec: DeviceSpec) -> DeviceSpec:
   from ooojax.passes import calibration
 
   cal = calibration.for_device(spec.name)
-  return spec if cal is None else dataclasses.replace(spec, sync=cal.call_seconds)
+  if cal is None:
+    return spec
+  return dataclasses.replace(spec, sync=cal.call_seconds, pinned_call=cal.pinned_call_seconds)
 
 
 def _guess_device() -> str:
