@@ -211,7 +211,7 @@ def main(argv=None):
   ap.add_argument(
     "--budget",
     type=float,
-    default=80.0,
+    default=60.0,
     help="seconds for compiling; pairs left when it is spent are skipped (and listed)",
   )
   ap.add_argument("--calibration-dir", default=None)
