@@ -85,13 +85,17 @@ def _flat(x):
   return lax.reshape(x, (x.size,)) if x.ndim >= 2 else x
 
 
-def pinned(main, side_fun, main_args, side_args):
+def pinned(main, side_fun, main_args, side_args, wait=None):
   """`side_fun(*side_args)` (arrays) in one stream call whose window holds `main(*main_args)`,
   pinned as `passes.stream_calls` pins a dW call: the call reads its inputs flat
   and returns one flat buffer; a barrier ties those flat inputs to the main op's
   inputs (the main op cannot start before the call), two chained barriers tie the
   buffer to the main op's output, whose readers read the tied copy (the done
-  comes after the main op and before its readers)."""
+  comes after the main op and before its readers). `wait`: an earlier call's
+  output, whose done this call's start follows (XLA:GPU keeps at most two calls
+  in flight from jax 0.12, as `passes.slots` plans)."""
+  if wait is not None:
+    _, side_args = lax.optimization_barrier((wait, list(side_args)))
   shapes = [a.shape for a in side_args]
 
   def body(*flat):
@@ -145,7 +149,7 @@ def call_chain(calls: int, dim: int, batch: int):
   def pin(h, ws):
     outs = []
     for i in range(calls):
-      h, s = pinned(dot, gram, (h, ws[i]), (h,))
+      h, s = pinned(dot, gram, (h, ws[i]), (h,), outs[-1] if outs else None)
       outs.append(s)
     return h, outs
 
@@ -160,7 +164,10 @@ def pair_variants(kind, groups, repeat: int):
     return [(dx(g, x, w), dw(g, x, w)) for g, x, w in zip(gs, xs, ws)]
 
   def two(gs, xs, ws):
-    return [pinned(dx, dw, (g, x, w), (g, x, w)) for g, x, w in zip(gs, xs, ws)]
+    out = []
+    for g, x, w in zip(gs, xs, ws):
+      out.append(pinned(dx, dw, (g, x, w), (g, x, w), out[-1][1] if out else None))
+    return out
 
   def four(gs, xs, ws):  # the dW of four pairs in one call beside their dX
     out = []
