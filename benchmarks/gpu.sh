@@ -75,6 +75,9 @@ unset XLA_FLAGS
 # what a second stream gains on real dX/dW pairs: writes calibration/<device>.json,
 # which the cost model reads once it ships in ooojax/calibration/ (issue 50).
 step stream_pairs 120 $PY -m benchmarks.stream_pairs "${PAIRS[@]}" --calibration-dir "$OUT/calibration"
+# The steps below measure the two-stream mechanism (pinned windows, as the uncalibrated
+# preset plans them); a shipped calibration for this GPU would plan no window at all.
+export OOOJAX_CALIBRATION=none
 # 0b. Why single_gpu ran at 0.51-0.72x jax.grad on the first GPU (H100, 2026-11-27):
 # a device trace per variant (idle gaps, two streams at once, the same kernels'
 # time) and each variant's compiled HLO (this device's layouts) under hlo/.
