@@ -34,12 +34,15 @@ def test_shipped_calibration_plans_nothing_that_loses(monkeypatch, device):
   cal = calibration.for_device(device)
   assert cal is not None and cal.note and spec.pinned_call == cal.pinned_call_seconds > 0
   s = _explain(device)
-  assert s.calls == () and s.predicted_speedup >= 0.98
-  # every dW cluster on stream 0 says why (light, a call dearer than its gain, ...)
+  # whatever the file holds (benchmarks/stream_pairs.py rewrites it): no plan
+  # predicted to lose, and every dW cluster either in a call that pays or explained
+  assert s.predicted_speedup >= 0.98
   dw = {u.name for u in s.units if u.kind is UnitKind.DW}
-  assert {n for n, _ in s.kept} == dw
-  reasons = {why for _, why in s.kept}
-  assert stream_cost.too_dear(spec.pinned_call) in reasons, reasons
+  side = {n for c in s.calls for n in c.units}
+  assert {n for n, _ in s.kept} | side == dw and not side & {n for n, _ in s.kept}
+  if not s.calls:  # as with the figures of both GPU runs (77-105 us a pinned call)
+    reasons = {why for _, why in s.kept}
+    assert stream_cost.too_dear(spec.pinned_call) in reasons, reasons
 
 
 def test_a_cheap_pinned_call_admits_the_same_clusters(tmp_path, monkeypatch):
