@@ -254,7 +254,11 @@ def main(argv=None):
         continue
       args = pair_args(kind, xs_, ws_, groups, b, a.repeat, key)
       for vname, f in pair_variants(kind, groups, a.repeat).items():
-        exe = jax.jit(f).lower(*args).compile()
+        try:
+          exe = jax.jit(f).lower(*args).compile()
+        except Exception as e:  # noqa: BLE001 - one pair failing is a result, not the end
+          print(f"{pname}/b{b}/{vname}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+          continue
         fns[f"{pname}/b{b}/{vname}"] = lambda exe=exe, args=args: exe(*args)
   print(f"compiled {len(fns)} programs in {time.perf_counter() - start:.1f} s", flush=True)
   times, failed = _report.compile_then_alternate(fns, (), a.rounds, a.iters)
