@@ -40,6 +40,7 @@ if [ -n "$DRY" ]; then  # tiny sizes, two variants: every step runs through, fas
   TICK=(--ticks 8 --dims 16 --rounds 1 --iters 1)
   TRACE=(--batch 4 --steps 2) TRACE_BIG=(--model resnet50 --tiny --steps 2) TRACE_EXEC=(--tiny --steps 2)
   DPCAL=(--tiny --steps 2)
+  PAIRS=(--dry)
 else
   SIZE=(--batch 32) ROUNDS=(--rounds 5) CHECK=(--batch 32) SCHED=(--batch 32) SCAN=(--sim-layers 4)
   MECH=(--model resnet50 --batch 32)
@@ -48,6 +49,7 @@ else
   PYTEST=()
   TRACE=(--batch 32) TRACE_BIG=(--model resnet50 --batch 32) TRACE_EXEC=()
   DPCAL=()
+  PAIRS=()
 fi
 
 step() {  # step NAME TIMEOUT CMD...: runs CMD (a program, not a shell function) for at most TIMEOUT s
@@ -69,7 +71,14 @@ step() {  # step NAME TIMEOUT CMD...: runs CMD (a program, not a shell function)
 ST=($PY -m benchmarks.step_time "${V[@]}" "${ROUNDS[@]}")
 
 unset XLA_FLAGS
-# 0. Why single_gpu ran at 0.51-0.72x jax.grad on the first GPU (H100, 2026-11-27):
+# 0. What one stream call costs here (pinned, unpinned; command buffers on and off) and
+# what a second stream gains on real dX/dW pairs: writes calibration/<device>.json,
+# which the cost model reads once it ships in ooojax/calibration/ (issue 50).
+step stream_pairs 120 $PY -m benchmarks.stream_pairs "${PAIRS[@]}" --calibration-dir "$OUT/calibration"
+# The steps below measure the two-stream mechanism (pinned windows, as the uncalibrated
+# preset plans them); a shipped calibration for this GPU would plan no window at all.
+export OOOJAX_CALIBRATION=none
+# 0b. Why single_gpu ran at 0.51-0.72x jax.grad on the first GPU (H100, 2026-11-27):
 # a device trace per variant (idle gaps, two streams at once, the same kernels'
 # time) and each variant's compiled HLO (this device's layouts) under hlo/.
 step gpu_trace_demo_cnn 90 $PY -m benchmarks.gpu_trace "${TRACE[@]}" --hlo-dir "$OUT/hlo"

@@ -9,132 +9,30 @@ import functools
 import gc
 import inspect
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
 from ooojax import _dp, _dp_gspmd, _filter
 from ooojax._args import _check_argnums, _is_dynamic, _resolve_argnums
+from ooojax._options import (  # noqa: F401 - re-exported
+  _OPTION_NAMES,
+  AUTO_MIN_SPEEDUP,
+  AUTO_MODE,
+  FSDP,
+  MODES,
+  Options,
+  _make_options,
+)
 from ooojax.passes import _compat
-from ooojax.passes.collectives import plan as _collectives
 from ooojax.passes.collectives.regather import regathered
-from ooojax.passes.cost import CostModel, DeviceSpec
-from ooojax.passes.emit import ORDERINGS, emit
+from ooojax.passes.cost import CostModel
+from ooojax.passes.emit import emit
 from ooojax.passes.fingerprint import fingerprint
 from ooojax.passes.ir import Schedule, Split
 from ooojax.passes.schedule import schedule as make_schedule
 from ooojax.passes.split import from_flat, inline_calls, rewrite
-
-MODES = ("auto", "single_gpu", "in_order", "data_parallel")
-# What mode="auto" runs on each backend: the mode measured fastest there
-# (benchmarks/RESULTS.md). CPUs have no streams, and on XLA:CPU an annotated
-# call keeps its convs out of layout assignment (~9x slower steps). On the
-# first GPU measured (H100, jax 0.11.2, 2026-11-27) single_gpu ran at
-# 0.51-0.72x jax.grad's step with every planned window held, in_order at
-# 0.97-1.00x: until a run shows the overlap paying, GPUs get in_order too.
-AUTO_MODE = {"cpu": "in_order", "gpu": "in_order"}
-
-
-FSDP = ("regather", "keep")
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-  """Keyword options shared by `grad`, `value_and_grad` and `explain`.
-
-  mode: "auto" (the mode measured fastest on the backend: `AUTO_MODE`),
-    "single_gpu" (dW clusters on a second stream), or "in_order" (split and
-    re-emit on one stream, no annotations: the control to compare against).
-  streams: 1 or 2 compute streams.
-  device: device spec name for the cost model ("V100", "A100", "H100",
-    "CPU") or a `ooojax.passes.cost.DeviceSpec`; None guesses from `jax.devices()`.
-  ordering: how the schedule is pinned in XLA: "auto" (barriers, plus
-    control edges when lowering for CPU), "barriers", "control_deps",
-    "scheduling_group" or "none" (see `passes.emit`).
-  measured: unit label -> seconds, replacing cost-model estimates; labels are
-    "forward", "X<i>" (dX segment i) and parameter paths (dW clusters), as
-    returned by `ooo.calibrate`.
-  axis_name, reduce, bucket_bytes, first_k, link: mode="data_parallel" only
-    (see `ooojax.data_parallel`): the mapped axis the batch is split over
-    (inside a sharded `jax.jit`: a mesh axis, or None to find it from the
-    batch's sharding; see `ooojax._dp_gspmd`);
-    "mean" or "sum" of the per-device gradients; bytes per all-reduce bucket
-    and layers to reverse (None: chosen by the cost and network model); the
-    network preset ("nvlink", "100GbE", "25GbE", "10GbE") or a
-    `ooojax.passes.simulate.Link`.
-  fsdp: mode="data_parallel" inside a sharded `jax.jit`, parameters sharded
-    over the data axis (FSDP / ZeRO-3): "regather" (each weight all-gathered
-    just before the forward reads it and again before the backward does, so a
-    device holds 1/N of the parameters plus a few gathered layers) or "keep"
-    (gathered once at the step's start and kept: the whole model per device).
-  """
-
-  mode: str = "auto"
-  streams: int = 2
-  device: str | DeviceSpec | None = None
-  ordering: str = "auto"
-  measured: Mapping[str, float] | None = None
-  axis_name: Any = None
-  reduce: str = "mean"
-  bucket_bytes: int | None = None
-  first_k: int | None = None
-  link: Any = None
-  fsdp: str = "regather"
-
-  def __post_init__(self):
-    if self.mode not in MODES:
-      raise ValueError(f"unknown mode {self.mode!r}; allowed: {MODES}")
-    if self.streams not in (1, 2):
-      raise ValueError(f"streams must be 1 or 2, got {self.streams!r}")
-    if self.ordering not in ORDERINGS:
-      raise ValueError(f"unknown ordering {self.ordering!r}; allowed: {ORDERINGS}")
-    _collectives.validate_options(
-      self.mode, self.axis_name, self.reduce, self.bucket_bytes, self.first_k, self.link
-    )
-    if self.fsdp not in FSDP:
-      raise ValueError(f"fsdp must be one of {FSDP}, got {self.fsdp!r}")
-
-  def resolved_mode(self) -> str:
-    if self.mode != "auto":
-      return self.mode
-    return AUTO_MODE.get(jax.default_backend(), "in_order")
-
-  def resolved_ordering(self) -> str:
-    # Resolved per lowering platform inside the emitted program (see
-    # passes.emit), never by the default backend: AOT compiles for a GPU run
-    # on CPU hosts.
-    return self.ordering
-
-  def key(self):
-    m = tuple(sorted(self.measured.items())) if self.measured else None
-    return (
-      self.mode,
-      self.streams,
-      self.device,
-      self.ordering,
-      m,
-      self.axis_name,
-      self.reduce,
-      self.bucket_bytes,
-      self.first_k,
-      self.link,
-      self.fsdp,
-    )
-
-
-_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options))
-
-
-def _make_options(kwargs: dict) -> Options:
-  bad = sorted(set(kwargs) - set(_OPTION_NAMES))
-  if bad:
-    # an unexpected keyword is a TypeError, as jax.grad(f, stream=2) raises
-    raise TypeError(
-      f"got an unexpected keyword argument(s) {bad}: unknown option(s); "
-      f"allowed: {list(_OPTION_NAMES)}"
-    )
-  return Options(**kwargs)
 
 
 def _aval(x, typed: bool = True) -> jax.ShapeDtypeStruct:
@@ -425,7 +323,7 @@ class _Transformed:
       sp = from_flat(flat, consts, n_grads, names, stats.get("inlined", 0))
       streams = 1 if opts.resolved_mode() in ("in_order", "data_parallel") else opts.streams
       cm = CostModel(opts.device, opts.measured)
-      sched = make_schedule(sp, cm, streams)
+      sched = make_schedule(sp, cm, streams, opts.min_speedup())
       coll = _dp.plan(sp, sched, cm, opts) if opts.mode == "data_parallel" else None
     plan = _Plan(sp, sched, layout, n_aux, coll)
     if hit is None:

@@ -94,7 +94,8 @@ def run(
   print(f"max |loss difference| over {steps} steps: {diff:.2e}")
 
   # The two-stream schedule ooo.grad(mode="single_gpu") would use on a `spec`
-  # GPU (mode="auto" re-emits in order on CPUs and GPUs: see `_api.AUTO_MODE`).
+  # GPU (mode="auto" re-emits in order on CPUs, and on GPUs unless the calibrated
+  # cost model predicts >= 1.03x: see `_options.AUTO_MODE`).
   report = ooo.explain(
     loss_fn, v["params"], v["batch_stats"], x, y, has_aux=True, device=spec, mode="single_gpu"
   )
@@ -114,9 +115,9 @@ def run(
   else:
     print(f"  (compiled {spec} schedule not shown: {reason})")
   print(
-    "  (predictions: on the one GPU measured so far, an H100 with jax 0.11.2, this "
-    "two-stream step ran at 0.51x jax.grad's, so mode='auto' runs in order there too: "
-    "docs/single-gpu.md)"
+    "  (predictions: on the GPUs measured so far, an H100 and an H200 with jax 0.11.2, this "
+    "two-stream step ran at 0.39-0.51x jax.grad's; priced as they measured, no call pays "
+    "and mode='auto' runs in order: docs/guides/second-stream-on-gpu.md)"
   )
 
   # Measured, alternating baseline and ooojax in the same process.

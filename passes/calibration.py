@@ -8,20 +8,23 @@ A calibration file is JSON, one per device, written by the GPU experiment
 has run it (`$OOOJAX_CALIBRATION`, a folder, is searched first):
 
     {"format": 1, "device": "H100", "jax": "0.11.2",
-     "call_seconds": 4e-05,
-     "pair_gain": {"resnet50_stage4_3x3": 1.02, "mobilenet_depthwise": 1.3}}
+     "call_seconds": 4e-05, "pinned_call_seconds": 1e-4,
+     "pair_gain": {"resnet50_stage4_3x3/b32": 1.0}, "source": "..."}
 
-* `call_seconds`: what one stream call costs on that GPU beyond its kernels
-  (event record, wait, a split command buffer), measured from chained small
-  dots with and without `compute_on`. The cost model prices each side-stream
-  call at this instead of the spec's `sync`, so admission (`passes.schedule`)
-  leaves on stream 0 every dW cluster not worth it.
-* `pair_gain`: G = (t_dX + t_dW) / t_both for measured dX/dW pairs; kept for
-  the concurrency-gain model (not read yet).
+* `call_seconds`: what one stream call left to XLA's scheduler costs on that GPU
+  beyond its kernels (event record, wait, a split command buffer), measured from
+  chained small dots with and without `compute_on`; the spec's `sync`.
+* `pinned_call_seconds` (default: `call_seconds`): the same for a call whose
+  window is pinned, as `single_gpu` pins them; `DeviceSpec.pinned_call`. With it,
+  admission (`passes.schedule`, `passes.stream_cost`) keeps a call only where its
+  predicted concurrency gain exceeds this.
+* `pair_gain`: G = (t_dX + t_dW) / t_both for measured dX/dW pairs (evidence for
+  the concurrency model's fills, shown in the docs; not read by the planner).
+* `source`: where the figures come from (a run, a date, a commit).
 
 >>> c = Calibration.from_dict({"format": 1, "device": "H100", "jax": "0.11.2", "call_seconds": 4e-5})
->>> c.call_seconds, c.pair_gain
-(4e-05, {})
+>>> c.call_seconds, c.pinned_call_seconds, c.pair_gain
+(4e-05, 4e-05, {})
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ class Calibration:
   jax: str
   call_seconds: float
   pair_gain: Mapping[str, float] = dataclasses.field(default_factory=dict)
-  source: str = ""
+  source: str = ""  # the file read
+  pinned_call_seconds: float = 0.0
+  note: str = ""  # the file's own "source": where its figures come from
 
   @classmethod
   def from_dict(cls, d: Mapping, source: str = "") -> Calibration:
@@ -54,11 +59,14 @@ class Calibration:
     missing = [k for k in ("device", "jax", "call_seconds") if k not in d]
     if missing:
       raise ValueError(f"calibration{where}: missing {missing} (see passes.calibration)")
-    t = d["call_seconds"]
-    if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t < 1:
-      raise ValueError(f"calibration{where}: call_seconds must be seconds in [0, 1), got {t!r}")
+    for k in ("call_seconds", "pinned_call_seconds"):
+      t = d.get(k, 0.0)
+      if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t < 1:
+        raise ValueError(f"calibration{where}: {k} must be seconds in [0, 1), got {t!r}")
+    t = float(d["call_seconds"])
+    pinned = float(d.get("pinned_call_seconds", t))
     gain = {str(k): float(v) for k, v in dict(d.get("pair_gain", {})).items()}
-    return cls(str(d["device"]), str(d["jax"]), float(t), gain, source)
+    return cls(str(d["device"]), str(d["jax"]), t, gain, source, pinned, str(d.get("source", "")))
 
 
 def load(path: str | os.PathLike) -> Calibration:
@@ -76,8 +84,12 @@ def _load(path: str, mtime: float) -> Calibration:
 
 def for_device(name: str) -> Calibration | None:
   """The calibration of device spec `name` ("H100"): `$OOOJAX_CALIBRATION/h100.json`,
-  else the shipped one, else None."""
-  dirs = [pathlib.Path(os.environ[ENV])] if os.environ.get(ENV) else []
+  else the shipped one, else None. `OOOJAX_CALIBRATION=none`: none at all (the
+  uncalibrated presets; the test suite plans with them)."""
+  env = os.environ.get(ENV)
+  if env == "none":
+    return None
+  dirs = [pathlib.Path(env)] if env else []
   for d in [*dirs, SHIPPED]:
     f = d / f"{name.lower()}.json"
     if f.is_file():

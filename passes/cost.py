@@ -39,7 +39,10 @@ class DeviceSpec:
   bandwidth: float  # bytes/s, device memory
   launch: float  # seconds per kernel launch (no CUDA graph)
   parallel_elems: int  # output elements that fill the device (SMs x resident threads)
-  sync: float = 2e-6  # cross-stream event record + wait
+  sync: float = 2e-6  # cross-stream event record + wait (a stream call left to XLA)
+  # what a pinned stream call costs the step beyond its kernels, measured on this
+  # GPU (`passes.calibration`); None: uncalibrated, calls priced at `sync` only
+  pinned_call: float | None = None
 
 
 # Vendor datasheet peaks (dense), rounded. Launch overhead from common
@@ -48,6 +51,8 @@ DEVICE_SPECS: dict[str, DeviceSpec] = {
   "V100": DeviceSpec("V100", 15.7e12, 125e12, 15.7e12, 900e9, 5e-6, 80 * 2048),
   "A100": DeviceSpec("A100", 156e12, 312e12, 19.5e12, 1555e9, 4e-6, 108 * 2048),
   "H100": DeviceSpec("H100", 495e12, 989e12, 67e12, 3350e9, 3e-6, 132 * 2048),
+  # H100's SMs and clocks with HBM3e (4.8 TB/s)
+  "H200": DeviceSpec("H200", 495e12, 989e12, 67e12, 4800e9, 3e-6, 132 * 2048),
   "CPU": DeviceSpec("CPU", 100e9, 100e9, 50e9, 20e9, 1e-6, 64, sync=1e-6),
 }
 
@@ -73,7 +78,9 @@ def calibrated(spec: DeviceSpec) -> DeviceSpec:
   from ooojax.passes import calibration
 
   cal = calibration.for_device(spec.name)
-  return spec if cal is None else dataclasses.replace(spec, sync=cal.call_seconds)
+  if cal is None:
+    return spec
+  return dataclasses.replace(spec, sync=cal.call_seconds, pinned_call=cal.pinned_call_seconds)
 
 
 def _guess_device() -> str:

@@ -30,7 +30,7 @@ import bisect
 import dataclasses
 from collections.abc import Sequence
 
-from ooojax.passes import _compat, slots
+from ooojax.passes import _compat, slots, stream_cost
 from ooojax.passes.cost import MATMUL_PRIMS, CostModel, estimate
 from ooojax.passes.ir import Action, Call, Kind, Schedule, Split, Unit, UnitKind
 from ooojax.passes.simulate import Timeline, simulate
@@ -272,13 +272,42 @@ def plan_calls(
   return tuple(calls)
 
 
-def schedule(split: Split, cost: CostModel, streams: int = 2) -> Schedule:
+def _plan(split: Split, units, side: set[str], heavy: dict, sync: float):
+  """(streams, timeline, calls) with `side` on stream 1."""
+  cand = _assign(units, side)
+  tl = simulate(cand, units, sync)
+  eqns = split.jaxpr.jaxpr.eqns
+  heavy_side = {
+    u.name for u in units if u.kind is UnitKind.DW and any(is_heavy(eqns[k]) for k in u.eqns)
+  }
+  main = [a.unit for a in cand[0]]
+  by = {u.name: u for u in units}
+  eqn_unit = {k: i for i, n in enumerate(main) for k in by[n].eqns}
+  # a conv's or matmul's filter gradient stays a kernel of its own however
+  # small its output (the first layer's), so ANCHOR_MIN_ELEMS does not apply
+  main_heavy = {
+    n: [
+      (1.0, k)
+      for k in by[n].eqns
+      if is_heavy(eqns[k]) and estimate(eqns[k]).flops >= ANCHOR_MIN_FLOPS
+    ]
+    for n in main
+    if by[n].kind is UnitKind.DW
+  }
+  return cand, tl, plan_calls(cand, units, tl, heavy, heavy_side, eqn_unit, main_heavy)
+
+
+def schedule(split: Split, cost: CostModel, streams: int = 2, min_speedup: float = 1.0) -> Schedule:
   """Builds the schedule; see the module docstring.
 
   Args:
     split: the output of `passes.split.split`.
-    cost: prices units; its `spec` names the device the schedule is for.
+    cost: prices units; its `spec` names the device the schedule is for. A
+      calibrated spec (`DeviceSpec.pinned_call`, `passes.calibration`) keeps only
+      the calls that pay for themselves (`passes.stream_cost`).
     streams: 1 gives the in-order schedule; 2 allows a dW stream.
+    min_speedup: the predicted speedup over in-order a two-stream plan must reach
+      (1.03 for `mode="auto"`), else the in-order schedule is returned.
   """
   if streams not in (1, 2):
     raise ValueError(f"streams must be 1 or 2, got {streams!r}")
@@ -287,6 +316,7 @@ def schedule(split: Split, cost: CostModel, streams: int = 2) -> Schedule:
   base = in_order(units)
   t_base = simulate(base, units, spec.sync).makespan
   best, t_best, calls, kept = base, t_base, (), ()
+  priced = spec.pinned_call is not None
   if streams == 2:
     heavy = _heavy_fractions(split, cost, units)
     side = _admit(units, heavy, spec.sync)
@@ -296,33 +326,36 @@ def schedule(split: Split, cost: CostModel, streams: int = 2) -> Schedule:
       kept = tuple((n, r) for n, r in why.items() if r is not None)
       side -= {n for n, _ in kept}
     if side:
-      cand = _assign(units, side)
-      tl = simulate(cand, units, spec.sync)
-      if tl.makespan < t_base:
-        best, t_best = cand, tl.makespan
-        heavy_side = {
-          u.name
-          for u in units
-          if u.kind is UnitKind.DW and any(is_heavy(split.jaxpr.jaxpr.eqns[k]) for k in u.eqns)
-        }
-        main = [a.unit for a in cand[0]]
-        by = {u.name: u for u in units}
-        eqn_unit = {k: i for i, n in enumerate(main) for k in by[n].eqns}
-        eqns = split.jaxpr.jaxpr.eqns
-        # a conv's or matmul's filter gradient stays a kernel of its own however
-        # small its output (the first layer's), so ANCHOR_MIN_ELEMS does not apply
-        main_heavy = {
-          n: [
-            (1.0, k)
-            for k in by[n].eqns
-            if is_heavy(eqns[k]) and estimate(eqns[k]).flops >= ANCHOR_MIN_FLOPS
-          ]
-          for n in main
-          if by[n].kind is UnitKind.DW
-        }
-        calls = plan_calls(cand, units, tl, heavy, heavy_side, eqn_unit, main_heavy)
+      cand, tl, calls = _plan(split, units, side, heavy, spec.sync)
+      t_cand = tl.makespan
+      if priced and calls:
+        pr = stream_cost.price(calls, [a.unit for a in cand[0]], units, spec.pinned_call)
+        kept += pr.kept
+        if pr.keep != side:
+          side = set(pr.keep)
+          cand, tl, calls = (
+            _plan(split, units, side, heavy, spec.sync) if side else (base, None, ())
+          )
+          t_cand = tl.makespan if tl is not None else t_base
+        t_cand += len(calls) * spec.pinned_call
+      if calls and t_cand < t_base and t_base / t_cand >= min_speedup:
+        best, t_best = cand, t_cand
+      else:
+        if calls and priced:
+          need = max(min_speedup, 1.0)
+          kept += tuple((n, stream_cost.below(t_base / t_cand, need)) for n in sorted(side))
+        calls = ()
   best = tuple(s for s in best if s) or ((),)
-  kept = kept if calls else ()
+  if priced and streams == 2:
+    main = [a.unit for a in base[0] if a.unit.startswith(("F", "X"))]
+    on_side = {a.unit for a in best[1]} if len(best) > 1 else set()
+    known = on_side | {n for n, _ in kept}
+    eqns = split.jaxpr.jaxpr.eqns
+    for u in units:
+      if u.kind is UnitKind.DW and u.name not in known and (r := stays_on_main(eqns, u)):
+        kept += ((u.name, r),)
+    kept += stream_cost.why_main(units, main, on_side, kept, spec.pinned_call)
+  kept = kept if calls or priced else ()
   return Schedule(best, _syncs(best, units), units, t_best, t_base, spec.name, calls, kept)
 
 

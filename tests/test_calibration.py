@@ -18,7 +18,7 @@ def _calls(**kw):
 
 
 def test_calibration_file_changes_admission(tmp_path, monkeypatch):
-  monkeypatch.delenv(calibration.ENV, raising=False)
+  monkeypatch.setenv(calibration.ENV, "none")  # the preset
   base = _calls()
   assert base  # the spec's own per-call cost admits the conv dW
   entry = {"format": 1, "device": "H100", "jax": jax.__version__, "pair_gain": {"x": 1.1}}

@@ -20,6 +20,7 @@ MODULES = [
   "ooojax.passes.hlo.replay",
   "ooojax.passes.hlo.kernels",
   "ooojax.passes.calibration",
+  "ooojax.passes.stream_cost",
   "ooojax.gpu_hlo",
   "ooojax.passes.collectives.plan",
   "ooojax.data_parallel",

@@ -25,8 +25,10 @@ def _steps() -> list[str]:
 def test_the_steps():
   steps = _steps()
   assert len(steps) >= 8 and len(set(steps)) == len(steps), steps  # one file per step
-  # the diagnosis of the first GPU run's single-GPU slowdown first, then the ratios
-  assert steps[:4] == [
+  # the stream calibration first (issue 50), then the diagnosis of the first GPU
+  # run's single-GPU slowdown, then the ratios
+  assert steps[:5] == [
+    "stream_pairs",
     "gpu_trace_demo_cnn",
     "gpu_trace_resnet50",
     "step_time_demo_cnn",
@@ -59,7 +61,7 @@ def test_the_aliases():
 # The dry run's steps, split over cells (`ONLY=`): each step is a fresh process that
 # compiles, and one test running them all would be the longest of the suite, the
 # last to end when xdist has nothing left to share out.
-CELLS = 6  # 12 steps: two per cell
+CELLS = 6  # 13 steps: two or three per cell
 
 
 def _dry_steps() -> list[str]:

@@ -129,6 +129,9 @@ def test_the_wheel_has_one_top_level_package_holding_every_pass(wheel):
   shipped = {n for n in names if n.startswith("ooojax/passes/") and n.endswith(".py")}
   want = {"ooojax/" + str(p.relative_to(ROOT)) for p in (ROOT / "passes").rglob("*.py")}
   assert shipped == want, (want - shipped, shipped - want)
+  # the GPU calibrations the cost model reads (passes.calibration.SHIPPED)
+  cals = {"ooojax/calibration/" + p.name for p in (ROOT / "ooojax" / "calibration").glob("*.json")}
+  assert cals and cals <= set(names), cals - set(names)
 
 
 def test_installing_the_wheel_adds_only_ooojax(wheel, tmp_path):
