@@ -59,3 +59,48 @@ def test_train_step_and_explain_on_compile_only_gpus():
     if gpu_hlo.unavailable_reason() is None:  # the (data, stage) step, 8 compile-only H100s
       c = ooo.pipeline.explain(_loss, params, x, y, mesh=mesh, schedule="1f1b", gpu="H100", **KW)
       assert c.windows  # its collective-permutes, read from the compiled HLO
+
+
+def test_tiled_train_step_with_data_replicas():
+  # make_train_step(steps=3) on the (data, stage) mesh: each stage's update at its own
+  # tick reads the gradient's mean over the data replicas; equals value_and_grad + optax
+  params, mesh, x, y = _setup()
+  opt = optax.adam(1e-2, eps=1e-4)
+  batched = NamedSharding(mesh, P(None, "data"))
+  xs, ys = (
+    jax.device_put(jax.random.normal(k, (3, 16, 16)), batched)
+    for k in jax.random.split(jax.random.key(1))
+  )
+  with jax.set_mesh(mesh):
+    vg = jax.jit(jax.value_and_grad(_loss))
+    p, o, want = params, opt.init(params), []
+    for t in range(3):
+      loss, g = vg(p, xs[t], ys[t])
+      u, o = opt.update(g, o, p)
+      p, _ = optax.apply_updates(p, u), want.append(loss)
+    step = ooo.pipeline.make_train_step(_loss, opt, mesh=mesh, schedule="zb-h2", steps=3, **KW)
+    state, losses = step(step.init(params, xs, ys), xs, ys)
+    assert_trees_close(losses, jnp.stack(want))
+    assert_trees_close(step.params(state), p)
+
+
+@pytest.mark.skipif(gpu_hlo.unavailable_reason() is not None, reason="no compile-only GPUs")
+def test_tiled_train_step_compiles_for_eight_h100s():
+  params, mesh, _, _ = _setup()
+  g = jax.sharding.Mesh(
+    gpu_hlo.mesh("H100", (2, 4), ("data", "stage")).devices,
+    ("data", "stage"),
+    axis_types=mesh.axis_types,
+  )
+  sds = lambda shape, spec: jax.ShapeDtypeStruct(
+    shape, jnp.float32, sharding=NamedSharding(g, spec)
+  )  # noqa: E731
+  p = jax.tree.map(lambda a: sds(a.shape, P()), params)
+  xs = sds((2, 16, 16), P(None, "data"))
+  with jax.set_mesh(g):
+    step = ooo.pipeline.make_train_step(
+      _loss, optax.sgd(0.1), mesh=g, schedule="zb-h2", steps=2, **KW
+    )
+    hlo = step.lower(step.abstract_state(p, xs, xs), xs, xs).compile().as_text()
+  assert "collective-permute" in hlo  # the stages' sends
+  assert "f32[512]{0}) all-reduce" in hlo  # a stage's 2 layers' gradient: the replicas' mean

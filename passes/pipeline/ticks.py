@@ -348,7 +348,7 @@ def tick_loop(
 
         def apply(args, c=c):
           wc, occ, orp, gc = args
-          wc, occ, orp = updater.chunk(c, wc, gc, occ, orp)
+          wc, occ, orp = updater.chunk(c, wc, rep_mean(gc), occ, orp)
           return list(wc), occ, orp, [jnp.zeros_like(g) for g in gc]
 
         ws[c], oc[c], orep, gp[c] = when(
@@ -359,7 +359,7 @@ def tick_loop(
 
         def shared_update(args, key=key, js=js):
           shl, orp, g = list(args[0]), args[1], list(args[2])
-          gj = [g[j] if key is not None else lax.psum(g[j], axis_name) for j in js]
+          gj = rep_mean([g[j] if key is not None else lax.psum(g[j], axis_name) for j in js])
           new, orp = updater.shared(key, js, [shl[j] for j in js], gj, orp)
           for j, x in zip(js, new):
             shl[j], g[j] = x, jnp.zeros_like(g[j])
@@ -372,6 +372,12 @@ def tick_loop(
         )
         sh, orep, gsh = when(pred, shared_update, (sh, orep, gsh))
       return (ws, sh), (oc, orep), {"gp": gp, "gsh": gsh}
+
+    def rep_mean(gs):
+      """The gradient's mean over the data replicas (each ran the table on its
+      rows): the replicas of a stage share its table row, so all of them take
+      this update's branch together."""
+      return gs if data_axis is None else [lax.pmean(g, data_axis) for g in gs]
 
     def tick(carry, r):
       bufs, acc, (loss, aux), out, f_rec, b_rec, w, o = carry
@@ -436,6 +442,8 @@ def tick_loop(
     init = (bufs, acc, (loss0, aux0), no_out, fres.empty(), bres.empty(), w0, o0)
     (_, acc, (loss, aux), _, _, _, w, o), _ = lax.scan(tick, init, table)
     loss = lax.psum(loss, axis_name)
+    if train and data_axis is not None:  # each step's loss: the mean over the replicas
+      loss = lax.pmean(loss, data_axis)
     if n_aux:  # the last stage's rows (the others hold zeros), on every device
       aux = tuple(_gather(a, axis_name, data_axis) for a in aux)
       loss = (loss, aux)
