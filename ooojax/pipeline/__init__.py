@@ -198,6 +198,7 @@ def value_and_grad(
   layout: str | None = None,
   aux_reduce: Callable | None = None,
   state_argnums: int | tuple[int, ...] = (),
+  fsdp: str = "regather",
 ) -> Callable:
   """Pipelined loss and gradients: of a plain loss (stages cut automatically), or
   of a stack of stages written by hand.
@@ -275,6 +276,13 @@ def value_and_grad(
     data_axis: a second mesh axis (e.g. `("data", "stage")`) over which each
       microbatch's rows are split: every data replica runs the pipeline on its
       slice, and the loss and gradients are the mean over the replicas.
+    fsdp: with `data_axis`, for stage weights whose sharding splits one of their
+      own dimensions over the data axis (FSDP / ZeRO-3 within a stage: an
+      Explicit-axes type, or arrays placed so): "regather" (the default) keeps
+      them split on each replica, all-gathers a chunk's weights inside each
+      action that reads them (F, B, W) and reduce-scatters each W's gradient,
+      which comes back split as the weight is; "keep" gathers every stage's
+      weights once before the tick loop and holds them for the step.
     layers: (automatic form) the stack's layers per virtual stage: "balanced"
       (the default: the split with the least simulated step time on the cost
       model, the prologue priced on the first virtual stage and the epilogue on
@@ -339,7 +347,7 @@ def value_and_grad(
       )
     return _modules.automatic(
       lambda f: _auto(
-        f, sched, mesh, axis_name, has_aux, data_axis, layers, aux_reduce, state_argnums
+        f, sched, mesh, axis_name, has_aux, data_axis, layers, aux_reduce, state_argnums, fsdp
       ),
       fn,
     )
@@ -349,7 +357,9 @@ def value_and_grad(
       "value_and_grad(loss_fn, ...); the explicit form's loss_fn returns a "
       "scalar and its stage_params set the layers per stage"
     )
-  return lower(fn, loss_fn, sched, mesh, axis_name, input_fn, data_axis, _device_major(layout))
+  return lower(
+    fn, loss_fn, sched, mesh, axis_name, input_fn, data_axis, _device_major(layout), fsdp=fsdp
+  )
 
 
 def train(

@@ -301,6 +301,7 @@ def _auto_program(
   layers=None,
   lowering=None,
   state_argnums=(),
+  fsdp: str = "regather",
 ) -> _AutoProgram:
   """`_auto_parts` lowered (`execute.lower`, or `lowering(cut, stage_fn, loss_fn,
   input_fn)`: the tiled train step's)."""
@@ -322,7 +323,16 @@ def _auto_program(
     run = lowering(c, *fns)
   else:
     run = lower(
-      fns[0], fns[1], sched, mesh, axis_name, fns[2], data_axis, device_major, has_aux=c.n_aux > 0
+      fns[0],
+      fns[1],
+      sched,
+      mesh,
+      axis_name,
+      fns[2],
+      data_axis,
+      device_major,
+      has_aux=c.n_aux > 0,
+      fsdp=fsdp,
     )
   b_leaves = jax.tree.leaves(batch)
   order = device_order(sched) if device_major and sched.chunks > 1 else None
@@ -372,6 +382,7 @@ def _auto(
   layers=None,
   aux_reduce: Callable | None = None,
   state_argnums=(),
+  fsdp: str = "regather",
 ) -> Callable:
   """`step(params, *batch)` of a plain loss (`_auto_program`). The loss is traced on
   every call of `step` (once per `jax.jit` trace): a cached trace would keep the
@@ -392,6 +403,7 @@ def _auto(
       batch,
       layers=layers,
       state_argnums=state_argnums,
+      fsdp=fsdp,
     )
 
   def step(params, *batch, **kwargs):
@@ -406,6 +418,7 @@ def _auto(
         layers,
         aux_reduce,
         state_argnums,
+        fsdp,
       )
       return named(params, *batch, kwargs)
     leaves, p_tree = jax.tree.flatten(params)
@@ -417,7 +430,7 @@ def _auto(
       tuple(leaves[i] for i in c.shared),
     )
     if _explicit(mesh):  # stage axes come back sharded; the user's leaves are whole
-      gp = jax.tree.map(lambda g: jax.reshard(g, NamedSharding(mesh, P())), gp)
+      gp = jax.tree.map(lambda g: jax.reshard(g, _off_stages(g, mesh, axis_name)), gp)
     loss, aux, gp = prog.split(out, gp)
     grads = p_tree.unflatten(c.grads(leaves, gp, gsh, counts))
     return ((loss, prog.aux(aux, aux_reduce)), grads) if has_aux else (loss, grads)
@@ -435,6 +448,13 @@ def _auto(
 
   step.balance = balance
   return step
+
+
+def _off_stages(g, mesh, axis_name) -> NamedSharding:
+  """`g`'s sharding less the stage axis: a weight split over the data axis within its
+  stage (FSDP) keeps that split in the user's leaf."""
+  spec = getattr(jax.typeof(g).sharding, "spec", P())
+  return NamedSharding(mesh, P(*(None if e == axis_name else e for e in spec)))
 
 
 def _explicit(mesh) -> bool:

@@ -150,6 +150,7 @@ def tick_loop(
   owners=None,
   split=False,
   select=False,
+  fsdp=None,
 ):
   """The per-device program. With an `updater` (a table tiled over `steps`),
   the weights (shared ones too) and optimizer states are loop state, updated at
@@ -158,7 +159,10 @@ def tick_loop(
   shared leaf j, updated at that chunk's U there and broadcast at the end, or
   None (read by the first and the last stage: updated at `sync` ticks).
   With `split`, each exchange runs as one-way permutes (`one_way`). With
-  `select`, the loop body holds no conditional (`lowering.tick_lowering`)."""
+  `select`, the loop body holds no conditional (`lowering.tick_lowering`).
+  With `fsdp` (a `fsdp.Fsdp`), the chunk weights it names arrive split over
+  the data axis: each action gathers them, each W reduce-scatters their
+  gradient."""
   F = plan_pass.F
   flavors, pl, x_aval, fres, bres = (prog.flavors, prog.plan, prog.x_aval, prog.fres, prog.bres)
   n_aux = max(len(fl.aux) for fl in flavors)
@@ -205,7 +209,7 @@ def tick_loop(
 
     def env_of(i, fl, c, r, ws):
       """The phase's static inputs: constants, chunk weights, shared, this microbatch."""
-      vals = [*consts[i], *ws[0][c]]
+      vals = [*consts[i], *(fsdp.gather(ws[0][c]) if fsdp else ws[0][c])]
       if fl.n_shared:
         vals += ws[1]
       if fl.first:
@@ -260,6 +264,8 @@ def tick_loop(
         _run(fl.jaxpr, fl.w_eqns, env)
         g = [_read(env, u) for u in fl.grads]
         n = len(chunk_w[c])
+        if fsdp:  # this replica's part of the replicas' mean, at once
+          g = [*fsdp.scatter(g[:n]), *g[n:]]
         gp = list(acc["gp"])
         gp[c] = [a + d.astype(a.dtype) for a, d in zip(gp[c], g[:n])]
         gsh = [a + d.astype(a.dtype) for a, d in zip(acc["gsh"], g[n:])] or acc["gsh"]
@@ -466,7 +472,10 @@ def tick_loop(
       else:
         loss = lax.pmean(loss, data_axis)
       gsh = [lax.pmean(g, data_axis) for g in gsh]
-      acc["gp"] = [[lax.pmean(g, data_axis) for g in gs] for gs in acc["gp"]]
+      acc["gp"] = [
+        [g if fsdp and fsdp.split(k) else lax.pmean(g, data_axis) for k, g in enumerate(gs)]
+        for gs in acc["gp"]
+      ]
     gp = tuple(p_tree.unflatten([g[None] for g in gs]) for gs in acc["gp"])
     return loss, gp, jax.tree.unflatten(jax.tree.structure(shared), gsh)
 

@@ -1,0 +1,111 @@
+"""pipeline.fsdp: stage weights sharded over the data axis inside their stage (ZeRO-3
+within a pipeline stage).
+
+Contract: `data_dims(stage_params, data_axis) -> tuple[int | None, ...]`, per leaf
+of a stack (leading axis: virtual stages) the dimension split over `data_axis`
+(None: held whole on each data replica), read from the leaves' shardings (an
+Explicit-axes type, or a concrete array's `NamedSharding`); `Fsdp` is what the
+tick loop does with them: each action that reads a chunk's weights all-gathers
+the split leaves over the data axis first (the gathered copy dies with the
+action), and each W reduce-scatters its gradient contribution at once, so a
+device holds 1/D of those weights, of their gradient accumulators and of their
+gradients. Without it (`fsdp="keep"`) the `shard_map` that runs the loop takes
+the whole stage on every replica: one all-gather of the stage before the loop,
+kept for the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax import lax
+
+__all__ = ["FSDP_MODES", "Fsdp", "data_dims"]
+
+FSDP_MODES = ("regather", "keep")
+
+
+def _spec(x):
+  s = getattr(x, "sharding", None)  # a concrete array
+  if isinstance(s, jax.sharding.NamedSharding):
+    return s.spec
+  try:
+    s = jax.typeof(x).sharding  # a tracer under Explicit axes
+  except (TypeError, AttributeError):
+    return None
+  return getattr(s, "spec", None)
+
+
+def _names(entry) -> tuple:
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def data_dims(stage_params, data_axis: str | None) -> tuple[int | None, ...]:
+  """Per leaf of `stage_params`, its dimension (>= 1) sharded over `data_axis` alone,
+  else None. A leaf split over the data axis together with another axis on one
+  dimension, or on its stage dimension, raises a `ValueError` that says how to
+  lay it out."""
+  leaves = jax.tree.leaves(stage_params)
+  if data_axis is None:
+    return (None,) * len(leaves)
+  out = []
+  for x in leaves:
+    spec = _spec(x)
+    dims = [d for d, e in enumerate(spec or ()) if data_axis in _names(e)]
+    if not dims:
+      out.append(None)
+      continue
+    d = dims[0]
+    if d == 0 or _names(spec[d]) != (data_axis,):
+      raise ValueError(
+        f"a stage weight of shape {jnp_shape(x)} is sharded {spec}: inside a pipeline "
+        f"stage a weight may be split over the data axis {data_axis!r} alone, on one "
+        "of its own dimensions (FSDP within the stage), not on the stacking of "
+        "stages or layers; reshard it, e.g. P(None, "
+        f"{data_axis!r}) for a (d_in, d_out) kernel"
+      )
+    out.append(d)
+  return tuple(out)
+
+
+def jnp_shape(x) -> tuple:
+  return tuple(getattr(x, "shape", ()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Fsdp:
+  """The tick loop's view: `dims[k]` is leaf k's split dimension in one chunk's
+  weights (the stage axis dropped), or None."""
+
+  dims: tuple[int | None, ...]
+  axis: str
+  size: int
+
+  @staticmethod
+  def of(stage_dims, data_axis, size) -> Fsdp | None:
+    if data_axis is None or all(d is None for d in stage_dims):
+      return None
+    return Fsdp(tuple(None if d is None else d - 1 for d in stage_dims), data_axis, size)
+
+  def gather(self, ws):
+    """A chunk's weight leaves whole (what its stage function reads)."""
+    return [
+      w if d is None else lax.all_gather(w, self.axis, axis=d, tiled=True)
+      for w, d in zip(ws, self.dims)
+    ]
+
+  def scatter(self, gs):
+    """A W's gradient contributions, the split leaves' as this replica's part of the
+    replicas' mean (the others' whole: reduced after the loop)."""
+    return [
+      g
+      if d is None
+      else lax.psum_scatter(g, self.axis, scatter_dimension=d, tiled=True) / self.size
+      for g, d in zip(gs, self.dims)
+    ]
+
+  def split(self, k: int) -> bool:
+    return k < len(self.dims) and self.dims[k] is not None
