@@ -228,6 +228,9 @@ class TiledTrainStep(PipelineTrainStep):
     self._groups: _Groups | None = None
     self.table = None  # the table tiled over steps that the last trace ran
 
+  def _split_columns(self, leaves, c, counts):
+    return None  # the tick loop's weights are loop state, whole per stage
+
   def value_and_grad(self, state, *batch):
     raise TypeError(
       f"value_and_grad is one step's gradient; this step runs steps="

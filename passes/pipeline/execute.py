@@ -103,7 +103,7 @@ def lower(
   data_axis: str | None = None,
   device_major: bool = False,
   has_aux: bool = False,
-  fsdp: str = "regather",
+  fsdp: str | tuple = "regather",
 ) -> Callable:
   """Returns `step(stage_params, batch, shared=None) -> (loss, grads)`; see the module doc.
 
@@ -127,10 +127,12 @@ def lower(
   dimensions over it (`fsdp.data_dims`) stay split on each replica: with
   `fsdp="regather"` each action gathers them and each W reduce-scatters their
   gradient, which comes back split as they are (`passes.pipeline.fsdp`);
-  `fsdp="keep"` gathers the stages whole before the loop.
+  `fsdp="keep"` gathers the stages whole before the loop; a tuple gives each
+  leaf's split dimension (or None) as the caller laid the stack out.
   """
   _check(sched, mesh, axis_name)
-  if fsdp not in FSDP_MODES:
+  given = fsdp if isinstance(fsdp, tuple) else None  # the caller's layout (make_train_step)
+  if given is None and fsdp not in FSDP_MODES:
     raise ValueError(f"fsdp={fsdp!r}: use one of {FSDP_MODES}")
   D = _data_size(mesh, axis_name, data_axis)
   if sched.steps != 1 or any(a.kind == "U" for row in sched.grid for c in row for a in c):
@@ -161,7 +163,7 @@ def lower(
         local(side_m),
         has_aux,
       )
-    dims = data_dims(stage_params, data_axis if fsdp == "regather" else None)
+    dims = data_dims(stage_params, data_axis if fsdp == "regather" else None, given)
     body = tick_loop(
       prog,
       sched.stages,

@@ -21,7 +21,7 @@ import dataclasses
 import jax
 from jax import lax
 
-__all__ = ["FSDP_MODES", "Fsdp", "data_dims"]
+__all__ = ["FSDP_MODES", "Fsdp", "data_dims", "split_dim"]
 
 FSDP_MODES = ("regather", "keep")
 
@@ -43,36 +43,41 @@ def _names(entry) -> tuple:
   return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
-def data_dims(stage_params, data_axis: str | None) -> tuple[int | None, ...]:
-  """Per leaf of `stage_params`, its dimension (>= 1) sharded over `data_axis` alone,
-  else None. A leaf split over the data axis together with another axis on one
-  dimension, or on its stage dimension, raises a `ValueError` that says how to
-  lay it out."""
+def split_dim(x, data_axis: str) -> int | None:
+  """The dimension of `x` its sharding splits over `data_axis` alone, else None; a
+  dimension split over the data axis together with another axis raises a
+  `ValueError` that says how to lay it out."""
+  spec = _spec(x)
+  dims = [d for d, e in enumerate(spec or ()) if data_axis in _names(e)]
+  if not dims:
+    return None
+  if _names(spec[dims[0]]) != (data_axis,):
+    raise ValueError(
+      f"a weight of shape {tuple(getattr(x, 'shape', ()))} is sharded {spec}: inside a "
+      f"pipeline stage a weight may be split over the data axis {data_axis!r} alone "
+      "(FSDP within the stage), not together with another axis on one dimension; "
+      f"reshard it, e.g. P(None, {data_axis!r}) for a (d_in, d_out) kernel"
+    )
+  return dims[0]
+
+
+def data_dims(stage_params, data_axis: str | None, given=None) -> tuple[int | None, ...]:
+  """Per leaf of `stage_params` (a stack: leading axis of virtual stages), its
+  dimension (>= 1) split over `data_axis`, else None; `given`: those dimensions as
+  the caller laid them out (padded with None), instead of the leaves' shardings."""
   leaves = jax.tree.leaves(stage_params)
+  if given is not None:
+    return (*given, *[None] * (len(leaves) - len(given)))[: len(leaves)]
   if data_axis is None:
     return (None,) * len(leaves)
-  out = []
-  for x in leaves:
-    spec = _spec(x)
-    dims = [d for d, e in enumerate(spec or ()) if data_axis in _names(e)]
-    if not dims:
-      out.append(None)
-      continue
-    d = dims[0]
-    if d == 0 or _names(spec[d]) != (data_axis,):
-      raise ValueError(
-        f"a stage weight of shape {jnp_shape(x)} is sharded {spec}: inside a pipeline "
-        f"stage a weight may be split over the data axis {data_axis!r} alone, on one "
-        "of its own dimensions (FSDP within the stage), not on the stacking of "
-        "stages or layers; reshard it, e.g. P(None, "
-        f"{data_axis!r}) for a (d_in, d_out) kernel"
-      )
-    out.append(d)
-  return tuple(out)
-
-
-def jnp_shape(x) -> tuple:
-  return tuple(getattr(x, "shape", ()))
+  out = tuple(split_dim(x, data_axis) for x in leaves)
+  if 0 in out:
+    raise ValueError(
+      f"a stack of stage weights is split over the data axis {data_axis!r} on its "
+      "leading axis (the stages): split a dimension of each weight instead, e.g. "
+      f"P('stage', None, {data_axis!r})"
+    )
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
