@@ -75,6 +75,10 @@ def test_train_step_and_explain_on_compile_only_gpus():
     assert_trees_close(step.params(state), optax.apply_updates(params, u))
     r = ooo.pipeline.explain(_loss, params, x, y, mesh=mesh, schedule="1f1b", **KW)
     assert r.schedule.stages == 4 and r.balance.counts == (2, 2, 2, 2)
+    # what is gathered: a loop's layer-0 leaf names the stack's column; 2 layers of
+    # 16 x 16 float32 per stage, held at 1/2
+    assert r.fsdp.leaves == ("['ws'][0]",) and (r.fsdp.whole, r.fsdp.held) == (2048, 1024)
+    assert "each F, B and W all-gathers" in repr(r)
     if gpu_hlo.unavailable_reason() is None:  # the (data, stage) step, 8 compile-only H100s
       c = ooo.pipeline.explain(_loss, params, x, y, mesh=mesh, schedule="1f1b", gpu="H100", **KW)
       assert c.windows  # its collective-permutes, read from the compiled HLO

@@ -146,20 +146,12 @@ class PipelineTrainStep:
     )
 
   def _split_columns(self, leaves, c: Cut, counts) -> tuple | None:
-    """`_Layout.fsdp` from the user's leaves' shardings (`fsdp="regather"`, a data
-    axis): a stacked column is split where every layer's leaf splits the same
-    dimension of its own (a scan's: not its layer axis); its stacked dimension is
-    one further (the virtual stages lead)."""
+    """`_Layout.fsdp`, from the user's leaves' shardings (`fsdp="regather"`, a data axis)."""
     if self.fsdp != "regather" or self.data_axis is None:
       return None
-    from ooojax.passes.pipeline.fsdp import split_dim
+    from ooojax.passes.pipeline.fsdp import stack_dims
 
-    out = []
-    for k in range(len(c.stacked[0])):
-      ds = {split_dim(leaves[row[k]], self.data_axis) for row in c.stacked}
-      d = ds.pop() if len(ds) == 1 else None
-      out += [None if d is None or (c.scanned and d == 0) else d + 1] * c.per_leaf(counts)
-    return tuple(out) if any(d is not None for d in out) else None
+    return stack_dims(leaves, c, counts, self.data_axis)
 
   def _shardings(self, state_shape: PipelineTrainState) -> PipelineTrainState:
     rep = NamedSharding(self.mesh, P())

@@ -21,7 +21,7 @@ import dataclasses
 import jax
 from jax import lax
 
-__all__ = ["FSDP_MODES", "Fsdp", "data_dims", "split_dim"]
+__all__ = ["FSDP_MODES", "Fsdp", "data_dims", "split_dim", "stack_dims"]
 
 FSDP_MODES = ("regather", "keep")
 
@@ -78,6 +78,19 @@ def data_dims(stage_params, data_axis: str | None, given=None) -> tuple[int | No
       f"P('stage', None, {data_axis!r})"
     )
   return out
+
+
+def stack_dims(leaves, cut, counts, data_axis: str) -> tuple | None:
+  """Per stage column of `cut.stage_params(leaves, counts)`, its dimension split over
+  `data_axis`, from the user's `leaves`: a column is split where every layer's leaf
+  splits the same dimension of its own (a scan's: not its layer axis), one further
+  in the stack (the virtual stages lead); None where no column is."""
+  out = []
+  for k in range(len(cut.stacked[0])):
+    ds = {split_dim(leaves[row[k]], data_axis) for row in cut.stacked}
+    d = ds.pop() if len(ds) == 1 else None
+    out += [None if d is None or (cut.scanned and d == 0) else d + 1] * cut.per_leaf(counts)
+  return tuple(out) if any(d is not None for d in out) else None
 
 
 @dataclasses.dataclass(frozen=True)
