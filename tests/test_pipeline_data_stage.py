@@ -152,3 +152,25 @@ def test_fsdp_within_stages_holds_less_than_gathering_them_on_eight_h100s():
       temp[mode], hlo[mode] = c.memory_analysis().temp_size_in_bytes, c.as_text()
   assert temp["regather"] < 0.6 * temp["keep"], temp  # 99 kB against 206 kB (jax 0.11.2)
   assert "reduce-scatter" in hlo["regather"] and "reduce-scatter" not in hlo["keep"]
+
+
+def test_hand_cut_stages_split_over_the_data_axis():
+  # the explicit form: a (stages, d, d) stack split P("stage", None, "data") keeps its
+  # split, and its gradient comes back split the same way
+  params, mesh, x, y = _setup()
+  stage_fn = lambda w, h: jnp.tanh(h @ w)  # noqa: E731
+  loss_fn = lambda h, t: jnp.mean((h - t) ** 2)  # noqa: E731
+
+  def whole(w, x, y):
+    for s in range(4):
+      x = stage_fn(w[s], x)
+    return loss_fn(x, y)
+
+  w = jnp.stack(params["ws"][:4])
+  with jax.set_mesh(mesh):
+    want = jax.jit(jax.value_and_grad(whole))(w, x, y)
+    ws = jax.device_put(w, P("stage", None, "data"))
+    step = ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=mesh, schedule="zb-h1", **KW)
+    got = jax.jit(step)(ws, (x, y))
+    assert jax.typeof(got[1]).sharding.spec == P("stage", None, "data")
+  assert_trees_close(got, want)
