@@ -174,3 +174,11 @@ def test_hand_cut_stages_split_over_the_data_axis():
     got = jax.jit(step)(ws, (x, y))
     assert jax.typeof(got[1]).sharding.spec == P("stage", None, "data")
   assert_trees_close(got, want)
+
+
+def test_fsdp_mode_is_checked():
+  _, mesh, _, _ = _setup()
+  with pytest.raises(ValueError, match="fsdp='gather'.*regather"):
+    ooo.pipeline.value_and_grad(_loss, mesh=mesh, fsdp="gather", **KW)
+  with pytest.raises(ValueError, match="fsdp='gather'.*regather"):
+    ooo.pipeline.make_train_step(_loss, optax.sgd(0.1), mesh=mesh, fsdp="gather", **KW)

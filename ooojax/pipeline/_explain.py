@@ -190,6 +190,7 @@ def explain(
         has_aux=has_aux,
         state_argnums=state_argnums,
         data_axis=data_axis,
+        fsdp=fsdp != "regather" and fsdp,
       ).items()
       if v
     }
@@ -366,13 +367,11 @@ def _explain_auto(
   )
   rows = jax.eval_shape(lambda bs: parts.rowed(bs), jax.tree.leaves(b_avals))
   shared = tuple(p_avals[i] for i in c.shared)
-  split = None
-  if data is not None:
-    from ooojax.passes.pipeline.fsdp import FSDP_MODES, stack_dims
+  from ooojax.passes.pipeline.fsdp import FSDP_MODES, stack_dims
 
-    if fsdp not in FSDP_MODES:
-      raise ValueError(f"fsdp={fsdp!r}: use one of {FSDP_MODES}")
-    split = stack_dims(leaves, c, counts, data_axis)
+  if fsdp not in FSDP_MODES:
+    raise ValueError(f"fsdp={fsdp!r}: use one of {FSDP_MODES}")
+  split = None if data is None else stack_dims(leaves, c, counts, data_axis)
   report = _explain(
     stage_fn,
     lfn,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ooojax.passes.pipeline.execute import lower
+from ooojax.passes.pipeline.fsdp import FSDP_MODES
 from ooojax.passes.pipeline.schedule import PipelineSchedule
 from ooojax.pipeline import _modules
 from ooojax.pipeline._automatic import _auto, _device_major, _table
@@ -163,6 +164,8 @@ def value_and_grad(
   """
   if axis_name not in mesh.shape:
     raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
+  if fsdp not in FSDP_MODES:
+    raise ValueError(f"fsdp={fsdp!r}: use one of {FSDP_MODES}")
   sched = _table(schedule, mesh.shape[axis_name], microbatches, chunks)
   if loss_fn is None:
     if layout is not None:
