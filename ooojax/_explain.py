@@ -80,7 +80,7 @@ def explain(fun, *args, argnums=0, has_aux=False, **options):
     from ooojax.passes import _compat
 
     fun = _dp_gspmd._in_shard(fun, options["axis_name"], _compat.context_mesh() is not None)
-  elif "axis_name" in options:
+  elif mode != "data_parallel" and "axis_name" in options:
     # outside data_parallel, axis_name= names the axis the loss reads (bound from mesh=)
     bound = options.pop("axis_name")
     if bound not in axes:

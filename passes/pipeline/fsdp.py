@@ -44,40 +44,25 @@ def _names(entry) -> tuple:
 
 
 def split_dim(x, data_axis: str) -> int | None:
-  """The dimension of `x` its sharding splits over `data_axis` alone, else None; a
-  dimension split over the data axis together with another axis raises a
-  `ValueError` that says how to lay it out."""
+  """The dimension of `x` its sharding splits over `data_axis` alone, else None (a
+  dimension split over the data axis together with another axis is gathered, as
+  before: the tick loop splits over the data axis only)."""
   spec = _spec(x)
-  dims = [d for d, e in enumerate(spec or ()) if data_axis in _names(e)]
-  if not dims:
-    return None
-  if _names(spec[dims[0]]) != (data_axis,):
-    raise ValueError(
-      f"a weight of shape {tuple(getattr(x, 'shape', ()))} is sharded {spec}: inside a "
-      f"pipeline stage a weight may be split over the data axis {data_axis!r} alone "
-      "(FSDP within the stage), not together with another axis on one dimension; "
-      f"reshard it, e.g. P(None, {data_axis!r}) for a (d_in, d_out) kernel"
-    )
-  return dims[0]
+  dims = [d for d, e in enumerate(spec or ()) if _names(e) == (data_axis,)]
+  return dims[0] if dims else None
 
 
 def data_dims(stage_params, data_axis: str | None, given=None) -> tuple[int | None, ...]:
   """Per leaf of `stage_params` (a stack: leading axis of virtual stages), its
-  dimension (>= 1) split over `data_axis`, else None; `given`: those dimensions as
-  the caller laid them out (padded with None), instead of the leaves' shardings."""
+  dimension (>= 1) split over `data_axis`, else None (a stack split over it on its
+  leading axis is gathered: the stages lead); `given`: those dimensions as the
+  caller laid them out (padded with None), instead of the leaves' shardings."""
   leaves = jax.tree.leaves(stage_params)
   if given is not None:
     return (*given, *[None] * (len(leaves) - len(given)))[: len(leaves)]
   if data_axis is None:
     return (None,) * len(leaves)
-  out = tuple(split_dim(x, data_axis) for x in leaves)
-  if 0 in out:
-    raise ValueError(
-      f"a stack of stage weights is split over the data axis {data_axis!r} on its "
-      "leading axis (the stages): split a dimension of each weight instead, e.g. "
-      f"P('stage', None, {data_axis!r})"
-    )
-  return out
+  return tuple(d or None for d in (split_dim(x, data_axis) for x in leaves))
 
 
 def stack_dims(leaves, cut, counts, data_axis: str) -> tuple | None:
