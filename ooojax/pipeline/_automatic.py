@@ -7,6 +7,7 @@ all of them so that none imports back from the façade.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 
@@ -156,8 +157,27 @@ def _auto_parts(
   (`passes.pipeline.cut`) and balances its layers; `batch` may hold
   `jax.ShapeDtypeStruct`s (shapes only)."""
   # traced as each device runs it: inside the shard_map, every mesh axis manual
-  with _compat.axis_env([(data_axis, D)] if data_axis else []), _compat.manual_context_mesh():
+  with (
+    _compat.axis_env([(data_axis, D)] if data_axis else []),
+    _compat.manual_context_mesh(),
+    _constraints_hold(),
+  ):
     return _auto_parts_bound(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers, state)
+
+
+@contextlib.contextmanager
+def _constraints_hold():
+  """`jax.lax.with_sharding_constraint` as the identity while the loss is traced per
+  device: with every mesh axis manual, each device holds its own values and a layout
+  has nothing to constrain, while naming a manual axis is an error. flax's
+  partitioning boxes (`nn.with_partitioning`) constrain each parameter when a mesh
+  is set (`jax.set_mesh`); the step keeps the arguments' layout itself."""
+  orig = jax.lax.with_sharding_constraint
+  jax.lax.with_sharding_constraint = lambda x, *a, **k: x
+  try:
+    yield
+  finally:
+    jax.lax.with_sharding_constraint = orig
 
 
 def _auto_parts_bound(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers, state):

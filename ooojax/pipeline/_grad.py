@@ -111,7 +111,9 @@ def value_and_grad(
       slice, and the loss and gradients are the mean over the replicas.
     fsdp: with `data_axis`, for stage weights whose sharding splits one of their
       own dimensions over the data axis (FSDP / ZeRO-3 within a stage: an
-      Explicit-axes type, or arrays placed so): "regather" (the default) keeps
+      Explicit-axes type, or arrays placed so and passed outside `jax.jit`;
+      under Auto axes a traced leaf shows no sharding, and `make_train_step`,
+      which reads `init`'s arrays, is the way there): "regather" (the default) keeps
       them split on each replica, all-gathers a chunk's weights inside each
       action that reads them (F, B, W) and reduce-scatters each W's gradient,
       which comes back split as the weight is; "keep" gathers every stage's
