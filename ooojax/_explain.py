@@ -73,7 +73,14 @@ def explain(fun, *args, argnums=0, has_aux=False, **options):
       options["axis_size"] = axes[name]
     elif name is not None and _explain_dp_size_ok(options.get("axis_size")):
       axes.setdefault(name, options["axis_size"])  # bound while tracing (sync BatchNorm)
-  elif "axis_name" in options:
+  if mode == "data_parallel" and options.get("axis_name") is not None:
+    # traced as one device's shard, as the step runs it: constraints on the data axis
+    # (flax's nn.with_partitioning boxes unboxing) dropped there (`_dp_gspmd._in_shard`)
+    from ooojax import _dp_gspmd
+    from ooojax.passes import _compat
+
+    fun = _dp_gspmd._in_shard(fun, options["axis_name"], _compat.context_mesh() is not None)
+  elif mode != "data_parallel" and "axis_name" in options:
     # outside data_parallel, axis_name= names the axis the loss reads (bound from mesh=)
     bound = options.pop("axis_name")
     if bound not in axes:

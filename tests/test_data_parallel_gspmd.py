@@ -391,3 +391,32 @@ def test_explain_takes_the_mesh_and_finds_the_data_axis():
     ooo.explain(loss, state.params, tokens, mesh=mesh, **kw)
   with pytest.raises(ValueError, match=r"axis_name='batch' is not an axis of mesh="):
     ooo.explain(loss, state.params, batch, mesh=mesh, axis_name="batch", **kw)
+
+
+def test_explain_takes_fsdp_params_in_flax_boxes():
+  """nanodo with fsdp_enabled=True: its parameters in nn.with_partitioning boxes, whose
+  unboxing constrains them to P(..., 'data'); explain traces one device's shard, where
+  that constraint is dropped as in the step, and reports the FSDP leaves."""
+  cfg = nd.DoConfig(**_CFG, fsdp_enabled=True)
+  mesh = nd.mesh(N)
+  if True not in _INIT:
+    _INIT[True] = nd.init_train_state(cfg, mesh)
+  state = _INIT[True][1]
+
+  def loss(params, batch):
+    return nd.get_default_loss_fn(batch, state.apply_fn, None)(params)
+
+  tokens = nd.batches(cfg, 2 * N, 1)[0]
+  batch = jax.device_put(tokens, NamedSharding(mesh, P("data")))
+  r = ooo.explain(loss, state.params, batch, mesh=mesh, has_aux=True, mode="data_parallel")
+  assert r.axis_name == "data" and "FSDP leaves held at 1/4" in repr(r)
+  shard = ooo.explain(
+    loss,
+    state.params,
+    tokens[:2],
+    axis_name="data",
+    axis_size=N,
+    has_aux=True,
+    mode="data_parallel",
+  )
+  assert shard.plan.n_devices == N

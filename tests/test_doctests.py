@@ -38,6 +38,9 @@ MODULES = [
   "ooojax.passes.pipeline.link",
   "ooojax.passes.pipeline.depth",
   "ooojax.pipeline._tune",
+  "ooojax.pipeline._tables",
+  "ooojax.pipeline._grad",
+  "ooojax.pipeline._make",
 ]
 
 

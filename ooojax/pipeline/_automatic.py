@@ -7,6 +7,7 @@ all of them so that none imports back from the façade.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 
@@ -156,8 +157,27 @@ def _auto_parts(
   (`passes.pipeline.cut`) and balances its layers; `batch` may hold
   `jax.ShapeDtypeStruct`s (shapes only)."""
   # traced as each device runs it: inside the shard_map, every mesh axis manual
-  with _compat.axis_env([(data_axis, D)] if data_axis else []), _compat.manual_context_mesh():
+  with (
+    _compat.axis_env([(data_axis, D)] if data_axis else []),
+    _compat.manual_context_mesh(),
+    _constraints_hold(),
+  ):
     return _auto_parts_bound(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers, state)
+
+
+@contextlib.contextmanager
+def _constraints_hold():
+  """`jax.lax.with_sharding_constraint` as the identity while the loss is traced per
+  device: with every mesh axis manual, each device holds its own values and a layout
+  has nothing to constrain, while naming a manual axis is an error. flax's
+  partitioning boxes (`nn.with_partitioning`) constrain each parameter when a mesh
+  is set (`jax.set_mesh`); the step keeps the arguments' layout itself."""
+  orig = jax.lax.with_sharding_constraint
+  jax.lax.with_sharding_constraint = lambda x, *a, **k: x
+  try:
+    yield
+  finally:
+    jax.lax.with_sharding_constraint = orig
 
 
 def _auto_parts_bound(loss_fn, has_aux, sched, D, p_avals, p_tree, batch, layers, state):
@@ -301,6 +321,7 @@ def _auto_program(
   layers=None,
   lowering=None,
   state_argnums=(),
+  fsdp: str = "regather",
 ) -> _AutoProgram:
   """`_auto_parts` lowered (`execute.lower`, or `lowering(cut, stage_fn, loss_fn,
   input_fn)`: the tiled train step's)."""
@@ -322,7 +343,16 @@ def _auto_program(
     run = lowering(c, *fns)
   else:
     run = lower(
-      fns[0], fns[1], sched, mesh, axis_name, fns[2], data_axis, device_major, has_aux=c.n_aux > 0
+      fns[0],
+      fns[1],
+      sched,
+      mesh,
+      axis_name,
+      fns[2],
+      data_axis,
+      device_major,
+      has_aux=c.n_aux > 0,
+      fsdp=fsdp,
     )
   b_leaves = jax.tree.leaves(batch)
   order = device_order(sched) if device_major and sched.chunks > 1 else None
@@ -372,6 +402,7 @@ def _auto(
   layers=None,
   aux_reduce: Callable | None = None,
   state_argnums=(),
+  fsdp: str = "regather",
 ) -> Callable:
   """`step(params, *batch)` of a plain loss (`_auto_program`). The loss is traced on
   every call of `step` (once per `jax.jit` trace): a cached trace would keep the
@@ -392,6 +423,7 @@ def _auto(
       batch,
       layers=layers,
       state_argnums=state_argnums,
+      fsdp=fsdp,
     )
 
   def step(params, *batch, **kwargs):
@@ -406,6 +438,7 @@ def _auto(
         layers,
         aux_reduce,
         state_argnums,
+        fsdp,
       )
       return named(params, *batch, kwargs)
     leaves, p_tree = jax.tree.flatten(params)
@@ -417,7 +450,7 @@ def _auto(
       tuple(leaves[i] for i in c.shared),
     )
     if _explicit(mesh):  # stage axes come back sharded; the user's leaves are whole
-      gp = jax.tree.map(lambda g: jax.reshard(g, NamedSharding(mesh, P())), gp)
+      gp = jax.tree.map(lambda g: jax.reshard(g, _off_stages(g, mesh, axis_name)), gp)
     loss, aux, gp = prog.split(out, gp)
     grads = p_tree.unflatten(c.grads(leaves, gp, gsh, counts))
     return ((loss, prog.aux(aux, aux_reduce)), grads) if has_aux else (loss, grads)
@@ -435,6 +468,13 @@ def _auto(
 
   step.balance = balance
   return step
+
+
+def _off_stages(g, mesh, axis_name) -> NamedSharding:
+  """`g`'s sharding less the stage axis: a weight split over the data axis within its
+  stage (FSDP) keeps that split in the user's leaf."""
+  spec = getattr(jax.typeof(g).sharding, "spec", P())
+  return NamedSharding(mesh, P(*(None if e == axis_name else e for e in spec)))
 
 
 def _explicit(mesh) -> bool:

@@ -23,7 +23,7 @@ from ooojax import _filter
 from ooojax._explain_inputs import binds_unbound_axes
 from ooojax.passes.pipeline.schedule import PipelineSchedule
 from ooojax.pipeline import _modules
-from ooojax.pipeline._report import AutoCut, PipelineReport
+from ooojax.pipeline._report import AutoCut, PipelineReport, StageFsdp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +37,7 @@ class _Call:
   # (data axis, its size, the mesh's axis types by name) of a (data, stage) mesh: the
   # compiled step runs the table on every data replica, as `value_and_grad(data_axis=)`
   data: Any = None
+  fsdp: Any = None  # per stage column, its dimension split over the data axis, or None
 
 
 def _phase_costs(prog, device) -> tuple[tuple[str, float, float, float], ...]:
@@ -87,6 +88,7 @@ def explain(
   budget: int | None = None,
   state_argnums=(),
   data_axis: str | None = None,
+  fsdp: str = "regather",
 ) -> PipelineReport:
   """The schedule, its simulated bubble and the memory per stage for this model.
 
@@ -119,6 +121,9 @@ def explain(
       `layers`, `has_aux`, `state_argnums`.
     data_axis: (automatic form, with `mesh=`) the mesh axis the batch is split
       over, as in `value_and_grad`: `gpu=` compiles the (data, stage) step.
+    fsdp: (with `data_axis`) as in `value_and_grad`: stack leaves whose
+      sharding splits one of their dimensions over the data axis; the report's
+      `fsdp` (a `StageFsdp`) names them and says what is gathered, and when.
     steps: >= 2 also simulates the table tiled over that many training steps
       (`passes.pipeline.steps`): the per-step bubble beside the one-step
       bubble, and which actions of step t run during step t + 1's warm-up.
@@ -185,6 +190,7 @@ def explain(
         has_aux=has_aux,
         state_argnums=state_argnums,
         data_axis=data_axis,
+        fsdp=fsdp != "regather" and fsdp,
       ).items()
       if v
     }
@@ -231,6 +237,7 @@ def explain(
           has_aux=has_aux,
           state_argnums=state_argnums,
           data_axis=data_axis,
+          fsdp=fsdp,
           **{k: v for k, v in kw.items() if k != "plan"},
         )
     finally:
@@ -247,6 +254,7 @@ def explain(
     has_aux,
     state_argnums=state_argnums,
     data_axis=data_axis,
+    fsdp=fsdp,
     **kw,
   )
 
@@ -308,6 +316,7 @@ def _explain_auto(
   chunks,
   state_argnums=(),
   data_axis=None,
+  fsdp="regather",
   **kw,
 ) -> PipelineReport:
   """The automatic form: `loss_fn` cut and balanced by `ooojax.pipeline._automatic._auto_parts`
@@ -358,6 +367,11 @@ def _explain_auto(
   )
   rows = jax.eval_shape(lambda bs: parts.rowed(bs), jax.tree.leaves(b_avals))
   shared = tuple(p_avals[i] for i in c.shared)
+  from ooojax.passes.pipeline.fsdp import FSDP_MODES, stack_dims
+
+  if fsdp not in FSDP_MODES:
+    raise ValueError(f"fsdp={fsdp!r}: use one of {FSDP_MODES}")
+  split = None if data is None else stack_dims(leaves, c, counts, data_axis)
   report = _explain(
     stage_fn,
     lfn,
@@ -369,6 +383,7 @@ def _explain_auto(
     microbatches=None,
     chunks=None,
     data=data,
+    fsdp=split if fsdp == "regather" else None,
     **kw,
   )
   # the ends as a stage runs them: on one microbatch (their equations were traced at
@@ -390,7 +405,25 @@ def _explain_auto(
     pick(None),
     tuple(_batch_name(b_named, i) for i in c.side),
   )
-  return dataclasses.replace(report, cut=info, balance=parts.balance)
+  return dataclasses.replace(
+    report,
+    cut=info,
+    balance=parts.balance,
+    fsdp=split and _stage_fsdp(fsdp, data, split, stage_params, sched, c, name),
+  )
+
+
+def _stage_fsdp(mode, data, split, stage_params, sched, c, name) -> StageFsdp:
+  r = len(split) // len(c.stacked[0])  # stage columns per leaf of a layer
+  cols = jax.tree.leaves(stage_params)[: len(split)]
+  return StageFsdp(
+    mode,
+    data[0],
+    data[1],
+    tuple(name(i) for k, i in enumerate(c.stacked[0]) if split[k * r] is not None),
+    sum(x.size * x.dtype.itemsize // sched.stages for x, d in zip(cols, split) if d is not None),
+    sched.chunks,
+  )
 
 
 def _explain(
@@ -412,6 +445,7 @@ def _explain(
   budget=None,
   plan=False,
   data=None,
+  fsdp=None,
 ) -> PipelineReport:
   from ooojax.passes.collectives.plan import get_link
   from ooojax.passes.cost import get_spec
@@ -452,7 +486,7 @@ def _explain(
     name,
     get_link(link).name if link is not None else "",
     phases,
-    call=_Call(stage_fn, loss_fn, stage_params, batch, shared, input_fn, data),
+    call=_Call(stage_fn, loss_fn, stage_params, batch, shared, input_fn, data, fsdp),
     steps=steps,
     depth=depth,
     sliced_weights=max(sliced(fl) for fl in prog.flavors),

@@ -21,7 +21,7 @@ from ooojax.passes.hlo.windows import Window
 from ooojax.passes.pipeline.program import Memory
 from ooojax.passes.pipeline.schedule import PipelineSchedule
 
-__all__ = ["AutoCut", "PipelineReport", "StageMemory"]
+__all__ = ["AutoCut", "PipelineReport", "StageFsdp", "StageMemory"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +65,46 @@ class AutoCut:
 
 
 @dataclasses.dataclass(frozen=True)
+class StageFsdp:
+  """Stack weights split over the data axis within their stage (FSDP, read from the
+  parameters' shardings) and what the step gathers of them."""
+
+  mode: str  # "regather": gathered by each action; "keep": once, before the tick loop
+  axis: str
+  size: int  # data replicas
+  leaves: tuple[str, ...]  # the stack's leaves split (layer 0's for a loop)
+  whole: int  # bytes per device of those leaves whole (its stages')
+  chunks: int = 1
+
+  @property
+  def held(self) -> int:
+    """Bytes per device of those leaves as the step holds them between actions."""
+    return self.whole // self.size if self.mode == "regather" else self.whole
+
+  def summary(self) -> str:
+    mb = _bytes
+    names = ", ".join(self.leaves)
+    names = names if len(names) <= 160 else f"{names[:140]} ..."
+    head = (
+      f"  FSDP within the stages (fsdp={self.mode!r}): {len(self.leaves)} stack "
+      f"{'leaf' if len(self.leaves) == 1 else 'leaves'} split over {self.axis!r} "
+      f"(x{self.size}): {names}"
+    )
+    if self.mode == "keep":
+      return (
+        f"{head}\n    gathered: every stage's whole, once before the tick loop, held for the "
+        f"step: {mb(self.whole)} per device of weights and as much of gradients "
+        f"(fsdp='regather': {mb(self.whole // self.size)} each)"
+      )
+    return (
+      f"{head}\n    held per device: {mb(self.held)} of those weights and {mb(self.held)} "
+      f"of their gradients ({mb(self.whole)} each whole); gathered: each F, B and W "
+      f"all-gathers its chunk's split weights ({mb(self.whole // self.chunks)} whole, "
+      "for that action only); each W reduce-scatters its gradient of them"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class PipelineReport:
   """A pipeline schedule for one model: table, simulated bubble, memory, compiled windows.
 
@@ -95,6 +135,7 @@ class PipelineReport:
   # stage kind with the most (`passes.pipeline.sliced`)
   sliced_weights: int = 0
   notes: tuple[str, ...] = ()  # how explain traced the loss (an axis it bound, ...)
+  fsdp: StageFsdp | None = None  # stack weights split over the data axis (`data_axis`)
 
   # --- simulated from the table and the costs ------------------------------
   def timeline(self):
@@ -237,6 +278,8 @@ class PipelineReport:
       lines.append(self.cut.summary())
     if self.balance is not None:
       lines.append(f"  balance: {self.balance.summary()}")
+    if self.fsdp is not None:
+      lines.append(self.fsdp.summary())
     if self.depth is not None:
       lines.append("  " + self.depth.summary())
     if self.sliced_weights:
@@ -344,7 +387,17 @@ def compile_windows(report: PipelineReport, gpu: str, compiler_options=None) -> 
       kinds = (types.get(name), types.get(next(a for a in types if a != name), None))
       if all(k is not None for k in kinds):
         mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=kinds)
-  step = lower(c.stage_fn, c.loss_fn, sched, mesh, "stage", c.input_fn, data_axis=data and data[0])
+  dims = getattr(c, "fsdp", None)  # the stack's split dimensions (FSDP within the stages)
+  step = lower(
+    c.stage_fn,
+    c.loss_fn,
+    sched,
+    mesh,
+    "stage",
+    c.input_fn,
+    data_axis=data and data[0],
+    fsdp=dims or "keep",
+  )
   args = (c.stage_params, c.batch) + (() if c.shared is None else (c.shared,))
   # what a user's step compiles with (`ooo.pipeline.compiler_options`), theirs winning
   opts = {**xla_options(sched), **(compiler_options or {})}

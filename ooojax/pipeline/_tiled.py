@@ -223,15 +223,13 @@ class TiledTrainStep(PipelineTrainStep):
 
   def __init__(self, *args, steps: int):
     super().__init__(*args)
-    if self.data_axis is not None:
-      raise ValueError(
-        "make_train_step(steps>1) runs one data replica: drop data_axis, or "
-        "use steps=1 (one pipelined step per call, data x stage)"
-      )
     self.steps = steps
     self._extra_outputs = 1 if self.state_argnums else 0  # the final model state
     self._groups: _Groups | None = None
     self.table = None  # the table tiled over steps that the last trace ran
+
+  def _split_columns(self, leaves, c, counts):
+    return None  # the tick loop's weights are loop state, whole per stage
 
   def value_and_grad(self, state, *batch):
     raise TypeError(
@@ -376,6 +374,7 @@ class TiledTrainStep(PipelineTrainStep):
         device_major=True,
         owners=owners,
         has_aux=c.n_aux > 0,
+        data_axis=self.data_axis,
       )
 
     first = jax.tree.unflatten(

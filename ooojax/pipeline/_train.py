@@ -65,6 +65,9 @@ class _Layout:
   cut: Cut  # from `init`'s trace: leaf positions and layout conversions
   balance: Balance  # layers per virtual stage, fixed at `init` (the state's shapes)
   rest: tuple[int, ...]  # leaf positions the loss never reads
+  # per stacked column, its dimension split over the data axis (FSDP within the
+  # stage: the state holds 1/D of it), or None; None when no column is split
+  fsdp: tuple | None = None
 
 
 class PipelineTrainStep:
@@ -83,7 +86,13 @@ class PipelineTrainStep:
     layers=None,
     aux_reduce=None,
     state_argnums=(),
+    fsdp="regather",
   ):
+    from ooojax.passes.pipeline.fsdp import FSDP_MODES
+
+    if fsdp not in FSDP_MODES:
+      raise ValueError(f"fsdp={fsdp!r}: use one of {FSDP_MODES}")
+    self.fsdp = fsdp
     self.loss_fn, self.optimizer, self.sched = loss_fn, optimizer, sched
     self._user_optimizer = optimizer  # its masks in the user's tree (`_pipeline_masks`)
     self.mesh, self.axis_name, self.data_axis, self.has_aux = (mesh, axis_name, data_axis, has_aux)
@@ -111,6 +120,7 @@ class PipelineTrainStep:
       layers=self.layers if layers is None else layers,
       lowering=lowering,
       state_argnums=self.state_argnums,
+      fsdp=self._layout.fsdp if self._layout and self._layout.fsdp else "keep",
     )
 
   def _plan(self, params, batch) -> _Layout:
@@ -125,16 +135,34 @@ class PipelineTrainStep:
     jax.eval_shape(trace, *batch)
     c = box["prog"].cut
     used = {i for row in c.stacked for i in row} | set(c.shared)
+    bal = box["prog"].balance
     return _Layout(
-      treedef, avals, c, box["prog"].balance, tuple(i for i in range(len(leaves)) if i not in used)
+      treedef,
+      avals,
+      c,
+      bal,
+      tuple(i for i in range(len(leaves)) if i not in used),
+      self._split_columns(leaves, c, bal.counts),
     )
 
+  def _split_columns(self, leaves, c: Cut, counts) -> tuple | None:
+    """`_Layout.fsdp`, from the user's leaves' shardings (`fsdp="regather"`, a data axis)."""
+    if self.fsdp != "regather" or self.data_axis is None:
+      return None
+    from ooojax.passes.pipeline.fsdp import stack_dims
+
+    return stack_dims(leaves, c, counts, self.data_axis)
+
   def _shardings(self, state_shape: PipelineTrainState) -> PipelineTrainState:
-    stage = NamedSharding(self.mesh, P(self.axis_name))
     rep = NamedSharding(self.mesh, P())
     p = state_shape.params
+    dims = (self._layout.fsdp if self._layout else None) or (None,) * len(p.stacked)
+    stage = lambda d: NamedSharding(  # noqa: E731 - FSDP: a dimension split over the data axis
+      self.mesh,
+      P(self.axis_name) if d is None else P(self.axis_name, *[None] * (d - 1), self.data_axis),
+    )
     p_sh = StageParams(
-      tuple(stage for _ in p.stacked), tuple(rep for _ in p.shared), tuple(rep for _ in p.rest)
+      tuple(stage(d) for d in dims), tuple(rep for _ in p.shared), tuple(rep for _ in p.rest)
     )
     o_sh = optax.tree_map_params(
       self.optimizer,

@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ooojax.passes import _compat
 from ooojax.passes.pipeline.flavor import Flavor, make_flavor
+from ooojax.passes.pipeline.fsdp import FSDP_MODES, Fsdp, data_dims
 from ooojax.passes.pipeline.link import one_way_groups
 from ooojax.passes.pipeline.lowering import tick_lowering
 from ooojax.passes.pipeline.program import (
@@ -102,6 +103,7 @@ def lower(
   data_axis: str | None = None,
   device_major: bool = False,
   has_aux: bool = False,
+  fsdp: str | tuple = "regather",
 ) -> Callable:
   """Returns `step(stage_params, batch, shared=None) -> (loss, grads)`; see the module doc.
 
@@ -121,8 +123,17 @@ def lower(
   With `has_aux`, `loss_fn` returns `(loss, aux)` (`aux` a tuple of arrays, computed
   by the last stage's F) and `step` returns `((loss, aux), grads)`, each aux leaf
   stacked over the microbatches (then data replicas): `(M * D, ...)`.
+  With a `data_axis`, `stage_params` leaves whose sharding splits one of their
+  dimensions over it (`fsdp.data_dims`) stay split on each replica: with
+  `fsdp="regather"` each action gathers them and each W reduce-scatters their
+  gradient, which comes back split as they are (`passes.pipeline.fsdp`);
+  `fsdp="keep"` gathers the stages whole before the loop; a tuple gives each
+  leaf's split dimension (or None) as the caller laid the stack out.
   """
   _check(sched, mesh, axis_name)
+  given = fsdp if isinstance(fsdp, tuple) else None  # the caller's layout (make_train_step)
+  if given is None and fsdp not in FSDP_MODES:
+    raise ValueError(f"fsdp={fsdp!r}: use one of {FSDP_MODES}")
   D = _data_size(mesh, axis_name, data_axis)
   if sched.steps != 1 or any(a.kind == "U" for row in sched.grid for c in row for a in c):
     raise ValueError(
@@ -152,6 +163,7 @@ def lower(
         local(side_m),
         has_aux,
       )
+    dims = data_dims(stage_params, data_axis if fsdp == "regather" else None, given)
     body = tick_loop(
       prog,
       sched.stages,
@@ -162,6 +174,7 @@ def lower(
       data_axis=data_axis,
       split=one_way(mesh),
       select=tick_lowering(mesh, sched, prog) == "select",
+      fsdp=Fsdp.of(dims, data_axis, D),
     )
     loss, gp, gsh = _shard(
       body,
@@ -174,6 +187,7 @@ def lower(
       [fl.consts for fl in prog.flavors],
       data_axis=data_axis,
       device_major=device_major,
+      p_dims=dims,
     )
     return loss, (gp if shared is None else (gp, gsh))
 
@@ -192,10 +206,12 @@ def _shard(
   opt_state=None,
   data_axis=None,
   device_major=False,
+  p_dims=None,
 ):
   """Runs `body` under `shard_map`: each device gets its chunks' weights (and
   optimizer states); returns what it returns, per-chunk trees back in
-  virtual-stage order."""
+  virtual-stage order. `p_dims[k]`: the dimension of weight leaf k split over
+  `data_axis` (FSDP within the stage: its part only, and its gradient's), or None."""
   S, v = sched.stages, sched.chunks
   # Chunk c of device s is virtual stage sched.vstage(s, c): one (S, ...) tree per
   # chunk, so a device's chunk weights arrive as their own buffers (no slicing).
@@ -216,7 +232,12 @@ def _shard(
       )
     )
     from_dev = lambda *xs: jnp.stack(xs, 1).reshape(S * v, *xs[0].shape[1:])  # noqa: E731
-  p_spec = tuple(jax.tree.map(lambda _: P(axis_name), stage_params) for _ in range(v))
+  p_leaves, p_def = jax.tree.flatten(stage_params)
+  dims = p_dims or (None,) * len(p_leaves)
+  p_spec = jax.tree.unflatten(
+    p_def, [P(axis_name) if d is None else P(axis_name, *[None] * (d - 1), data_axis) for d in dims]
+  )
+  p_spec = (p_spec,) * v
   rep = lambda t: jax.tree.map(lambda _: P(), t)  # noqa: E731
   dat = lambda t: jax.tree.map(lambda _: P(None, data_axis), t)  # noqa: E731
   per_mb = dat if data_axis else rep  # (microbatch, rows, ...): rows over the data axis
@@ -236,9 +257,13 @@ def _shard(
   loss, per_chunk, last, *opt = fn(*args)
   trees = (per_chunk,) if opt_state is None else (per_chunk, opt[0])
   out = []
-  for t in trees:
+  for k, t in enumerate(trees):
     if _explicit(mesh) and v > 1 and not device_major:  # chunks interleave into V
-      t = jax.tree.map(lambda x: jax.reshard(x, NamedSharding(mesh, P())), t)
+      # off the stage axis; a weight split over the data axis (FSDP) stays split
+      whole = lambda x, sp=P(): jax.reshard(x, NamedSharding(mesh, P(None, *sp[1:])))  # noqa: E731
+      t = tuple(
+        jax.tree.map(whole, tc, p_spec[0]) if k == 0 else jax.tree.map(whole, tc) for tc in t
+      )
     out.append(jax.tree.map(from_dev, *t))
   if opt_state is None:
     return loss, out[0], last

@@ -150,6 +150,7 @@ def tick_loop(
   owners=None,
   split=False,
   select=False,
+  fsdp=None,
 ):
   """The per-device program. With an `updater` (a table tiled over `steps`),
   the weights (shared ones too) and optimizer states are loop state, updated at
@@ -158,7 +159,10 @@ def tick_loop(
   shared leaf j, updated at that chunk's U there and broadcast at the end, or
   None (read by the first and the last stage: updated at `sync` ticks).
   With `split`, each exchange runs as one-way permutes (`one_way`). With
-  `select`, the loop body holds no conditional (`lowering.tick_lowering`)."""
+  `select`, the loop body holds no conditional (`lowering.tick_lowering`).
+  With `fsdp` (a `fsdp.Fsdp`), the chunk weights it names arrive split over
+  the data axis: each action gathers them, each W reduce-scatters their
+  gradient."""
   F = plan_pass.F
   flavors, pl, x_aval, fres, bres = (prog.flavors, prog.plan, prog.x_aval, prog.fres, prog.bres)
   n_aux = max(len(fl.aux) for fl in flavors)
@@ -205,7 +209,7 @@ def tick_loop(
 
     def env_of(i, fl, c, r, ws):
       """The phase's static inputs: constants, chunk weights, shared, this microbatch."""
-      vals = [*consts[i], *ws[0][c]]
+      vals = [*consts[i], *(fsdp.gather(ws[0][c]) if fsdp else ws[0][c])]
       if fl.n_shared:
         vals += ws[1]
       if fl.first:
@@ -260,6 +264,8 @@ def tick_loop(
         _run(fl.jaxpr, fl.w_eqns, env)
         g = [_read(env, u) for u in fl.grads]
         n = len(chunk_w[c])
+        if fsdp:  # this replica's part of the replicas' mean, at once
+          g = [*fsdp.scatter(g[:n]), *g[n:]]
         gp = list(acc["gp"])
         gp[c] = [a + d.astype(a.dtype) for a, d in zip(gp[c], g[:n])]
         gsh = [a + d.astype(a.dtype) for a, d in zip(acc["gsh"], g[n:])] or acc["gsh"]
@@ -348,7 +354,7 @@ def tick_loop(
 
         def apply(args, c=c):
           wc, occ, orp, gc = args
-          wc, occ, orp = updater.chunk(c, wc, gc, occ, orp)
+          wc, occ, orp = updater.chunk(c, wc, rep_mean(gc), occ, orp)
           return list(wc), occ, orp, [jnp.zeros_like(g) for g in gc]
 
         ws[c], oc[c], orep, gp[c] = when(
@@ -359,7 +365,7 @@ def tick_loop(
 
         def shared_update(args, key=key, js=js):
           shl, orp, g = list(args[0]), args[1], list(args[2])
-          gj = [g[j] if key is not None else lax.psum(g[j], axis_name) for j in js]
+          gj = rep_mean([g[j] if key is not None else lax.psum(g[j], axis_name) for j in js])
           new, orp = updater.shared(key, js, [shl[j] for j in js], gj, orp)
           for j, x in zip(js, new):
             shl[j], g[j] = x, jnp.zeros_like(g[j])
@@ -372,6 +378,12 @@ def tick_loop(
         )
         sh, orep, gsh = when(pred, shared_update, (sh, orep, gsh))
       return (ws, sh), (oc, orep), {"gp": gp, "gsh": gsh}
+
+    def rep_mean(gs):
+      """The gradient's mean over the data replicas (each ran the table on its
+      rows): the replicas of a stage share its table row, so all of them take
+      this update's branch together."""
+      return gs if data_axis is None else [lax.pmean(g, data_axis) for g in gs]
 
     def tick(carry, r):
       bufs, acc, (loss, aux), out, f_rec, b_rec, w, o = carry
@@ -436,6 +448,8 @@ def tick_loop(
     init = (bufs, acc, (loss0, aux0), no_out, fres.empty(), bres.empty(), w0, o0)
     (_, acc, (loss, aux), _, _, _, w, o), _ = lax.scan(tick, init, table)
     loss = lax.psum(loss, axis_name)
+    if train and data_axis is not None:  # each step's loss: the mean over the replicas
+      loss = lax.pmean(loss, data_axis)
     if n_aux:  # the last stage's rows (the others hold zeros), on every device
       aux = tuple(_gather(a, axis_name, data_axis) for a in aux)
       loss = (loss, aux)
@@ -458,7 +472,10 @@ def tick_loop(
       else:
         loss = lax.pmean(loss, data_axis)
       gsh = [lax.pmean(g, data_axis) for g in gsh]
-      acc["gp"] = [[lax.pmean(g, data_axis) for g in gs] for gs in acc["gp"]]
+      acc["gp"] = [
+        [g if fsdp and fsdp.split(k) else lax.pmean(g, data_axis) for k, g in enumerate(gs)]
+        for gs in acc["gp"]
+      ]
     gp = tuple(p_tree.unflatten([g[None] for g in gs]) for gs in acc["gp"])
     return loss, gp, jax.tree.unflatten(jax.tree.structure(shared), gsh)
 

@@ -18,9 +18,12 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
 
+from ooojax.passes import _compat
 from ooojax.passes.pipeline import plan as plan_pass
-from ooojax.passes.pipeline.execute import _check, _shard
+from ooojax.passes.pipeline.execute import _check, _data_size, _explicit, _shard
 from ooojax.passes.pipeline.lowering import tick_lowering
 from ooojax.passes.pipeline.program import Program, split_microbatches, trace
 from ooojax.passes.pipeline.schedule import PipelineSchedule
@@ -111,6 +114,7 @@ def lower_updates(
   device_major: bool = False,
   owners=None,
   has_aux: bool = False,
+  data_axis: str | None = None,
 ) -> Callable:
   """`run(stage_params, shared, opt_stage, opt_rep, batches) -> (stage_params, shared,
   opt_stage, opt_rep, losses)`: `lower_train`'s program with the updates of
@@ -119,8 +123,12 @@ def lower_updates(
   at its U tick; None (default: all) for a leaf both read, reduced over the
   stages and updated at the plan's `sync` ticks, which needs a table tiled
   with `tile(sched, steps, shared=True)` (checked). With `has_aux` (`loss_fn` returns
-  `(loss, aux)`), `losses` is `(losses, aux)`, each aux leaf `(steps * M, ...)`."""
+  `(loss, aux)`), `losses` is `(losses, aux)`, each aux leaf `(steps * M, ...)`.
+  With a `data_axis`, each microbatch's rows are split over it as in
+  `execute.lower`; each update reads the gradient's mean over the replicas, so
+  the replicas' weights stay equal, and `losses` are the replicas' mean."""
   _check(sched, mesh, axis_name)
+  D = _data_size(mesh, axis_name, data_axis)
   if sched.steps == 1 and not any(a.kind == "U" for row in sched.grid for c in row for a in c):
     from ooojax.passes.pipeline.steps import with_updates
 
@@ -136,12 +144,26 @@ def lower_updates(
       )
     if jax.tree.leaves(shared) and updater.shared is None:
       raise ValueError("shared weights need an updater with a shared update")
-    flat = jax.tree.map(lambda x: jnp.reshape(x, (-1, *jnp.shape(x)[2:])), batches)
     # index step * M + microbatch; side: what every stage reads besides the activation
-    inputs_m, targets_m, side_m = split_microbatches(flat, N * M)
-    prog = trace(
-      stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m, shared, side_m, has_aux
+    inputs_m, targets_m, side_m = _per_microbatch(batches, N, M, D, mesh, data_axis)
+    local = (
+      lambda t: jax.tree.map(  # noqa: E731 - one data replica's slice
+        lambda x: jax.ShapeDtypeStruct((N * M, x.shape[1] // D, *x.shape[2:]), x.dtype), t
+      )
     )
+    with _compat.axis_env([(data_axis, D)] if data_axis else []):  # a loss naming it
+      prog = trace(
+        stage_fn,
+        loss_fn,
+        input_fn,
+        sched,
+        stage_params,
+        local(inputs_m),
+        local(targets_m),
+        shared,
+        local(side_m),
+        has_aux,
+      )
     own = list(owners or [None] * len(jax.tree.leaves(shared)))
     if None in own:
       _check_sync(prog, sched)
@@ -154,6 +176,7 @@ def lower_updates(
       sched.lag,
       updater=updater,
       steps=N,
+      data_axis=data_axis,
       owners=[None if o is None else (*sched.place(o), o) for o in own],
       split=one_way(mesh),
       select=tick_lowering(mesh, sched, prog) == "select",
@@ -168,10 +191,26 @@ def lower_updates(
       (inputs_m, targets_m, side_m),
       [fl.consts for fl in prog.flavors],
       (opt_stage, opt_rep),
+      data_axis=data_axis,
       device_major=device_major,
     )
 
   return run
+
+
+def _per_microbatch(batches, N, M, D, mesh, data_axis):
+  """`(steps, batch, ...)` leaves as `(steps * M, rows, ...)`. On an explicit mesh the
+  reshape says where the rows go (over the data axis, where `_shard` wants them):
+  a reshape that moves a sharded axis has no sharding of its own there."""
+  flat = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct((N * x.shape[1], *x.shape[2:]), x.dtype), batches
+  )
+  jax.eval_shape(lambda b: split_microbatches(b, N * M, D), flat)  # sizes, with its message
+  spec = P(None, data_axis) if data_axis is not None and _explicit(mesh) else None
+  return jax.tree.map(
+    lambda x: lax.reshape(x, (N * M, x.shape[1] // M, *x.shape[2:]), out_sharding=spec),
+    tuple(batches) + (None,) * (3 - len(batches)),
+  )
 
 
 def _check_sync(prog: Program, sched: PipelineSchedule) -> None:

@@ -1,0 +1,114 @@
+"""pipeline.fsdp: stage weights sharded over the data axis inside their stage (ZeRO-3
+within a pipeline stage).
+
+Contract: `data_dims(stage_params, data_axis) -> tuple[int | None, ...]`, per leaf
+of a stack (leading axis: virtual stages) the dimension split over `data_axis`
+(None: held whole on each data replica), read from the leaves' shardings (an
+Explicit-axes type, or a concrete array's `NamedSharding`); `Fsdp` is what the
+tick loop does with them: each action that reads a chunk's weights all-gathers
+the split leaves over the data axis first (the gathered copy dies with the
+action), and each W reduce-scatters its gradient contribution at once, so a
+device holds 1/D of those weights, of their gradient accumulators and of their
+gradients. Without it (`fsdp="keep"`) the `shard_map` that runs the loop takes
+the whole stage on every replica: one all-gather of the stage before the loop,
+kept for the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax import lax
+
+__all__ = ["FSDP_MODES", "Fsdp", "data_dims", "split_dim", "stack_dims"]
+
+FSDP_MODES = ("regather", "keep")
+
+
+def _spec(x):
+  s = getattr(x, "sharding", None)  # a concrete array
+  if isinstance(s, jax.sharding.NamedSharding):
+    return s.spec
+  try:
+    s = jax.typeof(x).sharding  # a tracer under Explicit axes
+  except (TypeError, AttributeError):
+    return None
+  return getattr(s, "spec", None)
+
+
+def _names(entry) -> tuple:
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def split_dim(x, data_axis: str) -> int | None:
+  """The dimension of `x` its sharding splits over `data_axis` alone, else None (a
+  dimension split over the data axis together with another axis is gathered, as
+  before: the tick loop splits over the data axis only)."""
+  spec = _spec(x)
+  dims = [d for d, e in enumerate(spec or ()) if _names(e) == (data_axis,)]
+  return dims[0] if dims else None
+
+
+def data_dims(stage_params, data_axis: str | None, given=None) -> tuple[int | None, ...]:
+  """Per leaf of `stage_params` (a stack: leading axis of virtual stages), its
+  dimension (>= 1) split over `data_axis`, else None (a stack split over it on its
+  leading axis is gathered: the stages lead); `given`: those dimensions as the
+  caller laid them out (padded with None), instead of the leaves' shardings."""
+  leaves = jax.tree.leaves(stage_params)
+  if given is not None:
+    return (*given, *[None] * (len(leaves) - len(given)))[: len(leaves)]
+  if data_axis is None:
+    return (None,) * len(leaves)
+  return tuple(d or None for d in (split_dim(x, data_axis) for x in leaves))
+
+
+def stack_dims(leaves, cut, counts, data_axis: str) -> tuple | None:
+  """Per stage column of `cut.stage_params(leaves, counts)`, its dimension split over
+  `data_axis`, from the user's `leaves`: a column is split where every layer's leaf
+  splits the same dimension of its own (a scan's: not its layer axis), one further
+  in the stack (the virtual stages lead); None where no column is."""
+  out = []
+  for k in range(len(cut.stacked[0])):
+    ds = {split_dim(leaves[row[k]], data_axis) for row in cut.stacked}
+    d = ds.pop() if len(ds) == 1 else None
+    out += [None if d is None or (cut.scanned and d == 0) else d + 1] * cut.per_leaf(counts)
+  return tuple(out) if any(d is not None for d in out) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Fsdp:
+  """The tick loop's view: `dims[k]` is leaf k's split dimension in one chunk's
+  weights (the stage axis dropped), or None."""
+
+  dims: tuple[int | None, ...]
+  axis: str
+  size: int
+
+  @staticmethod
+  def of(stage_dims, data_axis, size) -> Fsdp | None:
+    if data_axis is None or all(d is None for d in stage_dims):
+      return None
+    return Fsdp(tuple(None if d is None else d - 1 for d in stage_dims), data_axis, size)
+
+  def gather(self, ws):
+    """A chunk's weight leaves whole (what its stage function reads)."""
+    return [
+      w if d is None else lax.all_gather(w, self.axis, axis=d, tiled=True)
+      for w, d in zip(ws, self.dims)
+    ]
+
+  def scatter(self, gs):
+    """A W's gradient contributions, the split leaves' as this replica's part of the
+    replicas' mean (the others' whole: reduced after the loop)."""
+    return [
+      g
+      if d is None
+      else lax.psum_scatter(g, self.axis, scatter_dimension=d, tiled=True) / self.size
+      for g, d in zip(gs, self.dims)
+    ]
+
+  def split(self, k: int) -> bool:
+    return k < len(self.dims) and self.dims[k] is not None
