@@ -162,6 +162,7 @@ def lower(
       data_axis=data_axis,
       split=one_way(mesh),
       select=tick_lowering(mesh, sched, prog) == "select",
+      records_always=every_tick_writes_records(mesh),
     )
     loss, gp, gsh = _shard(
       body,

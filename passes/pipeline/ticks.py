@@ -85,19 +85,30 @@ def one_way(mesh) -> bool:
 RECORD_WRITES = "OOOJAX_RECORD_WRITES"
 
 
-def every_tick_writes_records() -> bool:
+def every_tick_writes_records(mesh=None) -> bool:
   """Whether every tick writes its residual records, a tick that produces none
-  into a trash slot (`OOOJAX_RECORD_WRITES=always`), instead of under a `cond`
-  (`cond`, the default). XLA:GPU reads each conditional's branch index back on
-  the host, a copy and a wait per `cond`: on the first H100 the executor's ticks
-  (a switch and two such conds) cost about 0.1 ms each beyond their work. The
-  unconditional write costs one record's copy per tick instead, which on CPU
-  is a memcpy. Which wins on a GPU is for `benchmarks/gpu.sh` to measure
-  (`executor_cost --record-writes cond always`); until then the default stays."""
-  mode = os.environ.get(RECORD_WRITES, "cond")
-  if mode not in ("cond", "always"):
-    raise ValueError(f"{RECORD_WRITES}={mode!r}: use cond (the default) or always")
+  into a trash slot (`always`), instead of under a `cond` (`cond`).
+  `OOOJAX_RECORD_WRITES=auto` (the default): `always` on a GPU `mesh`, `cond` on
+  CPU (or without a mesh). XLA:GPU runs a conditional on the host (it copies
+  the branch index back and waits for the device): on one H200 (jax 0.11.2,
+  1F1B, m = 8) the executor took 1.89x the accumulated step with the two
+  record conds and 1.55x without them (benchmarks/RESULTS.md, "The second GPU
+  run"). On CPU a conditional is a branch and the unconditional write a
+  memcpy of a record per tick, so CPU keeps the conds."""
+  mode = os.environ.get(RECORD_WRITES, "auto")
+  if mode not in ("auto", "cond", "always"):
+    raise ValueError(f"{RECORD_WRITES}={mode!r}: use auto (the default), cond or always")
+  if mode == "auto":
+    return mesh is not None and mesh.devices.flat[0].platform != "cpu"
   return mode == "always"
+
+
+def _row(table, t):
+  """Row `t` of `table`, as a masked sum rather than a dynamic slice: XLA:GPU
+  makes a slice whose offset is the loop counter a DynamicSliceFusion, which
+  keeps the whole tick loop out of a command buffer (CUDA graph)."""
+  hit = (jnp.arange(table.shape[0]) == t)[:, None]
+  return jnp.sum(jnp.where(hit, table, 0), axis=0, dtype=table.dtype)
 
 
 def _barrier(trees):
@@ -150,6 +161,7 @@ def tick_loop(
   owners=None,
   split=False,
   select=False,
+  records_always=None,
 ):
   """The per-device program. With an `updater` (a table tiled over `steps`),
   the weights (shared ones too) and optimizer states are loop state, updated at
@@ -158,12 +170,16 @@ def tick_loop(
   shared leaf j, updated at that chunk's U there and broadcast at the end, or
   None (read by the first and the last stage: updated at `sync` ticks).
   With `split`, each exchange runs as one-way permutes (`one_way`). With
-  `select`, the loop body holds no conditional (`lowering.tick_lowering`)."""
+  `select`, the loop body holds no conditional (`lowering.tick_lowering`).
+  `records_always`: every tick writes its records (default:
+  `every_tick_writes_records()`, which the callers ask with their mesh)."""
   F = plan_pass.F
   flavors, pl, x_aval, fres, bres = (prog.flavors, prog.plan, prog.x_aval, prog.fres, prog.bres)
   n_aux = max(len(fl.aux) for fl in flavors)
   train = updater is not None
-  always = select or every_tick_writes_records()
+  if records_always is None:
+    records_always = every_tick_writes_records()
+  always = select or records_always
 
   def body(chunks, shared, batch_m, consts, opt=None, opt_rep=None):
     inputs_m, targets_m, side_m = batch_m
@@ -373,7 +389,8 @@ def tick_loop(
         sh, orep, gsh = when(pred, shared_update, (sh, orep, gsh))
       return (ws, sh), (oc, orep), {"gp": gp, "gsh": gsh}
 
-    def tick(carry, r):
+    def tick(carry, t):
+      r = _row(table, t)
       bufs, acc, (loss, aux), out, f_rec, b_rec, w, o = carry
       if lag:  # the last tick's output travels while this tick computes
         below, above = send(out, r)
@@ -434,7 +451,7 @@ def tick_loop(
       o0 = ([jax.tree.map(lambda x: x[0], oc) for oc in opt], updater.start(opt_rep))
     loss0 = jnp.zeros((steps,), jnp.float32) if train else zero
     init = (bufs, acc, (loss0, aux0), no_out, fres.empty(), bres.empty(), w0, o0)
-    (_, acc, (loss, aux), _, _, _, w, o), _ = lax.scan(tick, init, table)
+    (_, acc, (loss, aux), _, _, _, w, o), _ = lax.scan(tick, init, jnp.arange(table.shape[0]))
     loss = lax.psum(loss, axis_name)
     if n_aux:  # the last stage's rows (the others hold zeros), on every device
       aux = tuple(_gather(a, axis_name, data_axis) for a in aux)
