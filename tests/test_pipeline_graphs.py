@@ -1,0 +1,119 @@
+"""The tick loop on a GPU, read from the compile-only H100's optimized HLO and XLA's log.
+
+On one H200 (benchmarks/RESULTS.md, "The second GPU run") the executor's ticks
+cost 88 us each beyond their work with a switch and two record `cond`s a tick,
+54 us with the records written on every tick (now the GPU default): XLA:GPU
+runs a conditional on the host, and the record conds' branches read their
+record as 30 slice copies per W tick. Under `lowering.GRAPHS` the whole loop is
+one CUDA graph (device-side while and conditionals), which XLA can only build
+when nothing in the loop is a slice at the loop counter (a DynamicSliceFusion):
+the tick reads its row of the table as a masked sum.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import pytest
+
+import ooojax as ooo
+from ooojax import gpu_hlo
+from ooojax.passes.hlo.schedule import parse
+from tests.test_pipeline_memory import _args, _step
+
+pytestmark = pytest.mark.skipif(
+  gpu_hlo.unavailable_reason() is not None,
+  reason=f"compile-only GPU: {gpu_hlo.unavailable_reason()}",
+)
+
+
+def _loop_ops(text):
+  s = parse(text)
+  return [i for c in s.loop_bodies() for i in s.computations[c]]
+
+
+def test_h100_default_tick_has_one_conditional_no_counter_slice_no_record_slices(monkeypatch):
+  from ooojax.passes.pipeline.ticks import RECORD_WRITES
+
+  monkeypatch.setenv("OOOJAX_TICKS", "switch")  # (`auto` might pick select for ticks this small)
+  mesh = gpu_hlo.mesh("H100", 1, ("stage",))
+  sched = ooo.pipeline.schedule("1f1b", stages=1, microbatches=8)
+  params, batch = _args(sched.virtual_stages)
+  ops = {}
+  for mode in ("cond", "auto"):  # auto: always, on a GPU
+    monkeypatch.setenv(RECORD_WRITES, mode)
+    ops[mode] = _loop_ops(gpu_hlo.compile_text(_step(mesh, sched), params, batch, mesh=mesh))
+  conds = {m: sum(i.op == "conditional" for i in o) for m, o in ops.items()}
+  assert conds == {"cond": 3, "auto": 1}  # the action's switch alone
+  # no async dynamic slice of the table at the loop counter (a DynamicSliceFusion)
+  assert not [i.name for i in ops["auto"] if i.op.endswith("-start")]
+  # W reads its records from a two-row stack (slot, trash) in its fusions; from a
+  # one-row stack under `cond` XLA copies out each record value first
+  slices = {m: sum("wrapped_slice" in i.name for i in o) for m, o in ops.items()}
+  assert slices["auto"] < slices["cond"], slices
+
+
+_SCRIPT = r"""
+import sys
+import jax, jax.numpy as jnp, optax
+import ooojax as ooo
+from ooojax import gpu_hlo
+from ooojax.passes.pipeline.lowering import GRAPHS
+gpu = gpu_hlo.target_config("H100", driver="13.0.0")
+stage = lambda p, h: h + jnp.tanh(h @ p["w"])
+loss = lambda y, t: jnp.mean((y - t) ** 2)
+sd = jax.ShapeDtypeStruct
+for name, S, tiled in [("1f1b", 1, False), ("zb-v", 2, False), ("interleaved", 2, True)]:
+  mesh = gpu_hlo.mesh(gpu, S, ("stage",))
+  sched = ooo.pipeline.schedule(name, stages=S, microbatches=4, steps=2 if tiled else 1)
+  params = {"w": sd((sched.virtual_stages, 16, 16), jnp.float32)}
+  x = sd((16, 16), jnp.float32)
+  if tiled:
+    opt = optax.sgd(0.1)
+    run = ooo.pipeline.train(stage, loss, opt, mesh=mesh, axis_name="stage", schedule=sched)
+    xs = sd((2, 16, 16), jnp.float32)
+    args = (params, jax.eval_shape(jax.vmap(opt.init), params), (xs, xs))
+  else:
+    run = ooo.pipeline.value_and_grad(stage, loss, mesh=mesh, axis_name="stage", schedule=sched)
+    args = (params, (x, x))
+  print("COMPILE", name, flush=True, file=sys.stderr)
+  gpu_hlo.compile_text(jax.jit(run), *args, mesh=mesh, gpu=gpu, compiler_options=GRAPHS)
+"""
+
+
+def test_h100_tick_loop_is_one_cuda_graph_under_graphs():
+  """XLA's command-buffer pass (its log: `TF_CPP_VMODULE`, read at start, so a
+  subprocess) puts each step's tick loop, conditionals, collectives and all,
+  into one command buffer: no tick returns to the host."""
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    TF_CPP_MIN_LOG_LEVEL="0",
+    TF_CPP_VMODULE="command_buffer_conversion_pass=2",
+  )
+  env.pop("XLA_FLAGS", None)
+  r = subprocess.run(
+    [sys.executable, "-c", _SCRIPT],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+  )
+  assert r.returncode == 0, r.stderr[-3000:]
+  log = r.stderr
+  assert "not convertible" not in log, re.findall(r".*not convertible.*", log)
+  for part in log.split("COMPILE ")[1:]:
+    made = re.findall(r"Creating command buffer thunk with the following thunks: (.*)", part)
+    loops = [m for m in made if re.search(r"(^|, )while(\.\d+)?(,|$)", m)]
+    assert loops, (part.splitlines()[0], made)
+
+
+def test_graph_options_are_known_to_this_jax():
+  """`GRAPHS` compiles on CPU too (other backends ignore GPU options)."""
+  from ooojax.passes.pipeline.lowering import GRAPHS
+
+  f = jax.jit(lambda x: x + 1).lower(1.0).compile(compiler_options=GRAPHS)
+  assert float(f(1.0)) == 2.0
