@@ -50,9 +50,12 @@ def test_h100_default_tick_has_one_conditional_no_counter_slice_no_record_slices
   # no async dynamic slice of the table at the loop counter (a DynamicSliceFusion)
   assert not [i.name for i in ops["auto"] if i.op.endswith("-start")]
   # W reads its records from a two-row stack (slot, trash) in its fusions; from a
-  # one-row stack under `cond` XLA copies out each record value first
+  # one-row stack under `cond` jax 0.11.2's XLA copies out each record value first
+  # (jax 0.12's reads both in place)
   slices = {m: sum("wrapped_slice" in i.name for i in o) for m, o in ops.items()}
-  assert slices["auto"] < slices["cond"], slices
+  assert slices["auto"] <= slices["cond"], slices
+  if jax.__version__.startswith("0.11."):
+    assert slices["auto"] < slices["cond"], slices
 
 
 _SCRIPT = r"""
@@ -106,7 +109,7 @@ def test_h100_tick_loop_is_one_cuda_graph_under_graphs():
   log = r.stderr
   assert "not convertible" not in log, re.findall(r".*not convertible.*", log)
   for part in log.split("COMPILE ")[1:]:
-    made = re.findall(r"Creating command buffer thunk with the following thunks: (.*)", part)
+    made = re.findall(r"Creating command buffer thunk\b.*? with the following thunks: (.*)", part)
     loops = [m for m in made if re.search(r"(^|, )while(\.\d+)?(,|$)", m)]
     assert loops, (part.splitlines()[0], made)
 

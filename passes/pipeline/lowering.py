@@ -55,7 +55,8 @@ __all__ = [
 ]
 
 TICKS = "OOOJAX_TICKS"
-HOST_SYNC = 1e-4  # seconds per switch tick beyond its work (first H100 run, jax 0.11.2)
+HOST_SYNC = 1e-4  # s per switch tick beyond its work (first H100 run, jax 0.11.2, 3 conds a tick;
+# one H200: 88 us with 3, 54 us with the 1 a GPU runs now: RESULTS "The second GPU run")
 GRAPHS = {
   "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,COLLECTIVES,CONDITIONAL,WHILE",
   "xla_gpu_graph_min_graph_size": 1,
