@@ -23,10 +23,72 @@ from ooojax import gpu_hlo
 from ooojax.passes.hlo.schedule import parse
 from tests.test_pipeline_memory import _args, _step
 
-pytestmark = pytest.mark.skipif(
+needs_gpu_hlo = pytest.mark.skipif(
   gpu_hlo.unavailable_reason() is not None,
   reason=f"compile-only GPU: {gpu_hlo.unavailable_reason()}",
 )
+
+
+def _gpu_lowering(monkeypatch):
+  """A GPU's `switch` tick loop, on CPU: records on every tick, rows masked."""
+  from ooojax.passes.pipeline.lowering import TICKS
+  from ooojax.passes.pipeline.ticks import RECORD_WRITES, TICK_ROWS
+
+  monkeypatch.setenv(TICKS, "switch")
+  monkeypatch.setenv(RECORD_WRITES, "always")
+  monkeypatch.setenv(TICK_ROWS, "masked")
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h2", "interleaved", "zb-v"])
+def test_gpu_tick_loop_on_cpu_matches_jax_grad(name, monkeypatch):
+  from tests.conftest import assert_trees_close
+  from tests.test_pipeline import _jit, _mesh, _mlp, _reference
+
+  _gpu_lowering(monkeypatch)
+  sched = ooo.pipeline.schedule(name, stages=2, microbatches=4)
+  stage_fn, loss_fn, params, x, t = _mlp(sched.virtual_stages)
+  step = ooo.pipeline.value_and_grad(
+    stage_fn, loss_fn, mesh=_mesh(2), axis_name="stage", schedule=sched
+  )
+  loss, grads = _jit(step)(params, (x, t))
+  ref_loss, ref_grads = _reference(stage_fn, loss_fn, params, x, t)
+  assert_trees_close(loss, ref_loss)
+  assert_trees_close(grads, ref_grads)
+
+
+def test_gpu_tick_loop_on_cpu_tiled_matches_synchronous_loop(monkeypatch):
+  import jax.numpy as jnp
+  import optax
+
+  from tests.conftest import assert_trees_close
+  from tests.test_pipeline import _jit, _mesh, _mlp, _reference
+  from tests.test_pipeline_train import _batches
+
+  _gpu_lowering(monkeypatch)
+  steps, opt = 2, optax.adam(1e-2)
+  sched = ooo.pipeline.schedule("interleaved", stages=2, microbatches=4, steps=steps)
+  stage_fn, loss_fn, params, _, _ = _mlp(sched.virtual_stages)
+  xs, ts = _batches(steps)
+  run = ooo.pipeline.train(stage_fn, loss_fn, opt, mesh=_mesh(2), axis_name="stage", schedule=sched)
+  p, _, losses = _jit(run)(params, jax.vmap(opt.init)(params), (xs, ts))
+  q, qs, ref = params, opt.init(params), []
+  for k in range(steps):
+    loss, g = _reference(stage_fn, loss_fn, q, xs[k], ts[k])
+    updates, qs = opt.update(g, qs, q)
+    q = optax.apply_updates(q, updates)
+    ref.append(loss)
+  assert_trees_close(losses, jnp.stack(ref))
+  assert_trees_close(p, q)
+
+
+def test_tick_rows_bad_value(monkeypatch):
+  from ooojax.passes.pipeline.ticks import TICK_ROWS, masked_rows
+  from tests.test_pipeline import _mesh
+
+  assert not masked_rows(_mesh(2))  # CPU: the scan slices the rows
+  monkeypatch.setenv(TICK_ROWS, "sometimes")
+  with pytest.raises(ValueError, match="use auto"):
+    masked_rows(_mesh(2))
 
 
 def _loop_ops(text):
@@ -34,6 +96,7 @@ def _loop_ops(text):
   return [i for c in s.loop_bodies() for i in s.computations[c]]
 
 
+@needs_gpu_hlo
 def test_h100_default_tick_has_one_conditional_no_counter_slice_no_record_slices(monkeypatch):
   from ooojax.passes.pipeline.ticks import RECORD_WRITES
 
@@ -86,6 +149,7 @@ for name, S, tiled in [("1f1b", 1, False), ("zb-v", 2, False), ("interleaved", 2
 """
 
 
+@needs_gpu_hlo
 def test_h100_tick_loop_is_one_cuda_graph_under_graphs():
   """XLA's command-buffer pass (its log: `TF_CPP_VMODULE`, read at start, so a
   subprocess) puts each step's tick loop, conditionals, collectives and all,

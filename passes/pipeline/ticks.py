@@ -41,7 +41,9 @@ from ooojax.passes.pipeline.program import Program
 __all__ = [
   "CPU_EXCHANGE",
   "RECORD_WRITES",
+  "TICK_ROWS",
   "every_tick_writes_records",
+  "masked_rows",
   "one_way",
   "tick_loop",
 ]
@@ -103,6 +105,22 @@ def every_tick_writes_records(mesh=None) -> bool:
   return mode == "always"
 
 
+TICK_ROWS = "OOOJAX_TICK_ROWS"
+
+
+def masked_rows(mesh) -> bool:
+  """Whether each tick reads its row of the table as a masked sum (`_row`):
+  `OOOJAX_TICK_ROWS=auto` (the default) on a GPU mesh, so that XLA can capture
+  the tick loop whole in a CUDA graph; on CPU the scan slices the rows
+  (`slice`). `masked` / `slice` force one."""
+  mode = os.environ.get(TICK_ROWS, "auto")
+  if mode not in ("auto", "masked", "slice"):
+    raise ValueError(f"{TICK_ROWS}={mode!r}: use auto (the default), masked or slice")
+  if mode == "auto":
+    return mesh.devices.flat[0].platform != "cpu"
+  return mode == "masked"
+
+
 def _row(table, t):
   """Row `t` of `table`, as a masked sum rather than a dynamic slice: XLA:GPU
   makes a slice whose offset is the loop counter a DynamicSliceFusion, which
@@ -162,6 +180,7 @@ def tick_loop(
   split=False,
   select=False,
   records_always=None,
+  masked_rows=False,
 ):
   """The per-device program. With an `updater` (a table tiled over `steps`),
   the weights (shared ones too) and optimizer states are loop state, updated at
@@ -172,7 +191,10 @@ def tick_loop(
   With `split`, each exchange runs as one-way permutes (`one_way`). With
   `select`, the loop body holds no conditional (`lowering.tick_lowering`).
   `records_always`: every tick writes its records (default:
-  `every_tick_writes_records()`, which the callers ask with their mesh)."""
+  `every_tick_writes_records()`, which the callers ask with their mesh).
+  `masked_rows` (on a GPU): each tick reads its row of the table as a masked
+  sum (`_row`), so that XLA can capture the loop in one CUDA graph; otherwise
+  the scan slices the rows (the CPU's loop, unchanged)."""
   F = plan_pass.F
   flavors, pl, x_aval, fres, bres = (prog.flavors, prog.plan, prog.x_aval, prog.fres, prog.bres)
   n_aux = max(len(fl.aux) for fl in flavors)
@@ -390,7 +412,7 @@ def tick_loop(
       return (ws, sh), (oc, orep), {"gp": gp, "gsh": gsh}
 
     def tick(carry, t):
-      r = _row(table, t)
+      r = _row(table, t) if masked_rows else t
       bufs, acc, (loss, aux), out, f_rec, b_rec, w, o = carry
       if lag:  # the last tick's output travels while this tick computes
         below, above = send(out, r)
@@ -451,7 +473,8 @@ def tick_loop(
       o0 = ([jax.tree.map(lambda x: x[0], oc) for oc in opt], updater.start(opt_rep))
     loss0 = jnp.zeros((steps,), jnp.float32) if train else zero
     init = (bufs, acc, (loss0, aux0), no_out, fres.empty(), bres.empty(), w0, o0)
-    (_, acc, (loss, aux), _, _, _, w, o), _ = lax.scan(tick, init, jnp.arange(table.shape[0]))
+    rows = jnp.arange(table.shape[0]) if masked_rows else table
+    (_, acc, (loss, aux), _, _, _, w, o), _ = lax.scan(tick, init, rows)
     loss = lax.psum(loss, axis_name)
     if n_aux:  # the last stage's rows (the others hold zeros), on every device
       aux = tuple(_gather(a, axis_name, data_axis) for a in aux)

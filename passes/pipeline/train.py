@@ -24,7 +24,12 @@ from ooojax.passes.pipeline.execute import _check, _shard
 from ooojax.passes.pipeline.lowering import tick_lowering
 from ooojax.passes.pipeline.program import Program, split_microbatches, trace
 from ooojax.passes.pipeline.schedule import PipelineSchedule
-from ooojax.passes.pipeline.ticks import every_tick_writes_records, one_way, tick_loop
+from ooojax.passes.pipeline.ticks import (
+  every_tick_writes_records,
+  masked_rows,
+  one_way,
+  tick_loop,
+)
 
 __all__ = ["Updater", "lower_train", "lower_updates"]
 
@@ -158,6 +163,7 @@ def lower_updates(
       split=one_way(mesh),
       select=tick_lowering(mesh, sched, prog) == "select",
       records_always=every_tick_writes_records(mesh),
+      masked_rows=masked_rows(mesh),
     )
     return _shard(
       body,
