@@ -9,8 +9,9 @@ one `lax.switch` over the (flavor, kind, chunk) actions the table uses, then
 the ppermutes and the slot writes. The switch reads the slot stacks but never
 returns them: an action returns what it produces (the value it sends, a loss
 term, its residual record in a one-record carry), and the tick writes the
-record into its slot afterwards (a `dynamic_update_slice` under a `cond`, so
-ticks that produce none write nothing; `every_tick_writes_records`). Only the
+record into its slot afterwards (on CPU a `dynamic_update_slice` under a
+`cond`, so ticks that produce none write nothing; on a GPU every tick writes,
+into a trash slot if it has none: `every_tick_writes_records`). Only the
 gradient accumulators are updated inside the switch, by the W actions alone
 (in place: no branch reads them without writing). A buffer that one branch
 updates and another only reads is copied whole every tick by XLA; this layout
