@@ -131,7 +131,8 @@ gpu = gpu_hlo.target_config("H100", driver="13.0.0")
 stage = lambda p, h: h + jnp.tanh(h @ p["w"])
 loss = lambda y, t: jnp.mean((y - t) ** 2)
 sd = jax.ShapeDtypeStruct
-for name, S, tiled in [("1f1b", 1, False), ("zb-v", 2, False), ("interleaved", 2, True)]:
+names = ("gpipe", "1f1b", "ooo", "zb-h1", "zb-h2", "interleaved", "zb-v")
+for name, S, tiled in [(n, 2, False) for n in names] + [("interleaved", 2, True)]:
   mesh = gpu_hlo.mesh(gpu, S, ("stage",))
   sched = ooo.pipeline.schedule(name, stages=S, microbatches=4, steps=2 if tiled else 1)
   params = {"w": sd((sched.virtual_stages, 16, 16), jnp.float32)}
@@ -153,7 +154,8 @@ for name, S, tiled in [("1f1b", 1, False), ("zb-v", 2, False), ("interleaved", 2
 def test_h100_tick_loop_is_one_cuda_graph_under_graphs():
   """XLA's command-buffer pass (its log: `TF_CPP_VMODULE`, read at start, so a
   subprocess) puts each step's tick loop, conditionals, collectives and all,
-  into one command buffer: no tick returns to the host."""
+  into one command buffer: no tick returns to the host. Every schedule on two
+  stages, and one tiled over two steps."""
   env = dict(
     os.environ,
     JAX_PLATFORMS="cpu",
@@ -172,7 +174,9 @@ def test_h100_tick_loop_is_one_cuda_graph_under_graphs():
   assert r.returncode == 0, r.stderr[-3000:]
   log = r.stderr
   assert "not convertible" not in log, re.findall(r".*not convertible.*", log)
-  for part in log.split("COMPILE ")[1:]:
+  parts = log.split("COMPILE ")[1:]
+  assert len(parts) == 8, log[-3000:]
+  for part in parts:
     made = re.findall(r"Creating command buffer thunk\b.*? with the following thunks: (.*)", part)
     loops = [m for m in made if re.search(r"(^|, )while(\.\d+)?(,|$)", m)]
     assert loops, (part.splitlines()[0], made)
