@@ -90,8 +90,9 @@ step dp_calibrate 120 $PY -m benchmarks.dp_calibrate "${DPCAL[@]}" --json "$OUT/
 # (`always`, the GPU default since: one conditional a tick and no record-slice copies);
 # `select` ticks (no conditional) 3.3x. `--graphs`: each step again as CUDA graphs with
 # device-side conditionals and loops; the tick loop reads its row without a
-# loop-counter slice, so XLA captures it whole (issue 48).
-step executor_cost 300 $PY -m benchmarks.executor_cost "${EXEC[@]}" --record-writes always cond --ticks switch select --graphs
+# loop-counter slice, so XLA captures it whole (issue 48). `--budget`: it compiles no new
+# variant after 60% of 270 s (32 compiles here; the H200 took 240 s for 16) and prints its table.
+step executor_cost 300 $PY -m benchmarks.executor_cost "${EXEC[@]}" --record-writes always cond --ticks switch select --graphs --budget 270
 # What one conditional, one select tick and one CUDA-graph conditional cost here
 # (settles passes.pipeline.lowering's HOST_SYNC and its choice).
 step tick_cost 60 $PY -m benchmarks.tick_cost "${TICK[@]}"
