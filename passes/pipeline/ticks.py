@@ -24,9 +24,14 @@ both ways); the receive columns say which slot keeps what arrives. A hand-off
 to the same device (ZB-V's tip) is local. Weights shared by the first and the
 last stage (tied embeddings) get one gradient contribution from each W that
 uses them and a single `psum` at the end.
+
+A tiled table's optimizer updates run in the ticks (`tick_updates`); which
+loop a mesh gets (exchange, record writes, row reads) is `tick_options`'.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +48,12 @@ from ooojax.passes.pipeline.tick_options import (
   every_tick_writes_records,
   masked_rows,
   one_way,
+)
+from ooojax.passes.pipeline.tick_updates import (
+  broadcast_owned,
+  owner_groups,
+  tree_where as _where,
+  update,
 )
 
 __all__ = [
@@ -84,11 +95,6 @@ def _barrier(trees):
   uniq = list({id(x): x for x in leaves}.values())
   out = dict(zip(map(id, uniq), lax.optimization_barrier(uniq)))
   return jax.tree.unflatten(tdef, [out[id(x)] for x in leaves])
-
-
-def _where(pred, new, old):
-  """`new` where the scalar `pred` holds, else `old` (pytrees)."""
-  return jax.tree.map(lambda a, b: b if a is b else lax.select(pred, a, b), new, old)
 
 
 def _permute(x, axis_name, pairs, split: bool):
@@ -316,49 +322,6 @@ def tick_loop(
         bufs[name],
       )
 
-    def when(pred, f, args):
-      """`f(args)` if `pred`, else `args`: a `cond`, or with `select` both
-      computed and one kept (a psum inside runs on every tick, on every device)."""
-      if select:
-        return _where(pred, f(args), args)
-      return lax.cond(pred, f, lambda a: a, args)
-
-    def update(r, w, o, acc):
-      """Each chunk whose bit is set in `upd`: its update on its summed gradients
-      (all of its step's W ran by this tick), then a zero accumulator. At a
-      `sync` tick (the same on every device, so the psum inside the cond is
-      collective), the shared weights' update on their gradient summed over
-      the stages."""
-      (ws, sh), (oc, orep), gp = (list(w[0]), w[1]), (list(o[0]), o[1]), list(acc["gp"])
-      for c in range(v):
-
-        def apply(args, c=c):
-          wc, occ, orp, gc = args
-          wc, occ, orp = updater.chunk(c, wc, gc, occ, orp)
-          return list(wc), occ, orp, [jnp.zeros_like(g) for g in gc]
-
-        ws[c], oc[c], orep, gp[c] = when(
-          ((r[F["upd"]] >> c) & 1) == 1, apply, (ws[c], oc[c], orep, gp[c])
-        )
-      gsh = acc["gsh"]
-      for key, (d, c, js) in groups.items():  # the owner's update, or all at a sync
-
-        def shared_update(args, key=key, js=js):
-          shl, orp, g = list(args[0]), args[1], list(args[2])
-          gj = [g[j] if key is not None else lax.psum(g[j], axis_name) for j in js]
-          new, orp = updater.shared(key, js, [shl[j] for j in js], gj, orp)
-          for j, x in zip(js, new):
-            shl[j], g[j] = x, jnp.zeros_like(g[j])
-          return shl, orp, g
-
-        pred = (
-          r[F["sync"]] == 1
-          if key is None
-          else (((r[F["upd"]] >> c) & 1) == 1) & (lax.axis_index(axis_name) == d)
-        )
-        sh, orep, gsh = when(pred, shared_update, (sh, orep, gsh))
-      return (ws, sh), (oc, orep), {"gp": gp, "gsh": gsh}
-
     def tick(carry, t):
       r = _row(table, t) if masked_rows else t
       bufs, acc, (loss, aux), out, f_rec, b_rec, w, o = carry
@@ -397,23 +360,14 @@ def tick_loop(
         "bres": keep(bufs, "bres", r[F["b_write"]], b_rec),
       }
       if train:
-        w, o, acc = update(r, w, o, acc)
+        w, o, acc = update(r, w, o, acc, updater, v, groups, axis_name, select)
         loss = loss.at[r[F["step"]]].add(dl)
       else:
         loss = loss + dl
       return (bufs, acc, (loss, aux), out, f_rec, b_rec, w, o), None
 
-    groups = {}  # None (tied: sync) or owner vstage -> (device, chunk, leaf indices)
-    for j, own in enumerate(owners or [None] * len(sh_leaves)):
-      key, d, c = (None, 0, 0) if own is None else (own[2], own[0], own[1])
-      groups.setdefault(key, (d, c, []))[2].append(j)
-
-    def bcast(key, x):
-      """`x` as the owner of group `key` holds it, on every device."""
-      if key is None:
-        return x
-      mine = lax.axis_index(axis_name) == groups[key][0]
-      return lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), axis_name)
+    groups = owner_groups(owners, len(sh_leaves))
+    bcast = functools.partial(broadcast_owned, groups, axis_name)
 
     w0 = o0 = None
     if train:
