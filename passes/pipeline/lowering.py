@@ -56,7 +56,8 @@ __all__ = [
 
 TICKS = "OOOJAX_TICKS"
 HOST_SYNC = 1e-4  # s per switch tick beyond its work (first H100 run, jax 0.11.2, 3 conds a tick;
-# one H200: 88 us with 3, 54 us with the 1 a GPU runs now: RESULTS "The second GPU run")
+# one H200: 88 us with 3, 54 us with the 1 a GPU runs now, and as much as one CUDA graph
+# of the loop: the ticks' extra kernels, not the host (RESULTS, issue 48))
 GRAPHS = {
   "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,COLLECTIVES,CONDITIONAL,WHILE",
   "xla_gpu_graph_min_graph_size": 1,
