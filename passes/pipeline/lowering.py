@@ -22,8 +22,8 @@ CUDA graph (a device-side while with device-side conditionals, the ring's
 collectives inside): no tick returns to the host. XLA drops CONDITIONAL and
 WHILE below CUDA 12.3 (driver and runtime); a compile-only device given a
 driver version (`gpu_hlo.target_config(..., driver=...)`) shows the capture in
-XLA's log (tests/test_pipeline_graphs.py). Not a default until a GPU measures
-it (benchmarks.executor_cost --graphs; RESULTS, issue 48).
+XLA's log (tests/test_pipeline_graphs.py). Not a default: on one H200 it did
+not pay (benchmarks.executor_cost --graphs; RESULTS, issue 48).
 
 `auto` (the default): `switch` on CPU; on a GPU `select` where its wasted work
 costs less than the host round trips it saves (small ticks), else `switch`.
