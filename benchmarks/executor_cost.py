@@ -8,6 +8,9 @@ the ratio is what the executor's ticks, records and per-phase tracing cost.
   python -m benchmarks.executor_cost --compile-only H100    # count kernels, run nothing
   python -m benchmarks.executor_cost --record-writes cond always   # both record writes
   python -m benchmarks.executor_cost --ticks switch select   # both tick loops (lowering.py)
+  python -m benchmarks.executor_cost --graphs    # each step again as one CUDA graph
+  python -m benchmarks.executor_cost --microbatches 8 --steps accumulated executor \
+      --record-writes cond always --graphs --budget 90   # the H200 follow-up (issue 48)
 
 Besides the times it counts the weight-slice copies in the compiled step: the
 stacked model's stage function indexes each layer's weights out of its stack
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import time
 
 import jax
 import numpy as np
@@ -32,7 +36,8 @@ import numpy as np
 import ooojax as ooo
 from benchmarks import _mlp_model as model, _report
 from ooojax._hlo_cli import parse_kv
-from ooojax.passes.pipeline.lowering import TICKS
+from ooojax.passes.hlo.schedule import parse
+from ooojax.passes.pipeline.lowering import GRAPHS, TICKS
 from ooojax.passes.pipeline.ticks import RECORD_WRITES
 
 _MOVES = {"slice", "dynamic-slice", "bitcast", "copy", "parameter", "reshape", "transpose"}
@@ -92,6 +97,21 @@ def weight_slice_copies(hlo: str, dim: int, hidden: int) -> int:
   return n
 
 
+def loop_copies(hlo: str) -> int:
+  """Copy kernels in the step's loop bodies (what runs per tick, or per scan
+  step), branches included: `copy` instructions and fusions that only slice
+  (XLA:GPU's `wrapped_slice`: a memcpy). On the H200 these ran as the
+  `memcpy32_post` / `memcpy128` kernels (RESULTS, issue 48)."""
+  s = parse(hlo)
+  moves = {"slice", "dynamic-slice", "bitcast", "parameter"}
+  n = 0
+  for c in s.loop_bodies():
+    for i in s.computations[c]:
+      inner = s.computations.get(i.calls[0], ()) if i.op == "fusion" and i.calls else ()
+      n += i.op == "copy" or bool(inner) and all(x.op in moves for x in inner)
+  return n
+
+
 def steps(m: int, mesh, params, batch) -> dict:
   """`{name: (step, args)}`: the stacked model (the explicit form, `p["w1"][j]` per
   layer) and the same blocks as a flax Python loop (the automatic form, each layer
@@ -127,10 +147,10 @@ def main(argv=None):
   ap.add_argument(
     "--record-writes",
     nargs="+",
-    default=["cond"],
-    choices=["cond", "always"],
-    help="the executor's record writes (OOOJAX_RECORD_WRITES): each mode's pipelined "
-    "rows, alternating with the rest",
+    default=["auto"],
+    choices=["auto", "cond", "always"],
+    help="the executor's record writes (OOOJAX_RECORD_WRITES; auto: always on a GPU, "
+    "cond on CPU): each mode's pipelined rows, alternating with the rest",
   )
   ap.add_argument(
     "--ticks",
@@ -139,9 +159,30 @@ def main(argv=None):
     choices=["auto", "switch", "select"],
     help="the executor's tick loop (OOOJAX_TICKS): each one's pipelined rows",
   )
+  ap.add_argument(
+    "--steps",
+    nargs="+",
+    default=["accumulated", "executor", "loop accumulated", "loop automatic"],
+    help="which steps (names before the '/'): e.g. accumulated executor",
+  )
+  ap.add_argument(
+    "--graphs",
+    action="store_true",
+    help="also each step compiled with CUDA-graph conditionals and loops "
+    "(passes.pipeline.lowering.GRAPHS): a tick loop captured whole never returns to the host",
+  )
+  ap.add_argument(
+    "--budget",
+    type=float,
+    default=0.0,
+    help="seconds: compile no new variant after 60%% of them (the rest say 'skipped')",
+  )
   ap.add_argument("--write", action="store_true")
   a = ap.parse_args(argv)
   option_sets = [("", {})] + [(f" [{o}]", parse_kv(o.split(","))) for o in a.also_with]
+  # graphs first: under a --budget their rows are what a run is for (issue 48)
+  option_sets = ([(" [graphs]", GRAPHS)] if a.graphs else []) + option_sets
+  start = time.perf_counter()
   params = model.make_params(1, a.layers, a.dim, a.hidden)
   batch = model.make_batch(a.batch, a.dim)
   if a.compile_only:
@@ -154,33 +195,44 @@ def main(argv=None):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("stage",))
     to_arg = jax.numpy.asarray
     device = jax.devices()[0].device_kind
-  fns, copies, conds = {}, {}, {}
+  fns, copies, conds, moves, skipped = {}, {}, {}, {}, {}
   # `select` writes every record (its ticks have no cond): one record mode for it
   modes = [(t, r) for t in a.ticks for r in a.record_writes]
   modes = [(t, r) for t, r in modes if t != "select" or r == a.record_writes[0]]
+  # option sets outermost: under a --budget each set's rows (and their ratios) come whole
   for m in a.microbatches:
-    for ticks, mode in modes:
-      os.environ[RECORD_WRITES] = mode  # read while the executor traces
-      os.environ[TICKS] = ticks
-      for name, (f, args) in steps(m, mesh, params, batch).items():
-        if (ticks, mode) != modes[0]:
-          if "accumulated" in name:  # no executor: the first mode's row stands
+    for suffix, opts in option_sets:
+      for ticks, mode in modes:
+        os.environ[RECORD_WRITES] = mode  # read while the executor traces
+        os.environ[TICKS] = ticks
+        for name, (f, args) in steps(m, mesh, params, batch).items():
+          if name.split("/")[0] not in a.steps:
             continue
-          name += f" [records: {mode}]" if mode != a.record_writes[0] else ""
-          name += f" [ticks: {ticks}]" if ticks != a.ticks[0] else ""
-        args = jax.tree.map(to_arg, args)
-        for suffix, opts in option_sets:
+          if (ticks, mode) != modes[0]:
+            if "accumulated" in name:  # no executor: the first mode's row stands
+              continue
+            name += f" [records: {mode}]" if mode != a.record_writes[0] else ""
+            name += f" [ticks: {ticks}]" if ticks != a.ticks[0] else ""
+          key = name + suffix
+          if a.budget and time.perf_counter() - start > 0.6 * a.budget:
+            skipped[key] = "skipped (budget)"
+            continue
+          args = jax.tree.map(to_arg, args)
+          t0 = time.perf_counter()
           if a.compile_only:
             hlo = gpu_hlo.compile_text(
               f, *args, gpu=a.compile_only, mesh=mesh, compiler_options=opts
             )
           else:
             exe = jax.jit(f).lower(*args).compile(compiler_options=opts)
-            fns[name + suffix] = lambda exe=exe, args=args: exe(*args)
+            fns[key] = lambda exe=exe, args=args: exe(*args)
             hlo = exe.as_text()
-          copies[name + suffix] = weight_slice_copies(hlo, a.dim, a.hidden)
-          conds[name + suffix] = len(re.findall(r" conditional\(", hlo))
+          print(f"{key}: compiled in {time.perf_counter() - t0:.1f} s", flush=True)
+          copies[key] = weight_slice_copies(hlo, a.dim, a.hidden)
+          conds[key] = len(re.findall(r" conditional\(", hlo))
+          moves[key] = loop_copies(hlo)
   times, failed = _report.compile_then_alternate(fns, (), a.rounds, a.iters)
+  failed.update(skipped)
   lines = _report.header("Pipeline executor's own cost, one device (benchmarks/executor_cost.py)")
   lines += [
     f"Device: {device}. Model: {a.layers} residual blocks x + gelu(LN(x) W1) W2, D={a.dim}, "
@@ -200,13 +252,22 @@ def main(argv=None):
     "every tick writes its records, a trash slot for ticks with none "
     "(OOOJAX_RECORD_WRITES=always), where the default writes them under a cond; "
     "`[ticks: select]`: every tick runs every action, the row's kept by `where` (no "
-    "conditional; OOOJAX_TICKS=select, passes.pipeline.lowering).",
+    "conditional; OOOJAX_TICKS=select, passes.pipeline.lowering); `[records: auto]`: "
+    "always on a GPU, cond on CPU. Loop copies: copy kernels per loop iteration (copies "
+    "and slice-only fusions in the loop body and its branches). `[graphs]`: compiled with "
+    "CUDA-graph conditionals and loops (`xla_gpu_enable_command_buffer` + CONDITIONAL, "
+    "WHILE).",
     "",
-    "| step | ms (median) | pipelined / accumulated | weight-slice copies | conditionals |",
-    "|---|---|---|---|---|",
+    "| step | ms (median) | pipelined / accumulated | weight-slice copies | conditionals "
+    "| loop copies |",
+    "|---|---|---|---|---|---|",
   ]
   base = {"executor/": "accumulated/", "loop automatic/": "loop accumulated/"}
-  for key, n in copies.items():
+  for key in [*copies, *skipped]:
+    if key in skipped:
+      lines.append(f"| {key} | {skipped[key]} |  |  |  |  |")
+      continue
+    n = copies[key]
     ms = f"{np.median(times[key]) * 1e3:.2f}" if key in times else failed.get(key, "-")
     pre = next((p for p in base if key.startswith(p)), None)
     acc = re.sub(r" \[(records|ticks): \w+\]", "", key.replace(pre, base[pre])) if pre else None
@@ -215,7 +276,7 @@ def main(argv=None):
       if acc and key in times and acc in times
       else ""
     )
-    lines.append(f"| {key} | {ms} | {ratio} | {n} | {conds[key]} |")
+    lines.append(f"| {key} | {ms} | {ratio} | {n} | {conds[key]} | {moves[key]} |")
   _report.emit(lines, a.write)
 
 

@@ -94,19 +94,17 @@ step gpu_check 120 $PY -m benchmarks.gpu_check "${CHECK[@]}"
 step dp_calibrate 120 $PY -m benchmarks.dp_calibrate "${DPCAL[@]}" --json "$OUT/dp_kernels.json"
 # 3. The pipeline executor's own cost on one GPU (its ticks against the accumulated
 # scan); the stacked explicit form beside a flax loop pipelined automatically (no
-# slices). On the first GPU the executor took 2x the accumulated step (2.3 ms more
-# at m=8, about 0.1 ms a tick): a tick holds a switch and two conds (the record
-# writes), whose branch index XLA:GPU reads back on the host. `always` writes the
-# records on every tick (a trash slot): one conditional a tick instead of three.
-# `select` ticks (issue 48) run every action and keep the row's: no conditional at all.
-step executor_cost 180 $PY -m benchmarks.executor_cost "${EXEC[@]}" --record-writes cond always --ticks switch select
+# slices). On the H200 (second GPU run) the executor took 1.89x the accumulated step
+# with a switch and two record conds a tick, 1.55x writing the records every tick
+# (`always`, the GPU default since: one conditional a tick and no record-slice copies);
+# `select` ticks (no conditional) 3.3x. `--graphs`: each step again as CUDA graphs with
+# device-side conditionals and loops; the tick loop reads its row without a
+# loop-counter slice, so XLA captures it whole (issue 48). `--budget`: it compiles no new
+# variant after 60% of 270 s (32 compiles here; the H200 took 240 s for 16) and prints its table.
+step executor_cost 300 $PY -m benchmarks.executor_cost "${EXEC[@]}" --record-writes always cond --ticks switch select --graphs --budget 270
 # What one conditional, one select tick and one CUDA-graph conditional cost here
 # (settles passes.pipeline.lowering's HOST_SYNC and its choice).
 step tick_cost 60 $PY -m benchmarks.tick_cost "${TICK[@]}"
-# CUDA-graph conditionals branch on the device.
-export XLA_FLAGS="--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE"
-step executor_cost_graph_conditionals 180 $PY -m benchmarks.executor_cost "${EXEC[@]}" --record-writes cond always --ticks switch select
-unset XLA_FLAGS
 # The executor's device trace beside the accumulated step: idle time is the ticks' gaps.
 step gpu_trace_executor 90 $PY -m benchmarks.gpu_trace --executor 8 "${TRACE_EXEC[@]}" --hlo-dir "$OUT/hlo"
 # 4. The compiled schedule on this device (autotuned layouts) vs the compile-only H100's.

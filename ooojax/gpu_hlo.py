@@ -143,9 +143,12 @@ def plugin_versions() -> dict[str, Any]:
     }
 
 
-def target_config(gpu: str = "H100") -> str:
+def target_config(gpu: str = "H100", driver: str | None = None) -> str:
   """The `GpuTargetConfigProto` text for a named GPU (see `GPUS`), with the
   installed plugin's cuDNN and CUDA versions. A text proto passes through.
+  `driver` ("13.0.0"): the CUDA driver version the device claims; without one
+  XLA drops the command types that need CUDA >= 12.3 (CUDA-graph conditionals
+  and loops, traced cuBLAS / cuDNN / collectives) from its command buffers.
 
   >>> "core_count: 132" in target_config("H100")
   True
@@ -158,7 +161,7 @@ def target_config(gpu: str = "H100") -> str:
       "GpuTargetConfigProto text containing 'gpu_device_info')"
     )
   info, desc = GPUS[gpu.upper()]
-  lines = ["gpu_device_info {"]
+  lines = ["gpu_device_info {"] + ([f'  driver_version: "{driver}"'] if driver else [])
   for k, val in info.items():
     if k == "cuda_compute_capability":
       lines.append(f"  cuda_compute_capability {{ major: {val[0]} minor: {val[1]} }}")

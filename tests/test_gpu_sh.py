@@ -44,7 +44,6 @@ ALIASES = {
   "step_time_densenet121": "step_time_resnet50",
   "step_time_mobilenet_v3_large": "step_time_resnet50",
   "step_time_resnet50_cb_off": "step_time_resnet50",
-  "executor_cost_graph_conditionals": "executor_cost",
 }
 
 

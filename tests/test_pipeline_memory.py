@@ -137,5 +137,5 @@ def test_ticks_that_write_every_record_give_the_same_gradients(monkeypatch):
     out[mode] = _step(mesh, sched)(params, (x, jnp.zeros_like(x)))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), *out.values())
   monkeypatch.setenv(RECORD_WRITES, "sometimes")
-  with pytest.raises(ValueError, match="use cond"):
+  with pytest.raises(ValueError, match="use auto"):
     _step(mesh, sched)(params, (x, x))

@@ -40,6 +40,7 @@ from ooojax.passes.pipeline.program import (
 from ooojax.passes.pipeline.schedule import PipelineSchedule
 from ooojax.passes.pipeline.ticks import (
   every_tick_writes_records,
+  masked_rows,
   one_way,
   tick_loop,
 )
@@ -175,6 +176,8 @@ def lower(
       split=one_way(mesh),
       select=tick_lowering(mesh, sched, prog) == "select",
       fsdp=Fsdp.of(dims, data_axis, D),
+      records_always=every_tick_writes_records(mesh),
+      masked_rows=masked_rows(mesh),
     )
     loss, gp, gsh = _shard(
       body,

@@ -15,10 +15,15 @@ the first H100 the ticks cost about 0.1 ms each beyond their work
 (`where`), sends on every pair, writes records, aux and updates under `where`:
 no conditional, nothing waits on the host, but each tick computes every
 (stage kind, F / B / W, chunk) action (`select_cost`: 8-12x the
-table's work on 4 stages). Command-buffer conditionals (CUDA graphs) would keep
-the switch on the device, but XLA drops CONDITIONAL and WHILE from the command
-types below CUDA 12.3 and a compile-only device reports no driver, so no test
-here can see them (RESULTS, issue 48).
+table's work on 4 stages).
+
+`GRAPHS`: the XLA options under which a GPU runs the whole tick loop as one
+CUDA graph (a device-side while with device-side conditionals, the ring's
+collectives inside): no tick returns to the host. XLA drops CONDITIONAL and
+WHILE below CUDA 12.3 (driver and runtime); a compile-only device given a
+driver version (`gpu_hlo.target_config(..., driver=...)`) shows the capture in
+XLA's log (tests/test_pipeline_graphs.py). Not a default: on one H200 it did
+not pay (benchmarks.executor_cost --graphs; RESULTS, issue 48).
 
 `auto` (the default): `switch` on CPU; on a GPU `select` where its wasted work
 costs less than the host round trips it saves (small ticks), else `switch`.
@@ -38,6 +43,7 @@ if TYPE_CHECKING:
   from ooojax.passes.pipeline.schedule import PipelineSchedule
 
 __all__ = [
+  "GRAPHS",
   "HOST_SYNC",
   "TICKS",
   "SelectCost",
@@ -49,7 +55,13 @@ __all__ = [
 ]
 
 TICKS = "OOOJAX_TICKS"
-HOST_SYNC = 1e-4  # seconds per switch tick beyond its work (first H100 run, jax 0.11.2)
+HOST_SYNC = 1e-4  # s per switch tick beyond its work (first H100 run, jax 0.11.2, 3 conds a tick;
+# one H200: 88 us with 3, 54 us with the 1 a GPU runs now, and as much as one CUDA graph
+# of the loop: the ticks' extra kernels, not the host (RESULTS, issue 48))
+GRAPHS = {
+  "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,COLLECTIVES,CONDITIONAL,WHILE",
+  "xla_gpu_graph_min_graph_size": 1,
+}
 
 
 def phase_costs(prog, device) -> tuple[tuple[str, float, float, float], ...]:

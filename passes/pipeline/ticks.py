@@ -9,8 +9,9 @@ one `lax.switch` over the (flavor, kind, chunk) actions the table uses, then
 the ppermutes and the slot writes. The switch reads the slot stacks but never
 returns them: an action returns what it produces (the value it sends, a loss
 term, its residual record in a one-record carry), and the tick writes the
-record into its slot afterwards (a `dynamic_update_slice` under a `cond`, so
-ticks that produce none write nothing; `every_tick_writes_records`). Only the
+record into its slot afterwards (on CPU a `dynamic_update_slice` under a
+`cond`, so ticks that produce none write nothing; on a GPU every tick writes,
+into a trash slot if it has none: `every_tick_writes_records`). Only the
 gradient accumulators are updated inside the switch, by the W actions alone
 (in place: no branch reads them without writing). A buffer that one branch
 updates and another only reads is copied whole every tick by XLA; this layout
@@ -23,11 +24,14 @@ both ways); the receive columns say which slot keeps what arrives. A hand-off
 to the same device (ZB-V's tip) is local. Weights shared by the first and the
 last stage (tied embeddings) get one gradient contribution from each W that
 uses them and a single `psum` at the end.
+
+A tiled table's optimizer updates run in the ticks (`tick_updates`); which
+loop a mesh gets (exchange, record writes, row reads) is `tick_options`'.
 """
 
 from __future__ import annotations
 
-import os
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -37,11 +41,27 @@ from ooojax.passes import _compat
 from ooojax.passes.pipeline import plan as plan_pass
 from ooojax.passes.pipeline.link import one_way_groups
 from ooojax.passes.pipeline.program import Program
+from ooojax.passes.pipeline.tick_options import (
+  CPU_EXCHANGE,
+  RECORD_WRITES,
+  TICK_ROWS,
+  every_tick_writes_records,
+  masked_rows,
+  one_way,
+)
+from ooojax.passes.pipeline.tick_updates import (
+  broadcast_owned,
+  owner_groups,
+  tree_where as _where,
+  update,
+)
 
 __all__ = [
   "CPU_EXCHANGE",
   "RECORD_WRITES",
+  "TICK_ROWS",
   "every_tick_writes_records",
+  "masked_rows",
   "one_way",
   "tick_loop",
 ]
@@ -60,44 +80,12 @@ def _run(jaxpr, eqn_ids, env):
         env[v] = x
 
 
-CPU_EXCHANGE = "OOOJAX_CPU_EXCHANGE"
-
-
-def one_way(mesh) -> bool:
-  """Whether each exchange runs as one-way collective permutes (no device both
-  sends and receives in one): on CPU (gloo), unless the environment variable
-  `OOOJAX_CPU_EXCHANGE=two_way`. gloo's collective permute posts a device's
-  send, then its receive, and waits for both; two processes that exchange in
-  one permute took 1.4-3 ms for 16-32 kB under the kernel's fair scheduler,
-  two one-way permutes in a row 0.08-0.11 ms (benchmarks/RESULTS.md, issue 34).
-  Under a real-time scheduler (`chrt -f`) the two-way permute costs 0.03 ms,
-  and on a full-duplex link it carries both directions at once: `two_way` is
-  for that. NCCL pairs the send and receive in one group, so accelerators
-  always keep one permute."""
-  if mesh.devices.flat[0].platform != "cpu":
-    return False
-  mode = os.environ.get(CPU_EXCHANGE, "one_way")
-  if mode not in ("one_way", "two_way"):
-    raise ValueError(f"{CPU_EXCHANGE}={mode!r}: use one_way (the default) or two_way")
-  return mode == "one_way"
-
-
-RECORD_WRITES = "OOOJAX_RECORD_WRITES"
-
-
-def every_tick_writes_records() -> bool:
-  """Whether every tick writes its residual records, a tick that produces none
-  into a trash slot (`OOOJAX_RECORD_WRITES=always`), instead of under a `cond`
-  (`cond`, the default). XLA:GPU reads each conditional's branch index back on
-  the host, a copy and a wait per `cond`: on the first H100 the executor's ticks
-  (a switch and two such conds) cost about 0.1 ms each beyond their work. The
-  unconditional write costs one record's copy per tick instead, which on CPU
-  is a memcpy. Which wins on a GPU is for `benchmarks/gpu.sh` to measure
-  (`executor_cost --record-writes cond always`); until then the default stays."""
-  mode = os.environ.get(RECORD_WRITES, "cond")
-  if mode not in ("cond", "always"):
-    raise ValueError(f"{RECORD_WRITES}={mode!r}: use cond (the default) or always")
-  return mode == "always"
+def _row(table, t):
+  """Row `t` of `table`, as a masked sum rather than a dynamic slice: XLA:GPU
+  makes a slice whose offset is the loop counter a DynamicSliceFusion, which
+  keeps the whole tick loop out of a command buffer (CUDA graph)."""
+  hit = (jnp.arange(table.shape[0]) == t)[:, None]
+  return jnp.sum(jnp.where(hit, table, 0), axis=0, dtype=table.dtype)
 
 
 def _barrier(trees):
@@ -107,11 +95,6 @@ def _barrier(trees):
   uniq = list({id(x): x for x in leaves}.values())
   out = dict(zip(map(id, uniq), lax.optimization_barrier(uniq)))
   return jax.tree.unflatten(tdef, [out[id(x)] for x in leaves])
-
-
-def _where(pred, new, old):
-  """`new` where the scalar `pred` holds, else `old` (pytrees)."""
-  return jax.tree.map(lambda a, b: b if a is b else lax.select(pred, a, b), new, old)
 
 
 def _permute(x, axis_name, pairs, split: bool):
@@ -151,6 +134,8 @@ def tick_loop(
   split=False,
   select=False,
   fsdp=None,
+  records_always=None,
+  masked_rows=False,
 ):
   """The per-device program. With an `updater` (a table tiled over `steps`),
   the weights (shared ones too) and optimizer states are loop state, updated at
@@ -162,12 +147,19 @@ def tick_loop(
   `select`, the loop body holds no conditional (`lowering.tick_lowering`).
   With `fsdp` (a `fsdp.Fsdp`), the chunk weights it names arrive split over
   the data axis: each action gathers them, each W reduce-scatters their
-  gradient."""
+  gradient.
+  `records_always`: every tick writes its records (default:
+  `every_tick_writes_records()`, which the callers ask with their mesh).
+  `masked_rows` (on a GPU): each tick reads its row of the table as a masked
+  sum (`_row`), so that XLA can capture the loop in one CUDA graph; otherwise
+  the scan slices the rows (the CPU's loop, unchanged)."""
   F = plan_pass.F
   flavors, pl, x_aval, fres, bres = (prog.flavors, prog.plan, prog.x_aval, prog.fres, prog.bres)
   n_aux = max(len(fl.aux) for fl in flavors)
   train = updater is not None
-  always = select or every_tick_writes_records()
+  if records_always is None:
+    records_always = every_tick_writes_records()
+  always = select or records_always
 
   def body(chunks, shared, batch_m, consts, opt=None, opt_rep=None):
     inputs_m, targets_m, side_m = batch_m
@@ -336,56 +328,8 @@ def tick_loop(
         bufs[name],
       )
 
-    def when(pred, f, args):
-      """`f(args)` if `pred`, else `args`: a `cond`, or with `select` both
-      computed and one kept (a psum inside runs on every tick, on every device)."""
-      if select:
-        return _where(pred, f(args), args)
-      return lax.cond(pred, f, lambda a: a, args)
-
-    def update(r, w, o, acc):
-      """Each chunk whose bit is set in `upd`: its update on its summed gradients
-      (all of its step's W ran by this tick), then a zero accumulator. At a
-      `sync` tick (the same on every device, so the psum inside the cond is
-      collective), the shared weights' update on their gradient summed over
-      the stages."""
-      (ws, sh), (oc, orep), gp = (list(w[0]), w[1]), (list(o[0]), o[1]), list(acc["gp"])
-      for c in range(v):
-
-        def apply(args, c=c):
-          wc, occ, orp, gc = args
-          wc, occ, orp = updater.chunk(c, wc, rep_mean(gc), occ, orp)
-          return list(wc), occ, orp, [jnp.zeros_like(g) for g in gc]
-
-        ws[c], oc[c], orep, gp[c] = when(
-          ((r[F["upd"]] >> c) & 1) == 1, apply, (ws[c], oc[c], orep, gp[c])
-        )
-      gsh = acc["gsh"]
-      for key, (d, c, js) in groups.items():  # the owner's update, or all at a sync
-
-        def shared_update(args, key=key, js=js):
-          shl, orp, g = list(args[0]), args[1], list(args[2])
-          gj = rep_mean([g[j] if key is not None else lax.psum(g[j], axis_name) for j in js])
-          new, orp = updater.shared(key, js, [shl[j] for j in js], gj, orp)
-          for j, x in zip(js, new):
-            shl[j], g[j] = x, jnp.zeros_like(g[j])
-          return shl, orp, g
-
-        pred = (
-          r[F["sync"]] == 1
-          if key is None
-          else (((r[F["upd"]] >> c) & 1) == 1) & (lax.axis_index(axis_name) == d)
-        )
-        sh, orep, gsh = when(pred, shared_update, (sh, orep, gsh))
-      return (ws, sh), (oc, orep), {"gp": gp, "gsh": gsh}
-
-    def rep_mean(gs):
-      """The gradient's mean over the data replicas (each ran the table on its
-      rows): the replicas of a stage share its table row, so all of them take
-      this update's branch together."""
-      return gs if data_axis is None else [lax.pmean(g, data_axis) for g in gs]
-
-    def tick(carry, r):
+    def tick(carry, t):
+      r = _row(table, t) if masked_rows else t
       bufs, acc, (loss, aux), out, f_rec, b_rec, w, o = carry
       if lag:  # the last tick's output travels while this tick computes
         below, above = send(out, r)
@@ -422,23 +366,14 @@ def tick_loop(
         "bres": keep(bufs, "bres", r[F["b_write"]], b_rec),
       }
       if train:
-        w, o, acc = update(r, w, o, acc)
+        w, o, acc = update(r, w, o, acc, updater, v, groups, axis_name, select, data_axis)
         loss = loss.at[r[F["step"]]].add(dl)
       else:
         loss = loss + dl
       return (bufs, acc, (loss, aux), out, f_rec, b_rec, w, o), None
 
-    groups = {}  # None (tied: sync) or owner vstage -> (device, chunk, leaf indices)
-    for j, own in enumerate(owners or [None] * len(sh_leaves)):
-      key, d, c = (None, 0, 0) if own is None else (own[2], own[0], own[1])
-      groups.setdefault(key, (d, c, []))[2].append(j)
-
-    def bcast(key, x):
-      """`x` as the owner of group `key` holds it, on every device."""
-      if key is None:
-        return x
-      mine = lax.axis_index(axis_name) == groups[key][0]
-      return lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), axis_name)
+    groups = owner_groups(owners, len(sh_leaves))
+    bcast = functools.partial(broadcast_owned, groups, axis_name)
 
     w0 = o0 = None
     if train:
@@ -446,7 +381,8 @@ def tick_loop(
       o0 = ([jax.tree.map(lambda x: x[0], oc) for oc in opt], updater.start(opt_rep))
     loss0 = jnp.zeros((steps,), jnp.float32) if train else zero
     init = (bufs, acc, (loss0, aux0), no_out, fres.empty(), bres.empty(), w0, o0)
-    (_, acc, (loss, aux), _, _, _, w, o), _ = lax.scan(tick, init, table)
+    rows = jnp.arange(table.shape[0]) if masked_rows else table
+    (_, acc, (loss, aux), _, _, _, w, o), _ = lax.scan(tick, init, rows)
     loss = lax.psum(loss, axis_name)
     if train and data_axis is not None:  # each step's loss: the mean over the replicas
       loss = lax.pmean(loss, data_axis)

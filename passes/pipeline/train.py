@@ -27,7 +27,12 @@ from ooojax.passes.pipeline.execute import _check, _data_size, _explicit, _shard
 from ooojax.passes.pipeline.lowering import tick_lowering
 from ooojax.passes.pipeline.program import Program, split_microbatches, trace
 from ooojax.passes.pipeline.schedule import PipelineSchedule
-from ooojax.passes.pipeline.ticks import one_way, tick_loop
+from ooojax.passes.pipeline.ticks import (
+  every_tick_writes_records,
+  masked_rows,
+  one_way,
+  tick_loop,
+)
 
 __all__ = ["Updater", "lower_train", "lower_updates"]
 
@@ -180,6 +185,8 @@ def lower_updates(
       owners=[None if o is None else (*sched.place(o), o) for o in own],
       split=one_way(mesh),
       select=tick_lowering(mesh, sched, prog) == "select",
+      records_always=every_tick_writes_records(mesh),
+      masked_rows=masked_rows(mesh),
     )
     return _shard(
       body,

@@ -1,0 +1,79 @@
+"""pipeline.tick_options: the environment's choices for the tick loop on a mesh.
+
+Contract: `one_way(mesh)`, `every_tick_writes_records(mesh)`, `masked_rows(mesh)`
+-> bool, read when a step traces (`passes.pipeline.execute`, `train`) and passed
+to `ticks.tick_loop`. Each has an `OOOJAX_*` variable whose `auto` (or default)
+picks by the mesh's platform; a bad value is a `ValueError` naming the good ones.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = [
+  "CPU_EXCHANGE",
+  "RECORD_WRITES",
+  "TICK_ROWS",
+  "every_tick_writes_records",
+  "masked_rows",
+  "one_way",
+]
+
+
+CPU_EXCHANGE = "OOOJAX_CPU_EXCHANGE"
+
+
+def one_way(mesh) -> bool:
+  """Whether each exchange runs as one-way collective permutes (no device both
+  sends and receives in one): on CPU (gloo), unless the environment variable
+  `OOOJAX_CPU_EXCHANGE=two_way`. gloo's collective permute posts a device's
+  send, then its receive, and waits for both; two processes that exchange in
+  one permute took 1.4-3 ms for 16-32 kB under the kernel's fair scheduler,
+  two one-way permutes in a row 0.08-0.11 ms (benchmarks/RESULTS.md, issue 34).
+  Under a real-time scheduler (`chrt -f`) the two-way permute costs 0.03 ms,
+  and on a full-duplex link it carries both directions at once: `two_way` is
+  for that. NCCL pairs the send and receive in one group, so accelerators
+  always keep one permute."""
+  if mesh.devices.flat[0].platform != "cpu":
+    return False
+  mode = os.environ.get(CPU_EXCHANGE, "one_way")
+  if mode not in ("one_way", "two_way"):
+    raise ValueError(f"{CPU_EXCHANGE}={mode!r}: use one_way (the default) or two_way")
+  return mode == "one_way"
+
+
+RECORD_WRITES = "OOOJAX_RECORD_WRITES"
+
+
+def every_tick_writes_records(mesh=None) -> bool:
+  """Whether every tick writes its residual records, a tick that produces none
+  into a trash slot (`always`), instead of under a `cond` (`cond`).
+  `OOOJAX_RECORD_WRITES=auto` (the default): `always` on a GPU `mesh`, `cond` on
+  CPU (or without a mesh). XLA:GPU runs a conditional on the host (it copies
+  the branch index back and waits for the device): on one H200 (jax 0.11.2,
+  1F1B, m = 8) the executor took 1.89x the accumulated step with the two
+  record conds and 1.55x without them (benchmarks/RESULTS.md, "The second GPU
+  run"). On CPU a conditional is a branch and the unconditional write a
+  memcpy of a record per tick, so CPU keeps the conds."""
+  mode = os.environ.get(RECORD_WRITES, "auto")
+  if mode not in ("auto", "cond", "always"):
+    raise ValueError(f"{RECORD_WRITES}={mode!r}: use auto (the default), cond or always")
+  if mode == "auto":
+    return mesh is not None and mesh.devices.flat[0].platform != "cpu"
+  return mode == "always"
+
+
+TICK_ROWS = "OOOJAX_TICK_ROWS"
+
+
+def masked_rows(mesh) -> bool:
+  """Whether each tick reads its row of the table as a masked sum (`_row`):
+  `OOOJAX_TICK_ROWS=auto` (the default) on a GPU mesh, so that XLA can capture
+  the tick loop whole in a CUDA graph; on CPU the scan slices the rows
+  (`slice`). `masked` / `slice` force one."""
+  mode = os.environ.get(TICK_ROWS, "auto")
+  if mode not in ("auto", "masked", "slice"):
+    raise ValueError(f"{TICK_ROWS}={mode!r}: use auto (the default), masked or slice")
+  if mode == "auto":
+    return mesh.devices.flat[0].platform != "cpu"
+  return mode == "masked"
