@@ -73,11 +73,12 @@ def test_prices_equal_simulation_and_the_choice_is_the_best(case):
   for link, n in (("nvlink", 8), ("10GbE", 64)):
     lk = collectives.get_link(link)
     in_loop = bool(collectives.scan_collectives.loop_reductions(split, sched))
-    pricer = collectives._Pricer(split, sched, lk, n, in_loop)
+    costs = collectives.BucketCosts.of(CostModel("H100").spec)  # as `plan` prices buckets
+    pricer = collectives._Pricer(split, sched, lk, n, in_loop, costs)
     sims = {}
     for b in collectives.BUCKET_CANDIDATES:
       for k in range(n_layers + 1):
-        p = collectives.build_plan(split, sched, k, b, lk, n, in_loop)
+        p = collectives.build_plan(split, sched, k, b, lk, n, in_loop, costs=costs)
         sims[k, b] = (p.makespan, p.cross_step)
         np.testing.assert_allclose(pricer.score(k, b, False), p.makespan, rtol=1e-12)
         np.testing.assert_allclose(pricer.score(k, b, True), p.cross_step, rtol=1e-12)

@@ -20,6 +20,14 @@ stream 0). This pass
    cost `2 (n-1)/n * bytes / bandwidth + 2 (n-1) * latency`) over a few
    candidates and keeping the shortest step. Ties keep the larger bucket /
    smaller k.
+4. **what a bucket costs as XLA compiles it** (`BucketCosts`): each
+   all-reduce pays `COLLECTIVE_SECONDS` on the link beyond its ring time; a
+   bucket of several leaves is packed on the compute stream before it is
+   issued (one concatenation: its bytes read and written), and every bucket
+   is unpacked (or scaled) after its done, on the compute stream, before the
+   step ends. Read from the replay of compiled programs (issue 53): without
+   them the search preferred many small buckets that the compiled program
+   pays for.
 
 A stacked per-layer gradient of a split backward scan is not bucketed: the
 loop reduces it one layer at a time (`passes.collectives.loops`), priced as
@@ -42,8 +50,49 @@ from ooojax.passes.simulate import LINKS, Link, Timeline, simulate
 
 REDUCTIONS = ("mean", "sum")
 # Bucket candidates when the cost model chooses (bytes); 0 = one per dW cluster.
-BUCKET_CANDIDATES = (0, 256 << 10, 1 << 20, 4 << 20, 25 << 20)
+BUCKET_CANDIDATES = (0, 1 << 20, 4 << 20, 25 << 20, 64 << 20, 128 << 20, 256 << 20)
 LINK_STREAM = 1
+# Seconds each all-reduce costs on the link beyond its ring time, as XLA:GPU
+# compiles it (NCCL launch, the start/done pair; XLA keeps few in flight).
+# Fitted to the replay of compiled nanodo steps (D 1024 / 2048, 8 H100s, NVLink
+# and IB 400): each bucket more cost 30-35 us of step there.
+COLLECTIVE_SECONDS = 30e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketCosts:
+  """Compute-stream seconds per byte and per kernel of a bucket's pack / unpack."""
+
+  launch: float  # one kernel
+  per_byte: float  # one pass over a byte: read or write (1 / memory bandwidth)
+
+  @classmethod
+  def of(cls, spec) -> BucketCosts:
+    return cls(spec.launch, 1.0 / spec.bandwidth)
+
+  def pack(self, n_leaves: int, nbytes: int) -> float:
+    """The concatenation of a bucket of several leaves (the 1/n scale fused in)."""
+    return self.launch + 2 * nbytes * self.per_byte if n_leaves > 1 else 0.0
+
+  def unpack(self, nbytes: int) -> float:
+    """Its slices back into leaves, or one leaf's scale, after the done."""
+    return self.launch + 2 * nbytes * self.per_byte
+
+
+NO_BUCKET_COSTS = BucketCosts(0.0, 0.0)
+
+
+def bucket_seconds(link: Link, nbytes: float, n_devices: int) -> float:
+  """One bucket's all-reduce on the link as XLA runs it: the ring plus `COLLECTIVE_SECONDS`."""
+  return allreduce_seconds(link, nbytes, n_devices) + (COLLECTIVE_SECONDS if n_devices > 1 else 0)
+
+
+def _tail(t: float, ends_sizes, costs: BucketCosts) -> float:
+  """The step's end: each reduced bucket unpacked on the compute stream once both the
+  stream (from `t`) and its transfer are done, in link order."""
+  for end, nbytes in ends_sizes:
+    t = max(t, end) + costs.unpack(nbytes)
+  return t
 
 
 def get_link(link: str | Link | None) -> Link:
@@ -257,7 +306,7 @@ def _link_units(buckets, link, n_devices, order) -> tuple[list[Unit], tuple[Acti
         b.index,
         (),
         deps,
-        allreduce_seconds(link, b.nbytes, n_devices),
+        bucket_seconds(link, b.nbytes, n_devices),
         0.0,
         f"bucket{b.index}",
       )
@@ -270,13 +319,31 @@ def _with_loop_units(loops, s_units, s_actions, link, n_devices, order):
   """Adds the in-loop reductions' SEND units (`scan_collectives.link_units`), in issue order."""
   if not loops:
     return s_units, s_actions
-  ar = lambda nbytes: allreduce_seconds(link, nbytes, n_devices)  # noqa: E731
+  ar = lambda nbytes: bucket_seconds(link, nbytes, n_devices)  # noqa: E731
   units = list(s_units) + scan_collectives.link_units(loops, len(s_units), order, ar)
   pos = {a.unit: i for i, a in enumerate(order)}
   dep = {u.name: pos.get(u.deps[0], len(order)) for u in units}
   actions = [Action("S", u.index, LINK_STREAM) for u in units]
   actions.sort(key=lambda a: dep[a.unit])  # stable: buckets keep their order
   return units, tuple(actions)
+
+
+def _packed(units, buckets, order, costs: BucketCosts) -> tuple[Unit, ...]:
+  """`units` with each bucket's pack added to the compute unit it is issued after."""
+  extra: dict[str, float] = {}
+  last = order[-1].unit if order else ""
+  for b in buckets:
+    p = costs.pack(len(b.grads), b.nbytes)
+    if p:
+      key = b.after or last
+      extra[key] = extra.get(key, 0.0) + p
+  if not extra:
+    return tuple(units)
+  # `simulate` runs a unit for cost * max(1, util): the pack adds its own seconds
+  return tuple(
+    dataclasses.replace(u, cost=u.cost + extra[u.name] / max(1.0, u.util)) if u.name in extra else u
+    for u in units
+  )
 
 
 def first_k_leaves(split: Split, k: int) -> frozenset[int]:
@@ -317,13 +384,17 @@ def build_plan(
   n_devices: int,
   in_loop: bool = True,
   cross: bool = True,
+  costs: BucketCosts | None = None,
 ) -> CollectivePlan:
   """The plan for one choice of k and bucket size (what `plan` compares).
 
   `in_loop=False` buckets a scanned stack's dW too (reduced after its loop):
   the baseline the benchmarks compare the in-loop reductions with.
   `cross=False` leaves `cross_step` at NaN (one simulation less per candidate).
+  `costs`: the buckets' pack / unpack on the compute stream (`BucketCosts.of(spec)`;
+  None: free).
   """
+  costs = costs or NO_BUCKET_COSTS
   base = sched.units
   order = reverse_first_k(split, base, sched.streams[0], k) if k else tuple(sched.streams[0])
   loops = (
@@ -333,11 +404,24 @@ def build_plan(
   buckets = make_buckets(split, base, order, max(bucket_bytes, 1), skip)
   s_units, s_actions = _link_units(buckets, link, n_devices, order)
   s_units, s_actions = _with_loop_units(loops, s_units, s_actions, link, n_devices, order)
-  units = tuple(base) + tuple(s_units)
-  t = simulate((order, s_actions), units, 0.0, links=(LINK_STREAM,)).makespan
+  units = _packed(base, buckets, order, costs) + tuple(s_units)
+  tl = simulate((order, s_actions), units, 0.0, links=(LINK_STREAM,))
+  end = {sp.unit: sp.end for sp in tl.spans}
+  t_c = max((end[a.unit] for a in order), default=0.0)
+  size = {f"S{b.index}": b.nbytes for b in buckets}
+  t = max(
+    tl.makespan,
+    _tail(t_c, [(end[a.unit], size[a.unit]) for a in s_actions if a.unit in size], costs),
+  )
   compute = dataclasses.replace(sched, streams=(order,), syncs=(), makespan=t)
+  deferred = first_k_leaves(split, k)
+  # the step's unpacks; a carried bucket's runs with the next step's update
+  unpacks = sum(
+    costs.unpack(b.nbytes) for b in buckets if not (b.grads and set(b.grads) <= deferred)
+  )
   cross = (
-    cross_step_time(units, order, s_actions, buckets, first_k_leaves(split, k))
+    # the unpacks run after the reductions; deferring never makes the step longer
+    min(cross_step_time(units, order, s_actions, buckets, first_k_leaves(split, k)) + unpacks, t)
     if cross
     else math.nan
   )
@@ -410,18 +494,20 @@ def plan(
     ks = sorted(set(range(0, n_layers + 1, step)) | {n_layers})
   # a model with no fused scan has no in-loop reductions for any k: look once
   in_loop = bool(scan_collectives.loop_reductions(split, sched))
+  # one device reduces nothing: no pack, no collective
+  costs = BucketCosts.of(cost.spec) if n_devices > 1 else NO_BUCKET_COSTS
   if len(sizes) == len(ks) == 1:
-    return build_plan(split, sched, ks[0], sizes[0], link, n_devices, in_loop)
+    return build_plan(split, sched, ks[0], sizes[0], link, n_devices, in_loop, costs=costs)
   # Every candidate is priced by `_Pricer`, exactly as `build_plan` simulates
   # it, in O(units) with what is shared across bucket sizes computed once per k.
-  pricer = _Pricer(split, sched, link, n_devices, in_loop)
+  pricer = _Pricer(split, sched, link, n_devices, in_loop, costs)
   best, best_score = None, 0.0
   for b in sorted(sizes, reverse=True):
     for k in ks:
       score = pricer.score(k, b, cross_step)
       if best is None or score < best_score * (1 - 1e-9):
         best, best_score = (k, b), score
-  return build_plan(split, sched, best[0], best[1], link, n_devices, in_loop)
+  return build_plan(split, sched, best[0], best[1], link, n_devices, in_loop, costs=costs)
 
 
 class _Pricer:
@@ -435,9 +521,10 @@ class _Pricer:
   `tests/test_dp_plan.py` checks it against `build_plan`'s simulation.
   """
 
-  def __init__(self, split, sched, link, n_devices, in_loop):
+  def __init__(self, split, sched, link, n_devices, in_loop, costs=None):
     self.split, self.sched, self.link, self.n = split, sched, link, n_devices
     self.in_loop = in_loop
+    self.costs = costs or NO_BUCKET_COSTS
     self.by_k: dict = {}
     self.by_name = {u.name: u for u in sched.units}
     self.fwd = self.by_name["F0"].cost if "F0" in self.by_name else 0.0
@@ -482,7 +569,8 @@ class _Pricer:
         u = self.by_name[a.unit]
         t += u.cost * max(1.0, u.util)
         ends[a.unit] = t
-      got = self.by_k[k] = (order, deferred, loops, ends, t, None)
+      last = order[-1].unit if order else ""
+      got = self.by_k[k] = (order, deferred, loops, ends, t, None, last)
       return got
     # `reverse_first_k`: the first k layers' dW after the rest, stable by layer
     kept = [x for x in self.acts if not 0 <= x[3] < k]
@@ -500,49 +588,83 @@ class _Pricer:
     ends[""] = t  # issued at the end
     rest = tuple(i for i in range(len(self.nbytes)) if i not in last)
     deferred = frozenset(l for l, r in self.leaf_rank.items() if r < k)
-    got = self.by_k[k] = (None, deferred, (), ends, t, (first, last, rest, self.nbytes))
+    final = (kept + moved)[-1][0] if kept or moved else ""
+    got = self.by_k[k] = (None, deferred, (), ends, t, (first, last, rest, self.nbytes), final)
     return got
 
   def score(self, k: int, bucket_bytes: int, cross_step: bool) -> float:
     """`build_plan(...).makespan`, or `.cross_step` when `cross_step`."""
-    _, deferred, _, ends, t_c, finishing = self._per_k(k)
+    _, deferred, _, ends, t_c, finishing, final = self._per_k(k)
     if finishing is None:  # in-loop reductions: the link units as `build_plan` makes them
       return self._score_units(k, bucket_bytes, cross_step)
-    link, n = self.link, self.n
+    link, n, costs = self.link, self.n, self.costs
+    groups = _group(finishing, max(bucket_bytes, 1))
+    # `_packed`: each pack lengthens the unit its bucket is issued after, and so
+    # delays everything after it (the issuing units run in bucket order)
+    packed, at = 0.0, {}
+    for leaves, size, after in groups:
+      packed += costs.pack(len(leaves), size)
+      at[after or final] = packed
+    t_c += packed
     free = free_nd = comm = busy = 0.0
-    for leaves, size, after in _group(finishing, max(bucket_bytes, 1)):
-      cost = allreduce_seconds(link, size, n)
-      ready = ends.get(after, 0.0)
+    done = []
+    for leaves, size, after in groups:
+      cost = bucket_seconds(link, size, n)
+      ready = ends.get(after or final, 0.0) + at[after or final]
       free = max(free, ready) + cost
+      done.append((free, size))
       busy += cost
       if cross_step and leaves and deferred.issuperset(leaves):
         comm += cost
       else:
         free_nd = max(free_nd, ready) + cost
     if not cross_step:
-      return max(t_c, free)
+      return _tail(t_c, done, costs)
     t_nd = max(t_c, free_nd)  # `cross_step_time`'s terms
-    return max(t_c, t_nd, busy, max(t_c, t_nd) + comm - self.fwd)
+    unpacks = sum(
+      costs.unpack(size)
+      for leaves, size, _ in groups
+      if not (leaves and deferred.issuperset(leaves))
+    )
+    raw = max(t_c, t_nd, busy, max(t_c, t_nd) + comm - self.fwd) + unpacks
+    return min(raw, self.score(k, bucket_bytes, False))
 
   def _score_units(self, k, bucket_bytes, cross_step):
-    order, deferred, loops, ends, t_c, _ = self._per_k(k)
+    order, deferred, loops, ends, t_c, _, final = self._per_k(k)
     skip = frozenset(i for l in loops for i in l.grads)
     buckets = make_buckets(self.split, self.sched.units, order, max(bucket_bytes, 1), skip)
+    costs = self.costs
+    extra: dict = {}
+    for b in buckets:  # `_packed`
+      extra[b.after or final] = extra.get(b.after or final, 0.0) + costs.pack(
+        len(b.grads), b.nbytes
+      )
+    if any(extra.values()):
+      ends, t_c = {}, 0.0
+      for a in order:
+        u = self.by_name[a.unit]
+        t_c += u.cost * max(1.0, u.util) + extra.get(a.unit, 0.0)
+        ends[a.unit] = t_c
     s_units, s_actions = _link_units(buckets, self.link, self.n, order)
     s_units, s_actions = _with_loop_units(loops, s_units, s_actions, self.link, self.n, order)
     cost = {u.name: u.cost for u in s_units}
     dep = {u.name: max((ends[d] for d in u.deps if d in ends), default=0.0) for u in s_units}
 
     def link_end(actions):
-      free = 0.0
+      free, done = 0.0, {}
       for a in actions:
-        free = max(free, dep[a.unit]) + cost[a.unit]
-      return free
+        free = done[a.unit] = max(free, dep[a.unit]) + cost[a.unit]
+      return free, done
 
+    size = {f"S{b.index}": b.nbytes for b in buckets}
     if not cross_step:
-      return max(t_c, link_end(s_actions))
+      free, done = link_end(s_actions)
+      tail = _tail(t_c, [(done[a.unit], size[a.unit]) for a in s_actions if a.unit in size], costs)
+      return max(t_c, free, tail)
     late = {f"S{b.index}" for b in buckets if b.grads and set(b.grads) <= deferred}
-    t_nd = max(t_c, link_end([a for a in s_actions if a.unit not in late]))
+    t_nd = max(t_c, link_end([a for a in s_actions if a.unit not in late])[0])
     comm = sum(cost[u] for u in late)
     link_busy = sum(cost[a.unit] for a in s_actions)
-    return max(t_c, t_nd, link_busy, max(t_c, t_nd) + comm - self.fwd)
+    unpacks = sum(costs.unpack(b.nbytes) for b in buckets if f"S{b.index}" not in late)
+    raw = max(t_c, t_nd, link_busy, max(t_c, t_nd) + comm - self.fwd) + unpacks
+    return min(raw, self._score_units(k, bucket_bytes, False))
