@@ -479,3 +479,22 @@ def test_auto_explain_side_inputs():
   r = ooo.pipeline.explain(loss, params, *batch, stages=2, schedule="1f1b", microbatches=4)
   assert r.cut.side == ("batch[0]", "batch[1]")
   assert "side inputs (every stage reads): batch[0], batch[1]" in r.summary()
+
+
+def test_data_parallel_report_says_when_to_step_aside():
+  """Where no bucketing beats one all-reduce after the backward (a small model: every
+  all-reduce's fixed cost outweighs what it hides), explain says plain GSPMD is as good;
+  where early buckets win, it does not."""
+  from tests.models import tanh_mlp_structs
+
+  def report(layers, dim):
+    params, loss = tanh_mlp_structs(layers, dim)
+    x = jax.ShapeDtypeStruct((128, dim), jnp.float32)
+    return ooo.explain(
+      loss, params, x, mode="data_parallel", axis_name="b", axis_size=8, device="H100"
+    )
+
+  small, big = report(3, 256), report(8, 1024)
+  assert "nothing to gain" in small.summary() and len(small.plan.buckets) == 1
+  assert "nothing to gain" not in big.summary() and len(big.plan.buckets) > 1
+  assert big.plan.makespan < 0.98 * big.baseline

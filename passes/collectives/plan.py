@@ -50,13 +50,17 @@ from ooojax.passes.simulate import LINKS, Link, Timeline, simulate
 
 REDUCTIONS = ("mean", "sum")
 # Bucket candidates when the cost model chooses (bytes); 0 = one per dW cluster.
-BUCKET_CANDIDATES = (0, 1 << 20, 4 << 20, 25 << 20, 64 << 20, 128 << 20, 256 << 20)
+BUCKET_CANDIDATES = (0, 1 << 20, 4 << 20, 16 << 20, 25 << 20, 64 << 20, 128 << 20, 256 << 20)
 LINK_STREAM = 1
 # Seconds each all-reduce costs on the link beyond its ring time, as XLA:GPU
 # compiles it (NCCL launch, the start/done pair; XLA keeps few in flight).
 # Fitted to the replay of compiled nanodo steps (D 1024 / 2048, 8 H100s, NVLink
 # and IB 400): each bucket more cost 30-35 us of step there.
 COLLECTIVE_SECONDS = 30e-6
+# ... and what each costs the compute stream (its start and done; XLA keeps few in
+# flight, so a done waits): in those replays 26 buckets exposed 0.9 ms more than 8,
+# about 50 us a bucket of which the link's share above explains 30 us or less.
+COLLECTIVE_SYNC_SECONDS = 20e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,14 +69,16 @@ class BucketCosts:
 
   launch: float  # one kernel
   per_byte: float  # one pass over a byte: read or write (1 / memory bandwidth)
+  sync: float = 0.0  # the all-reduce's start / done on the compute stream
 
   @classmethod
   def of(cls, spec) -> BucketCosts:
-    return cls(spec.launch, 1.0 / spec.bandwidth)
+    return cls(spec.launch, 1.0 / spec.bandwidth, COLLECTIVE_SYNC_SECONDS)
 
   def pack(self, n_leaves: int, nbytes: int) -> float:
-    """The concatenation of a bucket of several leaves (the 1/n scale fused in)."""
-    return self.launch + 2 * nbytes * self.per_byte if n_leaves > 1 else 0.0
+    """The concatenation of a bucket of several leaves (the 1/n scale fused in), and
+    the all-reduce's start / done."""
+    return self.sync + (self.launch + 2 * nbytes * self.per_byte if n_leaves > 1 else 0.0)
 
   def unpack(self, nbytes: int) -> float:
     """Its slices back into leaves, or one leaf's scale, after the done."""
