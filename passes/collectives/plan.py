@@ -156,7 +156,9 @@ class CollectivePlan:
     return "\n".join(" ".join(str(a) for a in s) for s in self.streams)
 
 
-def cross_step_time(units, order, s_actions, buckets, deferred: frozenset[int]) -> float:
+def cross_step_time(
+  units, order, s_actions, buckets, deferred: frozenset[int], carried: float | None = None
+) -> float:
   """Steady-state step time when the deferred buckets' reductions finish next step.
 
   A model, not a measurement: the step ends when the compute and the
@@ -164,17 +166,31 @@ def cross_step_time(units, order, s_actions, buckets, deferred: frozenset[int]) 
   then start once both the compute and the link are free and run while the
   next step's forward runs; only the part longer than that forward is
   exposed. The link carries every byte of every step, so the period is never
-  below the link's busy time, nor below the compute.
+  below the link's busy time, nor below the compute. `carried`: the deferred
+  reductions' seconds (`carried_seconds`: the next step reduces each carried leaf by
+  an all-reduce of its own); None: their buckets' link time.
   """
   by_name = {u.name: u for u in units}
   late = {f"S{b.index}" for b in buckets if b.grads and set(b.grads) <= deferred}
   kept = tuple(a for a in s_actions if a.unit not in late)
   t_nd = simulate((order, kept), units, 0.0, links=(LINK_STREAM,)).makespan
   t_c = sum(by_name[a.unit].cost for a in order)
-  comm = sum(by_name[u].cost for u in late)
+  comm = sum(by_name[u].cost for u in late) if carried is None else carried
   fwd = by_name["F0"].cost if "F0" in by_name else 0.0
   link_busy = sum(by_name[a.unit].cost for a in s_actions)
   return max(t_c, t_nd, link_busy, max(t_c, t_nd) + comm - fwd)
+
+
+def carried_seconds(buckets, deferred, nbytes, link, n_devices, sync: float = 0.0) -> float:
+  """The carried (deferred) buckets' reductions as the cross-step train step runs them
+  (`ooojax.data_parallel`): one chained all-reduce per leaf, each with its fixed costs
+  on the link and (`sync`) on the compute stream, less the one start / done the
+  bucket's pack already holds."""
+  return sum(
+    sum(bucket_seconds(link, nbytes[l], n_devices) + sync for l in b.grads) - sync
+    for b in buckets
+    if b.grads and set(b.grads) <= deferred
+  )
 
 
 def build_plan(
@@ -223,7 +239,18 @@ def build_plan(
   )
   cross = (
     # the unpacks run after the reductions; deferring never makes the step longer
-    min(cross_step_time(units, order, s_actions, buckets, first_k_leaves(split, k)) + unpacks, t)
+    min(
+      cross_step_time(
+        units,
+        order,
+        s_actions,
+        buckets,
+        deferred,
+        carried_seconds(buckets, deferred, _grad_bytes(split), link, n_devices, costs.sync),
+      )
+      + unpacks,
+      t,
+    )
     if cross
     else math.nan
   )

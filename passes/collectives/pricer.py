@@ -123,7 +123,9 @@ class Pricer:
       done.append((free, size))
       busy += cost
       if cross_step and leaves and deferred.issuperset(leaves):
-        comm += cost
+        # `carried_seconds`: the next step reduces each carried leaf on its own
+        comm += sum(bucket_seconds(link, self.nbytes[l], n) + costs.sync for l in leaves)
+        comm -= costs.sync
       else:
         free_nd = max(free_nd, ready) + cost
     if not cross_step:
@@ -171,7 +173,12 @@ class Pricer:
       return max(t_c, free, tail)
     late = {f"S{b.index}" for b in buckets if b.grads and set(b.grads) <= deferred}
     t_nd = max(t_c, link_end([a for a in s_actions if a.unit not in late])[0])
-    comm = sum(cost[u] for u in late)
+    nb = _grad_bytes(self.split)
+    comm = sum(
+      sum(bucket_seconds(self.link, nb[l], self.n) + costs.sync for l in b.grads) - costs.sync
+      for b in buckets
+      if f"S{b.index}" in late
+    )
     link_busy = sum(cost[a.unit] for a in s_actions)
     unpacks = sum(costs.unpack(b.nbytes) for b in buckets if f"S{b.index}" not in late)
     raw = max(t_c, t_nd, link_busy, max(t_c, t_nd) + comm - self.fwd) + unpacks
