@@ -91,3 +91,15 @@ def test_prices_equal_simulation_and_the_choice_is_the_best(case):
       )
       got = chosen.cross_step if cross else chosen.makespan
       assert got <= best * (1 + 1e-9)
+
+
+def test_carried_leaves_are_priced_one_all_reduce_each():
+  """The cross-step step reduces each carried leaf by its own chained all-reduce: a
+  carried bucket of m leaves costs m all-reduces (m - 1 more start/dones than its pack)."""
+  lk = collectives.get_link("nvlink")
+  b = collectives.Bucket(0, (0, 1, 2), 3 << 20, "W0")
+  nbytes = [1 << 20] * 3
+  one = collectives.bucket_seconds(lk, 1 << 20, 8)
+  got = collectives.carried_seconds((b,), frozenset({0, 1, 2}), nbytes, lk, 8, sync=1e-5)
+  assert got == pytest.approx(3 * one + 2 * 1e-5)
+  assert collectives.carried_seconds((b,), frozenset({0, 1}), nbytes, lk, 8, sync=1e-5) == 0
