@@ -12,6 +12,15 @@ the calibration `replay(..., measured=...)` reads.
 
   python -m benchmarks.dp_calibrate                  # on the GPU
   python -m benchmarks.dp_calibrate --tiny --steps 2 # CPU dry run (no kernel lines)
+  python -m benchmarks.dp_calibrate --fit benchmarks/gpu_runs/2026-11-28-h200 \
+      --out ooojax/calibration/h200.json             # any host: the replay's calibration
+
+`--fit` compiles the same one-device steps compile-only for the GPU that ran
+(`ooojax.gpu_hlo`) and fits the replay's kernel classes to what it measured
+(`passes.calibration`'s `kernel_scale`, `launch_seconds`): memory-bound kernels
+matched by instruction name give the "other" factor; the device's kernel total
+less those gives the "gemm" factor (cuBLAS kernels carry no instruction name);
+the wall step less the kernel total, per kernel, the launch gap.
 """
 
 from __future__ import annotations
@@ -56,7 +65,11 @@ def main(argv=None):
   ap.add_argument("--rows", type=int, default=4)
   ap.add_argument("--steps", type=int, default=10)
   ap.add_argument("--json", default=None)
+  ap.add_argument("--fit", default=None, help="a GPU run's folder: fit the replay's calibration")
+  ap.add_argument("--out", default=None, help="with --fit: write the calibration file here")
   a = ap.parse_args(argv)
+  if a.fit:
+    return fit_main(a.fit, a.out, a.rows)
   from benchmarks import gpu_trace
   from ooojax.passes.hlo.replay import replay
   from tests import nanodo as nd
@@ -92,6 +105,10 @@ def main(argv=None):
     roof = replay(text, 1, "nvlink", "H100")
     cal = replay(text, 1, "nvlink", "H100", measured)
     record[name] = {"kernels_s": measured, "wall_s": statistics.median(walls)}
+    if s is not None:  # what `--fit` reads (older files: from the markdown table)
+      record[name].update(
+        kernel_s=s.kernel / 1e3, kernels=sum(n for n, _ in s.kernels.values()) / a.steps
+      )
     dk = f"{s.kernel:.3f}" if s else "no GPU stream lines"
     per = f"{sum(n for n, _ in s.kernels.values()) / a.steps:.0f}" if s else "-"
     lines.append(
@@ -103,6 +120,95 @@ def main(argv=None):
     with open(a.json, "w") as f:
       json.dump(record, f)
   _report.emit(lines, False)
+
+
+def _step_texts(gpu: str, rows: int) -> dict:
+  """The one-device steps `main` times, compiled compile-only for `gpu` (HLO text)."""
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  import ooojax as ooo
+  from benchmarks.dp_gspmd import _abstract_state
+  from ooojax import gpu_hlo
+  from tests import nanodo as nd
+
+  cfg = nd.DoConfig(**SIZES, fsdp_enabled=False)
+  mesh = gpu_hlo.mesh(gpu, 1, ("data",))
+  shardings, state = _abstract_state(cfg, mesh)
+  batch = jax.ShapeDtypeStruct((rows, cfg.L), jnp.int32, sharding=NamedSharding(mesh, P()))
+  vg = functools.partial(
+    ooo.value_and_grad, mode="data_parallel", ordering="none", axis_name="data"
+  )
+  steps = {
+    "jax.value_and_grad": nd.make_step(shardings, mesh),
+    "ooo data_parallel": nd.make_step(shardings, mesh, value_and_grad=vg),
+  }
+  return {k: gpu_hlo.compiled(f, state, batch, mesh=mesh).as_text() for k, f in steps.items()}
+
+
+def _table(md: str) -> dict:
+  """name -> (wall s, kernel s, kernels per step) from `main`'s markdown table."""
+  out = {}
+  for line in md.splitlines():
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if len(cells) == 6 and cells[0] in ("jax.value_and_grad", "ooo data_parallel"):
+      try:
+        out[cells[0]] = (float(cells[1]) / 1e3, float(cells[2]) / 1e3, float(cells[3]))
+      except ValueError:  # "no GPU stream lines"
+        pass
+  return out
+
+
+def fit(works: dict, record: dict) -> dict:
+  """The calibration fields from each variant's kernels (`replay.kernel_work`) and what
+  the GPU measured (`record[name]`: kernels_s by name, kernel_s, kernels, wall_s)."""
+  m_other = w_other = 0.0
+  for name, rows in works.items():
+    meas = record[name]["kernels_s"]
+    for inst, heavy, w in rows:
+      key = next((k for k in (inst, inst.replace(".", "_")) if k in meas), None)
+      if key is not None and not heavy:
+        m_other, w_other = m_other + meas[key], w_other + w
+  other = m_other / w_other
+  gemm, launch = [], []
+  for name, rows in works.items():
+    r = record[name]
+    g = sum(w for _, h, w in rows if h)
+    rest = r["kernel_s"] - other * sum(w for _, h, w in rows if not h)
+    gemm.append(rest / g)
+    launch.append((r["wall_s"] - r["kernel_s"]) / r["kernels"])
+  return {
+    "kernel_scale": {"gemm": statistics.mean(gemm), "other": other},
+    "launch_seconds": statistics.mean(launch),
+  }
+
+
+def fit_main(run_dir: str, out: str | None, rows: int) -> dict:
+  import os
+
+  from ooojax.passes.hlo.replay import kernel_work
+
+  with open(os.path.join(run_dir, "dp_kernels.json")) as f:
+    record = json.load(f)
+  md = open(os.path.join(run_dir, "dp_calibrate.md")).read()
+  gpu = "H200" if "H200" in md else "H100"
+  for name, (wall, kern, n) in _table(md).items():
+    record[name].setdefault("kernel_s", kern)
+    record[name].setdefault("kernels", n)
+    record[name].setdefault("wall_s", wall)
+  texts = _step_texts(gpu, rows)
+  cal = fit({k: kernel_work(t, gpu) for k, t in texts.items()}, record)
+  entry = {"format": 1, "device": gpu, "jax": jax.__version__, **cal}
+  entry["fitted_by"] = f"benchmarks.dp_calibrate --fit {run_dir} (nanodo D1024, one device)"
+  if out and os.path.exists(out):  # the file's other figures (stream-call costs) stay
+    with open(out) as f:
+      entry = {**json.load(f), **entry}
+  text = json.dumps(entry, indent=1)
+  print(text)
+  if out:
+    with open(out, "w") as f:
+      f.write(text + "\n")
+  return entry
 
 
 if __name__ == "__main__":

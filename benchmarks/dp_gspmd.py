@@ -94,13 +94,16 @@ def _h100_step(fsdp_enabled: bool, devices: int, sizes: dict, plain: bool, **ooo
 
 
 def h100_counts(
-  fsdp: bool, variant: str, devices: int = 8, sizes=None, compiler_options=None
+  fsdp: bool, variant: str, devices: int = 8, sizes=None, compiler_options=None, **ooo_options
 ) -> dict:
-  """The compiled step's collectives on compile-only H100s (`variant`: "jax" or "ooo")."""
+  """The compiled step's collectives on compile-only H100s (`variant`: "jax" or "ooo";
+  `ooo_options` go to `ooo.value_and_grad`)."""
   from ooojax import gpu_hlo
   from ooojax.passes.hlo import schedule as hlo_schedule
 
-  step, state, batch, mesh = _h100_step(fsdp, devices, sizes or HLO_CFG, variant == "jax")
+  step, state, batch, mesh = _h100_step(
+    fsdp, devices, sizes or HLO_CFG, variant == "jax", **ooo_options
+  )
   t0 = time.perf_counter()
   c = gpu_hlo.compiled(step, state, batch, mesh=mesh, compiler_options=compiler_options)
   s = hlo_schedule.parse(c.as_text())

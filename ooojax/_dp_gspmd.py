@@ -29,20 +29,33 @@ The value is the mean of the shards' losses, the gradient the mean of their
 gradients: `jax.value_and_grad` of the full-batch mean loss for equal shards.
 `has_aux`: each shard's aux leaves are combined as documented in
 `combine_aux`.
+
+The pieces: `ooojax._dp_layout` (the data axis and the specs), `ooojax._dp_shard`
+(the loss traced as one shard), `ooojax._dp_aux` (aux leaves combined).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import types
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from ooojax._dp_aux import _per_shard, combine_aux, sum_outputs
+from ooojax._dp_layout import Layout, _boxed_specs, _dim_on, layout
+from ooojax._dp_shard import _in_shard, with_closure
 from ooojax.passes import _compat
+
+__all__ = [
+  "Layout",
+  "call",
+  "combine_aux",
+  "layout",
+  "sum_outputs",
+  "unbound",
+  "with_closure",
+  "_boxed_specs",
+]
 
 
 def unbound(opts) -> bool:
@@ -56,353 +69,6 @@ def unbound(opts) -> bool:
   except NameError:
     return True
   return False
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-  """How each traced input enters the shard_map (see `layout`)."""
-
-  mesh: Any
-  axis: str
-  n: int
-  specs: tuple  # per dynamic leaf: its in_spec
-  gather: tuple  # per dynamic leaf: the dimension sharded over `axis` (FSDP) or None
-  split_consts: tuple  # closed-over values whose leading dimension is split
-
-
-def _spec_axes(entry) -> tuple:
-  if entry is None:
-    return ()
-  return tuple(entry) if isinstance(entry, tuple) else (entry,)
-
-
-def _dim_on(spec, axis) -> int | None:
-  for d, e in enumerate(spec):
-    if axis in _spec_axes(e):
-      return d
-  return None
-
-
-def _no_axis_error(mesh, what: str) -> ValueError:
-  axes = tuple(mesh.axis_names) if mesh is not None else ()
-  return ValueError(
-    f"mode='data_parallel' inside jax.jit: {what}. Pass axis_name= naming the mesh axis "
-    f"the batch is split over (the mesh's axes: {axes}), e.g. ooo.grad(loss, "
-    "mode='data_parallel', axis_name='data'), and make the batch's sharding visible: "
-    "jax.lax.with_sharding_constraint(batch, NamedSharding(mesh, P('data'))) inside the "
-    "jitted function (as nanodo does), explicit axes (jax.make_mesh(..., "
-    "axis_types=(AxisType.Explicit,))), or `with jax.set_mesh(mesh):` around the call"
-  )
-
-
-def _is_key(x) -> bool:
-  return jax.dtypes.issubdtype(getattr(x, "dtype", None) or jnp.float32, jax.dtypes.prng_key)
-
-
-def layout(opts, leaves, diff, positional, consts, boxed=None) -> Layout:
-  """Chooses the mesh, the data axis and each input's spec.
-
-  Args:
-    opts: the `ooojax.Options` (`axis_name` may be None: found).
-    leaves: the dynamic leaves of the call (arrays, tracers).
-    diff: per leaf, whether it is differentiated (a parameter).
-    positional: per leaf, whether it is in a positional argument.
-    consts: values the loss closes over (from a forward trace).
-    boxed: id(leaf) -> the `PartitionSpec` of the box holding it (flax's
-      `nn.Partitioned`), used when nothing else shows the leaf's sharding.
-  """
-  seen = [(x, _compat.declared_sharding(x)) for x in leaves]
-  cseen = [(c, _compat.declared_sharding(c)) for c in consts]
-  meshes = [s.mesh for _, s in seen + cseen if s is not None]
-  mesh = meshes[0] if meshes else _compat.context_mesh()
-  if mesh is None:
-    raise _no_axis_error(None, "no mesh is known (no input shows a sharding, and no mesh is set)")
-
-  def from_box(spec):
-    try:
-      return jax.sharding.NamedSharding(mesh, spec)
-    except (ValueError, TypeError):  # names that are not this mesh's axes (logical names)
-      return None
-
-  boxed = boxed or {}
-  seen = [
-    (x, s if s is not None or id(x) not in boxed else from_box(boxed[id(x)])) for x, s in seen
-  ]
-  names = tuple(mesh.axis_names)
-  axis = opts.axis_name
-  if axis is not None and axis not in names:
-    raise ValueError(
-      f"axis_name={axis!r} is not an axis of the mesh (its axes: {names}); "
-      "pass axis_name= naming the mesh axis the batch is split over"
-    )
-  # the batch: non-differentiated values sharded on their leading dimension
-  batch_axes = {
-    a
-    for (x, s), d in zip(seen, diff)
-    if s is not None and not d and x.ndim
-    for a in _spec_axes(s.spec[0] if len(s.spec) else None)
-  }
-  batch_axes |= {
-    a
-    for c, s in cseen
-    if s is not None and getattr(c, "ndim", 0)
-    for a in _spec_axes(s.spec[0] if len(s.spec) else None)
-  }
-  batch_axes = {a for a in batch_axes if mesh.shape[a] > 1}
-  if axis is None:
-    if len(batch_axes) != 1:
-      raise _no_axis_error(
-        mesh,
-        "no input shows which mesh axis the batch is split over"
-        if not batch_axes
-        else f"the batch is split over several mesh axes {sorted(batch_axes)}",
-      )
-    axis = next(iter(batch_axes))
-  n = mesh.shape[axis]
-  evidence = axis in batch_axes
-  specs, gather = [], []
-  for (x, s), d, pos in zip(seen, diff, positional):
-    dim = _dim_on(s.spec, axis) if s is not None else None
-    if d and dim is not None:  # FSDP / ZeRO-3: a parameter sharded over the data axis
-      specs.append(P(*([None] * dim), axis))
-      gather.append(dim)
-    elif not d and dim == 0:
-      specs.append(P(axis))
-      gather.append(None)
-    elif (
-      not d
-      and s is None
-      and not evidence
-      and pos
-      and getattr(x, "ndim", 0)
-      and not _is_key(x)
-      and x.shape[0] % n == 0
-    ):
-      # nothing shows a sharding: the non-differentiated arguments are the batch
-      specs.append(P(axis))
-      gather.append(None)
-    else:
-      specs.append(P())
-      gather.append(None)
-  if not any(sp == P(axis) for sp in specs) and not any(
-    s is not None and c.ndim and _dim_on(s.spec, axis) == 0 for c, s in cseen
-  ):
-    raise _no_axis_error(mesh, f"no input is split over {axis!r} on its leading dimension")
-  split = tuple(
-    c for c, s in cseen if s is not None and getattr(c, "ndim", 0) and _dim_on(s.spec, axis) == 0
-  )
-  return Layout(mesh, axis, n, tuple(specs), tuple(gather), split)
-
-
-_PASS_THROUGH = ("convert_element_type", "copy", "copy_p", "reshape", "squeeze")
-
-
-def sum_outputs(jaxpr, start: int, n: int) -> tuple[bool, ...]:
-  """Whether each of `jaxpr`'s outputs start..start+n is computed last by a sum
-  (`reduce_sum`, looking through casts and reshapes): a count or total."""
-  made = {v: e for e in jaxpr.eqns for v in e.outvars}
-  out = []
-  for v in jaxpr.outvars[start : start + n]:
-    e = made.get(v) if isinstance(v, _compat.Var) else None
-    while e is not None and e.primitive.name in _PASS_THROUGH:
-      v = e.invars[0]
-      e = made.get(v) if isinstance(v, _compat.Var) else None
-    out.append(e is not None and e.primitive.name == "reduce_sum")
-  return tuple(out)
-
-
-def combine_aux(x, axis, batch_rows: frozenset, is_sum: bool = False, per_shard: bool = True):
-  """One shard's aux leaf combined over the data axis (the same on every device).
-
-  A leaf whose leading dimension is the shard's batch size (per-example
-  values) is gathered back to the full batch; a leaf computed last by a sum
-  (a token count, a total) and integer leaves are summed; other floating
-  leaves are averaged (like the loss); a bool leaf is true where any shard's is.
-  A leaf computed from the replicated inputs alone (`per_shard` False: nnx's
-  RNG keys and counts carried through) is the same on every device: device 0's.
-  """
-  if not hasattr(x, "dtype") or not _compat.is_tracer(x):
-    return x
-  if not per_shard:  # the same on every device: device 0's, made invariant
-    return _first_device(x, axis)
-  if jnp.issubdtype(x.dtype, jnp.bool_):
-    return jax.lax.psum(x.astype(jnp.int32), axis) > 0
-  if not jnp.issubdtype(x.dtype, jnp.number):
-    raise TypeError(
-      f"mode='data_parallel' inside jax.jit cannot combine an aux leaf of "
-      f"dtype {x.dtype} over the data axis {axis!r}: return it outside the "
-      "differentiated function"
-    )
-  if x.ndim and x.shape[0] in batch_rows:  # per-example rows: this shard's, in place
-    n = jax.lax.axis_size(axis)
-    full = jnp.zeros((n * x.shape[0], *x.shape[1:]), x.dtype)
-    full = jax.lax.dynamic_update_slice_in_dim(full, x, jax.lax.axis_index(axis) * x.shape[0], 0)
-    return jax.lax.psum(full, axis)
-  if jnp.issubdtype(x.dtype, jnp.inexact) and not is_sum:
-    return jax.lax.pmean(x, axis)
-  return jax.lax.psum(x, axis)
-
-
-def _first_device(x, axis):
-  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-    data = _first_device(jax.random.key_data(x), axis)
-    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-  mine = jax.lax.axis_index(axis) == 0
-  if jnp.issubdtype(x.dtype, jnp.bool_):
-    return jax.lax.psum(jnp.where(mine, x, False).astype(jnp.int32), axis) > 0
-  return jax.lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), axis)
-
-
-def _per_shard(closed, split: list, consts: set) -> list:
-  """Per output of `closed` (the forward, a ClosedJaxpr), whether it may differ
-  between shards: all but those computed from the replicated inputs alone
-  (an nnx RNG key or count carried through). An output computed from no input
-  may still read the batch's shape (a row count): per shard."""
-
-  def reach(seed) -> set:
-    dep = set(seed)
-    for e in closed.jaxpr.eqns:
-      if any(isinstance(v, _compat.Var) and v in dep for v in e.invars):
-        dep.update(e.outvars)
-    return dep
-
-  const_vars = list(zip(closed.jaxpr.constvars, closed.consts))
-  on_batch = reach(
-    [v for v, d in zip(closed.jaxpr.invars, split) if d]
-    + [v for v, c in const_vars if id(c) in consts]
-  )
-  on_replicated = reach([v for v, d in zip(closed.jaxpr.invars, split) if not d])
-  return [
-    not isinstance(v, _compat.Var) or v in on_batch or v not in on_replicated
-    for v in closed.jaxpr.outvars
-  ]
-
-
-def with_closure(fun, swap: dict, hits: set, depth: int = 4):
-  """`fun` with each value in `swap` (id -> (old, new)) it closes over replaced by the new one.
-
-  Follows closure cells, `functools.partial` arguments, bound methods'
-  functions and pytrees held there, `depth` functions deep; `hits` collects
-  the ids replaced. Anything else reaching an old value is left as it is
-  (the caller checks `hits`).
-  """
-
-  def leaf(v):
-    hit = swap.get(id(v))
-    if hit is not None and hit[0] is v:
-      hits.add(id(v))
-      return hit[1]
-    return v
-
-  def value(v, d):
-    if callable(v) and not isinstance(v, jax.Array) and not _compat.is_tracer(v):
-      return with_closure(v, swap, hits, d - 1) if d > 0 else v
-    try:
-      return jax.tree_util.tree_map(leaf, v)
-    except Exception:  # noqa: BLE001 - not a pytree of leaves we can rebuild
-      return v
-
-  if isinstance(fun, functools.partial):
-    return functools.partial(
-      value(fun.func, depth),
-      *(value(a, depth) for a in fun.args),
-      **{k: value(v, depth) for k, v in fun.keywords.items()},
-    )
-  if isinstance(fun, types.MethodType):
-    return types.MethodType(value(fun.__func__, depth), value(fun.__self__, depth))
-  if not isinstance(fun, types.FunctionType) or not fun.__closure__:
-    return fun
-  cells, changed = [], False
-  for c in fun.__closure__:
-    try:
-      old = c.cell_contents
-    except ValueError:  # an empty cell
-      cells.append(c)
-      continue
-    new = value(old, depth)
-    changed |= new is not old
-    cells.append(types.CellType(new) if new is not old else c)
-  if not changed:
-    return fun
-  g = types.FunctionType(
-    fun.__code__, fun.__globals__, fun.__name__, fun.__defaults__, tuple(cells)
-  )
-  g.__kwdefaults__, g.__dict__ = fun.__kwdefaults__, dict(fun.__dict__)
-  functools.update_wrapper(g, fun, updated=())
-  return g
-
-
-def _drop_axis(spec, axis):
-  def entry(e):
-    kept = tuple(a for a in _spec_axes(e) if a != axis)
-    return None if not kept else kept[0] if len(kept) == 1 else kept
-
-  return P(*(entry(e) for e in spec))
-
-
-def _in_shard(fun, axis, had_mesh: bool, rows: frozenset = frozenset()):
-  """`fun` with sharding constraints on `axis` dropped while it is traced.
-
-  Inside the shard_map the data axis is manual, and each device holds its
-  shard: a constraint the model applies for the global view holds there by
-  construction, but naming a manual axis in it is an error. Constraints on
-  the other axes are kept; so are `reshard`, `out_sharding=` and `auto_axes`
-  requests, less the data axis (`_compat.manual_axis_dropped`). Random draws
-  over the shard's `rows` (dropout) take this shard's rows of the full
-  batch's draw (`_compat.per_example_draws`). Without a context mesh outside (`had_mesh`),
-  constraints given as a bare `PartitionSpec` are dropped: the shard_map
-  sets a mesh the user's program did not have, and code that constrains
-  only when a mesh is set (flax's `nn.with_partitioning` boxes) would
-  otherwise apply constraints the user's program never applies.
-  """
-
-  @functools.wraps(fun)
-  def f(*a, **k):
-    orig = jax.lax.with_sharding_constraint
-
-    def constrain(x, shardings):
-      if not had_mesh and all(
-        isinstance(s, P)
-        for s in jax.tree.leaves(
-          shardings, is_leaf=lambda s: isinstance(s, (P, jax.sharding.Sharding))
-        )
-      ):
-        return x
-
-      def one(s):
-        if isinstance(s, jax.sharding.NamedSharding):
-          return jax.sharding.NamedSharding(s.mesh, _drop_axis(s.spec, axis))
-        return _drop_axis(s, axis) if isinstance(s, P) else s
-
-      return orig(
-        x, jax.tree.map(one, shardings, is_leaf=lambda s: isinstance(s, (P, jax.sharding.Sharding)))
-      )
-
-    jax.lax.with_sharding_constraint = constrain
-    try:
-      with _compat.manual_axis_dropped(axis), _compat.per_example_draws(axis, rows):
-        return fun(*a, **k)
-    finally:
-      jax.lax.with_sharding_constraint = orig
-
-  return f
-
-
-def _boxed_specs(args, idx) -> dict:
-  """id(array) -> its box's `PartitionSpec`, for the differentiated arguments' leaves held
-  in partitioning boxes (flax `nn.Partitioned`: anything with `get_partition_spec()`)."""
-  is_box = lambda x: callable(getattr(x, "get_partition_spec", None)) and hasattr(x, "value")
-  out = {}
-  for i in idx:
-    for box in jax.tree_util.tree_leaves(args[i], is_leaf=is_box):
-      if is_box(box):
-        try:
-          spec = box.get_partition_spec()
-        except Exception:  # noqa: BLE001 - logical names without rules: no evidence
-          continue
-        for leaf in jax.tree_util.tree_leaves(box.value):
-          out[id(leaf)] = spec
-  return out
 
 
 def _bound_to(vg, axis):

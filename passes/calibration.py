@@ -21,6 +21,15 @@ has run it (`$OOOJAX_CALIBRATION`, a folder, is searched first):
 * `pair_gain`: G = (t_dX + t_dW) / t_both for measured dX/dW pairs (evidence for
   the concurrency model's fills, shown in the docs; not read by the planner).
 * `source`: where the figures come from (a run, a date, a commit).
+* `kernel_scale` (issue 53): measured kernel seconds over the roofline's work
+  (`max(flops / peak, bytes / bandwidth)`, launch left out) per kernel class,
+  `"gemm"` (GEMMs, convs) and `"other"`; `launch_seconds`: the compute stream's
+  seconds per kernel beyond its work (the gaps between kernels). The replay of
+  compiled programs (`passes.hlo.replay`, `calibration=`) prices kernels with
+  them; `benchmarks.dp_calibrate --fit` writes them from a GPU run.
+
+`call_seconds` may be left out where the GPU run did not measure it (the
+spec's own per-call cost stays); a file gives it or a `kernel_scale`.
 
 >>> c = Calibration.from_dict({"format": 1, "device": "H100", "jax": "0.11.2", "call_seconds": 4e-5})
 >>> c.call_seconds, c.pinned_call_seconds, c.pair_gain
@@ -39,34 +48,64 @@ from collections.abc import Mapping
 ENV = "OOOJAX_CALIBRATION"
 SHIPPED = pathlib.Path(__file__).parent.parent / "calibration"  # ooojax/calibration
 FORMAT = 1
+KERNEL_CLASSES = ("gemm", "other")
+
+
+def _positive(v) -> bool:
+  return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
 
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
   device: str
   jax: str
-  call_seconds: float
+  call_seconds: float | None
   pair_gain: Mapping[str, float] = dataclasses.field(default_factory=dict)
   source: str = ""  # the file read
-  pinned_call_seconds: float = 0.0
+  pinned_call_seconds: float | None = None
   note: str = ""  # the file's own "source": where its figures come from
+  kernel_scale: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  launch_seconds: float | None = None
 
   @classmethod
   def from_dict(cls, d: Mapping, source: str = "") -> Calibration:
     where = f" in {source}" if source else ""
     if d.get("format") != FORMAT:
       raise ValueError(f"calibration{where}: format must be {FORMAT}, got {d.get('format')!r}")
-    missing = [k for k in ("device", "jax", "call_seconds") if k not in d]
+    missing = [k for k in ("device", "jax") if k not in d]
+    if "call_seconds" not in d and "kernel_scale" not in d:
+      missing.append("call_seconds")
     if missing:
       raise ValueError(f"calibration{where}: missing {missing} (see passes.calibration)")
-    for k in ("call_seconds", "pinned_call_seconds"):
-      t = d.get(k, 0.0)
-      if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t < 1:
-        raise ValueError(f"calibration{where}: {k} must be seconds in [0, 1), got {t!r}")
-    t = float(d["call_seconds"])
-    pinned = float(d.get("pinned_call_seconds", t))
+
+    def seconds(key):
+      t = d.get(key)
+      if t is not None and (
+        not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t < 1
+      ):
+        raise ValueError(f"calibration{where}: {key} must be seconds in [0, 1), got {t!r}")
+      return None if t is None else float(t)
+
+    scale = dict(d.get("kernel_scale", {}))
+    bad = {k: v for k, v in scale.items() if k not in KERNEL_CLASSES or not _positive(v)}
+    if bad:
+      raise ValueError(
+        f"calibration{where}: kernel_scale takes positive factors for {KERNEL_CLASSES}, got {bad!r}"
+      )
+    call = seconds("call_seconds")
+    pinned = seconds("pinned_call_seconds")
     gain = {str(k): float(v) for k, v in dict(d.get("pair_gain", {})).items()}
-    return cls(str(d["device"]), str(d["jax"]), t, gain, source, pinned, str(d.get("source", "")))
+    return cls(
+      device=str(d["device"]),
+      jax=str(d["jax"]),
+      call_seconds=call,
+      pair_gain=gain,
+      source=source,
+      pinned_call_seconds=call if pinned is None else pinned,
+      note=str(d.get("source", d.get("fitted_by", ""))),
+      kernel_scale={k: float(v) for k, v in scale.items()},
+      launch_seconds=seconds("launch_seconds"),
+    )
 
 
 def load(path: str | os.PathLike) -> Calibration:

@@ -51,7 +51,7 @@ DEVICE_SPECS: dict[str, DeviceSpec] = {
   "V100": DeviceSpec("V100", 15.7e12, 125e12, 15.7e12, 900e9, 5e-6, 80 * 2048),
   "A100": DeviceSpec("A100", 156e12, 312e12, 19.5e12, 1555e9, 4e-6, 108 * 2048),
   "H100": DeviceSpec("H100", 495e12, 989e12, 67e12, 3350e9, 3e-6, 132 * 2048),
-  # H100's SMs and clocks with HBM3e (4.8 TB/s)
+  # H100's SMs and clocks with HBM3e (4.8 TB/s): where the lent GPU measured (issue 53)
   "H200": DeviceSpec("H200", 495e12, 989e12, 67e12, 4800e9, 3e-6, 132 * 2048),
   "CPU": DeviceSpec("CPU", 100e9, 100e9, 50e9, 20e9, 1e-6, 64, sync=1e-6),
 }
@@ -78,7 +78,7 @@ def calibrated(spec: DeviceSpec) -> DeviceSpec:
   from ooojax.passes import calibration
 
   cal = calibration.for_device(spec.name)
-  if cal is None:
+  if cal is None or cal.call_seconds is None:
     return spec
   return dataclasses.replace(spec, sync=cal.call_seconds, pinned_call=cal.pinned_call_seconds)
 

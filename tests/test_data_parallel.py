@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 import ooojax as ooo
 from ooojax.models._common import init_params
 from ooojax.passes.collectives import plan as collectives
+from ooojax.passes.cost import CostModel
 from tests import models
 
 N = 8
@@ -197,11 +198,12 @@ def test_cost_model_chooses_bucket_and_k():
   loss, ws, x = _deep()
   full = _plan(loss, ws, x, link="10GbE", full=True)
   p = full.collectives
+  costs = collectives.BucketCosts.of(CostModel(None).spec)  # the device `plan` priced for
   assert p.bucket_bytes in collectives.BUCKET_CANDIDATES and 0 <= p.first_k <= 6
   assert sorted(i for b in p.buckets for i in b.grads) == list(range(6))  # each leaf once
   for b in collectives.BUCKET_CANDIDATES:  # no candidate simulates faster than the choice
     for k in range(7):
-      other = collectives.build_plan(full.split, full.schedule, k, b, p.link, N)
+      other = collectives.build_plan(full.split, full.schedule, k, b, p.link, N, costs=costs)
       assert p.makespan <= other.makespan * (1 + 1e-9)
 
 

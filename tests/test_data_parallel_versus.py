@@ -60,3 +60,24 @@ def test_versus_xla_bucket_size_chosen_on_the_compiled_program():
   assert "chosen per link on the compiled programs" in v.summary()
   with pytest.raises(ValueError, match="positive"):
     r.versus_xla(buckets=(0,))
+
+
+def test_planner_bucket_choice_matches_the_compiled_programs():
+  """The plan's own bucket size (chosen by its simulator, which prices the packs and each
+  all-reduce's fixed cost) replays at least as fast as one leaf per all-reduce and as one
+  bucket for everything, each compiled for 8 H100s (the compiled program is ground truth)."""
+  params, mlp = tanh_mlp_structs(8, 1024)
+  r = ooo.explain(
+    mlp,
+    params,
+    jax.ShapeDtypeStruct((128, 1024), jnp.float32),
+    mode="data_parallel",
+    axis_name="batch",
+    axis_size=8,
+    device="H100",
+    first_k=0,
+  )
+  assert "bucket_bytes" in r.chosen
+  v = r.versus_xla(links=("nvlink",), buckets=(1, 1 << 30))
+  (row,) = v.rows
+  assert row.bucket_bytes == r.plan.bucket_bytes, v.summary()

@@ -73,11 +73,12 @@ def test_prices_equal_simulation_and_the_choice_is_the_best(case):
   for link, n in (("nvlink", 8), ("10GbE", 64)):
     lk = collectives.get_link(link)
     in_loop = bool(collectives.scan_collectives.loop_reductions(split, sched))
-    pricer = collectives._Pricer(split, sched, lk, n, in_loop)
+    costs = collectives.BucketCosts.of(CostModel("H100").spec)  # as `plan` prices buckets
+    pricer = collectives._Pricer(split, sched, lk, n, in_loop, costs)
     sims = {}
     for b in collectives.BUCKET_CANDIDATES:
       for k in range(n_layers + 1):
-        p = collectives.build_plan(split, sched, k, b, lk, n, in_loop)
+        p = collectives.build_plan(split, sched, k, b, lk, n, in_loop, costs=costs)
         sims[k, b] = (p.makespan, p.cross_step)
         np.testing.assert_allclose(pricer.score(k, b, False), p.makespan, rtol=1e-12)
         np.testing.assert_allclose(pricer.score(k, b, True), p.cross_step, rtol=1e-12)
@@ -90,3 +91,15 @@ def test_prices_equal_simulation_and_the_choice_is_the_best(case):
       )
       got = chosen.cross_step if cross else chosen.makespan
       assert got <= best * (1 + 1e-9)
+
+
+def test_carried_leaves_are_priced_one_all_reduce_each():
+  """The cross-step step reduces each carried leaf by its own chained all-reduce: a
+  carried bucket of m leaves costs m all-reduces (m - 1 more start/dones than its pack)."""
+  lk = collectives.get_link("nvlink")
+  b = collectives.Bucket(0, (0, 1, 2), 3 << 20, "W0")
+  nbytes = [1 << 20] * 3
+  one = collectives.bucket_seconds(lk, 1 << 20, 8)
+  got = collectives.carried_seconds((b,), frozenset({0, 1, 2}), nbytes, lk, 8, sync=1e-5)
+  assert got == pytest.approx(3 * one + 2 * 1e-5)
+  assert collectives.carried_seconds((b,), frozenset({0, 1}), nbytes, lk, 8, sync=1e-5) == 0

@@ -137,3 +137,44 @@ def test_replay_of_the_compiled_plan_agrees_with_the_plan():
   assert rp.comm == pytest.approx(r.comm_seconds, rel=0.15)
   assert rp.step == pytest.approx(r.plan.makespan, rel=0.15)
   assert rp.exposed == pytest.approx(r.exposed_seconds, rel=0.15)
+
+
+def test_replay_calibrated_by_kernel_class():
+  """`calibration=`: each kernel costs launch_seconds + scale[its class] * roofline work."""
+  from ooojax.passes.calibration import Calibration
+
+  cal = Calibration.from_dict(
+    {
+      "format": 1,
+      "device": "T",
+      "jax": "0",
+      "kernel_scale": {"gemm": 2.0, "other": 0.5},
+      "launch_seconds": 3e-6,
+    }
+  )
+  r = replay(HAND, 4, LINK, SPEC, calibration=cal)
+  gemm = 3e-6 + 2.0 * 2 * 256**3 / 1e12
+  compare = 3e-6 + 0.5 * 1 / 1e12
+  loop = 3e-6 + 0.5 * 2 * 256 * 256 * 4 / 1e12
+  assert r.compute == pytest.approx(3 * gemm + 3 * (compare + loop))
+  with pytest.raises(ValueError, match="kernel_scale"):
+    Calibration.from_dict({"format": 1, "device": "T", "jax": "0", "kernel_scale": {"gemm": 0}})
+
+
+def test_shipped_h200_calibration_and_its_fit():
+  """The calibration fitted from the H200 run (benchmarks.dp_calibrate --fit) loads; it
+  leaves single_gpu's per-call cost alone (the run did not measure it); `fit` recovers
+  known factors from synthetic kernels."""
+  from benchmarks.dp_calibrate import fit
+  from ooojax.passes import calibration, cost
+
+  cal = calibration.for_device("H200")
+  assert cal is not None and cal.call_seconds is None
+  assert set(cal.kernel_scale) == {"gemm", "other"} and 0 < cal.launch_seconds < 1e-4
+  assert cost.get_spec("H200").sync == cost.DEVICE_SPECS["H200"].sync
+  works = {"a": [("f.1", False, 1e-3), ("g", True, 2e-3), ("f.2", False, 1e-3)]}
+  rec = {"a": {"kernels_s": {"f_1": 1.5e-3}, "kernel_s": 1.5e-3 * 2 + 3 * 2e-3}}
+  rec["a"].update(wall_s=rec["a"]["kernel_s"] + 3 * 4e-6, kernels=3)
+  got = fit(works, rec)
+  assert got["kernel_scale"] == pytest.approx({"gemm": 3.0, "other": 1.5})
+  assert got["launch_seconds"] == pytest.approx(4e-6)

@@ -20,6 +20,8 @@ from ooojax.passes.simulate import Timeline
 
 # `explain` keywords that only the data-parallel report takes (not `ooo.grad` options).
 EXPLAIN_ONLY = ("axis_size", "cross_step")
+# The plan must beat one all-reduce after the backward by this share to be worth its buckets.
+STEP_ASIDE = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +200,12 @@ class DataParallelReport:
       f"backward {self.baseline * 1e3:.3f} ms ({self.baseline / p.makespan:.2f}x){cross}"
     )
     lines.append(self._carried_line())
+    if p.makespan >= self.baseline * (1 - STEP_ASIDE):
+      lines.append(
+        "  nothing to gain on this link: early buckets do not beat one all-reduce after the "
+        "backward (simulated), which is what plain GSPMD does; step aside: plain jax.grad "
+        "under jax.jit is as good here"
+      )
     lines.append(
       "  XLA's own data parallel (plain jax.jit of jax.grad) next to this plan, compiled and "
       "replayed per link: .versus_xla()"
@@ -400,7 +408,15 @@ def explain_dp(
     split, sched, cm, n, opts.link, opts.bucket_bytes, opts.first_k, cross_step=bool(cross_step)
   )
   base = collectives.build_plan(
-    split, sched, 0, 1 << 62, cp.link, n, in_loop=False, cross=False
+    split,
+    sched,
+    0,
+    1 << 62,
+    cp.link,
+    n,
+    in_loop=False,
+    cross=False,
+    costs=collectives.BucketCosts.of(cm.spec) if n > 1 else None,
   ).makespan
   names = _param_names(args, argnums, idx, plan.out_tree[3])
   chosen = tuple(k for k in ("bucket_bytes", "first_k") if getattr(opts, k) is None)

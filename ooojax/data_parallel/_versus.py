@@ -117,7 +117,7 @@ def versus_xla(
   n = report.plan.n_devices
   try:  # price the GPU compiled for, not the device the plan was made on
     device = get_spec(gpu)
-  except ValueError:  # H200: H100's compute
+  except ValueError:  # a GPU the cost model has no spec for: H100's
     device = get_spec("H100")
   names = tuple(links) if links is not None else (report.plan.link.name, *LINKS)
   names = tuple(dict.fromkeys(l if isinstance(l, str) else l.name for l in names))

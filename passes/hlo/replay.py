@@ -252,15 +252,15 @@ class _State:
 
 
 class _Replayer:
-  def __init__(self, mod: _Module, n: int, link: Link, spec: DeviceSpec, measured):
+  def __init__(self, mod: _Module, n: int, link: Link, spec: DeviceSpec, measured, cal=None):
     self.mod, self.n, self.link, self.spec = mod, n, link, spec
     self.measured = dict(measured or {})
+    self.scale = dict(cal.kernel_scale) if cal is not None else {}
+    self.launch = spec.launch if cal is None or cal.launch_seconds is None else cal.launch_seconds
+    self.seen: list | None = None  # (name, heavy, work seconds) per kernel, for `kernel_work`
 
-  def kernel_seconds(self, i: Instr) -> float:
-    # A profiler names a kernel after its instruction, '.' written as '_'.
-    for key in (i.name, i.name.replace(".", "_")):
-      if key in self.measured:
-        return self.measured[key]
+  def work(self, i: Instr) -> float:
+    """The roofline's seconds of one kernel, launch left out."""
     s = self.spec
     nbytes = self.mod.read_bytes(i) + _nbytes(i.shape)
     if i.is_heavy:
@@ -268,7 +268,17 @@ class _Replayer:
       peak = s.matmul_flops_16 if _BYTES.get(dt, 4) <= 2 else s.matmul_flops
     else:
       flops, peak = float(math.prod(_first(i.shape)[1])), s.vector_flops
-    return s.launch + max(flops / peak, nbytes / s.bandwidth)
+    return max(flops / peak, nbytes / s.bandwidth)
+
+  def kernel_seconds(self, i: Instr) -> float:
+    if self.seen is not None:
+      self.seen.append((i.name, i.is_heavy, self.work(i)))
+    # A profiler names a kernel after its instruction, '.' written as '_'.
+    for key in (i.name, i.name.replace(".", "_")):
+      if key in self.measured:
+        return self.measured[key]
+    scale = self.scale.get("gemm" if i.is_heavy else "other", 1.0)
+    return self.launch + scale * self.work(i)
 
   def run(self, comp: str, st: _State, depth: int = 0) -> None:
     for i in self.mod.hlo.computations.get(comp, ()):
@@ -350,6 +360,7 @@ def replay(
   link: str | Link = "nvlink",
   device: str | DeviceSpec = "H100",
   measured: Mapping[str, float] | None = None,
+  calibration=None,
 ) -> Replay:
   """Replays the entry computation of a scheduled HLO module (text).
 
@@ -360,6 +371,9 @@ def replay(
     device: a `passes.cost` device spec ("H100") for the roofline.
     measured: seconds per instruction (or kernel) name, timed on a GPU: replace
       the roofline (`benchmarks.dp_calibrate` records them).
+    calibration: a `passes.calibration.Calibration` with `kernel_scale` /
+      `launch_seconds`: each other kernel costs `launch_seconds + scale[class] *
+      roofline work` (`benchmarks.dp_calibrate --fit` writes one; None: the roofline).
 
   Returns:
     A `Replay`: `compute`, `comm`, `exposed`, `step` in seconds and each transfer.
@@ -371,9 +385,19 @@ def replay(
     raise ValueError("replay needs an HLO module with an ENTRY computation (compiled.as_text())")
   lk, spec = get_link(link), get_spec(device)
   st = _State()
-  _Replayer(mod, n_devices, lk, spec, measured).run(mod.hlo.entry_name, st)
+  _Replayer(mod, n_devices, lk, spec, measured, calibration).run(mod.hlo.entry_name, st)
   open_end = max((st.transfers[k].end for k in st.open.values()), default=0.0)
   comm = sum(t.end - t.start for t in st.transfers)
   return Replay(
     st.compute, comm, max(st.t, open_end), tuple(st.transfers), st.kernels, lk.name, n_devices
   )
+
+
+def kernel_work(hlo: str, device: str | DeviceSpec = "H100") -> list[tuple[str, bool, float]]:
+  """`(instruction name, GEMM/conv?, roofline work seconds)` per kernel the entry runs, in
+  replay order (loops once per trip): what `benchmarks.dp_calibrate --fit` fits against."""
+  mod = _Module(hlo)
+  r = _Replayer(mod, 1, get_link("nvlink"), get_spec(device), None)
+  r.seen = []
+  r.run(mod.hlo.entry_name, _State())
+  return r.seen
