@@ -147,6 +147,15 @@ for name, S, tiled in [(n, 2, False) for n in names] + [("interleaved", 2, True)
     args = (params, (x, x))
   print("COMPILE", name, flush=True, file=sys.stderr)
   gpu_hlo.compile_text(jax.jit(run), *args, mesh=mesh, gpu=gpu, compiler_options=GRAPHS)
+for name in ("1f1b", "zb-h1"):  # with a data axis: (2 data x 2 stage)
+  mesh = gpu_hlo.mesh(gpu, (2, 2), ("data", "stage"))
+  sched = ooo.pipeline.schedule(name, stages=2, microbatches=4)
+  run = ooo.pipeline.value_and_grad(
+    stage, loss, mesh=mesh, axis_name="stage", data_axis="data", schedule=sched
+  )
+  params = {"w": sd((sched.virtual_stages, 16, 16), jnp.float32)}
+  print("COMPILE", name, "data", flush=True, file=sys.stderr)
+  gpu_hlo.compile_text(jax.jit(run), params, (x, x), mesh=mesh, gpu=gpu, compiler_options=GRAPHS)
 """
 
 
@@ -155,7 +164,7 @@ def test_h100_tick_loop_is_one_cuda_graph_under_graphs():
   """XLA's command-buffer pass (its log: `TF_CPP_VMODULE`, read at start, so a
   subprocess) puts each step's tick loop, conditionals, collectives and all,
   into one command buffer: no tick returns to the host. Every schedule on two
-  stages, and one tiled over two steps."""
+  stages, one tiled over two steps, and two with a data axis."""
   env = dict(
     os.environ,
     JAX_PLATFORMS="cpu",
@@ -175,7 +184,7 @@ def test_h100_tick_loop_is_one_cuda_graph_under_graphs():
   log = r.stderr
   assert "not convertible" not in log, re.findall(r".*not convertible.*", log)
   parts = log.split("COMPILE ")[1:]
-  assert len(parts) == 8, log[-3000:]
+  assert len(parts) == 10, log[-3000:]
   for part in parts:
     made = re.findall(r"Creating command buffer thunk\b.*? with the following thunks: (.*)", part)
     loops = [m for m in made if re.search(r"(^|, )while(\.\d+)?(,|$)", m)]
