@@ -38,7 +38,7 @@ from benchmarks import _mlp_model as model, _report
 from ooojax._hlo_cli import parse_kv
 from ooojax.passes.hlo.schedule import parse
 from ooojax.passes.pipeline.lowering import GRAPHS, TICKS
-from ooojax.passes.pipeline.ticks import RECORD_WRITES
+from ooojax.passes.pipeline.tick_options import RECORD_WRITES
 
 _MOVES = {"slice", "dynamic-slice", "bitcast", "copy", "parameter", "reshape", "transpose"}
 _FILL = {"broadcast", "constant", "parameter", "bitcast", "reshape"}

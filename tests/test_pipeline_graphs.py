@@ -32,7 +32,7 @@ needs_gpu_hlo = pytest.mark.skipif(
 def _gpu_lowering(monkeypatch):
   """A GPU's `switch` tick loop, on CPU: records on every tick, rows masked."""
   from ooojax.passes.pipeline.lowering import TICKS
-  from ooojax.passes.pipeline.ticks import RECORD_WRITES, TICK_ROWS
+  from ooojax.passes.pipeline.tick_options import RECORD_WRITES, TICK_ROWS
 
   monkeypatch.setenv(TICKS, "switch")
   monkeypatch.setenv(RECORD_WRITES, "always")
@@ -57,32 +57,18 @@ def test_gpu_tick_loop_on_cpu_matches_jax_grad(name, monkeypatch):
 
 
 def test_gpu_tick_loop_on_cpu_tiled_matches_synchronous_loop(monkeypatch):
-  import jax.numpy as jnp
   import optax
 
-  from tests.conftest import assert_trees_close
-  from tests.test_pipeline import _jit, _mesh, _mlp, _reference
-  from tests.test_pipeline_train import _batches
+  from tests.test_pipeline_train import check_tiled_train
 
   _gpu_lowering(monkeypatch)
-  steps, opt = 2, optax.adam(1e-2)
+  steps = 2
   sched = ooo.pipeline.schedule("interleaved", stages=2, microbatches=4, steps=steps)
-  stage_fn, loss_fn, params, _, _ = _mlp(sched.virtual_stages)
-  xs, ts = _batches(steps)
-  run = ooo.pipeline.train(stage_fn, loss_fn, opt, mesh=_mesh(2), axis_name="stage", schedule=sched)
-  p, _, losses = _jit(run)(params, jax.vmap(opt.init)(params), (xs, ts))
-  q, qs, ref = params, opt.init(params), []
-  for k in range(steps):
-    loss, g = _reference(stage_fn, loss_fn, q, xs[k], ts[k])
-    updates, qs = opt.update(g, qs, q)
-    q = optax.apply_updates(q, updates)
-    ref.append(loss)
-  assert_trees_close(losses, jnp.stack(ref))
-  assert_trees_close(p, q)
+  check_tiled_train(sched, optax.adam(1e-2), steps)
 
 
 def test_tick_rows_bad_value(monkeypatch):
-  from ooojax.passes.pipeline.ticks import TICK_ROWS, masked_rows
+  from ooojax.passes.pipeline.tick_options import TICK_ROWS, masked_rows
   from tests.test_pipeline import _mesh
 
   assert not masked_rows(_mesh(2))  # CPU: the scan slices the rows
@@ -98,7 +84,7 @@ def _loop_ops(text):
 
 @needs_gpu_hlo
 def test_h100_default_tick_has_one_conditional_no_counter_slice_no_record_slices(monkeypatch):
-  from ooojax.passes.pipeline.ticks import RECORD_WRITES
+  from ooojax.passes.pipeline.tick_options import RECORD_WRITES
 
   monkeypatch.setenv("OOOJAX_TICKS", "switch")  # (`auto` might pick select for ticks this small)
   mesh = gpu_hlo.mesh("H100", 1, ("stage",))

@@ -103,7 +103,7 @@ def test_h100_ticks_that_write_every_record_leave_out_their_conds(monkeypatch):
   import re
 
   from ooojax.passes.pipeline.lowering import TICKS
-  from ooojax.passes.pipeline.ticks import RECORD_WRITES
+  from ooojax.passes.pipeline.tick_options import RECORD_WRITES
 
   monkeypatch.setenv(TICKS, "switch")  # the lowering that has conds (not a GPU's default)
   mesh = gpu_hlo.mesh("H100", 1, ("stage",))
@@ -121,7 +121,7 @@ def test_h100_ticks_that_write_every_record_leave_out_their_conds(monkeypatch):
 
 
 def test_ticks_that_write_every_record_give_the_same_gradients(monkeypatch):
-  from ooojax.passes.pipeline.ticks import RECORD_WRITES
+  from ooojax.passes.pipeline.tick_options import RECORD_WRITES
 
   mesh = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
   sched = ooo.pipeline.schedule("zb-v", stages=2, microbatches=4)

@@ -19,7 +19,7 @@ from ooojax.passes.hlo import schedule as hlo_schedule
 from ooojax.passes.pipeline.lowering import TICKS, select_pays, tick_lowering
 from tests.conftest import assert_trees_close
 from tests.test_pipeline import _jit, _mesh, _mlp, _reference
-from tests.test_pipeline_train import _batches
+from tests.test_pipeline_train import check_tiled_train
 
 NAMES = ["gpipe", "1f1b", "ooo", "zb-h1", "zb-h2", "interleaved", "zb-v"]
 
@@ -43,18 +43,7 @@ def test_select_ticks_tiled_match_synchronous_loop(name, monkeypatch):
   monkeypatch.setenv(TICKS, "select")  # the updates run under `where` on every tick
   steps, opt = 2, optax.adam(1e-2)
   sched = ooo.pipeline.schedule(name, stages=2, microbatches=4, steps=steps)
-  stage_fn, loss_fn, params, _, _ = _mlp(sched.virtual_stages)
-  xs, ts = _batches(steps)
-  run = ooo.pipeline.train(stage_fn, loss_fn, opt, mesh=_mesh(2), axis_name="stage", schedule=sched)
-  p, _, losses = _jit(run)(params, jax.vmap(opt.init)(params), (xs, ts))
-  q, qs, ref = params, opt.init(params), []
-  for k in range(steps):
-    loss, g = _reference(stage_fn, loss_fn, q, xs[k], ts[k])
-    updates, qs = opt.update(g, qs, q)
-    q = optax.apply_updates(q, updates)
-    ref.append(loss)
-  assert_trees_close(losses, jnp.stack(ref))
-  assert_trees_close(p, q)
+  check_tiled_train(sched, opt, steps)
 
 
 def test_tick_lowering_default_and_bad_value(monkeypatch):

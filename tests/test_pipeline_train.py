@@ -16,6 +16,27 @@ def _batches(steps, key=3):
   return jax.random.normal(k[0], (steps, 8, 8)), jax.random.normal(k[1], (steps, 8, 8))
 
 
+def check_tiled_train(sched, opt, steps, stages=2):
+  """`ooo.pipeline.train` over `steps` equals the synchronous loop (a whole step's
+  gradient, then the update) in losses and weights; returns (run, weights, opt
+  state, batches)."""
+  stage_fn, loss_fn, params, _, _ = _mlp(sched.virtual_stages)
+  xs, ts = _batches(steps)
+  run = ooo.pipeline.train(
+    stage_fn, loss_fn, opt, mesh=_mesh(stages), axis_name="stage", schedule=sched
+  )
+  p, state, losses = _jit(run)(params, jax.vmap(opt.init)(params), (xs, ts))
+  q, qs, ref = params, opt.init(params), []
+  for t in range(steps):
+    loss, g = _reference(stage_fn, loss_fn, q, xs[t], ts[t])
+    updates, qs = opt.update(g, qs, q)
+    q = optax.apply_updates(q, updates)
+    ref.append(loss)
+  assert_trees_close(losses, jnp.stack(ref))
+  assert_trees_close(p, q)
+  return run, p, state, (xs, ts)
+
+
 @pytest.mark.parametrize(
   "stages,name,lag,opt",
   [
@@ -30,21 +51,7 @@ def test_tiled_train_matches_synchronous_loop(stages, name, lag, opt):
   steps = 3
   opt = optax.sgd(0.1, momentum=0.9) if opt == "momentum" else optax.adam(1e-2)
   sched = ooo.pipeline.schedule(name, stages=stages, microbatches=4, lag=lag, steps=steps)
-  stage_fn, loss_fn, params, _, _ = _mlp(sched.virtual_stages)
-  xs, ts = _batches(steps)
-  run = ooo.pipeline.train(
-    stage_fn, loss_fn, opt, mesh=_mesh(stages), axis_name="stage", schedule=sched
-  )
-  p, state, losses = _jit(run)(params, jax.vmap(opt.init)(params), (xs, ts))
-
-  q, qs, ref = params, opt.init(params), []
-  for t in range(steps):  # the synchronous loop: a whole step, then the update
-    loss, g = _reference(stage_fn, loss_fn, q, xs[t], ts[t])
-    updates, qs = opt.update(g, qs, q)
-    q = optax.apply_updates(q, updates)
-    ref.append(loss)
-  assert_trees_close(losses, jnp.stack(ref))
-  assert_trees_close(p, q)
+  run, p, state, (xs, ts) = check_tiled_train(sched, opt, steps, stages)
   # A further call continues from the returned state (a checkpoint between calls).
   p2, _, l2 = _jit(run)(p, state, (xs, ts))
   assert l2.shape == (steps,) and bool(jnp.all(jnp.isfinite(l2)))

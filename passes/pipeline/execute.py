@@ -38,12 +38,8 @@ from ooojax.passes.pipeline.program import (
   trace,
 )
 from ooojax.passes.pipeline.schedule import PipelineSchedule
-from ooojax.passes.pipeline.ticks import (
-  every_tick_writes_records,
-  masked_rows,
-  one_way,
-  tick_loop,
-)
+from ooojax.passes.pipeline.tick_options import every_tick_writes_records, masked_rows, one_way
+from ooojax.passes.pipeline.ticks import tick_loop
 
 __all__ = [
   "Flavor",

@@ -41,14 +41,7 @@ from ooojax.passes import _compat
 from ooojax.passes.pipeline import plan as plan_pass
 from ooojax.passes.pipeline.link import one_way_groups
 from ooojax.passes.pipeline.program import Program
-from ooojax.passes.pipeline.tick_options import (
-  CPU_EXCHANGE,
-  RECORD_WRITES,
-  TICK_ROWS,
-  every_tick_writes_records,
-  masked_rows,
-  one_way,
-)
+from ooojax.passes.pipeline.tick_options import every_tick_writes_records
 from ooojax.passes.pipeline.tick_updates import (
   broadcast_owned,
   owner_groups,
@@ -56,15 +49,7 @@ from ooojax.passes.pipeline.tick_updates import (
   update,
 )
 
-__all__ = [
-  "CPU_EXCHANGE",
-  "RECORD_WRITES",
-  "TICK_ROWS",
-  "every_tick_writes_records",
-  "masked_rows",
-  "one_way",
-  "tick_loop",
-]
+__all__ = ["tick_loop"]
 
 
 def _read(env, v):
