@@ -69,3 +69,33 @@ def test_shared_kernels_and_the_table():
 
 def test_no_gpu_plane_is_none():
   assert gpu_trace.summarize(_space([]), 1) is None
+
+
+def test_gaps_are_attributed_to_the_host_events_beside_them():
+  from benchmarks import gpu_gaps
+
+  # device: conv [0, 2) on stream 1, dw_conv [5, 6) on stream 2: one 3 ms gap [2, 5);
+  # host (CUPTI): a wait [1.5, 4.5) overlaps it by 2.5 ms, a launch [4.5, 5.5) by 0.5 ms
+  cupti = (
+    f'planes {{ name: "/host:CUPTI" {_line(7, "api", [(1, 1.5, 3), (2, 4.5, 1)])} '
+    + _meta([(1, "cuStreamWaitEvent"), (2, "cuLaunchKernel")])
+    + " }"
+  )
+  p = _space([("Stream #1(compute)", [(1, 0, 2)]), ("Stream #2(compute)", [(3, 5, 1)])], cupti)
+  g, totals = gpu_gaps.analyse(p, steps=1, min_gap_us=10, top=3)
+  assert g["n"] == 1 and g["idle_ms"] == pytest.approx(3.0)
+  over = {name: ns / 1e6 for (_, name), ns in g["over"].items()}
+  assert over == pytest.approx({"cuStreamWaitEvent": 2.5, "cuLaunchKernel": 0.5})
+  ((start, end, before, after),) = g["big"]
+  assert before == ("conv", "Stream #1(compute)") and after[0] == "dw_conv"
+  assert totals[("/host:CUPTI", "cuStreamWaitEvent")][:2] == [1, pytest.approx(3.0)]
+  # the python line (the user's own loop) is not a host event of the step
+  assert not any(name == "module" for _, name in totals)
+
+
+def test_host_event_names_drop_their_arguments():
+  from benchmarks import gpu_gaps
+
+  assert (
+    gpu_gaps._norm("Thunk:#hlo_op=call-start.3,hlo_module=jit_step#") == "Thunk:hlo_op=call-start"
+  )
