@@ -183,6 +183,42 @@ class Memory:
     )
 
 
+def trace_replica(
+  stage_fn,
+  loss_fn,
+  input_fn,
+  sched,
+  stage_params,
+  batch_m,
+  shared,
+  has_aux: bool = False,
+  data_axis: str | None = None,
+  D: int = 1,
+) -> Program:
+  """`trace` as one of `D` data replicas sees it: `batch_m` is (inputs, targets,
+  side) with leaves `(microbatches, rows, ...)` whose rows split over `data_axis`,
+  bound while tracing (a loss may name it)."""
+  local = (
+    lambda t: jax.tree.map(  # noqa: E731 - one data replica's slice
+      lambda x: jax.ShapeDtypeStruct((x.shape[0], x.shape[1] // D, *x.shape[2:]), x.dtype), t
+    )
+  )
+  inputs_m, targets_m, side_m = batch_m
+  with _compat.axis_env([(data_axis, D)] if data_axis else []):
+    return trace(
+      stage_fn,
+      loss_fn,
+      input_fn,
+      sched,
+      stage_params,
+      local(inputs_m),
+      local(targets_m),
+      shared,
+      local(side_m),
+      has_aux,
+    )
+
+
 def program(
   stage_fn: Callable,
   loss_fn: Callable,
