@@ -5,7 +5,9 @@ input_fn=None) -> Program` (the stage kinds cut into F / B / W phases by
 `passes.pipeline.flavor`, the table's per-tick rows from `passes.pipeline.plan`,
 the residual record layouts) and `memory(...) -> Memory` (bytes per device),
 from shapes alone. `passes.pipeline.execute` lowers a `Program` to the tick
-loop; `ooo.pipeline.memory` and `ooo.pipeline.explain` read it.
+loop (`trace_replica`: the `Program` as one data replica traces it, for the
+executor and the tiled train loop alike); `ooo.pipeline.memory` and
+`ooo.pipeline.explain` read it.
 """
 
 from __future__ import annotations
