@@ -287,12 +287,19 @@ class _Transformed:
     """The plan for arguments given by shape (arrays or `jax.ShapeDtypeStruct`s):
     traced under `jax.eval_shape`, nothing runs."""
     box = {}
+    # only the array leaves go through eval_shape; a module's static fields (an
+    # Equinox activation function, a Python float) stay as they are, as in a call
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    at = [k for k, x in enumerate(leaves) if _is_dynamic(x)]
 
-    def trace(*a):
-      box["plan"], _ = self.plan(a, {})
+    def trace(*dyn):
+      full = list(leaves)
+      for k, x in zip(at, dyn):
+        full[k] = x
+      box["plan"], _ = self.plan(tuple(jax.tree_util.tree_unflatten(tree, full)), {})
       return 0.0
 
-    jax.eval_shape(trace, *args)
+    jax.eval_shape(trace, *[leaves[k] for k in at])
     return box["plan"]
 
   def _plan_traced(self, closed, dyn, layout, diff) -> tuple[_Plan, list]:

@@ -124,10 +124,19 @@ def _load(path: str, mtime: float) -> Calibration:
 def for_device(name: str) -> Calibration | None:
   """The calibration of device spec `name` ("H100"): `$OOOJAX_CALIBRATION/h100.json`,
   else the shipped one, else None. `OOOJAX_CALIBRATION=none`: none at all (the
-  uncalibrated presets; the test suite plans with them)."""
+  uncalibrated presets; the test suite plans with them); a value that is neither
+  `none` nor a folder is a `ValueError`."""
   env = os.environ.get(ENV)
   if env == "none":
     return None
+  if env and not pathlib.Path(env).is_dir():
+    # a device name here ("h200") would otherwise be ignored without a word
+    raise ValueError(
+      f"{ENV}={env!r} is not a folder: set it to a folder holding <device>.json "
+      f"calibration files, to 'none' for the uncalibrated presets, or unset it for the "
+      f"shipped files ({', '.join(sorted(f.name for f in SHIPPED.glob('*.json')))}); "
+      "the device is chosen with device=, e.g. device='H200'"
+    )
   dirs = [pathlib.Path(env)] if env else []
   for d in [*dirs, SHIPPED]:
     f = d / f"{name.lower()}.json"

@@ -1,7 +1,7 @@
 """Small Equinox models as Equinox's examples write them (tests/test_equinox*.py).
 
 A CNN with max pooling (its `init=-inf` a Python float field) and `Dropout(p=0)`;
-a module with int and function fields; a transformer encoder whose blocks read
+a module with int and function fields; an MLP of square `Linear` layers; a transformer encoder whose blocks read
 a padding mask, draw dropout from per-layer keys (`split(key, n_layers)`) and
 per-example keys (`split(key, batch)`, vmapped over the rows).
 """
@@ -68,6 +68,33 @@ def fields_data():
   k1, k2 = jax.random.split(jax.random.key(0))
   m = Fields(jax.random.normal(k1, (4, 4)) * 0.5, jnp.zeros(4), 2, jax.nn.tanh, 1.5)
   return m, (jax.random.normal(k2, (6, 4)),)
+
+
+class MLP(eqx.Module):
+  """`n` square `eqx.nn.Linear` layers and a function field: big enough at d=256 that
+  the H100/H200 cost model puts the dW GEMMs on stream 1 when a call is cheap."""
+
+  layers: list
+  act: Callable
+
+  def __init__(self, d=16, n=8, key=None):
+    self.layers = [eqx.nn.Linear(d, d, key=k) for k in jax.random.split(key, n)]
+    self.act = jax.nn.tanh
+
+  def __call__(self, x):
+    for layer in self.layers:
+      x = self.act(layer(x))
+    return x
+
+
+def mlp_loss(model, x, y):
+  return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+def mlp_data(batch=16, d=16, n=8):
+  k0, k1, k2 = jax.random.split(jax.random.key(4), 3)
+  x, y = jax.random.normal(k1, (batch, d)), jax.random.normal(k2, (batch, d))
+  return MLP(d, n, key=k0), (x, y)
 
 
 class Block(eqx.Module):

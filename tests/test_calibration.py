@@ -31,3 +31,10 @@ def test_calibration_file_changes_admission(tmp_path, monkeypatch):
   (tmp_path / "h100.json").write_text(json.dumps({**entry, "call_seconds": "fast"}))
   with pytest.raises(ValueError, match="call_seconds"):
     cost.get_spec("H100")
+
+
+def test_a_calibration_variable_that_is_no_folder_is_refused(monkeypatch):
+  # a device name there would otherwise be ignored without a word
+  monkeypatch.setenv(calibration.ENV, "h200")
+  with pytest.raises(ValueError, match="'h200' is not a folder.*device='H200'"):
+    cost.get_spec("H200")

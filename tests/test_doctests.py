@@ -15,6 +15,7 @@ MODULES = [
   "ooojax.passes.cost",
   "ooojax.passes.simulate",
   "ooojax.passes.hlo.schedule",
+  "ooojax.passes.hlo.text",
   "ooojax.passes.hlo.compare",
   "ooojax.passes.hlo.windows",
   "ooojax.passes.hlo.replay",

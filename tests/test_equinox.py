@@ -1,6 +1,7 @@
 """Equinox modules as the differentiated argument: trained as eqx.filter_value_and_grad trains them."""
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -79,3 +80,51 @@ def test_explain_takes_the_module(name):
   args = (*batch, jax.random.key(0)) if keyed else batch
   r = ooo.explain(loss, model, *args)
   assert r.counts["DW"] > 0
+
+
+def test_calibrated_single_gpu_admission_on_a_module(tmp_path, monkeypatch, close):
+  # single_gpu prices stream calls with the shipped H200 calibration (76 us a pinned
+  # call): on this MLP no dW cluster pays for one, and explain says so; a cheap call
+  # (a calibration file of 0.1 us) admits the GEMM clusters, and the pinned-call step
+  # equals Equinox's gradient. abstract_plan takes the module (its function field static).
+  from ooojax.passes import calibration, cost, stream_cost
+
+  model, (x, y) = M.mlp_data(batch=128, d=256, n=4)
+  monkeypatch.delenv(calibration.ENV)  # the shipped ooojax/calibration/h200.json
+  s = ooo.explain(M.mlp_loss, model, x, y, mode="single_gpu", device="H200").schedule
+  assert s.calls == () and s.predicted_speedup == 1.0
+  assert stream_cost.too_dear(cost.get_spec("H200").pinned_call) in {w for _, w in s.kept}
+  entry = {"format": 1, "device": "H200", "jax": jax.__version__, "call_seconds": 1e-7}
+  (tmp_path / "h200.json").write_text(json.dumps({**entry, "pinned_call_seconds": 1e-7}))
+  monkeypatch.setenv(calibration.ENV, str(tmp_path))
+  vg = oeqx.filter_value_and_grad(M.mlp_loss, mode="single_gpu", device="H200")
+  plan = vg.abstract_plan(model, x, y)
+  assert plan.schedule.calls and plan.schedule.predicted_speedup > 1.0
+  loss, g = eqx.filter_jit(vg)(model, x, y)
+  ref, rg = eqx.filter_value_and_grad(M.mlp_loss)(model, x, y)
+  close(loss, ref)
+  close(eqx.filter(g, eqx.is_inexact_array), eqx.filter(rg, eqx.is_inexact_array))
+
+
+def test_single_gpu_train_step_takes_the_partitioned_module(close):
+  # make_train_step's params are float arrays: the module's function field is named
+  # with the fix (eqx.partition / eqx.combine), and the fix trains as a plain loop does
+  import optax
+
+  from ooojax import single_gpu
+
+  model, (x, y) = M.mlp_data(n=4)
+  opt = optax.sgd(0.1)
+  step = single_gpu.make_train_step(lambda m, b: M.mlp_loss(m, *b), opt, defer="auto")
+  with pytest.raises(TypeError, match=r"params\.act is a .*eqx\.partition"):
+    step.init(model, (x, y))
+  params, static = eqx.partition(model, eqx.is_inexact_array)
+  loss = lambda p, b: M.mlp_loss(eqx.combine(p, static), *b)  # noqa: E731
+  step = single_gpu.make_train_step(loss, opt, defer="auto")
+  state, p, got, want = step.init(params, (x, y)), params, [], []
+  for _ in range(2):
+    state, v = step(state, (x, y))
+    got.append(v)
+    v, g = jax.value_and_grad(loss)(p, (x, y))
+    p, _ = optax.apply_updates(p, jax.tree.map(lambda t: -0.1 * t, g)), want.append(v)
+  close(jnp.stack(got), jnp.stack(want))

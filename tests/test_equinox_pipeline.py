@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 eqx = pytest.importorskip("equinox")
 
@@ -109,3 +110,29 @@ def test_plain_tree_with_a_function_leaf_names_its_path():
   )
   with pytest.raises(TypeError, match=r"\['act'\].*filter_value_and_grad"):
     step(params, jnp.ones((4, 3)))
+
+
+def test_fsdp_within_stages_on_a_module(close):
+  # (2 data x 4 stage) explicit mesh, every Linear's weight split over the data axis
+  # on its input dimension (FSDP within the stage, issue 49): each action gathers
+  # it, its gradient comes back split the same way and equals Equinox's
+  model, (x, y) = M.mlp_data()
+  explicit = (jax.sharding.AxisType.Explicit,) * 2
+  mesh = jax.make_mesh((2, 4), ("data", "stage"), devices=jax.devices()[:8], axis_types=explicit)
+  x, y = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
+  split = NamedSharding(mesh, P(None, "data"))
+  model = eqx.tree_at(
+    lambda m: [layer.weight for layer in m.layers],
+    model,
+    [jax.device_put(layer.weight, split) for layer in model.layers],
+  )
+  kw = dict(mesh=mesh, axis_name="stage", data_axis="data", microbatches=4, schedule="1f1b")
+  loss, g = eqx.filter_jit(ooo.pipeline.value_and_grad(M.mlp_loss, fsdp="regather", **kw))(
+    model, x, y
+  )
+  ref, rg = eqx.filter_jit(eqx.filter_value_and_grad(M.mlp_loss))(model, x, y)
+  close(loss, ref)
+  close(_inexact(g), _inexact(rg))
+  assert g.act is None and g.layers[0].weight.sharding.spec == P(None, "data")
+  r = ooo.pipeline.explain(M.mlp_loss, model, x, y, **kw)
+  assert r.fsdp.leaves == (".layers[0].weight",) and r.fsdp.held * 2 == r.fsdp.whole

@@ -150,7 +150,14 @@ def plan_deferral(plan, params, defer, cm: CostModel, has_aux: bool = False) -> 
   if any(p is not None for p in plan.out_tree[3]) or len(
     sp.jaxpr.jaxpr.outvars
   ) - sp.grad_out_start != len(paths):
-    raise TypeError("make_train_step: every parameter leaf must be a float array")
+    bad = [p for (p, x) in zip(paths, (x for _, x in flat)) if not _is_float_array(x)]
+    raise TypeError(
+      "make_train_step: every parameter leaf must be a float array"
+      + (f"; params{bad[0]} is a {type(flat[paths.index(bad[0])][1]).__name__}" if bad else "")
+      + ". An Equinox module's static fields (functions, ints) are no parameters here: "
+      "pass params, static = eqx.partition(model, eqx.is_inexact_array) and rebuild the "
+      "model with eqx.combine(params, static) inside loss_fn"
+    )
   if plan.n_aux and not has_aux:  # pragma: no cover - value_and_grad refuses it first
     raise TypeError("make_train_step: loss_fn returns aux: pass has_aux=True")
   deferred = _choose(defer, sp, sched, paths, cm)
@@ -176,3 +183,8 @@ def plan_deferral(plan, params, defer, cm: CostModel, has_aux: bool = False) -> 
     tls,
     tuple(f"W{can[i]}" for i in dfr.leaves),
   )
+
+
+def _is_float_array(x) -> bool:
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and jax.numpy.issubdtype(dtype, jax.numpy.inexact)

@@ -32,57 +32,29 @@ order IS its schedule. This pass turns that text into plain frozen data:
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping
 
-# Ops that become no kernel (or only bookkeeping): never counted as work.
-TRIVIAL_OPS = frozenset(
-  {
-    "parameter",
-    "constant",
-    "get-tuple-element",
-    "tuple",
-    "bitcast",
-    "opt-barrier",
-    "after-all",
-    "add-dependency",
-    "partition-id",
-    "replica-id",
-    "iota",
-  }
+from ooojax.passes.hlo.kinds import (
+  COLLECTIVE_OPS,
+  CONTROL_OPS,
+  EXTRA_PAIRS,
+  TRIVIAL_OPS,
+  Classifier,
+  pair_kind,
 )
-COLLECTIVE_OPS = frozenset(
-  {
-    "all-reduce",
-    "all-gather",
-    "reduce-scatter",
-    "collective-permute",
-    "all-to-all",
-    "collective-broadcast",
-    "ragged-all-to-all",
-  }
-)
-CONTROL_OPS = frozenset({"while", "conditional"})
-# start op -> done op for the async forms not spelled `<x>-start` / `<x>-done`.
-_EXTRA_PAIRS = {"send": "send-done", "recv": "recv-done"}
+from ooojax.passes.hlo.text import read, shape_bytes
 
-_HEADER = re.compile(r"^\s*(ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
-_INSTR = re.compile(
-  r"^\s*(?P<root>ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\s"
-  r"(?P<op>[a-z][\w\-]*)\((?P<rest>.*)$"
-)
-_TARGET = re.compile(r'custom_call_target="([^"]*)"')
-_CALLS = re.compile(
-  r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)"
-  r"=\s*(\{[^}]*\}|%?[\w.\-]+)"
-)
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_STREAM = re.compile(r'_xla_stream_annotation="([^"]*)"')
-_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
-# XLA (jax >= 0.11) turns an async collective with nothing between start and
-# done into one synchronous op that keeps its pair's name here.
-_SCHED_NAME = re.compile(r'scheduling_name="([a-z][a-z-]*?)-start(?:\.\d+)?"')
-_NAME = re.compile(r"%?([\w.\-]+)")
+# re-exported: callers read the op sets and `shape_bytes` from here
+__all__ = [
+  "COLLECTIVE_OPS",
+  "CONTROL_OPS",
+  "TRIVIAL_OPS",
+  "AsyncPair",
+  "HloSchedule",
+  "Instr",
+  "parse",
+  "shape_bytes",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,207 +210,8 @@ class HloSchedule:
     return self.summary()
 
 
-_BYTES = {
-  "pred": 1,
-  "s8": 1,
-  "u8": 1,
-  "f8e4m3fn": 1,
-  "f8e5m2": 1,
-  "s16": 2,
-  "u16": 2,
-  "f16": 2,
-  "bf16": 2,
-  "s32": 4,
-  "u32": 4,
-  "f32": 4,
-  "s64": 8,
-  "u64": 8,
-  "f64": 8,
-  "c64": 8,
-  "c128": 16,
-}
-
-
-def shape_bytes(shape: str) -> int:
-  """Bytes of a printed HLO type (`f32[2,3]{1,0}`, or a tuple of them).
-
-  >>> shape_bytes("(f32[2,3]{1,0}, bf16[4]{0}, s32[])")
-  36
-  """
-  total = 0
-  for dt, dims in re.findall(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]", shape):
-    n = 1
-    for d in filter(None, dims.split(",")):
-      n *= int(d)
-    total += n * _BYTES.get(dt, 4)
-  return total
-
-
 def _short(items: list[str], n: int) -> str:
   return "[" + ", ".join(items[:n]) + (f", ... +{len(items) - n}" if len(items) > n else "") + "]"
-
-
-def _split_operands(rest: str) -> tuple[str, str]:
-  """`rest` starts right after the op's '(': returns (operand text, attributes text)."""
-  depth = 1
-  for k, ch in enumerate(rest):
-    if ch in "([{":
-      depth += 1
-    elif ch in ")]}":
-      depth -= 1
-      if depth == 0:
-        return rest[:k], rest[k + 1 :]
-  return rest, ""
-
-
-def _operand_names(text: str) -> tuple[str, ...]:
-  # Operands print as `%a, %b` (or `f32[2]{0} %a` in newer XLA): take the names.
-  names = re.findall(r"%([\w.\-]+)", text)
-  if names:
-    return tuple(names)
-  return tuple(t.strip() for t in text.split(",") if t.strip() and "[" not in t)
-
-
-def _called(attrs: str) -> tuple[str, ...]:
-  out: list[str] = []
-  for m in _CALLS.finditer(attrs):
-    out.extend(_NAME.findall(m.group(1).strip("{}")))
-  for m in _BRANCHES.finditer(attrs):
-    out.extend(_NAME.findall(m.group(1)))
-  return tuple(out)
-
-
-@dataclasses.dataclass
-class _Raw:
-  name: str
-  op: str
-  target: str
-  stream: str | None
-  op_name: str
-  operands: tuple[str, ...]
-  calls: tuple[str, ...]
-  shape: str
-  sync_of: str = ""
-
-
-def _read(text: str) -> tuple[dict[str, list[_Raw]], str, bool]:
-  comps: dict[str, list[_Raw]] = {}
-  cur: list[_Raw] | None = None
-  entry = ""
-  for line in text.splitlines():
-    if cur is None:
-      m = _HEADER.match(line)
-      if m:
-        cur = comps.setdefault(m.group("name"), [])
-        if m.group(1):
-          entry = m.group("name")
-      continue
-    if line.startswith("}"):  # XLA >= 0.12 may add `, execution_thread="parallel"`
-      cur = None
-      continue
-    mi = _INSTR.match(line)
-    if mi is None:
-      continue
-    operands, attrs = _split_operands(mi.group("rest"))
-    target = _TARGET.search(attrs)
-    stream = _STREAM.search(attrs)
-    op_name = _OP_NAME.search(attrs)
-    sched = _SCHED_NAME.search(attrs)
-    sync_of = sched.group(1) if sched and sched.group(1) == mi.group("op") else ""
-    cur.append(
-      _Raw(
-        mi.group("name"),
-        mi.group("op"),
-        target.group(1) if target else "",
-        stream.group(1) if stream else None,
-        op_name.group(1) if op_name else "",
-        _operand_names(operands),
-        _called(attrs),
-        mi.group("type").strip(),
-        sync_of,
-      )
-    )
-  if not entry and comps:
-    entry = list(comps)[-1]  # XLA prints the entry last
-  scheduled = bool(re.search(r"^HloModule\b.*\bis_scheduled=true", text, re.M))
-  return comps, entry, scheduled
-
-
-def _target_kind(target: str) -> str:
-  t = target.lower()
-  if t.startswith("__cudnn$conv") or "convolution" in t:
-    return "conv"
-  if t.startswith("__cublas$") or "gemm" in t or "matmul" in t:
-    return "gemm"
-  return "custom-call"
-
-
-class _Classifier:
-  """Kinds per instruction; fusions and custom fusions by what their body computes."""
-
-  def __init__(self, comps: dict[str, list[_Raw]]):
-    self.comps = comps
-    self._heavy: dict[str, str] = {}
-
-  def body_kind(self, comp: str, _seen=()) -> str:
-    """ "conv" / "gemm" if the computation (recursively) holds one, else ""."""
-    if comp in self._heavy:
-      return self._heavy[comp]
-    if comp in _seen:
-      return ""
-    found = ""
-    for r in self.comps.get(comp, ()):
-      k = self.kind(r, (*_seen, comp))
-      if k in ("conv", "gemm"):
-        found = k
-        if k == "conv":
-          break
-      elif r.op in ("fusion", "call") and not found:
-        found = next(filter(None, (self.body_kind(c, (*_seen, comp)) for c in r.calls)), "")
-    self._heavy[comp] = found
-    return found
-
-  def kind(self, r: _Raw, _seen=()) -> str:
-    op = r.op
-    if op in TRIVIAL_OPS:
-      return "trivial"
-    if op == "convolution":
-      return "conv"
-    if op in ("dot", "ragged-dot", "scaled-dot"):
-      return "gemm"
-    if op == "custom-call":
-      k = _target_kind(r.target)
-      if k == "custom-call" and r.calls:
-        return next(filter(None, (self.body_kind(c, _seen) for c in r.calls)), k)
-      return k
-    if op == "fusion":
-      return next(filter(None, (self.body_kind(c, _seen) for c in r.calls)), "fusion")
-    if op in COLLECTIVE_OPS:
-      return "collective"
-    if op.endswith("-start") or op in _EXTRA_PAIRS:
-      return "start"
-    if op.endswith("-done") or op == "async-update":
-      return "done"
-    if op in ("copy", "transpose"):
-      return "copy"
-    if op == "call":
-      return "call"
-    if op in CONTROL_OPS:
-      return "control"
-    return "other"
-
-
-def _pair_kind(start: _Raw, comps: dict[str, list[_Raw]]) -> str:
-  if start.op in _EXTRA_PAIRS:
-    return start.op
-  base = start.op[: -len("-start")]
-  if base != "async":
-    return base
-  for c in start.calls:  # generic async: the wrapped op (the body's last real op)
-    body = [r for r in comps.get(c, ()) if r.op not in TRIVIAL_OPS]
-    if body:
-      return body[-1].op
-  return "async"
 
 
 def parse(text: str) -> HloSchedule:
@@ -455,8 +228,8 @@ def parse(text: str) -> HloSchedule:
   >>> s.entry_name, [i.kind for i in s.entry]
   ('e', ['trivial'])
   """
-  raw, entry, scheduled = _read(text)
-  cls = _Classifier(raw)
+  raw, entry, scheduled = read(text)
+  cls = Classifier(raw)
   comps: dict[str, tuple[Instr, ...]] = {}
   for cname, rs in raw.items():
     out = []
@@ -495,10 +268,10 @@ def parse(text: str) -> HloSchedule:
       if j is None or j >= k or seq[j].kind != "start":
         continue
       start = seq[j]
-      if start.op in _EXTRA_PAIRS and done.op != _EXTRA_PAIRS[start.op]:
+      if start.op in EXTRA_PAIRS and done.op != EXTRA_PAIRS[start.op]:
         continue
       between = tuple(i for i in seq[j + 1 : k] if i.kind != "trivial")
-      kind = _pair_kind(raw[cname][j], raw)
+      kind = pair_kind(raw[cname][j], raw)
       # A collective's to_apply is its reducer, not work it runs.
       callee = (
         tuple(x for c in start.calls for x in comps.get(c, ()))

@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ooojax.passes import _compat
 from ooojax.passes.pipeline.flavor import Flavor, make_flavor
 from ooojax.passes.pipeline.fsdp import FSDP_MODES, Fsdp, data_dims
 from ooojax.passes.pipeline.link import one_way_groups
@@ -35,7 +34,7 @@ from ooojax.passes.pipeline.program import (
   memory,
   program,
   split_microbatches,
-  trace,
+  trace_replica,
 )
 from ooojax.passes.pipeline.schedule import PipelineSchedule
 from ooojax.passes.pipeline.tick_options import every_tick_writes_records, masked_rows, one_way
@@ -142,24 +141,18 @@ def lower(
 
   def step(stage_params, batch, shared=None):
     inputs_m, targets_m, side_m = split_microbatches(batch, M, D)
-    local = (
-      lambda t: jax.tree.map(  # noqa: E731 - one data replica's slice
-        lambda x: jax.ShapeDtypeStruct((M, x.shape[1] // D, *x.shape[2:]), x.dtype), t
-      )
+    prog = trace_replica(
+      stage_fn,
+      loss_fn,
+      input_fn,
+      sched,
+      stage_params,
+      (inputs_m, targets_m, side_m),
+      shared,
+      has_aux,
+      data_axis,
+      D,
     )
-    with _compat.axis_env([(data_axis, D)] if data_axis else []):  # a loss naming it
-      prog = trace(
-        stage_fn,
-        loss_fn,
-        input_fn,
-        sched,
-        stage_params,
-        local(inputs_m),
-        local(targets_m),
-        shared,
-        local(side_m),
-        has_aux,
-      )
     dims = data_dims(stage_params, data_axis if fsdp == "regather" else None, given)
     body = tick_loop(
       prog,
@@ -169,11 +162,8 @@ def lower(
       axis_name,
       sched.lag,
       data_axis=data_axis,
-      split=one_way(mesh),
-      select=tick_lowering(mesh, sched, prog) == "select",
+      **_mesh_options(mesh, sched, prog),
       fsdp=Fsdp.of(dims, data_axis, D),
-      records_always=every_tick_writes_records(mesh),
-      masked_rows=masked_rows(mesh),
     )
     loss, gp, gsh = _shard(
       body,
@@ -191,6 +181,16 @@ def lower(
     return loss, (gp if shared is None else (gp, gsh))
 
   return step
+
+
+def _mesh_options(mesh, sched, prog) -> dict:
+  """`tick_loop`'s options that the mesh (and the table) choose."""
+  return dict(
+    split=one_way(mesh),
+    select=tick_lowering(mesh, sched, prog) == "select",
+    records_always=every_tick_writes_records(mesh),
+    masked_rows=masked_rows(mesh),
+  )
 
 
 def _shard(

@@ -5,7 +5,9 @@ input_fn=None) -> Program` (the stage kinds cut into F / B / W phases by
 `passes.pipeline.flavor`, the table's per-tick rows from `passes.pipeline.plan`,
 the residual record layouts) and `memory(...) -> Memory` (bytes per device),
 from shapes alone. `passes.pipeline.execute` lowers a `Program` to the tick
-loop; `ooo.pipeline.memory` and `ooo.pipeline.explain` read it.
+loop (`trace_replica`: the `Program` as one data replica traces it, for the
+executor and the tiled train loop alike); `ooo.pipeline.memory` and
+`ooo.pipeline.explain` read it.
 """
 
 from __future__ import annotations
@@ -180,6 +182,42 @@ class Memory:
       + (self.slots["fres"] + 1) * self.fres
       + (self.slots["bres"] + 1) * self.bres  # +1: the record being produced
       + (self.slots["act"] + self.slots["grad"] + 2) * self.activation
+    )
+
+
+def trace_replica(
+  stage_fn,
+  loss_fn,
+  input_fn,
+  sched,
+  stage_params,
+  batch_m,
+  shared,
+  has_aux: bool = False,
+  data_axis: str | None = None,
+  D: int = 1,
+) -> Program:
+  """`trace` as one of `D` data replicas sees it: `batch_m` is (inputs, targets,
+  side) with leaves `(microbatches, rows, ...)` whose rows split over `data_axis`,
+  bound while tracing (a loss may name it)."""
+  local = (
+    lambda t: jax.tree.map(  # noqa: E731 - one data replica's slice
+      lambda x: jax.ShapeDtypeStruct((x.shape[0], x.shape[1] // D, *x.shape[2:]), x.dtype), t
+    )
+  )
+  inputs_m, targets_m, side_m = batch_m
+  with _compat.axis_env([(data_axis, D)] if data_axis else []):
+    return trace(
+      stage_fn,
+      loss_fn,
+      input_fn,
+      sched,
+      stage_params,
+      local(inputs_m),
+      local(targets_m),
+      shared,
+      local(side_m),
+      has_aux,
     )
 
 

@@ -21,13 +21,10 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ooojax.passes import _compat
 from ooojax.passes.pipeline import plan as plan_pass
-from ooojax.passes.pipeline.execute import _check, _data_size, _explicit, _shard
-from ooojax.passes.pipeline.lowering import tick_lowering
-from ooojax.passes.pipeline.program import Program, split_microbatches, trace
+from ooojax.passes.pipeline.execute import _check, _data_size, _explicit, _mesh_options, _shard
+from ooojax.passes.pipeline.program import Program, split_microbatches, trace_replica
 from ooojax.passes.pipeline.schedule import PipelineSchedule
-from ooojax.passes.pipeline.tick_options import every_tick_writes_records, masked_rows, one_way
 from ooojax.passes.pipeline.ticks import tick_loop
 
 __all__ = ["Updater", "lower_train", "lower_updates"]
@@ -147,24 +144,18 @@ def lower_updates(
       raise ValueError("shared weights need an updater with a shared update")
     # index step * M + microbatch; side: what every stage reads besides the activation
     inputs_m, targets_m, side_m = _per_microbatch(batches, N, M, D, mesh, data_axis)
-    local = (
-      lambda t: jax.tree.map(  # noqa: E731 - one data replica's slice
-        lambda x: jax.ShapeDtypeStruct((N * M, x.shape[1] // D, *x.shape[2:]), x.dtype), t
-      )
+    prog = trace_replica(
+      stage_fn,
+      loss_fn,
+      input_fn,
+      sched,
+      stage_params,
+      (inputs_m, targets_m, side_m),
+      shared,
+      has_aux,
+      data_axis,
+      D,
     )
-    with _compat.axis_env([(data_axis, D)] if data_axis else []):  # a loss naming it
-      prog = trace(
-        stage_fn,
-        loss_fn,
-        input_fn,
-        sched,
-        stage_params,
-        local(inputs_m),
-        local(targets_m),
-        shared,
-        local(side_m),
-        has_aux,
-      )
     own = list(owners or [None] * len(jax.tree.leaves(shared)))
     if None in own:
       _check_sync(prog, sched)
@@ -179,10 +170,7 @@ def lower_updates(
       steps=N,
       data_axis=data_axis,
       owners=[None if o is None else (*sched.place(o), o) for o in own],
-      split=one_way(mesh),
-      select=tick_lowering(mesh, sched, prog) == "select",
-      records_always=every_tick_writes_records(mesh),
-      masked_rows=masked_rows(mesh),
+      **_mesh_options(mesh, sched, prog),
     )
     return _shard(
       body,
