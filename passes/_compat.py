@@ -540,7 +540,7 @@ def call_debug_info():
 
 
 def _control_dep_lowering(ctx, src, dst):
-  """The `control_dep` custom call, or nothing where SPMD partitioning follows.
+  """The `control_dep` custom call (CPU), or nothing where SPMD partitioning follows.
 
   XLA's SPMD partitioner requires a sharding on every side-effecting
   instruction ("Side-effect HLO must have sharding") and would replicate the
@@ -548,7 +548,7 @@ def _control_dep_lowering(ctx, src, dst):
   producers, not the calls, would then get the edge. Under a jit partitioned
   over several devices (GSPMD, or `shard_map` with some axes left auto) the
   edge is therefore left out: the stream calls' windows are still pinned by
-  the barriers (`ordering="barriers"` / `"auto"`), and XLA:CPU has no streams.
+  the barriers (`ordering="barriers"` / `"auto"`).
   """
   if _partitioned(ctx):
     return []
@@ -560,14 +560,27 @@ def _control_dep_lowering(ctx, src, dst):
 
 @functools.cache
 def _control_dep_p():
-  """`ooo_control_dep(src, dst)`: a side-effecting, output-less ordering edge."""
-  from jax._src import ffi as _ffi
+  """`ooo_control_dep(src, dst)`: an output-less ordering edge.
+
+  It lowers to XLA:CPU's `control_dep` custom call, which its
+  control-dep-rewriter turns into a control edge; XLA:GPU has no such pass
+  (it fails with "No FFI handler registered for control_dep"), so every other
+  platform lowers it to nothing. The choice is made per lowering platform,
+  not by the default backend: one trace lowers for CPU with the edges and for
+  a GPU without them, as in an AOT compile for a GPU from a CPU host.
+  """
   from jax._src.interpreters import ad as _ad, batching as _batching, mlir as _mlir
 
   prim = _core.Primitive("ooo_control_dep")
   prim.multiple_results = True
   prim.def_impl(lambda src, dst: [])  # eager: nothing to order
-  prim.def_effectful_abstract_eval(lambda src, dst: ([], {_ffi._FfiEffect}))
+  # No jaxpr effect: any effect turns off jit's C++ dispatch (pjit's fast
+  # path), so every call of a step went through Python: 0.6 ms (demo CNN) to
+  # 6 ms (ResNet-50) a step on the H200 (benchmarks.gpu_gaps), the whole
+  # single-GPU loss there. A DCE rule keeps the output-less edge instead, and
+  # the custom call is side-effecting in HLO, which keeps it in XLA.
+  prim.def_abstract_eval(lambda src, dst: [])
+  _pe.dce_rules[prim] = lambda used_outputs, eqn: ([True] * len(eqn.invars), eqn)
   # under vmap the edge orders the batched producers: same operands, no outputs
   _batching.primitive_batchers[prim] = lambda args, dims: (prim.bind(*args), [])
 
@@ -575,24 +588,13 @@ def _control_dep_p():
     return prim.bind(*primals), []
 
   _ad.primitive_jvps[prim] = jvp
-  _mlir.register_lowering(prim, _control_dep_lowering)
+  _mlir.register_lowering(prim, lambda ctx, src, dst: [])
+  _mlir.register_lowering(prim, _control_dep_lowering, platform="cpu")
   return prim
 
 
-def _control_dep(src, dst) -> None:
-  _control_dep_p().bind(src, dst)
-
-
 def control_deps(pairs) -> None:
-  """Orders each `dst`'s producer after `src`'s producer, where XLA can (CPU).
-
-  XLA turns the `control_dep` custom call into a control edge only in the CPU
-  compiler (its control-dep-rewriter); XLA:GPU has no such pass and fails
-  with "No FFI handler registered for control_dep". The choice is made per
-  lowering platform (`lax.platform_dependent`), not by the default backend,
-  so one trace lowers for CPU with the edges and for GPU without them, as in
-  an AOT compile for a GPU from a CPU host.
-  """
+  """Orders each `dst`'s producer after `src`'s producer, where XLA can (CPU)."""
   pairs = list(pairs)
   if not pairs:
     return
@@ -603,13 +605,8 @@ def control_deps(pairs) -> None:
   for x in (x for p in pairs for x in p):
     if id(x) not in stopped:
       stopped[id(x)] = jax.lax.stop_gradient(x)
-
-  def cpu():
-    for src, dst in pairs:
-      _control_dep(stopped[id(src)], stopped[id(dst)])
-    return jax.numpy.zeros((), jax.numpy.int32)
-
-  jax.lax.platform_dependent(cpu=cpu, default=lambda: jax.numpy.zeros((), jax.numpy.int32))
+  for src, dst in pairs:
+    _control_dep_p().bind(stopped[id(src)], stopped[id(dst)])
 
 
 def new_var(aval):

@@ -130,3 +130,21 @@ def test_ordering_is_chosen_per_lowering_platform():
   assert ooo.Options().resolved_ordering() == "auto"
   with pytest.raises(ValueError, match="unknown ordering"):
     ooo.grad(loss, ordering="pinned")
+
+
+@pytest.mark.parametrize("ordering", ["auto", "control_deps", "barriers"])
+def test_pinned_steps_keep_jits_fast_dispatch(ordering):
+  # Any jaxpr effect turns off jit's C++ dispatch: each call of the step then
+  # went through Python (0.6-6 ms a step on the H200, benchmarks.gpu_gaps), the
+  # whole single-GPU loss measured there. The control edges carry none, and
+  # still reach XLA:CPU.
+  loss, p, x = _wide_mlp()
+
+  @jax.jit
+  def step(p, x):
+    g = ooo.grad(loss, mode="single_gpu", device="H100", ordering=ordering)(p, x)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
+
+  assert jax.make_jaxpr(step)(p, x).effects == set()
+  if ordering != "barriers":
+    assert _ctrl_edges(step.lower(p, x).compile().as_text()) >= 1
