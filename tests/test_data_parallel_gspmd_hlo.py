@@ -26,6 +26,8 @@ def _counts(fsdp, variant):
   # the mechanism at a fixed bucket size: at this toy size the planner would step aside
   # (one all-reduce after the backward: nothing to gain, `explain` says)
   opts = {"bucket_bytes": 1 << 20} if variant == "ooo" else {}
+  if variant == "ooo" and fsdp:  # the ZeRO-3 mechanism (fsdp="auto" keeps at this size)
+    opts["fsdp"] = "regather"
   return h100_counts(fsdp, variant, 8, SIZES, **opts)
 
 
