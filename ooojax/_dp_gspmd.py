@@ -84,18 +84,19 @@ def _bound_to(vg, axis):
   return t
 
 
-def _call_local(vg, fun, args, kwargs, scatter, gather=None):
+def _call_local(vg, fun, args, kwargs, scatter, gather=None, early=None):
   """`(vg(*args, **kwargs), which aux leaves are sums)`, differentiating `fun` (the
   function with its closed-over batch replaced by the shard's) and reduce-scattering
   the gradient leaves in `scatter` (position -> dimension). `gather`: id(gathered
   leaf) -> (that leaf, its shard, dimension): each is gathered where it is used
-  instead (`passes.collectives.regather.regathered`)."""
+  instead (`passes.collectives.regather.regathered`). `early`: combines the value
+  and aux leaves ahead of the first bucket (`BucketEmitter`)."""
   saved, vg.fun, vg._scatter, vg._aux_sums = vg.fun, fun, dict(scatter), []
-  vg._gather = dict(gather or {})
+  vg._gather, vg._early = dict(gather or {}), early
   try:
     return vg(*args, **kwargs), tuple(vg._aux_sums)
   finally:
-    vg.fun, vg._scatter, vg._aux_sums, vg._gather = saved, {}, None, {}
+    vg.fun, vg._scatter, vg._aux_sums, vg._gather, vg._early = saved, {}, None, {}, None
 
 
 def _fsdp_mode(opts, closed, leaves, lay):
@@ -193,7 +194,24 @@ def call(vg, args, kwargs):
         "function's closure, a functools.partial or a pytree there); pass it as an "
         "argument of the differentiated function instead"
       )
-    (out, g), sums = _call_local(inner, _in_shard(fun, ax, had_mesh, rows), a, k, scatter, gathered)
+    done = []
+
+    def early(aux_parts, heads):
+      """The value and each traced aux leaf (`heads`) combined over the axis."""
+      done.append(True)
+      sums = iter(inner._aux_sums or ())  # one per traced aux leaf, in order
+      out = [jax.lax.pmean(heads[0], ax)]
+      it = iter(heads[1:])
+      for part, p in zip(aux_parts, per_shard):
+        if part is None:
+          out.append(combine_aux(next(it), ax, rows, next(sums, False), p))
+      return out
+
+    fun = _in_shard(fun, ax, had_mesh, rows)
+    (out, g), sums = _call_local(inner, fun, a, k, scatter, gathered, early)
+    if done:  # the emitter combined them ahead of its first bucket
+      val, aux = out if vg.has_aux else (out, None)
+      return val, aux, g
     if vg.has_aux:
       val, aux = out
       leaves, aux_tree = jax.tree.flatten(aux)

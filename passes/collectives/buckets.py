@@ -114,6 +114,10 @@ def _finishing(split: Split, units, order, skip) -> tuple:
   return first, last, rest, nbytes
 
 
+# A last bucket under this share of the bucket size joins the one before it (`_group`).
+TRAILING_SHARE = 0.25
+
+
 def _group(finishing, bucket_bytes: int) -> list[tuple[tuple[int, ...], int, str]]:
   """(leaves, bytes, unit issued after) per bucket; a full bucket closes at its last leaf."""
   first, last, rest, nbytes = finishing
@@ -126,6 +130,11 @@ def _group(finishing, bucket_bytes: int) -> list[tuple[tuple[int, ...], int, str
     if size >= bucket_bytes:
       out.append((tuple(cur), size, unit))
       cur, size = [], 0
+  if cur and out and size < TRAILING_SHARE * bucket_bytes:
+    # a small last bucket joins the one before: XLA:GPU keeps one collective in flight,
+    # so issued after it, it would force that one's done before the backward ends
+    leaves, nb, _ = out.pop()
+    cur, size = [*leaves, *cur], nb + size
   if cur:  # after the last dW unit of any of its leaves
     out.append((tuple(cur), size, max(last[l] for l in cur)[1]))
   if rest:

@@ -170,8 +170,15 @@ class BucketEmitter:
     reduce: str = "mean",
     defer: frozenset = frozenset(),
     scatter=None,
+    early=None,
   ):
     self.plan = plan
+    # `early(value and traced aux leaves) -> them combined over the axis` (`_dp_gspmd`): run
+    # before the first bucket and chained ahead of it. Left to the caller after the step,
+    # these scalar all-reduces land between two buckets, and as XLA:GPU keeps one
+    # collective in flight they force the earlier bucket's done before the backward ends.
+    self._early = early
+    self._early_out: list | None = None
     self.scatter = dict(scatter or {})  # leaf -> dimension it is reduce-scattered over
     self.defer = frozenset(defer)  # leaves returned unreduced (cross-step overlap)
     self.split = split
@@ -246,7 +253,8 @@ class BucketEmitter:
     return ys
 
   def outputs(self, outs: list, env: dict) -> list:
-    """The flat outputs with every gradient replaced by its reduced value."""
+    """The flat outputs with every gradient replaced by its reduced value (and, with
+    `early`, the value and aux leaves by their combined ones)."""
     for b in self.plan.buckets:
       if b.index not in self._issued:
         self._issue(b, env)
@@ -259,9 +267,26 @@ class BucketEmitter:
       self._issue(Bucket(-1, missed, 0, ""), env)
     outs = list(outs)
     start = self.split.grad_out_start
+    if self._early is not None:
+      if self._early_out is None:  # no bucket issued: combined here
+        self._early_out = list(self._early(outs[:start]))
+      outs[:start] = self._early_out
     for i, x in self._reduced.items():
       outs[start + i] = x
     return outs
+
+  def _combine_early(self, env) -> None:
+    """The value and aux leaves combined (`early`), once, if the forward made them."""
+    if self._early is None or self._early_out is not None:
+      return
+    heads = self.split.jaxpr.jaxpr.outvars[: self.split.grad_out_start]
+    if not all(isinstance(v, _compat.Literal) or v in env for v in heads):
+      return
+    vals = [v.val if isinstance(v, _compat.Literal) else env[v] for v in heads]
+    self._early_out = list(self._early(vals))
+    tied = [x for x in self._early_out if hasattr(x, "dtype") and _compat.is_tracer(x)]
+    if tied and self._prev is None:
+      self._prev = tied[:1]  # the first bucket's all-reduce after these
 
   # --- internals ---------------------------------------------------------------
   def _value(self, env, i):
@@ -280,6 +305,7 @@ class BucketEmitter:
     if not grads:
       return
     bucket = dataclasses.replace(bucket, grads=grads)
+    self._combine_early(env)
     vals = [self._value(env, i) for i in bucket.grads]
     vals = chain_after(self._prev, vals)  # this all-reduce after the previous one
     reduced, self._prev = reduce_buffers(
