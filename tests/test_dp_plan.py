@@ -112,6 +112,10 @@ def test_a_small_last_bucket_joins_the_one_before():
 
   first = [(0, "W0"), (1, "W1"), (2, "W2")]
   last = {0: (0, "W0"), 1: (1, "W1"), 2: (2, "W2")}
-  assert _group((first, last, (), [100, 100, 10]), 100) == [((0,), 100, "W0"), ((1, 2), 110, "W2")]
-  # a last bucket of a quarter of the size or more stays apart
-  assert len(_group((first, last, (), [100, 100, 25]), 100)) == 3
+  assert _group((first, last, (), [100, 100, 10]), 100, merge_tail=True) == [
+    ((0,), 100, "W0"),
+    ((1, 2), 110, "W2"),
+  ]
+  # a last bucket of a quarter of the size or more stays apart; the choice is priced apart
+  assert len(_group((first, last, (), [100, 100, 25]), 100, merge_tail=True)) == 3
+  assert len(_group((first, last, (), [100, 100, 10]), 100)) == 3
