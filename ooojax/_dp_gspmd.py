@@ -99,26 +99,22 @@ def _call_local(vg, fun, args, kwargs, scatter, gather=None, early=None):
     vg.fun, vg._scatter, vg._aux_sums, vg._gather, vg._early = saved, {}, None, {}, None
 
 
-def _fsdp_mode(opts, closed, leaves, lay):
+def _fsdp_mode(opts, leaves, lay):
   """`fsdp="auto"`: keep the gathered weights or gather them again in the backward
-  (`passes.collectives.fsdp_mode`), from the FSDP leaves' bytes and the forward's
-  predicted seconds per device."""
+  (`passes.collectives.fsdp_mode`), from the FSDP leaves' bytes and the device."""
   from ooojax.passes.collectives import fsdp_mode
   from ooojax.passes.collectives.plan import get_link
-  from ooojax.passes.cost import CostModel
+  from ooojax.passes.cost import get_spec
 
   fsdp = [x for x, g in zip(leaves, lay.gather) if g is not None]
   if opts.fsdp != "auto" or not fsdp:
     return fsdp_mode.FsdpChoice(opts.fsdp, opts.fsdp, "as asked", 0, 0.0, 0.0)
-  cm = CostModel(opts.device, opts.measured)
-  forward = cm.unit_cost(closed.jaxpr.eqns).seconds / lay.n  # the whole batch's, per device
   return fsdp_mode.choose(
     opts.fsdp,
     sum(math.prod(x.shape) * jax.numpy.dtype(x.dtype).itemsize for x in fsdp),
     lay.n,
     get_link(opts.link),
-    cm.spec.name,
-    forward,
+    get_spec(opts.device).name,
     len(fsdp),
   )
 
@@ -170,7 +166,7 @@ def call(vg, args, kwargs):
   # gradient leaf position -> the dimension its reduce-scatter splits
   grad_dims = [g for g, d in zip(lay.gather, diff) if d]
   scatter = {i: g for i, g in enumerate(grad_dims) if g is not None}
-  zero3 = _fsdp_mode(vg.options, closed, leaves, lay).mode == "regather"
+  zero3 = _fsdp_mode(vg.options, leaves, lay).mode == "regather"
 
   def body(*local):
     shards = list(local[:n_dyn])

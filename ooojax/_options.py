@@ -57,8 +57,8 @@ class Options:
     just before the forward reads it and again before the backward does, so a
     device holds 1/N of the parameters plus a few gathered layers), "keep"
     (gathered once at the step's start and kept: the whole model per device)
-    or "auto" (keep, unless the device's memory demands regather or its
-    second gather is free on the link: `passes.collectives.fsdp_mode`).
+    or "auto" (keep, unless the device's memory demands regather:
+    `passes.collectives.fsdp_mode`).
   """
 
   mode: str = "auto"

@@ -15,8 +15,8 @@ shardings and the plan's buckets alone (no compile):
   forward reads it, again in the backward, one group ahead
   (`passes.collectives.regather`): about two consecutive layers' weights at
   once; `fsdp="keep"` holds every FSDP weight gathered for the whole step;
-  the default `fsdp="auto"` keeps unless memory demands regather or it is
-  free (`passes.collectives.fsdp_mode`: the section says which and why).
+  the default `fsdp="auto"` keeps unless memory demands regather
+  (`passes.collectives.fsdp_mode`: the section says which and why).
   Plain GSPMD gathers where XLA's scheduler puts the gathers: one layer
   ahead when it prefetches so (the same two layers), up to the whole model
   when memory does not press it.

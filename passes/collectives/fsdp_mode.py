@@ -1,7 +1,6 @@
 """collectives.fsdp_mode: FSDP weights gathered once and kept, or gathered again in the backward.
 
-Contract: `choose(fsdp, keep_bytes, n_devices, link, spec_name, forward_seconds,
-gathers) -> FsdpChoice`.
+Contract: `choose(fsdp, keep_bytes, n_devices, link, spec_name, gathers) -> FsdpChoice`.
 
 With FSDP (parameters sharded over the data axis) ooojax either gathers each
 weight once and keeps it for the step (`"keep"`: the whole model per device,
@@ -12,14 +11,13 @@ gather is never free of cost on the link: replayed on compiled H100 programs
 (issue 53, nanodo D 2048 x8 FSDP) regather took 9.68 ms against 6.89 for keep
 on NVLink and 63.8 against 40.4 on IB 400, for 638 against 1422 MB of temp.
 
-`fsdp="auto"` (the default) therefore keeps, unless
-
-* memory demands it: the whole FSDP model gathered (its full bytes) is more
-  than `KEEP_SHARE` of the device's memory; or
-* it is free: the extra gathers fit under compute the link is otherwise idle
-  for (the forward's gathers under the forward, the backward's gathers and
-  the gradients' reduce-scatters under the backward, taken as twice the
-  forward). Estimates from the cost model and the link model, not measured.
+`fsdp="auto"` (the default) therefore keeps, unless memory demands it: the
+whole FSDP model gathered (its full bytes) is more than `KEEP_SHARE` of the
+device's memory. Regather is not taken where its second gather would hide
+under the compute either: no compiled program showed it free. BERT-large-like
+x8 on NVLink, where that test predicted it hidden under the forward, replayed
+7.10 ms against 6.10 for keep: regather's compute grows too (6.29 against 5.74
+ms of kernels: its ties and the casts recomputed at each gather site).
 
 An unknown device memory (a CPU, a `DeviceSpec` not listed in `MEMORY`) never
 demands it. `fsdp="keep"` / `"regather"` are taken as given.
@@ -65,7 +63,6 @@ def choose(
   n_devices: int,
   link: Link,
   spec_name: str,
-  forward_seconds: float,
   gathers: int,
 ) -> FsdpChoice:
   """The mode for `fsdp` ("auto", "keep", "regather"); see the module docstring."""
@@ -80,18 +77,10 @@ def choose(
       f"{KEEP_SHARE:.0%} of the {spec_name}'s {memory / 1e9:.0f} GB"
     )
     return FsdpChoice("regather", fsdp, why, keep_bytes, memory, ag)
-  # regather: one gather under the forward; one more and the reduce-scatter (as long
-  # as a gather) under the backward, twice the forward
-  if ag <= forward_seconds:
-    why = (
-      f"free here: its second gather ({ag * 1e3:.3f} ms on {link.name}) and the "
-      f"reduce-scatters fit under the backward's compute (predicted)"
-    )
-    return FsdpChoice("regather", fsdp, why, keep_bytes, memory, ag)
   where = f"{memory / 1e9:.0f} GB {spec_name}" if memory else f"{spec_name} (memory unknown)"
   why = (
-    f"the whole model gathered ({mb(keep_bytes)}) fits the {where}, and gathering it "
-    f"again in the backward would add {ag * 1e3:.3f} ms on {link.name} that the "
-    "compute does not hide (predicted); fsdp='regather' holds 1/N instead"
+    f"the whole model gathered ({mb(keep_bytes)}) fits the {where}; gathering it "
+    f"again in the backward would add {ag * 1e3:.3f} ms on {link.name} and compute "
+    "(predicted); fsdp='regather' holds 1/N instead"
   )
   return FsdpChoice("keep", fsdp, why, keep_bytes, memory, ag)
