@@ -94,7 +94,12 @@ def _h100_step(fsdp_enabled: bool, devices: int, sizes: dict, plain: bool, **ooo
 
 
 def h100_counts(
-  fsdp: bool, variant: str, devices: int = 8, sizes=None, compiler_options=None, **ooo_options
+  fsdp_enabled: bool,
+  variant: str,
+  devices: int = 8,
+  sizes=None,
+  compiler_options=None,
+  **ooo_options,
 ) -> dict:
   """The compiled step's collectives on compile-only H100s (`variant`: "jax" or "ooo";
   `ooo_options` go to `ooo.value_and_grad`)."""
@@ -102,7 +107,7 @@ def h100_counts(
   from ooojax.passes.hlo import schedule as hlo_schedule
 
   step, state, batch, mesh = _h100_step(
-    fsdp, devices, sizes or HLO_CFG, variant == "jax", **ooo_options
+    fsdp_enabled, devices, sizes or HLO_CFG, variant == "jax", **ooo_options
   )
   t0 = time.perf_counter()
   c = gpu_hlo.compiled(step, state, batch, mesh=mesh, compiler_options=compiler_options)
@@ -116,6 +121,7 @@ def h100_counts(
     out[kind] = [len(p.overlapped_heavy) for p in pairs]
     out[kind + " sync"] = sum(p.sync for p in pairs)
     out[kind + " starts"] = [entry.index(p.start.name) for p in pairs]
+    out[kind + " shapes"] = [p.start.shape for p in pairs]
     # ooojax's forward units are named ooo_F<i> (backward ones ooo_X<i>, ooo_W<i>)
     out[kind + " forward"] = [len(p.overlapped_heavy) for p in pairs if "/ooo_F" in p.start.op_name]
   out["last gemm"] = gemms[-1] if gemms else -1

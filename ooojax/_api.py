@@ -142,6 +142,9 @@ class _Transformed:
     self._scatter: dict = {}
     self._gather: dict = {}  # id(gathered leaf) -> (shard, dim): ZeRO-3 (`_dp_gspmd`)
     self._aux_sums: list | None = None  # per aux leaf: computed last by a sum (to psum)
+    # (aux_parts, value and traced aux leaves) -> them combined over the data axis
+    # (`_dp_gspmd`): the emitter runs it ahead of the first bucket
+    self._early = None
     functools.update_wrapper(self, fun)
 
   # --- tracing -----------------------------------------------------------------
@@ -390,7 +393,8 @@ class _Transformed:
       self._aux_sums.extend(_dp_gspmd.sum_outputs(plan.split.jaxpr.jaxpr, 1, plan.n_aux))
     with _gc_paused():
       if plan.collectives is not None:
-        outs = _dp.emit(plan, dyn, opts, consume=True, scatter=self._scatter)
+        early = self._early and functools.partial(self._early, plan.out_tree[1])
+        outs = _dp.emit(plan, dyn, opts, consume=True, scatter=self._scatter, early=early)
       else:
         # the split was traced for this call alone: emission may consume it
         outs = emit(

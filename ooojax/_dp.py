@@ -78,12 +78,16 @@ def plan(sp, sched, cm, opts) -> _collectives.CollectivePlan:
   )
 
 
-def emit(plan, dyn, opts, defer=frozenset(), consume: bool = False, scatter=None) -> list:
+def emit(
+  plan, dyn, opts, defer=frozenset(), consume: bool = False, scatter=None, early=None
+) -> list:
   """Re-binds the local gradient jaxpr and issues each bucket's all-reduce early.
 
   Gradient leaves in `defer` come back unreduced (per device): the cross-step
   train step reduces them at the start of the next step. Leaves in `scatter`
   (position -> dimension) are reduce-scattered over that dimension (FSDP).
+  `early`: combines the value and aux leaves over the axis ahead of the first bucket
+  (`passes.collectives.emit.BucketEmitter`).
   """
   ax = opts.axis_name
   invars = plan.split.jaxpr.jaxpr.invars[1:]  # (*consts, *dyn), after the cotangent
@@ -100,7 +104,7 @@ def emit(plan, dyn, opts, defer=frozenset(), consume: bool = False, scatter=None
     # is re-bound with the casts it needs (slower).
     ins = [_compat.to_varying(x, ax) for x in ins]
   n = len(plan.split.consts)
-  emitter = BucketEmitter(plan.collectives, plan.split, ax, opts.reduce, defer, scatter)
+  emitter = BucketEmitter(plan.collectives, plan.split, ax, opts.reduce, defer, scatter, early)
   with contextlib.nullcontext() if typed else _compat.vary_inputs(ax):
     return _emit(
       plan.split,

@@ -37,6 +37,7 @@ The pieces: `ooojax._dp_layout` (the data axis and the specs), `ooojax._dp_shard
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -83,18 +84,39 @@ def _bound_to(vg, axis):
   return t
 
 
-def _call_local(vg, fun, args, kwargs, scatter, gather=None):
+def _call_local(vg, fun, args, kwargs, scatter, gather=None, early=None):
   """`(vg(*args, **kwargs), which aux leaves are sums)`, differentiating `fun` (the
   function with its closed-over batch replaced by the shard's) and reduce-scattering
   the gradient leaves in `scatter` (position -> dimension). `gather`: id(gathered
   leaf) -> (that leaf, its shard, dimension): each is gathered where it is used
-  instead (`passes.collectives.regather.regathered`)."""
+  instead (`passes.collectives.regather.regathered`). `early`: combines the value
+  and aux leaves ahead of the first bucket (`BucketEmitter`)."""
   saved, vg.fun, vg._scatter, vg._aux_sums = vg.fun, fun, dict(scatter), []
-  vg._gather = dict(gather or {})
+  vg._gather, vg._early = dict(gather or {}), early
   try:
     return vg(*args, **kwargs), tuple(vg._aux_sums)
   finally:
-    vg.fun, vg._scatter, vg._aux_sums, vg._gather = saved, {}, None, {}
+    vg.fun, vg._scatter, vg._aux_sums, vg._gather, vg._early = saved, {}, None, {}, None
+
+
+def _fsdp_mode(opts, leaves, lay):
+  """`fsdp="auto"`: keep the gathered weights or gather them again in the backward
+  (`passes.collectives.fsdp_mode`), from the FSDP leaves' bytes and the device."""
+  from ooojax.passes.collectives import fsdp_mode
+  from ooojax.passes.collectives.plan import get_link
+  from ooojax.passes.cost import get_spec
+
+  fsdp = [x for x, g in zip(leaves, lay.gather) if g is not None]
+  if opts.fsdp != "auto" or not fsdp:
+    return fsdp_mode.FsdpChoice(opts.fsdp, opts.fsdp, "as asked", 0, 0.0, 0.0)
+  return fsdp_mode.choose(
+    opts.fsdp,
+    sum(math.prod(x.shape) * jax.numpy.dtype(x.dtype).itemsize for x in fsdp),
+    lay.n,
+    get_link(opts.link),
+    get_spec(opts.device).name,
+    len(fsdp),
+  )
 
 
 def call(vg, args, kwargs):
@@ -144,7 +166,7 @@ def call(vg, args, kwargs):
   # gradient leaf position -> the dimension its reduce-scatter splits
   grad_dims = [g for g, d in zip(lay.gather, diff) if d]
   scatter = {i: g for i, g in enumerate(grad_dims) if g is not None}
-  zero3 = vg.options.fsdp == "regather"
+  zero3 = _fsdp_mode(vg.options, leaves, lay).mode == "regather"
 
   def body(*local):
     shards = list(local[:n_dyn])
@@ -168,7 +190,24 @@ def call(vg, args, kwargs):
         "function's closure, a functools.partial or a pytree there); pass it as an "
         "argument of the differentiated function instead"
       )
-    (out, g), sums = _call_local(inner, _in_shard(fun, ax, had_mesh, rows), a, k, scatter, gathered)
+    done = []
+
+    def early(aux_parts, heads):
+      """The value and each traced aux leaf (`heads`) combined over the axis."""
+      done.append(True)
+      sums = iter(inner._aux_sums or ())  # one per traced aux leaf, in order
+      out = [jax.lax.pmean(heads[0], ax)]
+      it = iter(heads[1:])
+      for part, p in zip(aux_parts, per_shard):
+        if part is None:
+          out.append(combine_aux(next(it), ax, rows, next(sums, False), p))
+      return out
+
+    fun = _in_shard(fun, ax, had_mesh, rows)
+    (out, g), sums = _call_local(inner, fun, a, k, scatter, gathered, early)
+    if done:  # the emitter combined them ahead of its first bucket
+      val, aux = out if vg.has_aux else (out, None)
+      return val, aux, g
     if vg.has_aux:
       val, aux = out
       leaves, aux_tree = jax.tree.flatten(aux)

@@ -24,7 +24,7 @@ AUTO_MODE = {"cpu": "in_order", "gpu": "single_gpu"}
 AUTO_MIN_SPEEDUP = 1.03
 
 
-FSDP = ("regather", "keep")
+FSDP = ("auto", "regather", "keep")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +55,10 @@ class Options:
   fsdp: mode="data_parallel" inside a sharded `jax.jit`, parameters sharded
     over the data axis (FSDP / ZeRO-3): "regather" (each weight all-gathered
     just before the forward reads it and again before the backward does, so a
-    device holds 1/N of the parameters plus a few gathered layers) or "keep"
-    (gathered once at the step's start and kept: the whole model per device).
+    device holds 1/N of the parameters plus a few gathered layers), "keep"
+    (gathered once at the step's start and kept: the whole model per device)
+    or "auto" (keep, unless the device's memory demands regather:
+    `passes.collectives.fsdp_mode`).
   """
 
   mode: str = "auto"
@@ -69,7 +71,7 @@ class Options:
   bucket_bytes: int | None = None
   first_k: int | None = None
   link: Any = None
-  fsdp: str = "regather"
+  fsdp: str = "auto"
 
   def __post_init__(self):
     if self.mode not in MODES:

@@ -6,6 +6,7 @@ No GPU runs: the schedule is read from the compiled HLO (`ooojax.gpu_hlo`).
 """
 
 import functools
+import re
 
 import pytest
 
@@ -26,6 +27,8 @@ def _counts(fsdp, variant):
   # the mechanism at a fixed bucket size: at this toy size the planner would step aside
   # (one all-reduce after the backward: nothing to gain, `explain` says)
   opts = {"bucket_bytes": 1 << 20} if variant == "ooo" else {}
+  if variant == "ooo" and fsdp:  # the ZeRO-3 mechanism (fsdp="auto" keeps at this size)
+    opts["fsdp"] = "regather"
   return h100_counts(fsdp, variant, 8, SIZES, **opts)
 
 
@@ -36,6 +39,17 @@ def test_data_parallel_reductions_overlap_backward_gemms():
   assert len(ar) >= 2 and 2 * sum(n > 0 for n in ar) >= len(ar), ours
   # the plain step: XLA's own combined reduction, fewer and larger all-reduces
   assert len(base["all-reduce"]) < len(ar), base
+
+
+def test_loss_is_reduced_ahead_of_the_first_bucket():
+  """The value's (and aux leaves') all-reduce, a few scalars, is chained ahead of the
+  first gradient bucket: left after the step, XLA put it between two buckets, where
+  (one collective in flight on XLA:GPU) it forced the earlier one's done early."""
+  ours = _counts(False, "ooo")
+  order = [shape for _, shape in sorted(zip(ours["all-reduce starts"], ours["all-reduce shapes"]))]
+  # a scalar's type prints as f32[]; a bucket's as f32[262400]{0}
+  small = [k for k, shape in enumerate(order) if not re.search(r"\[\d{3,}", shape)]
+  assert len(order) >= 3 and small == [0], order
 
 
 def test_fsdp_reduce_scatters_start_before_the_backward_ends():

@@ -103,3 +103,19 @@ def test_carried_leaves_are_priced_one_all_reduce_each():
   got = collectives.carried_seconds((b,), frozenset({0, 1, 2}), nbytes, lk, 8, sync=1e-5)
   assert got == pytest.approx(3 * one + 2 * 1e-5)
   assert collectives.carried_seconds((b,), frozenset({0, 1}), nbytes, lk, 8, sync=1e-5) == 0
+
+
+def test_a_small_last_bucket_joins_the_one_before():
+  """Issued after a large bucket, a small last one would force the large one's done
+  before the backward ends (XLA:GPU keeps one collective in flight): it joins it."""
+  from ooojax.passes.collectives.buckets import _group
+
+  first = [(0, "W0"), (1, "W1"), (2, "W2")]
+  last = {0: (0, "W0"), 1: (1, "W1"), 2: (2, "W2")}
+  assert _group((first, last, (), [100, 100, 10]), 100, merge_tail=True) == [
+    ((0,), 100, "W0"),
+    ((1, 2), 110, "W2"),
+  ]
+  # a last bucket of a quarter of the size or more stays apart; the choice is priced apart
+  assert len(_group((first, last, (), [100, 100, 25]), 100, merge_tail=True)) == 3
+  assert len(_group((first, last, (), [100, 100, 10]), 100)) == 3

@@ -421,18 +421,24 @@ def explain_dp(
   names = _param_names(args, argnums, idx, plan.out_tree[3])
   chosen = tuple(k for k in ("bucket_bytes", "first_k") if getattr(opts, k) is None)
   call = Call(fun, tuple(args), argnums, has_aux, dict(options), dict(kwargs))
-  memory = _predict_memory(args, argnums, idx, plan.out_tree[3], split, cp, names, opts, n)
+  memory = _predict_memory(
+    args, argnums, idx, plan.out_tree[3], split, cp, names, opts, n, cm.spec.name
+  )
   return DataParallelReport(
     Report(split, sched, "in_order"), cp, opts.axis_name, names, base, chosen, call, memory
   )
 
 
-def _predict_memory(args, argnums, idx, g_parts, split, cp, names, opts, n):
-  """The report's memory section: parameters' layouts from their shardings."""
+def _predict_memory(args, argnums, idx, g_parts, split, cp, names, opts, n, device):
+  """The report's memory section: parameters' layouts from their shardings, and the
+  FSDP mode the call runs (`device`: the device spec's name)."""
   from ooojax import _dp_gspmd
   from ooojax.data_parallel import _memory
+  from ooojax.passes.collectives import fsdp_mode
 
   tree = args[idx[0]] if isinstance(argnums, int) else tuple(args[i] for i in idx)
   leaves = [x for x, part in zip(jax.tree_util.tree_leaves(tree), g_parts) if part is None]
   layouts = _memory.leaf_layouts(leaves, _dp_gspmd._boxed_specs(args, idx), opts.axis_name, n)
-  return _memory.predict(split, cp, names, layouts, n, opts.fsdp)
+  fsdp = [l for l in layouts if l.fsdp]
+  choice = fsdp_mode.choose(opts.fsdp, sum(l.nbytes for l in fsdp), n, cp.link, device, len(fsdp))
+  return _memory.predict(split, cp, names, layouts, n, choice)

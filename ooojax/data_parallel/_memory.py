@@ -11,10 +11,12 @@ shardings and the plan's buckets alone (no compile):
 * the unreduced gradients in flight: ooojax reduces a bucket at a time
   (its largest bucket); plain GSPMD one leaf at a time (its largest leaf)
   before XLA's combiners merge some;
-* gathered weights (FSDP): ooojax's default `fsdp="regather"` gathers each
-  weight where the forward reads it, again in the backward, one group ahead
+* gathered weights (FSDP): `fsdp="regather"` gathers each weight where the
+  forward reads it, again in the backward, one group ahead
   (`passes.collectives.regather`): about two consecutive layers' weights at
-  once; `fsdp="keep"` holds every FSDP weight gathered for the whole step.
+  once; `fsdp="keep"` holds every FSDP weight gathered for the whole step;
+  the default `fsdp="auto"` keeps unless memory demands regather
+  (`passes.collectives.fsdp_mode`: the section says which and why).
   Plain GSPMD gathers where XLA's scheduler puts the gathers: one layer
   ahead when it prefetches so (the same two layers), up to the whole model
   when memory does not press it.
@@ -57,7 +59,9 @@ class DataParallelMemory:
   gathered: int  # ooojax fsdp="regather": two consecutive layers' FSDP weights
   gathered_keep: int  # fsdp="keep": every FSDP weight
   fsdp_leaves: int
-  fsdp: str = "regather"  # the option this call uses
+  fsdp: str = "keep"  # the FSDP mode this call runs
+  fsdp_asked: str = "auto"  # the option
+  fsdp_reason: str = ""  # why (`passes.collectives.fsdp_mode.FsdpChoice.reason`)
 
   def lines(self) -> list[str]:
     mb = lambda b: f"{b / 1e6:.2f} MB" if b >= 1e6 else f"{b / 1e3:.1f} KB"  # noqa: E731
@@ -72,6 +76,7 @@ class DataParallelMemory:
       f"plain GSPMD {mb(self.leaf)} (its largest leaf)",
     ]
     if self.fsdp_leaves:
+      out.append(f"    FSDP: fsdp={self.fsdp_asked!r} runs {self.fsdp!r} here ({self.fsdp_reason})")
       out.append(
         f"    gathered weights (this call: fsdp={self.fsdp!r}): ooojax "
         f"{mb(self.gathered)} (fsdp='regather': two consecutive "
@@ -103,9 +108,10 @@ def leaf_layouts(leaves, boxed: dict, axis, n: int) -> list[LeafLayout]:
 
 
 def predict(
-  split, plan, param_names, layouts: list[LeafLayout], n: int, fsdp: str = "regather"
+  split, plan, param_names, layouts: list[LeafLayout], n: int, fsdp=None
 ) -> DataParallelMemory:
-  """The per-device memory of the data-parallel step (`DataParallelMemory`)."""
+  """The per-device memory of the data-parallel step (`DataParallelMemory`); `fsdp`: the
+  call's `passes.collectives.fsdp_mode.FsdpChoice` (None: "keep", as asked)."""
   held = [l.nbytes // ((n if l.fsdp else 1) * l.other) for l in layouts]
   local = [l.nbytes // l.other for l in layouts]  # a gathered weight, an unreduced gradient
   bucket = max((sum(local[i] for i in b.grads) for b in plan.buckets), default=0)
@@ -128,5 +134,7 @@ def predict(
     two,
     sum(sizes),
     sum(l.fsdp for l in layouts),
-    fsdp,
+    fsdp.mode if fsdp else "keep",
+    fsdp.asked if fsdp else "keep",
+    fsdp.reason if fsdp else "as asked",
   )

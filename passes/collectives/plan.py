@@ -203,6 +203,7 @@ def build_plan(
   in_loop: bool = True,
   cross: bool = True,
   costs: BucketCosts | None = None,
+  merge_tail: bool = False,
 ) -> CollectivePlan:
   """The plan for one choice of k and bucket size (what `plan` compares).
 
@@ -219,7 +220,7 @@ def build_plan(
     scan_collectives.loop_reductions(split, sched, first_k_leaves(split, k)) if in_loop else ()
   )
   skip = frozenset(i for l in loops for i in l.grads)
-  buckets = make_buckets(split, base, order, max(bucket_bytes, 1), skip)
+  buckets = make_buckets(split, base, order, max(bucket_bytes, 1), skip, merge_tail)
   s_units, s_actions = _link_units(buckets, link, n_devices, order)
   s_units, s_actions = _with_loop_units(loops, s_units, s_actions, link, n_devices, order)
   units = _packed(base, buckets, order, costs) + tuple(s_units)
@@ -326,7 +327,9 @@ def plan(
   # one device reduces nothing: no pack, no collective
   costs = BucketCosts.of(cost.spec) if n_devices > 1 else NO_BUCKET_COSTS
   if len(sizes) == len(ks) == 1:
-    return build_plan(split, sched, ks[0], sizes[0], link, n_devices, in_loop, costs=costs)
+    return build_plan(
+      split, sched, ks[0], sizes[0], link, n_devices, in_loop, costs=costs, merge_tail=True
+    )
   # Every candidate is priced by `_Pricer`, exactly as `build_plan` simulates
   # it, in O(units) with what is shared across bucket sizes computed once per k.
   pricer = _Pricer(split, sched, link, n_devices, in_loop, costs)
@@ -336,4 +339,7 @@ def plan(
       score = pricer.score(k, b, cross_step)
       if best is None or score < best_score * (1 - 1e-9):
         best, best_score = (k, b), score
-  return build_plan(split, sched, best[0], best[1], link, n_devices, in_loop, costs=costs)
+  # the choice is priced without merging the tail (see `buckets.TRAILING_SHARE`)
+  return build_plan(
+    split, sched, best[0], best[1], link, n_devices, in_loop, costs=costs, merge_tail=True
+  )
