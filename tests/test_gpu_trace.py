@@ -91,6 +91,8 @@ def test_gaps_are_attributed_to_the_host_events_beside_them():
   assert totals[("/host:CUPTI", "cuStreamWaitEvent")][:2] == [1, pytest.approx(3.0)]
   # the python line (the user's own loop) is not a host event of the step
   assert not any(name == "module" for _, name in totals)
+  text = "\n".join(gpu_gaps.report("v", (g, totals), totals, None, 1, 3))
+  assert "cuStreamWaitEvent" in text and "dispatched through Python" not in text
 
 
 def test_host_event_names_drop_their_arguments():
