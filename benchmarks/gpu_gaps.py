@@ -129,6 +129,13 @@ def report(name, res, totals, base_totals, steps, top) -> list[str]:
     for gs_, ge, before, after in g["big"]:
       b = f"{before[0][:50]} ({before[1][:12]})" if before else "-"
       out.append(f"- {(ge - gs_) / 1e3:.0f} us: `{b}` -> `{after[0][:50]} ({after[1][:12]})`")
+  slow = sum(c for (_, ev), (c, _, _) in totals.items() if ev.endswith("cache_miss"))
+  if slow >= steps:  # the third H200 run: a jaxpr effect cost single_gpu 0.6-6 ms a step
+    out += [
+      "",
+      f"**jit dispatched through Python {slow / steps:.0f}x a step** (pjit's `cache_miss`): "
+      "its C++ fast path is off, e.g. for an effect in the step's jaxpr.",
+    ]
   out += [
     "",
     "Host events, most time per step (count, ms, longest us; + vs the first variant):",

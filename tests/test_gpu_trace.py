@@ -93,6 +93,9 @@ def test_gaps_are_attributed_to_the_host_events_beside_them():
   assert not any(name == "module" for _, name in totals)
   text = "\n".join(gpu_gaps.report("v", (g, totals), totals, None, 1, 3))
   assert "cuStreamWaitEvent" in text and "dispatched through Python" not in text
+  totals[("/host:CPU", "$pjit.py:257 cache_miss")] = [1, 0.5, 500.0]
+  text = "\n".join(gpu_gaps.report("v", (g, totals), totals, None, 1, 3))
+  assert "jit dispatched through Python 1x a step" in text
 
 
 def test_host_event_names_drop_their_arguments():
