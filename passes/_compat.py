@@ -580,7 +580,8 @@ def _control_dep_p():
   # single-GPU loss there. A DCE rule keeps the output-less edge instead, and
   # the custom call is side-effecting in HLO, which keeps it in XLA.
   prim.def_abstract_eval(lambda src, dst: [])
-  _pe.dce_rules[prim] = lambda used_outputs, eqn: ([True] * len(eqn.invars), eqn)
+  # (used_outputs, eqn) on jax 0.11, (used_outputs, live_inputs, eqn) on 0.12
+  _pe.dce_rules[prim] = lambda *a: ([True] * len(a[-1].invars), a[-1])
   # under vmap the edge orders the batched producers: same operands, no outputs
   _batching.primitive_batchers[prim] = lambda args, dims: (prim.bind(*args), [])
 
