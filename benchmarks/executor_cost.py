@@ -26,6 +26,8 @@ weights arrays of their own (`passes.pipeline.state.columns`): no copy anywhere.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import os
 import re
 import time
@@ -36,9 +38,10 @@ import numpy as np
 import ooojax as ooo
 from benchmarks import _mlp_model as model, _report
 from ooojax._hlo_cli import parse_kv
+from ooojax.passes.hlo.kernels import kernels
 from ooojax.passes.hlo.schedule import parse
 from ooojax.passes.pipeline.lowering import GRAPHS, TICKS
-from ooojax.passes.pipeline.tick_options import RECORD_WRITES
+from ooojax.passes.pipeline.tick_options import RECORD_WRITES, WEIGHT_SLICES
 
 _MOVES = {"slice", "dynamic-slice", "bitcast", "copy", "parameter", "reshape", "transpose"}
 _FILL = {"broadcast", "constant", "parameter", "bitcast", "reshape"}
@@ -112,6 +115,16 @@ def loop_copies(hlo: str) -> int:
   return n
 
 
+def loop_kernels(hlo: str) -> int:
+  """Kernels the step's top-level loops launch per iteration, each branch of
+  their conditionals counted once (`passes.hlo.kernels`): for the executor's
+  one-stage 1F1B table, the tick body and one F, one B and one W; for the
+  accumulated scan, one microbatch's forward and backward."""
+  s = parse(hlo)
+  bodies = [i.calls[-1] for i in s.computations[s.entry_name] if i.op == "while"]
+  return sum(kernels(dataclasses.replace(s, entry_name=b)).n for b in bodies)
+
+
 def steps(m: int, mesh, params, batch) -> dict:
   """`{name: (step, args)}`: the stacked model (the explicit form, `p["w1"][j]` per
   layer) and the same blocks as a flax Python loop (the automatic form, each layer
@@ -160,6 +173,14 @@ def main(argv=None):
     help="the executor's tick loop (OOOJAX_TICKS): each one's pipelined rows",
   )
   ap.add_argument(
+    "--weight-slices",
+    nargs="+",
+    default=["auto"],
+    choices=["auto", "static", "dynamic", "hoist"],
+    help="how the ticks read the stacked layers' weights (OOOJAX_WEIGHT_SLICES; auto: "
+    "dynamic on a GPU, static on CPU): each mode's pipelined rows",
+  )
+  ap.add_argument(
     "--steps",
     nargs="+",
     default=["accumulated", "executor", "loop accumulated", "loop automatic"],
@@ -195,24 +216,26 @@ def main(argv=None):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("stage",))
     to_arg = jax.numpy.asarray
     device = jax.devices()[0].device_kind
-  fns, copies, conds, moves, skipped = {}, {}, {}, {}, {}
+  fns, copies, conds, moves, kerns, skipped = {}, {}, {}, {}, {}, {}
   # `select` writes every record (its ticks have no cond): one record mode for it
-  modes = [(t, r) for t in a.ticks for r in a.record_writes]
-  modes = [(t, r) for t, r in modes if t != "select" or r == a.record_writes[0]]
+  modes = list(itertools.product(a.ticks, a.record_writes, a.weight_slices))
+  modes = [(t, r, h) for t, r, h in modes if t != "select" or r == a.record_writes[0]]
   # option sets outermost: under a --budget each set's rows (and their ratios) come whole
   for m in a.microbatches:
     for suffix, opts in option_sets:
-      for ticks, mode in modes:
+      for ticks, mode, slices in modes:
         os.environ[RECORD_WRITES] = mode  # read while the executor traces
         os.environ[TICKS] = ticks
+        os.environ[WEIGHT_SLICES] = slices
         for name, (f, args) in steps(m, mesh, params, batch).items():
           if name.split("/")[0] not in a.steps:
             continue
-          if (ticks, mode) != modes[0]:
+          if (ticks, mode, slices) != modes[0]:
             if "accumulated" in name:  # no executor: the first mode's row stands
               continue
             name += f" [records: {mode}]" if mode != a.record_writes[0] else ""
             name += f" [ticks: {ticks}]" if ticks != a.ticks[0] else ""
+            name += f" [slices: {slices}]" if slices != a.weight_slices[0] else ""
           key = name + suffix
           if a.budget and time.perf_counter() - start > 0.6 * a.budget:
             skipped[key] = "skipped (budget)"
@@ -231,6 +254,7 @@ def main(argv=None):
           copies[key] = weight_slice_copies(hlo, a.dim, a.hidden)
           conds[key] = len(re.findall(r" conditional\(", hlo))
           moves[key] = loop_copies(hlo)
+          kerns[key] = loop_kernels(hlo)
   times, failed = _report.compile_then_alternate(fns, (), a.rounds, a.iters)
   failed.update(skipped)
   lines = _report.header("Pipeline executor's own cost, one device (benchmarks/executor_cost.py)")
@@ -256,27 +280,33 @@ def main(argv=None):
     "always on a GPU, cond on CPU. Loop copies: copy kernels per loop iteration (copies "
     "and slice-only fusions in the loop body and its branches). `[graphs]`: compiled with "
     "CUDA-graph conditionals and loops (`xla_gpu_enable_command_buffer` + CONDITIONAL, "
-    "WHILE).",
+    "WHILE). `[slices: static]`: each F, B and W slices the stacked layers' weights "
+    "(a copy kernel before a Triton GEMM); `dynamic` (the GPU default, "
+    "OOOJAX_WEIGHT_SLICES=auto): dynamic slices fused into the GEMMs; `hoist`: sliced "
+    "once before the ticks (passes.pipeline.weight_slices). Loop kernels: per loop iteration, each "
+    "branch once (the executor: its tick body plus one F, one B and one W).",
     "",
     "| step | ms (median) | pipelined / accumulated | weight-slice copies | conditionals "
-    "| loop copies |",
-    "|---|---|---|---|---|---|",
+    "| loop copies | loop kernels |",
+    "|---|---|---|---|---|---|---|",
   ]
   base = {"executor/": "accumulated/", "loop automatic/": "loop accumulated/"}
   for key in [*copies, *skipped]:
     if key in skipped:
-      lines.append(f"| {key} | {skipped[key]} |  |  |  |  |")
+      lines.append(f"| {key} | {skipped[key]} |  |  |  |  |  |")
       continue
     n = copies[key]
     ms = f"{np.median(times[key]) * 1e3:.2f}" if key in times else failed.get(key, "-")
     pre = next((p for p in base if key.startswith(p)), None)
-    acc = re.sub(r" \[(records|ticks): \w+\]", "", key.replace(pre, base[pre])) if pre else None
+    acc = (
+      re.sub(r" \[(records|ticks|slices): \w+\]", "", key.replace(pre, base[pre])) if pre else None
+    )
     ratio = (
       f"{np.median(times[key]) / np.median(times[acc]):.2f}x"
       if acc and key in times and acc in times
       else ""
     )
-    lines.append(f"| {key} | {ms} | {ratio} | {n} | {conds[key]} | {moves[key]} |")
+    lines.append(f"| {key} | {ms} | {ratio} | {n} | {conds[key]} | {moves[key]} | {kerns[key]} |")
   _report.emit(lines, a.write)
 
 

@@ -38,7 +38,12 @@ from ooojax.passes.pipeline.program import (
   trace,
 )
 from ooojax.passes.pipeline.schedule import PipelineSchedule
-from ooojax.passes.pipeline.tick_options import every_tick_writes_records, masked_rows, one_way
+from ooojax.passes.pipeline.tick_options import (
+  every_tick_writes_records,
+  masked_rows,
+  one_way,
+  weight_slices,
+)
 from ooojax.passes.pipeline.ticks import tick_loop
 
 __all__ = [
@@ -174,6 +179,7 @@ def lower(
       fsdp=Fsdp.of(dims, data_axis, D),
       records_always=every_tick_writes_records(mesh),
       masked_rows=masked_rows(mesh),
+      slices=weight_slices(mesh),
     )
     loss, gp, gsh = _shard(
       body,

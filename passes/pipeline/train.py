@@ -27,7 +27,12 @@ from ooojax.passes.pipeline.execute import _check, _data_size, _explicit, _shard
 from ooojax.passes.pipeline.lowering import tick_lowering
 from ooojax.passes.pipeline.program import Program, split_microbatches, trace
 from ooojax.passes.pipeline.schedule import PipelineSchedule
-from ooojax.passes.pipeline.tick_options import every_tick_writes_records, masked_rows, one_way
+from ooojax.passes.pipeline.tick_options import (
+  every_tick_writes_records,
+  masked_rows,
+  one_way,
+  weight_slices,
+)
 from ooojax.passes.pipeline.ticks import tick_loop
 
 __all__ = ["Updater", "lower_train", "lower_updates"]
@@ -183,6 +188,7 @@ def lower_updates(
       select=tick_lowering(mesh, sched, prog) == "select",
       records_always=every_tick_writes_records(mesh),
       masked_rows=masked_rows(mesh),
+      slices=weight_slices(mesh),
     )
     return _shard(
       body,
