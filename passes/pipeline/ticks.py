@@ -154,6 +154,10 @@ def tick_loop(
   if records_always is None:
     records_always = every_tick_writes_records()
   always = select or records_always
+  # The GPU's loop (`masked_rows`) hands the switch the loss so far, which a
+  # branch passes through or adds to: a branch returning a constant 0 makes
+  # XLA copy it into the switch's output, a kernel per B and W tick.
+  pass_loss = masked_rows and not train and not select
 
   def body(chunks, shared, batch_m, consts, opt=None, opt_rep=None):
     inputs_m, targets_m, side_m = batch_m
@@ -246,17 +250,18 @@ def tick_loop(
       fl = flavors[i]
 
       def run(rz, bufs, acc, f_rec, b_rec, w):
-        r, zero = rz
-        out, loss = no_out, zero_l
+        r, z0, lsum = rz
+        out, loss = no_out, zero_l if lsum is None else (lsum, no_aux)
         ws = (chunk_w, sh_leaves) if w is None else w  # constants, or training's state
         env = env_of(i, fl, c, r, ws)
         if kind == "F":
           if fl.x is not None:
             env[fl.x] = get(bufs["act"], r[F["in_slot"]])
-          phase(fl, i, fl.f_eqns, env, zero)
+          phase(fl, i, fl.f_eqns, env, z0)
           y = _read(env, fl.jaxpr.outvars[0])
           if fl.last:
-            loss = (y.astype(jnp.float32) / M, tuple(_read(env, u) for u in fl.aux))
+            dl = y.astype(jnp.float32) / M
+            loss = (dl if lsum is None else lsum + dl, tuple(_read(env, u) for u in fl.aux))
           else:
             out = y.astype(x_aval.dtype)
           return out, loss, acc, fres.pack(i, [_read(env, u) for u in fl.fres]), b_rec
@@ -266,14 +271,14 @@ def tick_loop(
           env[ct] = (
             jnp.asarray(1.0 / M, ct.aval.dtype) if fl.last else get(bufs["grad"], r[F["in_slot"]])
           )
-          phase(fl, i, fl.b_eqns, env, zero)
+          phase(fl, i, fl.b_eqns, env, z0)
           if fl.dx is not None:
             out = jnp.broadcast_to(_read(env, fl.dx), x_aval.shape).astype(x_aval.dtype)
           if kind == "B":
             return out, loss, acc, f_rec, bres.pack(i, [_read(env, u) for u in fl.bres])
         else:
           env.update(zip(fl.bres, bres.unpack(i, records(bufs, "bres", r[F["bres"]]))))
-        phase(fl, i, fl.w_eqns, env, zero)
+        phase(fl, i, fl.w_eqns, env, z0)
         g = [_read(env, u) for u in fl.grads]
         n = len(chunk_w[c])
         if fsdp:  # this replica's part of the replicas' mean, at once
@@ -286,7 +291,7 @@ def tick_loop(
       return run
 
     def idle(rz, bufs, acc, f_rec, b_rec, w):
-      return no_out, zero_l, acc, f_rec, b_rec
+      return no_out, zero_l if rz[2] is None else (rz[2], no_aux), acc, f_rec, b_rec
 
     aux_f = jnp.asarray(
       [0] + [int(k == "F" and flavors[i].last) for i, k, _ in pl.branches], jnp.int32
@@ -353,8 +358,9 @@ def tick_loop(
       bufs, acc, (loss, aux), out, f_rec, b_rec, w, o = carry
       if lag:  # the last tick's output travels while this tick computes
         below, above = send(out, r)
-      # a 0 XLA cannot fold (the branch is >= 0): the weight slices' offset (`dynamic`)
-      rz = (r, jnp.minimum(r[F["branch"]], 0) if any(dyn) else None)
+      # a 0 XLA cannot fold (the branch is >= 0): the weight slices' offset
+      # (`dynamic`); the loss so far (`pass_loss`)
+      rz = (r, jnp.minimum(r[F["branch"]], 0) if any(dyn) else None, loss if pass_loss else None)
       if select:  # every action, the row's kept: no conditional
         bufs, (out, (dl, da), acc, f_rec, b_rec) = every_action(rz, bufs, acc, f_rec, b_rec, w)
       else:
@@ -391,7 +397,7 @@ def tick_loop(
         w, o, acc = update(r, w, o, acc, updater, v, groups, axis_name, select, data_axis)
         loss = loss.at[r[F["step"]]].add(dl)
       else:
-        loss = loss + dl
+        loss = dl if pass_loss else loss + dl
       return (bufs, acc, (loss, aux), out, f_rec, b_rec, w, o), None
 
     groups = owner_groups(owners, len(sh_leaves))
