@@ -11,6 +11,9 @@ the ratio is what the executor's ticks, records and per-phase tracing cost.
   python -m benchmarks.executor_cost --graphs    # each step again as one CUDA graph
   python -m benchmarks.executor_cost --microbatches 8 --steps accumulated executor \
       --record-writes cond always --graphs --budget 90   # the H200 follow-up (issue 48)
+  python -m benchmarks.executor_cost --microbatches 8 --steps accumulated executor \
+      --ticks switch --weight-slices static dynamic hoist --graphs --rounds 5 --budget 80
+      # how the ticks read stacked weights (issue 48's second follow-up); --dry: on CPU
 
 Besides the times it counts the weight-slice copies in the compiled step: the
 stacked model's stage function indexes each layer's weights out of its stack
@@ -43,12 +46,13 @@ from ooojax.passes.hlo.schedule import parse
 from ooojax.passes.pipeline.lowering import GRAPHS, TICKS
 from ooojax.passes.pipeline.tick_options import RECORD_WRITES, WEIGHT_SLICES
 
-_MOVES = {"slice", "dynamic-slice", "bitcast", "copy", "parameter", "reshape", "transpose"}
+_MOVES = {"slice", "dynamic-slice", "bitcast", "copy", "parameter", "reshape", "transpose", "tuple"}
+_SCALAR_INDEX = re.compile(r"= (?:s32|u32|s64|pred)\[\]")
 _FILL = {"broadcast", "constant", "parameter", "bitcast", "reshape"}
 
 
 def _op(line: str) -> str | None:
-  m = re.search(r"= \S+ ([\w-]+)\(", line)
+  m = re.search(r"= (?:\([^)]*\)|\S+) ([\w-]+)\(", line)  # a tuple result too
   return m.group(1) if m else None
 
 
@@ -73,8 +77,12 @@ def weight_slice_copies(hlo: str, dim: int, hidden: int) -> int:
   calls = lambda ln: re.findall(r"calls=%([\w.-]+)", ln)  # noqa: E731
   loops = {"while", "conditional", "call"}  # their computations run kernels of their own
   fused = {c for ls in bodies.values() for ln in ls if _op(ln) not in loops for c in calls(ln)}
-  shape = re.compile(rf"= f32\[(?:1,)*(?:{dim},{hidden}|{hidden},{dim})\]\{{")
-  inner = lambda ln: {_op(x) for c in calls(ln) for x in bodies.get(c, ["?"])}  # noqa: E731
+  # one matrix, or a tuple of them (XLA:GPU copies sibling dynamic slices in one kernel)
+  shape = re.compile(rf"= \(?f32\[(?:1,)*(?:{dim},{hidden}|{hidden},{dim})\]\{{")
+  # a fusion's ops, but for scalar index arithmetic (a dynamic slice's offset)
+  inner = lambda ln: {  # noqa: E731
+    _op(x) for c in calls(ln) for x in bodies.get(c, ["?"]) if not _SCALAR_INDEX.search(x)
+  }
   by_name = {
     m.group(1): ln
     for ls in bodies.values()
@@ -103,15 +111,17 @@ def weight_slice_copies(hlo: str, dim: int, hidden: int) -> int:
 def loop_copies(hlo: str) -> int:
   """Copy kernels in the step's loop bodies (what runs per tick, or per scan
   step), branches included: `copy` instructions and fusions that only slice
-  (XLA:GPU's `wrapped_slice`: a memcpy). On the H200 these ran as the
+  (XLA:GPU's `wrapped_slice`: a memcpy; a dynamic slice's fusion with its
+  offset's scalar arithmetic; sibling slices copied in one multi-output fusion). On the H200 these ran as the
   `memcpy32_post` / `memcpy128` kernels (RESULTS, issue 48)."""
   s = parse(hlo)
-  moves = {"slice", "dynamic-slice", "bitcast", "parameter"}
+  moves = {"slice", "dynamic-slice", "bitcast", "parameter", "tuple"}
   n = 0
   for c in s.loop_bodies():
     for i in s.computations[c]:
       inner = s.computations.get(i.calls[0], ()) if i.op == "fusion" and i.calls else ()
-      n += i.op == "copy" or bool(inner) and all(x.op in moves for x in inner)
+      index = lambda x: re.match(r"(s32|u32|s64|pred)\[\]", x.shape)  # noqa: E731
+      n += i.op == "copy" or bool(inner) and all(x.op in moves or index(x) for x in inner)
   return n
 
 
@@ -198,8 +208,16 @@ def main(argv=None):
     default=0.0,
     help="seconds: compile no new variant after 60%% of them (the rest say 'skipped')",
   )
+  ap.add_argument(
+    "--dry",
+    action="store_true",
+    help="a dry run (on CPU): tiny sizes, 4 microbatches, one round of one call",
+  )
   ap.add_argument("--write", action="store_true")
   a = ap.parse_args(argv)
+  if a.dry:
+    a.layers, a.dim, a.hidden, a.batch, a.microbatches = 2, 16, 32, 16, [4]
+    a.rounds = a.iters = 1
   option_sets = [("", {})] + [(f" [{o}]", parse_kv(o.split(","))) for o in a.also_with]
   # graphs first: under a --budget their rows are what a run is for (issue 48)
   option_sets = ([(" [graphs]", GRAPHS)] if a.graphs else []) + option_sets
@@ -282,7 +300,8 @@ def main(argv=None):
     "CUDA-graph conditionals and loops (`xla_gpu_enable_command_buffer` + CONDITIONAL, "
     "WHILE). `[slices: static]`: each F, B and W slices the stacked layers' weights "
     "(a copy kernel before a Triton GEMM); `dynamic` (the GPU default, "
-    "OOOJAX_WEIGHT_SLICES=auto): dynamic slices fused into the GEMMs; `hoist`: sliced "
+    "OOOJAX_WEIGHT_SLICES=auto): dynamic slices, which XLA:GPU copies in one kernel per "
+    "stacked weight and phase; `hoist`: sliced "
     "once before the ticks (passes.pipeline.weight_slices). Loop kernels: per loop iteration, each "
     "branch once (the executor: its tick body plus one F, one B and one W).",
     "",
