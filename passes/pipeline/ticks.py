@@ -243,8 +243,12 @@ def tick_loop(
     no_aux = tuple(jnp.zeros(a.shape, a.dtype) for a in aux_avals)
     zero_l = (zero, no_aux)
 
-    def records(bufs, name, slot):
-      return {dt: get(b, slot) for dt, b in bufs[name].items()}
+    def unpack(recs, i, bufs, name, slot):
+      """Flavor `i`'s values from slot `slot` of record stack `name`: on a GPU
+      each a dynamic slice of the stack (`Records.read`), on CPU the row's slices."""
+      if masked_rows:
+        return recs.read(i, bufs[name], slot)
+      return recs.unpack(i, {dt: get(b, slot) for dt, b in bufs[name].items()})
 
     def action(i, kind, c):
       fl = flavors[i]
@@ -265,7 +269,7 @@ def tick_loop(
           else:
             out = y.astype(x_aval.dtype)
           return out, loss, acc, fres.pack(i, [_read(env, u) for u in fl.fres]), b_rec
-        env.update(zip(fl.fres, fres.unpack(i, records(bufs, "fres", r[F["fres"]]))))
+        env.update(zip(fl.fres, unpack(fres, i, bufs, "fres", r[F["fres"]])))
         if kind in ("B", "BW"):
           ct = fl.jaxpr.invars[0]
           env[ct] = (
@@ -277,7 +281,7 @@ def tick_loop(
           if kind == "B":
             return out, loss, acc, f_rec, bres.pack(i, [_read(env, u) for u in fl.bres])
         else:
-          env.update(zip(fl.bres, bres.unpack(i, records(bufs, "bres", r[F["bres"]]))))
+          env.update(zip(fl.bres, unpack(bres, i, bufs, "bres", r[F["bres"]])))
         phase(fl, i, fl.w_eqns, env, z0)
         g = [_read(env, u) for u in fl.grads]
         n = len(chunk_w[c])
