@@ -11,6 +11,9 @@ the ratio is what the executor's ticks, records and per-phase tracing cost.
   python -m benchmarks.executor_cost --graphs    # each step again as one CUDA graph
   python -m benchmarks.executor_cost --microbatches 8 --steps accumulated executor \
       --record-writes cond always --graphs --budget 90   # the H200 follow-up (issue 48)
+  python -m benchmarks.executor_cost --microbatches 8 --steps accumulated executor \
+      --ticks switch --weight-slices static dynamic hoist --graphs --rounds 5 --budget 80
+      # how the ticks read stacked weights (issue 48's second follow-up); --dry: on CPU
 
 Besides the times it counts the weight-slice copies in the compiled step: the
 stacked model's stage function indexes each layer's weights out of its stack
@@ -26,6 +29,8 @@ weights arrays of their own (`passes.pipeline.state.columns`): no copy anywhere.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import os
 import re
 import time
@@ -36,16 +41,18 @@ import numpy as np
 import ooojax as ooo
 from benchmarks import _mlp_model as model, _report
 from ooojax._hlo_cli import parse_kv
+from ooojax.passes.hlo.kernels import kernels
 from ooojax.passes.hlo.schedule import parse
 from ooojax.passes.pipeline.lowering import GRAPHS, TICKS
-from ooojax.passes.pipeline.tick_options import RECORD_WRITES
+from ooojax.passes.pipeline.tick_options import RECORD_WRITES, WEIGHT_SLICES
 
-_MOVES = {"slice", "dynamic-slice", "bitcast", "copy", "parameter", "reshape", "transpose"}
+_MOVES = {"slice", "dynamic-slice", "bitcast", "copy", "parameter", "reshape", "transpose", "tuple"}
+_SCALAR_INDEX = re.compile(r"= (?:s32|u32|s64|pred)\[\]")
 _FILL = {"broadcast", "constant", "parameter", "bitcast", "reshape"}
 
 
 def _op(line: str) -> str | None:
-  m = re.search(r"= \S+ ([\w-]+)\(", line)
+  m = re.search(r"= (?:\([^)]*\)|\S+) ([\w-]+)\(", line)  # a tuple result too
   return m.group(1) if m else None
 
 
@@ -70,8 +77,12 @@ def weight_slice_copies(hlo: str, dim: int, hidden: int) -> int:
   calls = lambda ln: re.findall(r"calls=%([\w.-]+)", ln)  # noqa: E731
   loops = {"while", "conditional", "call"}  # their computations run kernels of their own
   fused = {c for ls in bodies.values() for ln in ls if _op(ln) not in loops for c in calls(ln)}
-  shape = re.compile(rf"= f32\[(?:1,)*(?:{dim},{hidden}|{hidden},{dim})\]\{{")
-  inner = lambda ln: {_op(x) for c in calls(ln) for x in bodies.get(c, ["?"])}  # noqa: E731
+  # one matrix, or a tuple of them (XLA:GPU copies sibling dynamic slices in one kernel)
+  shape = re.compile(rf"= \(?f32\[(?:1,)*(?:{dim},{hidden}|{hidden},{dim})\]\{{")
+  # a fusion's ops, but for scalar index arithmetic (a dynamic slice's offset)
+  inner = lambda ln: {  # noqa: E731
+    _op(x) for c in calls(ln) for x in bodies.get(c, ["?"]) if not _SCALAR_INDEX.search(x)
+  }
   by_name = {
     m.group(1): ln
     for ls in bodies.values()
@@ -100,16 +111,28 @@ def weight_slice_copies(hlo: str, dim: int, hidden: int) -> int:
 def loop_copies(hlo: str) -> int:
   """Copy kernels in the step's loop bodies (what runs per tick, or per scan
   step), branches included: `copy` instructions and fusions that only slice
-  (XLA:GPU's `wrapped_slice`: a memcpy). On the H200 these ran as the
+  (XLA:GPU's `wrapped_slice`: a memcpy; a dynamic slice's fusion with its
+  offset's scalar arithmetic; sibling slices copied in one multi-output fusion). On the H200 these ran as the
   `memcpy32_post` / `memcpy128` kernels (RESULTS, issue 48)."""
   s = parse(hlo)
-  moves = {"slice", "dynamic-slice", "bitcast", "parameter"}
+  moves = {"slice", "dynamic-slice", "bitcast", "parameter", "tuple"}
   n = 0
   for c in s.loop_bodies():
     for i in s.computations[c]:
       inner = s.computations.get(i.calls[0], ()) if i.op == "fusion" and i.calls else ()
-      n += i.op == "copy" or bool(inner) and all(x.op in moves for x in inner)
+      index = lambda x: re.match(r"(s32|u32|s64|pred)\[\]", x.shape)  # noqa: E731
+      n += i.op == "copy" or bool(inner) and all(x.op in moves or index(x) for x in inner)
   return n
+
+
+def loop_kernels(hlo: str) -> int:
+  """Kernels the step's top-level loops launch per iteration, each branch of
+  their conditionals counted once (`passes.hlo.kernels`): for the executor's
+  one-stage 1F1B table, the tick body and one F, one B and one W; for the
+  accumulated scan, one microbatch's forward and backward."""
+  s = parse(hlo)
+  bodies = [i.calls[-1] for i in s.computations[s.entry_name] if i.op == "while"]
+  return sum(kernels(dataclasses.replace(s, entry_name=b)).n for b in bodies)
 
 
 def steps(m: int, mesh, params, batch) -> dict:
@@ -160,6 +183,14 @@ def main(argv=None):
     help="the executor's tick loop (OOOJAX_TICKS): each one's pipelined rows",
   )
   ap.add_argument(
+    "--weight-slices",
+    nargs="+",
+    default=["auto"],
+    choices=["auto", "static", "dynamic", "hoist"],
+    help="how the ticks read the stacked layers' weights (OOOJAX_WEIGHT_SLICES; auto: "
+    "dynamic on a GPU, static on CPU): each mode's pipelined rows",
+  )
+  ap.add_argument(
     "--steps",
     nargs="+",
     default=["accumulated", "executor", "loop accumulated", "loop automatic"],
@@ -177,8 +208,16 @@ def main(argv=None):
     default=0.0,
     help="seconds: compile no new variant after 60%% of them (the rest say 'skipped')",
   )
+  ap.add_argument(
+    "--dry",
+    action="store_true",
+    help="a dry run (on CPU): tiny sizes, 4 microbatches, one round of one call",
+  )
   ap.add_argument("--write", action="store_true")
   a = ap.parse_args(argv)
+  if a.dry:
+    a.layers, a.dim, a.hidden, a.batch, a.microbatches = 2, 16, 32, 16, [4]
+    a.rounds = a.iters = 1
   option_sets = [("", {})] + [(f" [{o}]", parse_kv(o.split(","))) for o in a.also_with]
   # graphs first: under a --budget their rows are what a run is for (issue 48)
   option_sets = ([(" [graphs]", GRAPHS)] if a.graphs else []) + option_sets
@@ -195,24 +234,26 @@ def main(argv=None):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("stage",))
     to_arg = jax.numpy.asarray
     device = jax.devices()[0].device_kind
-  fns, copies, conds, moves, skipped = {}, {}, {}, {}, {}
+  fns, copies, conds, moves, kerns, skipped = {}, {}, {}, {}, {}, {}
   # `select` writes every record (its ticks have no cond): one record mode for it
-  modes = [(t, r) for t in a.ticks for r in a.record_writes]
-  modes = [(t, r) for t, r in modes if t != "select" or r == a.record_writes[0]]
+  modes = list(itertools.product(a.ticks, a.record_writes, a.weight_slices))
+  modes = [(t, r, h) for t, r, h in modes if t != "select" or r == a.record_writes[0]]
   # option sets outermost: under a --budget each set's rows (and their ratios) come whole
   for m in a.microbatches:
     for suffix, opts in option_sets:
-      for ticks, mode in modes:
+      for ticks, mode, slices in modes:
         os.environ[RECORD_WRITES] = mode  # read while the executor traces
         os.environ[TICKS] = ticks
+        os.environ[WEIGHT_SLICES] = slices
         for name, (f, args) in steps(m, mesh, params, batch).items():
           if name.split("/")[0] not in a.steps:
             continue
-          if (ticks, mode) != modes[0]:
+          if (ticks, mode, slices) != modes[0]:
             if "accumulated" in name:  # no executor: the first mode's row stands
               continue
             name += f" [records: {mode}]" if mode != a.record_writes[0] else ""
             name += f" [ticks: {ticks}]" if ticks != a.ticks[0] else ""
+            name += f" [slices: {slices}]" if slices != a.weight_slices[0] else ""
           key = name + suffix
           if a.budget and time.perf_counter() - start > 0.6 * a.budget:
             skipped[key] = "skipped (budget)"
@@ -231,6 +272,7 @@ def main(argv=None):
           copies[key] = weight_slice_copies(hlo, a.dim, a.hidden)
           conds[key] = len(re.findall(r" conditional\(", hlo))
           moves[key] = loop_copies(hlo)
+          kerns[key] = loop_kernels(hlo)
   times, failed = _report.compile_then_alternate(fns, (), a.rounds, a.iters)
   failed.update(skipped)
   lines = _report.header("Pipeline executor's own cost, one device (benchmarks/executor_cost.py)")
@@ -256,27 +298,34 @@ def main(argv=None):
     "always on a GPU, cond on CPU. Loop copies: copy kernels per loop iteration (copies "
     "and slice-only fusions in the loop body and its branches). `[graphs]`: compiled with "
     "CUDA-graph conditionals and loops (`xla_gpu_enable_command_buffer` + CONDITIONAL, "
-    "WHILE).",
+    "WHILE). `[slices: static]`: each F, B and W slices the stacked layers' weights "
+    "(a copy kernel before a Triton GEMM); `dynamic` (the GPU default, "
+    "OOOJAX_WEIGHT_SLICES=auto): dynamic slices, which XLA:GPU copies in one kernel per "
+    "stacked weight and phase; `hoist`: sliced "
+    "once before the ticks (passes.pipeline.weight_slices). Loop kernels: per loop iteration, each "
+    "branch once (the executor: its tick body plus one F, one B and one W).",
     "",
     "| step | ms (median) | pipelined / accumulated | weight-slice copies | conditionals "
-    "| loop copies |",
-    "|---|---|---|---|---|---|",
+    "| loop copies | loop kernels |",
+    "|---|---|---|---|---|---|---|",
   ]
   base = {"executor/": "accumulated/", "loop automatic/": "loop accumulated/"}
   for key in [*copies, *skipped]:
     if key in skipped:
-      lines.append(f"| {key} | {skipped[key]} |  |  |  |  |")
+      lines.append(f"| {key} | {skipped[key]} |  |  |  |  |  |")
       continue
     n = copies[key]
     ms = f"{np.median(times[key]) * 1e3:.2f}" if key in times else failed.get(key, "-")
     pre = next((p for p in base if key.startswith(p)), None)
-    acc = re.sub(r" \[(records|ticks): \w+\]", "", key.replace(pre, base[pre])) if pre else None
+    acc = (
+      re.sub(r" \[(records|ticks|slices): \w+\]", "", key.replace(pre, base[pre])) if pre else None
+    )
     ratio = (
       f"{np.median(times[key]) / np.median(times[acc]):.2f}x"
       if acc and key in times and acc in times
       else ""
     )
-    lines.append(f"| {key} | {ms} | {ratio} | {n} | {conds[key]} | {moves[key]} |")
+    lines.append(f"| {key} | {ms} | {ratio} | {n} | {conds[key]} | {moves[key]} | {kerns[key]} |")
   _report.emit(lines, a.write)
 
 

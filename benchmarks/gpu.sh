@@ -107,6 +107,8 @@ step dp_calibrate 120 $PY -m benchmarks.dp_calibrate "${DPCAL[@]}" --json "$OUT/
 # device-side conditionals and loops; the tick loop reads its row without a
 # loop-counter slice, so XLA captures it whole (issue 48). `--budget`: it compiles no new
 # variant after 60% of 270 s (32 compiles here; the H200 took 240 s for 16) and prints its table.
+# Its executor rows read the stacked weights as a GPU does by default since issue 48's second
+# follow-up (dynamic slices: `executor_cost --weight-slices static dynamic hoist` compares them).
 step executor_cost 300 $PY -m benchmarks.executor_cost "${EXEC[@]}" --record-writes always cond --ticks switch select --graphs --budget 270
 # What one conditional, one select tick and one CUDA-graph conditional cost here
 # (settles passes.pipeline.lowering's HOST_SYNC and its choice).

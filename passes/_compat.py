@@ -1051,3 +1051,15 @@ def sharded_over_mesh(avals) -> bool:
     if spec and any(p is not None for p in spec):
       return True
   return False
+
+
+def slice_window(eqn) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+  """`(start_indices, sizes)` of a unit-stride `slice` equation; None for any
+  other equation (`passes.pipeline.hoist` reads a static slice as a dynamic one)."""
+  if eqn.primitive.name != "slice":
+    return None
+  strides = eqn.params.get("strides")
+  if strides is not None and any(s != 1 for s in strides):
+    return None
+  start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+  return tuple(map(int, start)), tuple(int(b) - int(a) for a, b in zip(start, limit))

@@ -50,7 +50,9 @@ def test_cublas_gemms_read_the_slices_in_place_on_h100():
 
 
 @pytest.mark.skipif(gpu_hlo.unavailable_reason() is not None, reason="no compile-only GPU")
-def test_a_flax_loop_pipelined_automatically_copies_no_weights_before_triton_gemms():
+def test_a_flax_loop_pipelined_automatically_copies_no_weights_before_triton_gemms(monkeypatch):
+  # static slices (a GPU's default reads them as dynamic ones: tests/test_pipeline_weight_slices.py)
+  monkeypatch.setenv("OOOJAX_WEIGHT_SLICES", "static")
   mesh = gpu_hlo.mesh("H100", 1, ("stage",))
   text = lambda f, *a: gpu_hlo.compile_text(f, *a, mesh=mesh)  # noqa: E731
   assert executor_cost.weight_slice_copies(_hlo("executor/4", mesh, text), D, H) > 0

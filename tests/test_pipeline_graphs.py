@@ -132,7 +132,8 @@ for name, S, tiled in [(n, 2, False) for n in names] + [("interleaved", 2, True)
     run = ooo.pipeline.value_and_grad(stage, loss, mesh=mesh, axis_name="stage", schedule=sched)
     args = (params, (x, x))
   print("COMPILE", name, flush=True, file=sys.stderr)
-  gpu_hlo.compile_text(jax.jit(run), *args, mesh=mesh, gpu=gpu, compiler_options=GRAPHS)
+  t = gpu_hlo.compile_text(jax.jit(run), *args, mesh=mesh, gpu=gpu, compiler_options=GRAPHS)
+  print("CONDITIONALS", t.count(" conditional("), flush=True, file=sys.stderr)
 for name in ("1f1b", "zb-h1"):  # with a data axis: (2 data x 2 stage)
   mesh = gpu_hlo.mesh(gpu, (2, 2), ("data", "stage"))
   sched = ooo.pipeline.schedule(name, stages=2, microbatches=4)
@@ -141,7 +142,25 @@ for name in ("1f1b", "zb-h1"):  # with a data axis: (2 data x 2 stage)
   )
   params = {"w": sd((sched.virtual_stages, 16, 16), jnp.float32)}
   print("COMPILE", name, "data", flush=True, file=sys.stderr)
-  gpu_hlo.compile_text(jax.jit(run), params, (x, x), mesh=mesh, gpu=gpu, compiler_options=GRAPHS)
+  t = gpu_hlo.compile_text(jax.jit(run), params, (x, x), mesh=mesh, gpu=gpu, compiler_options=GRAPHS)
+  print("CONDITIONALS", t.count(" conditional("), flush=True, file=sys.stderr)
+# the tiled train step with a data axis (make_train_step(steps=2), 2 data x 2 stage)
+from jax.sharding import NamedSharding, PartitionSpec as P
+def mlp(p, x, y):
+  for w in p["ws"]:
+    x = jnp.tanh(x @ w)
+  return jnp.mean((x - y) ** 2)
+mesh = gpu_hlo.mesh(gpu, (2, 2), ("data", "stage"))
+put = lambda shape, spec: sd(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+p = {"ws": [put((16, 16), P())] * 4}
+xs = put((2, 16, 16), P(None, "data"))
+step = ooo.pipeline.make_train_step(
+  mlp, optax.sgd(0.1), mesh=mesh, axis_name="stage", data_axis="data", microbatches=4,
+  schedule="zb-h2", steps=2,
+)
+print("COMPILE zb-h2 tiled data", flush=True, file=sys.stderr)
+t = step.lower(step.abstract_state(p, xs, xs), xs, xs).compile(compiler_options=GRAPHS).as_text()
+print("CONDITIONALS", t.count(" conditional("), flush=True, file=sys.stderr)
 """
 
 
@@ -149,10 +168,12 @@ for name in ("1f1b", "zb-h1"):  # with a data axis: (2 data x 2 stage)
 def test_h100_tick_loop_is_one_cuda_graph_under_graphs():
   """XLA's command-buffer pass (its log: `TF_CPP_VMODULE`, read at start, so a
   subprocess) puts each step's tick loop, conditionals, collectives and all,
-  into one command buffer: no tick returns to the host. Every schedule on two
-  stages, one tiled over two steps, and two with a data axis."""
+  into one command buffer: no tick returns to the host. The `switch` loop (with
+  its conditionals) of every schedule on two stages, one tiled over two steps,
+  two with a data axis, and the tiled train step with a data axis."""
   env = dict(
     os.environ,
+    OOOJAX_TICKS="switch",  # the loop with conditionals (`auto` picks select for ticks this small)
     JAX_PLATFORMS="cpu",
     TF_CPP_MIN_LOG_LEVEL="0",
     TF_CPP_VMODULE="command_buffer_conversion_pass=2",
@@ -170,8 +191,9 @@ def test_h100_tick_loop_is_one_cuda_graph_under_graphs():
   log = r.stderr
   assert "not convertible" not in log, re.findall(r".*not convertible.*", log)
   parts = log.split("COMPILE ")[1:]
-  assert len(parts) == 10, log[-3000:]
+  assert len(parts) == 11, log[-3000:]
   for part in parts:
+    assert int(re.search(r"CONDITIONALS (\d+)", part).group(1)) > 0, part.splitlines()[0]
     made = re.findall(r"Creating command buffer thunk\b.*? with the following thunks: (.*)", part)
     loops = [m for m in made if re.search(r"(^|, )while(\.\d+)?(,|$)", m)]
     assert loops, (part.splitlines()[0], made)

@@ -37,7 +37,12 @@ from ooojax.passes.pipeline.program import (
   trace_replica,
 )
 from ooojax.passes.pipeline.schedule import PipelineSchedule
-from ooojax.passes.pipeline.tick_options import every_tick_writes_records, masked_rows, one_way
+from ooojax.passes.pipeline.tick_options import (
+  every_tick_writes_records,
+  masked_rows,
+  one_way,
+  weight_slices,
+)
 from ooojax.passes.pipeline.ticks import tick_loop
 
 __all__ = [
@@ -190,6 +195,7 @@ def _mesh_options(mesh, sched, prog) -> dict:
     select=tick_lowering(mesh, sched, prog) == "select",
     records_always=every_tick_writes_records(mesh),
     masked_rows=masked_rows(mesh),
+    slices=weight_slices(mesh),
   )
 
 

@@ -1,7 +1,8 @@
 """pipeline.records: a phase's residuals packed into one flat record per dtype.
 
-Contract: `layout(var_lists) -> Records`; `Records.pack(i, values)` and
-`Records.unpack(i, rows)`, read by `passes.pipeline.ticks`.
+Contract: `layout(var_lists) -> Records`; `Records.pack(i, values)`,
+`Records.unpack(i, rows)` and `Records.read(i, stacks, slot)`, read by
+`passes.pipeline.ticks`.
 
 The executor's switch returns what an action produces instead of the buffers
 it updates (a buffer updated inside a branch and read in another is copied
@@ -41,6 +42,16 @@ class Records:
         parts[dt].append(jnp.zeros((w - used,), dt))
       out[dt] = jnp.concatenate(parts[dt]) if len(parts[dt]) > 1 else parts[dt][0]
     return out
+
+  def read(self, i: int, stacks: dict, slot) -> list:
+    """The values of list `i` from row `slot` of `stacks` (dtype -> (slots, width)),
+    each a dynamic slice of its stack: XLA:GPU copies sibling dynamic slices of
+    one operand in one kernel, where `unpack` of a dynamically indexed row gave
+    each static slice a copy kernel of its own on jax 0.12 (30 a W tick)."""
+    return [
+      jnp.reshape(jax.lax.dynamic_slice(stacks[dt], (slot, off), (1, math.prod(shape))), shape)
+      for dt, off, shape in self.places[i]
+    ]
 
   def unpack(self, i: int, rows: dict) -> list:
     """The values of list `i` from `rows` (dtype -> one record)."""

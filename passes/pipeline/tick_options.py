@@ -1,8 +1,8 @@
 """pipeline.tick_options: the environment's choices for the tick loop on a mesh.
 
 Contract: `one_way(mesh)`, `every_tick_writes_records(mesh)`, `masked_rows(mesh)`
--> bool, read when a step traces (`passes.pipeline.execute`, `train`) and passed
-to `ticks.tick_loop`. Each has an `OOOJAX_*` variable whose `auto` (or default)
+-> bool and `weight_slices(mesh)` -> str, read when a step traces
+(`passes.pipeline.execute`, `train`) and passed to `ticks.tick_loop`. Each has an `OOOJAX_*` variable whose `auto` (or default)
 picks by the mesh's platform; a bad value is a `ValueError` naming the good ones.
 """
 
@@ -14,9 +14,11 @@ __all__ = [
   "CPU_EXCHANGE",
   "RECORD_WRITES",
   "TICK_ROWS",
+  "WEIGHT_SLICES",
   "every_tick_writes_records",
   "masked_rows",
   "one_way",
+  "weight_slices",
 ]
 
 
@@ -77,3 +79,24 @@ def masked_rows(mesh) -> bool:
   if mode == "auto":
     return mesh.devices.flat[0].platform != "cpu"
   return mode == "masked"
+
+
+WEIGHT_SLICES = "OOOJAX_WEIGHT_SLICES"
+
+
+def weight_slices(mesh) -> str:
+  """How a tick reads the layers its stage slices out of a stacked weight
+  (`p["w1"][j]`; `passes.pipeline.weight_slices`): `static` (a slice in every
+  F, B and W that reads it), `dynamic` (a dynamic slice XLA:GPU fuses into the
+  GEMM) or `hoist` (once before the ticks, a copy of the weights in temporary
+  memory; one-step tables without FSDP, else `static`).
+  `OOOJAX_WEIGHT_SLICES=auto` (the default): `dynamic` on a GPU mesh, where
+  each static slice before a Triton GEMM is a copy kernel (31 a microbatch on
+  one stage, against the accumulated scan's 16; benchmarks/RESULTS.md, issue
+  48); `static` on CPU (the loop as it was)."""
+  mode = os.environ.get(WEIGHT_SLICES, "auto")
+  if mode not in ("auto", "static", "dynamic", "hoist"):
+    raise ValueError(f"{WEIGHT_SLICES}={mode!r}: use auto (the default), static, dynamic or hoist")
+  if mode == "auto":
+    return "static" if mesh.devices.flat[0].platform == "cpu" else "dynamic"
+  return mode

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ooojax.passes import _compat
-from ooojax.passes.pipeline import plan as plan_pass
+from ooojax.passes.pipeline import plan as plan_pass, weight_slices as slices_pass
 from ooojax.passes.pipeline.link import one_way_groups
 from ooojax.passes.pipeline.program import Program
 from ooojax.passes.pipeline.tick_options import every_tick_writes_records
@@ -56,10 +56,15 @@ def _read(env, v):
   return v.val if isinstance(v, _compat.Literal) else env[v]
 
 
-def _run(jaxpr, eqn_ids, env):
+def _run(jaxpr, eqn_ids, env, dyn=None, zero=None):
+  """Binds `jaxpr`'s equations `eqn_ids` in `env`; those in `dyn` (a weight's
+  static slice, `weight_slices.root_slices`) as dynamic slices at `zero`."""
   for k in eqn_ids:
     eqn = jaxpr.eqns[k]
-    outs = _compat.bind_eqn(eqn, [_read(env, v) for v in eqn.invars])
+    if dyn and k in dyn:
+      outs = [slices_pass.read(_read(env, eqn.invars[0]), dyn[k], zero)]
+    else:
+      outs = _compat.bind_eqn(eqn, [_read(env, v) for v in eqn.invars])
     for v, x in zip(eqn.outvars, outs):
       if not isinstance(v, _compat.DropVar):
         env[v] = x
@@ -121,6 +126,7 @@ def tick_loop(
   fsdp=None,
   records_always=None,
   masked_rows=False,
+  slices="static",
 ):
   """The per-device program. With an `updater` (a table tiled over `steps`),
   the weights (shared ones too) and optimizer states are loop state, updated at
@@ -137,7 +143,10 @@ def tick_loop(
   `every_tick_writes_records()`, which the callers ask with their mesh).
   `masked_rows` (on a GPU): each tick reads its row of the table as a masked
   sum (`_row`), so that XLA can capture the loop in one CUDA graph; otherwise
-  the scan slices the rows (the CPU's loop, unchanged)."""
+  the scan slices the rows (the CPU's loop, unchanged). `slices`
+  (`tick_options.weight_slices`): how the phases read a stacked weight's
+  layers, `static`, `dynamic` (fused into their GEMMs on a GPU) or `hoist`
+  (once before the ticks; one step, no FSDP), `passes.pipeline.weight_slices`."""
   F = plan_pass.F
   flavors, pl, x_aval, fres, bres = (prog.flavors, prog.plan, prog.x_aval, prog.fres, prog.bres)
   n_aux = max(len(fl.aux) for fl in flavors)
@@ -145,6 +154,10 @@ def tick_loop(
   if records_always is None:
     records_always = every_tick_writes_records()
   always = select or records_always
+  # The GPU's loop (`masked_rows`) hands the switch the loss so far, which a
+  # branch passes through or adds to: a branch returning a constant 0 makes
+  # XLA copy it into the switch's output, a kernel per B and W tick.
+  pass_loss = masked_rows and not train and not select
 
   def body(chunks, shared, batch_m, consts, opt=None, opt_rep=None):
     inputs_m, targets_m, side_m = batch_m
@@ -184,11 +197,36 @@ def tick_loop(
     def put(b, slot, x):
       return lax.dynamic_update_index_in_dim(b, x.astype(b.dtype), slot, 0)
 
+    def weights_of(i, fl, c, ws):
+      """The phase's constants, chunk weights and shared weights."""
+      vals = [*consts[i], *(fsdp.gather(ws[0][c]) if fsdp else ws[0][c])]
+      return vals + list(ws[1]) if fl.n_shared else vals
+
+    # `hoist`: weight-only data movement once before the ticks: per (flavor,
+    # chunk) the values, per flavor the equations the phases then skip.
+    # `dynamic`: per flavor the weight slices read as dynamic slices.
+    pre, skip, dyn = {}, [frozenset()] * len(flavors), [{}] * len(flavors)
+    for i, _, c in pl.branches:
+      fl = flavors[i]
+      n_roots = len(consts[i]) + len(chunk_w[c]) + (len(sh_leaves) if fl.n_shared else 0)
+      if slices == "dynamic":
+        dyn[i] = slices_pass.root_slices(fl, n_roots)
+      elif slices == "hoist" and not train and not fsdp:
+        roots = weights_of(i, fl, c, (chunk_w, sh_leaves))
+        ids = slices_pass.invariant(fl, n_roots)
+        skip[i] = frozenset(ids)
+        if (i, c) not in pre:
+          env = dict(zip(fl.static, roots))
+          _run(fl.jaxpr, ids, env)
+          pre[i, c] = {u: env[u] for k in ids for u in fl.jaxpr.eqns[k].outvars if u in env}
+
+    def phase(fl, i, ids, env, zero):
+      """Runs phase `ids` of flavor `i` in `env` (`zero`: the tick's, `tick`)."""
+      _run(fl.jaxpr, [k for k in ids if k not in skip[i]], env, dyn[i], zero)
+
     def env_of(i, fl, c, r, ws):
       """The phase's static inputs: constants, chunk weights, shared, this microbatch."""
-      vals = [*consts[i], *(fsdp.gather(ws[0][c]) if fsdp else ws[0][c])]
-      if fl.n_shared:
-        vals += ws[1]
+      vals = weights_of(i, fl, c, ws)
       if fl.first:
         vals += [get(x, r[F["mb"]]) for x in in_leaves]
       if fl.last:
@@ -197,7 +235,7 @@ def tick_loop(
       if fl.index:  # the chunk's virtual stage (per-layer data: dropout key constants)
         vals.append(vstage[c])
       assert len(vals) == len(fl.static), (len(vals), len(fl.static))
-      return dict(zip(fl.static, vals))
+      return {**dict(zip(fl.static, vals)), **pre.get((i, c), {})}
 
     # the loss's aux outputs (metrics): the last stage's F writes microbatch m's at row m
     aux_avals = [u.aval for fl in flavors if fl.last for u in fl.aux][:n_aux]
@@ -205,40 +243,46 @@ def tick_loop(
     no_aux = tuple(jnp.zeros(a.shape, a.dtype) for a in aux_avals)
     zero_l = (zero, no_aux)
 
-    def records(bufs, name, slot):
-      return {dt: get(b, slot) for dt, b in bufs[name].items()}
+    def unpack(recs, i, bufs, name, slot):
+      """Flavor `i`'s values from slot `slot` of record stack `name`: on a GPU
+      each a dynamic slice of the stack (`Records.read`), on CPU the row's slices."""
+      if masked_rows:
+        return recs.read(i, bufs[name], slot)
+      return recs.unpack(i, {dt: get(b, slot) for dt, b in bufs[name].items()})
 
     def action(i, kind, c):
       fl = flavors[i]
 
-      def run(r, bufs, acc, f_rec, b_rec, w):
-        out, loss = no_out, zero_l
+      def run(rz, bufs, acc, f_rec, b_rec, w):
+        r, z0, lsum = rz
+        out, loss = no_out, zero_l if lsum is None else (lsum, no_aux)
         ws = (chunk_w, sh_leaves) if w is None else w  # constants, or training's state
         env = env_of(i, fl, c, r, ws)
         if kind == "F":
           if fl.x is not None:
             env[fl.x] = get(bufs["act"], r[F["in_slot"]])
-          _run(fl.jaxpr, fl.f_eqns, env)
+          phase(fl, i, fl.f_eqns, env, z0)
           y = _read(env, fl.jaxpr.outvars[0])
           if fl.last:
-            loss = (y.astype(jnp.float32) / M, tuple(_read(env, u) for u in fl.aux))
+            dl = y.astype(jnp.float32) / M
+            loss = (dl if lsum is None else lsum + dl, tuple(_read(env, u) for u in fl.aux))
           else:
             out = y.astype(x_aval.dtype)
           return out, loss, acc, fres.pack(i, [_read(env, u) for u in fl.fres]), b_rec
-        env.update(zip(fl.fres, fres.unpack(i, records(bufs, "fres", r[F["fres"]]))))
+        env.update(zip(fl.fres, unpack(fres, i, bufs, "fres", r[F["fres"]])))
         if kind in ("B", "BW"):
           ct = fl.jaxpr.invars[0]
           env[ct] = (
             jnp.asarray(1.0 / M, ct.aval.dtype) if fl.last else get(bufs["grad"], r[F["in_slot"]])
           )
-          _run(fl.jaxpr, fl.b_eqns, env)
+          phase(fl, i, fl.b_eqns, env, z0)
           if fl.dx is not None:
             out = jnp.broadcast_to(_read(env, fl.dx), x_aval.shape).astype(x_aval.dtype)
           if kind == "B":
             return out, loss, acc, f_rec, bres.pack(i, [_read(env, u) for u in fl.bres])
         else:
-          env.update(zip(fl.bres, bres.unpack(i, records(bufs, "bres", r[F["bres"]]))))
-        _run(fl.jaxpr, fl.w_eqns, env)
+          env.update(zip(fl.bres, unpack(bres, i, bufs, "bres", r[F["bres"]])))
+        phase(fl, i, fl.w_eqns, env, z0)
         g = [_read(env, u) for u in fl.grads]
         n = len(chunk_w[c])
         if fsdp:  # this replica's part of the replicas' mean, at once
@@ -250,8 +294,8 @@ def tick_loop(
 
       return run
 
-    def idle(r, bufs, acc, f_rec, b_rec, w):
-      return no_out, zero_l, acc, f_rec, b_rec
+    def idle(rz, bufs, acc, f_rec, b_rec, w):
+      return no_out, zero_l if rz[2] is None else (rz[2], no_aux), acc, f_rec, b_rec
 
     aux_f = jnp.asarray(
       [0] + [int(k == "F" and flavors[i].last) for i, k, _ in pl.branches], jnp.int32
@@ -259,7 +303,7 @@ def tick_loop(
 
     branches = [idle] + [action(*b) for b in pl.branches]
 
-    def every_action(r, bufs, acc, f_rec, b_rec, w):
+    def every_action(rz, bufs, acc, f_rec, b_rec, w):
       """The `select` tick's action: every branch runs in turn, each folding
       its results into the tick's where it is the row's branch (`where`, in
       place: a branch's gradient and record die once folded in). Each branch's
@@ -267,11 +311,11 @@ def tick_loop(
       flight the tick would hold every branch's gradient and record at once.
       The last barrier orders every read before the tick's slot writes (a
       write that need not wait for a read makes XLA copy the stack)."""
-      idx = r[F["branch"]]
+      idx = rz[0][F["branch"]]
       res = (no_out, zero_l, acc, f_rec, b_rec)  # branch 0: idle
       for k, br in enumerate(branches[1:], 1):
         bufs, res = _barrier((bufs, res))
-        new = br(r, bufs, *res[2:], w)
+        new = br(rz, bufs, *res[2:], w)
         res = _where(idx == k, new, res)
       return _barrier((bufs, res))
 
@@ -318,11 +362,14 @@ def tick_loop(
       bufs, acc, (loss, aux), out, f_rec, b_rec, w, o = carry
       if lag:  # the last tick's output travels while this tick computes
         below, above = send(out, r)
+      # a 0 XLA cannot fold (the branch is >= 0): the weight slices' offset
+      # (`dynamic`); the loss so far (`pass_loss`)
+      rz = (r, jnp.minimum(r[F["branch"]], 0) if any(dyn) else None, loss if pass_loss else None)
       if select:  # every action, the row's kept: no conditional
-        bufs, (out, (dl, da), acc, f_rec, b_rec) = every_action(r, bufs, acc, f_rec, b_rec, w)
+        bufs, (out, (dl, da), acc, f_rec, b_rec) = every_action(rz, bufs, acc, f_rec, b_rec, w)
       else:
         out, (dl, da), acc, f_rec, b_rec = lax.switch(
-          r[F["branch"]], branches, r, bufs, acc, f_rec, b_rec, w
+          r[F["branch"]], branches, rz, bufs, acc, f_rec, b_rec, w
         )
       if n_aux and select:  # row mb rewritten with itself unless this tick's F wrote it
         keep_aux = aux_f[r[F["branch"]]] == 1
@@ -354,7 +401,7 @@ def tick_loop(
         w, o, acc = update(r, w, o, acc, updater, v, groups, axis_name, select, data_axis)
         loss = loss.at[r[F["step"]]].add(dl)
       else:
-        loss = loss + dl
+        loss = dl if pass_loss else loss + dl
       return (bufs, acc, (loss, aux), out, f_rec, b_rec, w, o), None
 
     groups = owner_groups(owners, len(sh_leaves))
