@@ -41,19 +41,10 @@ def _gpu_lowering(monkeypatch):
 
 @pytest.mark.parametrize("name", ["1f1b", "zb-h2", "interleaved", "zb-v"])
 def test_gpu_tick_loop_on_cpu_matches_jax_grad(name, monkeypatch):
-  from tests.conftest import assert_trees_close
-  from tests.test_pipeline import _jit, _mesh, _mlp, _reference
+  from tests.test_pipeline import check_mlp_schedule
 
   _gpu_lowering(monkeypatch)
-  sched = ooo.pipeline.schedule(name, stages=2, microbatches=4)
-  stage_fn, loss_fn, params, x, t = _mlp(sched.virtual_stages)
-  step = ooo.pipeline.value_and_grad(
-    stage_fn, loss_fn, mesh=_mesh(2), axis_name="stage", schedule=sched
-  )
-  loss, grads = _jit(step)(params, (x, t))
-  ref_loss, ref_grads = _reference(stage_fn, loss_fn, params, x, t)
-  assert_trees_close(loss, ref_loss)
-  assert_trees_close(grads, ref_grads)
+  check_mlp_schedule(name)
 
 
 def test_gpu_tick_loop_on_cpu_tiled_matches_synchronous_loop(monkeypatch):

@@ -17,8 +17,7 @@ import ooojax as ooo
 from ooojax import gpu_hlo
 from ooojax.passes.hlo import schedule as hlo_schedule
 from ooojax.passes.pipeline.lowering import TICKS, select_pays, tick_lowering
-from tests.conftest import assert_trees_close
-from tests.test_pipeline import _jit, _mesh, _mlp, _reference
+from tests.test_pipeline import _mesh, _mlp, check_mlp_schedule
 from tests.test_pipeline_train import check_tiled_train
 
 NAMES = ["gpipe", "1f1b", "ooo", "zb-h1", "zb-h2", "interleaved", "zb-v"]
@@ -27,15 +26,7 @@ NAMES = ["gpipe", "1f1b", "ooo", "zb-h1", "zb-h2", "interleaved", "zb-v"]
 @pytest.mark.parametrize("name,lag", [(n, 0) for n in NAMES] + [("zb-h1", 1), ("interleaved", 1)])
 def test_select_ticks_match_jax_grad(name, lag, monkeypatch):
   monkeypatch.setenv(TICKS, "select")
-  sched = ooo.pipeline.schedule(name, stages=2, microbatches=4, lag=lag)
-  stage_fn, loss_fn, params, x, t = _mlp(sched.virtual_stages)
-  step = ooo.pipeline.value_and_grad(
-    stage_fn, loss_fn, mesh=_mesh(2), axis_name="stage", schedule=sched
-  )
-  loss, grads = _jit(step)(params, (x, t))
-  ref_loss, ref_grads = _reference(stage_fn, loss_fn, params, x, t)
-  assert_trees_close(loss, ref_loss)
-  assert_trees_close(grads, ref_grads)
+  check_mlp_schedule(name, lag=lag)
 
 
 @pytest.mark.parametrize("name", ["zb-h2", "interleaved", "zb-v"])
