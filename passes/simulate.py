@@ -33,12 +33,53 @@ class Link:
     return self.latency + nbytes / self.bandwidth
 
 
+# Collectives XLA:GPU keeps in flight at once (its scheduler's default, per kind):
+# a collective's start comes after the previous one's done.
+COLLECTIVES_IN_FLIGHT = 1
+
 LINKS = {
   "nvlink": Link("nvlink", 2e-6, 450e9),  # H100 NVLink 4, per direction
   "100GbE": Link("100GbE", 10e-6, 100e9 / 8),
   "25GbE": Link("25GbE", 15e-6, 25e9 / 8),
   "10GbE": Link("10GbE", 20e-6, 10e9 / 8),
 }
+
+
+@dataclasses.dataclass
+class LinkQueue:
+  """Collectives on one link next to a compute stream: the rule `passes.hlo.replay` and
+  the data-parallel planner (`passes.collectives.costs.one_in_flight`) share.
+
+  A start queues its transfer behind the link's previous one (one link serialises
+  them); a done waits for its transfer (the compute stream stalls until it ends).
+  `in_flight`: XLA:GPU's latency-hiding scheduler keeps at most this many
+  collectives started and not done (its default: one), so a start beyond it
+  forces the oldest one's done first. None: no limit (a compiled program's
+  order already holds XLA's).
+  """
+
+  in_flight: int | None = COLLECTIVES_IN_FLIGHT
+  free: float = 0.0  # when the link finishes what it was given
+  open: list = dataclasses.field(default_factory=list)  # ends of started, not done
+
+  def start(self, t: float, seconds: float) -> tuple[float, float, float]:
+    """A collective reached at compute clock `t`: (the clock once it is issued,
+    its transfer's start, its end)."""
+    while self.in_flight is not None and len(self.open) >= self.in_flight:
+      t = max(t, self.open.pop(0))  # the oldest's done, forced here
+    start = max(t, self.free)
+    self.free = end = start + seconds
+    self.open.append(end)
+    return t, start, end
+
+  def done(self, t: float, end: float) -> float:
+    """The compute clock after the done of the transfer ending at `end`."""
+    if end in self.open:
+      self.open.remove(end)
+    return max(t, end)
+
+  def copy(self) -> LinkQueue:
+    return dataclasses.replace(self, open=list(self.open))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -78,15 +78,16 @@ def test_prices_equal_simulation_and_the_choice_is_the_best(case):
     sims = {}
     for b in collectives.BUCKET_CANDIDATES:
       for k in range(n_layers + 1):
-        p = collectives.build_plan(split, sched, k, b, lk, n, in_loop, costs=costs)
-        sims[k, b] = (p.makespan, p.cross_step)
-        np.testing.assert_allclose(pricer.score(k, b, False), p.makespan, rtol=1e-12)
-        np.testing.assert_allclose(pricer.score(k, b, True), p.cross_step, rtol=1e-12)
+        for m in (False, True) if k == 0 else (False,):  # the small last bucket apart / joined
+          p = collectives.build_plan(split, sched, k, b, lk, n, in_loop, costs=costs, merge_tail=m)
+          sims[k, b, m] = (p.makespan, p.cross_step)
+          np.testing.assert_allclose(pricer.score(k, b, False, m), p.makespan, rtol=1e-12)
+          np.testing.assert_allclose(pricer.score(k, b, True, m), p.cross_step, rtol=1e-12)
     for cross in (False, True):
       chosen = collectives.plan(split, sched, CostModel("H100"), n, link, cross_step=cross)
       best = min(
         v[cross]
-        for (k, _), v in sims.items()
+        for (k, _, _), v in sims.items()
         if k in range(0, n_layers + 1, max(1, -(-n_layers // 12))) or k == n_layers
       )
       got = chosen.cross_step if cross else chosen.makespan
@@ -119,3 +120,44 @@ def test_a_small_last_bucket_joins_the_one_before():
   # a last bucket of a quarter of the size or more stays apart; the choice is priced apart
   assert len(_group((first, last, (), [100, 100, 25]), 100, merge_tail=True)) == 3
   assert len(_group((first, last, (), [100, 100, 10]), 100)) == 3
+
+
+def test_the_plan_prices_one_collective_in_flight():
+  """A bucket's start waits for the previous bucket's done (XLA:GPU keeps one collective
+  in flight): the compute stream stalls there, which the queue model
+  (`passes.simulate.simulate`, transfers queued behind each other) leaves out; the small
+  last bucket is joined to the one before or kept apart, whichever simulates faster."""
+  from ooojax.passes.ir import Action, Unit, UnitKind
+  from ooojax.passes.simulate import simulate
+
+  # F0 W0 W1 X0 on the compute stream; S0 (2 s) after W0, S1 (0.1 s) after W1
+  k = UnitKind
+  units = [
+    Unit(k.FORWARD, 0, (), (), 1.0),
+    Unit(k.DW, 0, (), ("F0",), 1.0),
+    Unit(k.DW, 1, (), ("F0",), 0.1),
+    Unit(k.DX, 0, (), ("F0",), 3.0),
+    Unit(k.SEND, 0, (), ("W0",), 2.0),
+    Unit(k.SEND, 1, (), ("W1",), 0.1),
+  ]
+  order = [Action(*a, 0) for a in (("F", 0), ("W", 0), ("W", 1), ("X", 0))]
+  sends = [Action("S", i, collectives.LINK_STREAM) for i in (0, 1)]
+  queued = simulate((order, sends), units, 0.0, links=(collectives.LINK_STREAM,))
+  assert queued.makespan == pytest.approx(5.1)  # S0 2..4, S1 4..4.1, X0 2.1..5.1
+  tl = collectives.in_flight_timeline(order, units, sends)
+  span = {s.unit: (s.start, s.end) for s in tl.spans}
+  # S1's start (at 2.1) forces S0's done (at 4): X0 runs 4..7
+  assert span["S1"] == pytest.approx((4.0, 4.1)) and span["X0"] == pytest.approx((4.0, 7.0))
+  assert tl.makespan == pytest.approx(7.0)
+
+  split, sched = _split_sched(*_deep(L=9, D=256))
+  lk, cm = collectives.get_link("10GbE"), CostModel("H100")
+  costs = collectives.BucketCosts.of(cm.spec)
+  size = 8 * (256 * 256 + 256) * 4  # 8 of the 9 layers: the last bucket holds one
+  both = [
+    collectives.build_plan(split, sched, 0, size, lk, 8, False, costs=costs, merge_tail=m)
+    for m in (True, False)
+  ]
+  assert len(both[0].buckets) < len(both[1].buckets)
+  chosen = collectives.plan(split, sched, cm, 8, lk, bucket_bytes=size, first_k=0)
+  assert chosen.makespan == min(b.makespan for b in both)

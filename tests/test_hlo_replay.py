@@ -177,3 +177,35 @@ def test_shipped_h200_calibration_and_its_fit():
   got = fit(works, rec)
   assert got["kernel_scale"] == pytest.approx({"gemm": 3.0, "other": 1.5})
   assert got["launch_seconds"] == pytest.approx(4e-6)
+
+
+def test_one_collective_in_flight_is_the_rule_the_planner_prices():
+  """`in_flight=1`: a start forces the previous collective's done (XLA:GPU's default), the
+  stall the data-parallel planner prices with the same rule (`costs.one_in_flight`)."""
+  from ooojax.passes.collectives.costs import one_in_flight
+
+  ar_ops = "replica_groups={{0,1,2,3}}, to_apply=%add"
+  two = HAND.split("ENTRY")[0] + (
+    "ENTRY %main (p: f32[256,256], w: f32[256,256]) -> f32[256,256] {\n"
+    "  %p = f32[256,256]{1,0} parameter(0)\n"
+    "  %w = f32[256,256]{1,0} parameter(1)\n"
+    f"  %g0 = f32[256,256]{{1,0}} custom-call(%p, %w), {GEMM}\n"
+    f"  %s0 = f32[256,256]{{1,0}} all-reduce-start(%g0), {ar_ops}\n"
+    f"  %g1 = f32[256,256]{{1,0}} custom-call(%p, %w), {GEMM}\n"
+    f"  %s1 = f32[256,256]{{1,0}} all-reduce-start(%g1), {ar_ops}\n"
+    + "".join(f"  %g{i} = f32[256,256]{{1,0}} custom-call(%p, %w), {GEMM}\n" for i in (2, 3, 4))
+    + "  %d0 = f32[256,256]{1,0} all-reduce-done(%s0)\n"
+    "  ROOT %d1 = f32[256,256]{1,0} all-reduce-done(%s1)\n}\n"
+  )
+  link = Link("M", 1e-6, 7.5e9)
+  gemm = 1e-6 + 2 * 256**3 / 1e12
+  ar = 6 * 1e-6 + 1.5 * 256 * 256 * 4 / 7.5e9  # 58 us: longer than a GEMM
+  free = replay(two, 4, link, SPEC)  # as printed: both in flight, the link queues them
+  assert free.compute == pytest.approx(5 * gemm) and free.exposed == pytest.approx(0.0)
+  one = replay(two, 4, link, SPEC, in_flight=1)
+  # s1 (after g1) waits for s0's transfer: ar - gemm stalled, the GEMMs after it later
+  assert one.exposed == pytest.approx(ar - gemm)
+  stall, starts, ends = one_in_flight([(gemm, ar), (2 * gemm, ar)])
+  assert stall == pytest.approx(one.exposed)
+  assert [t.start for t in one.transfers] == pytest.approx(starts)
+  assert [t.end for t in one.transfers] == pytest.approx(ends)

@@ -125,8 +125,9 @@ class DataParallelReport:
 
   @property
   def compute_seconds(self) -> float:
-    """When the last compute unit ends (the backward alone)."""
-    return max((s.end for s in self.timeline().spans if s.stream == 0), default=0.0)
+    """The compute stream's kernel seconds (the backward alone), its stalls at the
+    collectives' dones left out (those are exposed communication, as in the replay)."""
+    return sum(s.end - s.start for s in self.timeline().spans if s.stream == 0)
 
   @property
   def comm_seconds(self) -> float:

@@ -116,11 +116,9 @@ def _finishing(split: Split, units, order, skip) -> tuple:
   return first, last, rest, nbytes
 
 
-# A last bucket under this share of the bucket size joins the one before it (`_group`):
-# applied to the plan chosen, not priced in the choice. The simulator does not model
-# XLA:GPU's one collective in flight, which is what makes a small last bucket cost (a
-# large bucket's done forced before the backward ends); priced without it, merging
-# steered the choice to larger buckets that replayed slower (nanodo D 1024 x8).
+# A last bucket under this share of the bucket size may join the one before it (`_group`):
+# with one collective in flight, issued after a large bucket it forces that one's done
+# before the backward ends. `collectives.plan` prices both (`costs.one_in_flight`).
 TRAILING_SHARE = 0.25
 
 

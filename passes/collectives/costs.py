@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ooojax.passes.simulate import Link
+from ooojax.passes.simulate import Link, LinkQueue
 
 
 def allreduce_seconds(link: Link, nbytes: float, n_devices: int) -> float:
@@ -69,3 +69,18 @@ def tail(t: float, ends_sizes, costs: BucketCosts) -> float:
   for end, nbytes in ends_sizes:
     t = max(t, end) + costs.unpack(nbytes)
   return t
+
+
+def one_in_flight(issues) -> tuple[float, list[float], list[float]]:
+  """Transfers issued at the given compute-clock times (as if nothing stalled, in issue
+  order), `(time, seconds)` each, as XLA:GPU runs them: one collective in flight
+  (`passes.simulate.LinkQueue`, the rule the replay of a compiled program holds), so a
+  start first waits for the previous transfer's done and every later kernel moves by
+  that stall. Returns (the compute stream's total stall, each start, each end)."""
+  q, shift, starts, ends = LinkQueue(), 0.0, [], []
+  for t, seconds in issues:
+    issued, start, end = q.start(t + shift, seconds)
+    shift = issued - t
+    starts.append(start)
+    ends.append(end)
+  return shift, starts, ends

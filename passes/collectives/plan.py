@@ -65,13 +65,14 @@ from ooojax.passes.collectives.costs import (  # noqa: F401
   BucketCosts,
   allreduce_seconds,
   bucket_seconds,
+  one_in_flight,
   tail as _tail,
 )
 from ooojax.passes.collectives.loops import LoopReduce
 from ooojax.passes.collectives.pricer import Pricer as _Pricer
 from ooojax.passes.cost import CostModel
 from ooojax.passes.ir import Action, Schedule, Split, Unit
-from ooojax.passes.simulate import LINKS, Link, Timeline, simulate
+from ooojax.passes.simulate import LINKS, Link, Span, Timeline
 
 REDUCTIONS = ("mean", "sum")
 # Bucket candidates when the cost model chooses (bytes); 0 = one per dW cluster.
@@ -150,10 +151,37 @@ class CollectivePlan:
     return (self.schedule.streams[0], self.link_actions)
 
   def timeline(self) -> Timeline:
-    return simulate(self.streams, self.units, 0.0, links=(LINK_STREAM,))
+    return in_flight_timeline(self.schedule.streams[0], self.units, self.link_actions)
 
   def to_text(self) -> str:
     return "\n".join(" ".join(str(a) for a in s) for s in self.streams)
+
+
+def in_flight_timeline(order, units, s_actions) -> Timeline:
+  """The compute order (stream 0) next to its link actions (`LINK_STREAM`) as XLA:GPU
+  runs them: kernels back to back, each collective issued once the unit it depends on
+  ends, one in flight (`costs.one_in_flight`: a start waits for the previous done, and
+  the kernels after it wait with it). With no collective in flight limit it is
+  `passes.simulate.simulate` of the two streams."""
+  by_name = {u.name: u for u in units}
+  ends, t = {}, 0.0
+  for a in order:  # alone on the device: slowed only past a full share, as in `simulate`
+    u = by_name[a.unit]
+    t += u.cost * max(1.0, u.util)
+    ends[a.unit] = t
+  deps = [max((ends.get(d, 0.0) for d in by_name[a.unit].deps), default=0.0) for a in s_actions]
+  _, starts, link_ends = one_in_flight((d, by_name[a.unit].cost) for d, a in zip(deps, s_actions))
+  # each issue's stall moves every kernel after it
+  issued = sorted(zip(deps, (s - d for s, d in zip(starts, deps))))
+  spans, shift, j, prev = [], 0.0, 0, 0.0
+  for a in order:
+    while j < len(issued) and issued[j][0] <= prev + 1e-15:
+      shift = max(shift, issued[j][1])
+      j += 1
+    spans.append(Span(a.unit, 0, prev + shift, ends[a.unit] + shift))
+    prev = ends[a.unit]
+  spans += [Span(a.unit, LINK_STREAM, s, e) for a, s, e in zip(s_actions, starts, link_ends)]
+  return Timeline(tuple(spans), max((sp.end for sp in spans), default=0.0))
 
 
 def cross_step_time(
@@ -173,7 +201,7 @@ def cross_step_time(
   by_name = {u.name: u for u in units}
   late = {f"S{b.index}" for b in buckets if b.grads and set(b.grads) <= deferred}
   kept = tuple(a for a in s_actions if a.unit not in late)
-  t_nd = simulate((order, kept), units, 0.0, links=(LINK_STREAM,)).makespan
+  t_nd = in_flight_timeline(order, units, kept).makespan
   t_c = sum(by_name[a.unit].cost for a in order)
   comm = sum(by_name[u].cost for u in late) if carried is None else carried
   fwd = by_name["F0"].cost if "F0" in by_name else 0.0
@@ -224,9 +252,14 @@ def build_plan(
   s_units, s_actions = _link_units(buckets, link, n_devices, order)
   s_units, s_actions = _with_loop_units(loops, s_units, s_actions, link, n_devices, order)
   units = _packed(base, buckets, order, costs) + tuple(s_units)
-  tl = simulate((order, s_actions), units, 0.0, links=(LINK_STREAM,))
+  tl = in_flight_timeline(order, units, s_actions)
   end = {sp.unit: sp.end for sp in tl.spans}
-  t_c = max((end[a.unit] for a in order), default=0.0)
+  # the compute stream's end: its last kernel, or a start (one in flight: issued when the
+  # stream is there) that waited after it
+  t_c = max(
+    max((end[a.unit] for a in order), default=0.0),
+    max((sp.start for sp in tl.spans if sp.stream == LINK_STREAM), default=0.0),
+  )
   size = {f"S{b.index}": b.nbytes for b in buckets}
   t = max(
     tl.makespan,
@@ -327,19 +360,25 @@ def plan(
   # one device reduces nothing: no pack, no collective
   costs = BucketCosts.of(cost.spec) if n_devices > 1 else NO_BUCKET_COSTS
   if len(sizes) == len(ks) == 1:
-    return build_plan(
-      split, sched, ks[0], sizes[0], link, n_devices, in_loop, costs=costs, merge_tail=True
-    )
+    # the small last bucket joined or apart, whichever simulates faster (ties: joined)
+    both = [
+      build_plan(split, sched, ks[0], sizes[0], link, n_devices, in_loop, costs=costs, merge_tail=m)
+      for m in (True, False)
+    ]
+    score = (lambda p: p.cross_step) if cross_step else (lambda p: p.makespan)
+    return both[1] if score(both[1]) < score(both[0]) * (1 - 1e-9) else both[0]
   # Every candidate is priced by `_Pricer`, exactly as `build_plan` simulates
   # it, in O(units) with what is shared across bucket sizes computed once per k.
   pricer = _Pricer(split, sched, link, n_devices, in_loop, costs)
   best, best_score = None, 0.0
   for b in sorted(sizes, reverse=True):
     for k in ks:
-      score = pricer.score(k, b, cross_step)
-      if best is None or score < best_score * (1 - 1e-9):
-        best, best_score = (k, b), score
-  # the choice is priced without merging the tail (see `buckets.TRAILING_SHARE`)
+      # a small last bucket joined to the one before, or apart (`buckets.TRAILING_SHARE`):
+      # priced, as one collective in flight makes it cost or not
+      for merge in (True, False):
+        score = pricer.score(k, b, cross_step, merge)
+        if best is None or score < best_score * (1 - 1e-9):
+          best, best_score = (k, b, merge), score
   return build_plan(
-    split, sched, best[0], best[1], link, n_devices, in_loop, costs=costs, merge_tail=True
+    split, sched, best[0], best[1], link, n_devices, in_loop, costs=costs, merge_tail=best[2]
   )

@@ -15,7 +15,12 @@ from ooojax.passes.collectives.buckets import (
   make_buckets,
   reverse_first_k,
 )
-from ooojax.passes.collectives.costs import NO_BUCKET_COSTS, bucket_seconds, tail as _tail
+from ooojax.passes.collectives.costs import (
+  NO_BUCKET_COSTS,
+  bucket_seconds,
+  one_in_flight,
+  tail as _tail,
+)
 
 
 class Pricer:
@@ -100,13 +105,13 @@ class Pricer:
     got = self.by_k[k] = (None, deferred, (), ends, t, (first, last, rest, self.nbytes), final)
     return got
 
-  def score(self, k: int, bucket_bytes: int, cross_step: bool) -> float:
+  def score(self, k: int, bucket_bytes: int, cross_step: bool, merge_tail: bool = False) -> float:
     """`build_plan(...).makespan`, or `.cross_step` when `cross_step`."""
     _, deferred, _, ends, t_c, finishing, final = self._per_k(k)
     if finishing is None:  # in-loop reductions: the link units as `build_plan` makes them
-      return self._score_units(k, bucket_bytes, cross_step)
+      return self._score_units(k, bucket_bytes, cross_step, merge_tail)
     link, n, costs = self.link, self.n, self.costs
-    groups = _group(finishing, max(bucket_bytes, 1))
+    groups = _group(finishing, max(bucket_bytes, 1), merge_tail)
     # `_packed`: each pack lengthens the unit its bucket is issued after, and so
     # delays everything after it (the issuing units run in bucket order)
     packed, at = 0.0, {}
@@ -114,35 +119,39 @@ class Pricer:
       packed += costs.pack(len(leaves), size)
       at[after or final] = packed
     t_c += packed
-    free = free_nd = comm = busy = 0.0
-    done = []
+    comm = busy = 0.0
+    issues, kept = [], []
     for leaves, size, after in groups:
       cost = bucket_seconds(link, size, n)
       ready = ends.get(after or final, 0.0) + at[after or final]
-      free = max(free, ready) + cost
-      done.append((free, size))
+      issues.append((ready, cost))
       busy += cost
       if cross_step and leaves and deferred.issuperset(leaves):
         # `carried_seconds`: the next step reduces each carried leaf on its own
         comm += sum(bucket_seconds(link, self.nbytes[l], n) + costs.sync for l in leaves)
         comm -= costs.sync
       else:
-        free_nd = max(free_nd, ready) + cost
+        kept.append((ready, cost))
     if not cross_step:
-      return _tail(t_c, done, costs)
-    t_nd = max(t_c, free_nd)  # `cross_step_time`'s terms
+      stall, _, link_ends = one_in_flight(issues)
+      done = [(e, size) for e, (_, size, _) in zip(link_ends, groups)]
+      return max(_tail(t_c + stall, done, costs), max(link_ends, default=0.0))
+    stall, _, link_ends = one_in_flight(kept)
+    t_nd = max(t_c + stall, max(link_ends, default=0.0))  # `cross_step_time`'s terms
     unpacks = sum(
       costs.unpack(size)
       for leaves, size, _ in groups
       if not (leaves and deferred.issuperset(leaves))
     )
     raw = max(t_c, t_nd, busy, max(t_c, t_nd) + comm - self.fwd) + unpacks
-    return min(raw, self.score(k, bucket_bytes, False))
+    return min(raw, self.score(k, bucket_bytes, False, merge_tail))
 
-  def _score_units(self, k, bucket_bytes, cross_step):
+  def _score_units(self, k, bucket_bytes, cross_step, merge_tail=False):
     order, deferred, loops, ends, t_c, _, final = self._per_k(k)
     skip = frozenset(i for l in loops for i in l.grads)
-    buckets = make_buckets(self.split, self.sched.units, order, max(bucket_bytes, 1), skip)
+    buckets = make_buckets(
+      self.split, self.sched.units, order, max(bucket_bytes, 1), skip, merge_tail
+    )
     costs = self.costs
     extra: dict = {}
     for b in buckets:  # `_packed`
@@ -161,18 +170,18 @@ class Pricer:
     dep = {u.name: max((ends[d] for d in u.deps if d in ends), default=0.0) for u in s_units}
 
     def link_end(actions):
-      free, done = 0.0, {}
-      for a in actions:
-        free = done[a.unit] = max(free, dep[a.unit]) + cost[a.unit]
-      return free, done
+      """(the compute stream's end with its stalls, the link's end, each transfer's end)"""
+      stall, _, link_ends = one_in_flight((dep[a.unit], cost[a.unit]) for a in actions)
+      done = {a.unit: e for a, e in zip(actions, link_ends)}
+      return t_c + stall, max(link_ends, default=0.0), done
 
     size = {f"S{b.index}": b.nbytes for b in buckets}
     if not cross_step:
-      free, done = link_end(s_actions)
-      tail = _tail(t_c, [(done[a.unit], size[a.unit]) for a in s_actions if a.unit in size], costs)
-      return max(t_c, free, tail)
+      t_s, free, done = link_end(s_actions)
+      tail = _tail(t_s, [(done[a.unit], size[a.unit]) for a in s_actions if a.unit in size], costs)
+      return max(t_s, free, tail)
     late = {f"S{b.index}" for b in buckets if b.grads and set(b.grads) <= deferred}
-    t_nd = max(t_c, link_end([a for a in s_actions if a.unit not in late])[0])
+    t_nd = max(link_end([a for a in s_actions if a.unit not in late])[:2])
     nb = _grad_bytes(self.split)
     comm = sum(
       sum(bucket_seconds(self.link, nb[l], self.n) + costs.sync for l in b.grads) - costs.sync
@@ -182,4 +191,4 @@ class Pricer:
     link_busy = sum(cost[a.unit] for a in s_actions)
     unpacks = sum(costs.unpack(b.nbytes) for b in buckets if f"S{b.index}" not in late)
     raw = max(t_c, t_nd, link_busy, max(t_c, t_nd) + comm - self.fwd) + unpacks
-    return min(raw, self._score_units(k, bucket_bytes, False))
+    return min(raw, self._score_units(k, bucket_bytes, False, merge_tail))

@@ -49,7 +49,7 @@ from collections.abc import Mapping
 
 from ooojax.passes.cost import DeviceSpec, get_spec
 from ooojax.passes.hlo.schedule import COLLECTIVE_OPS, HloSchedule, Instr, parse
-from ooojax.passes.simulate import LINKS, Link
+from ooojax.passes.simulate import LINKS, Link, LinkQueue
 
 # Links beyond `passes.simulate.LINKS` (per direction; latency per ring step).
 REPLAY_LINKS = {
@@ -244,7 +244,7 @@ class _Module:
 @dataclasses.dataclass
 class _State:
   t: float = 0.0  # compute stream clock
-  link_free: float = 0.0
+  link: LinkQueue = dataclasses.field(default_factory=lambda: LinkQueue(None))
   compute: float = 0.0
   kernels: int = 0
   open: dict = dataclasses.field(default_factory=dict)  # start name -> index in transfers
@@ -289,16 +289,16 @@ class _Replayer:
     out = _nbytes(i.shape) - (ins if i.op.endswith("-start") else 0)  # a start holds both
     # Bytes of the unsharded array: reduce-scatter's input, all-gather's output.
     nbytes = ins if kind == "reduce-scatter" else max(out, ins if kind != "all-gather" else 0)
-    start = max(st.t, st.link_free)
-    end = start + collective_seconds(kind, nbytes, self.mod.group_size(i, self.n), self.link)
-    st.link_free = end
-    st.transfers.append(Transfer(i.name, kind, nbytes, st.t, start, end, end))
+    sec = collective_seconds(kind, nbytes, self.mod.group_size(i, self.n), self.link)
+    issue = st.t
+    st.t, start, end = st.link.start(st.t, sec)
+    st.transfers.append(Transfer(i.name, kind, nbytes, issue, start, end, end))
     return len(st.transfers) - 1
 
   def _wait(self, k: int, st: _State) -> None:
     tr = st.transfers[k]
     st.transfers[k] = dataclasses.replace(tr, wait=st.t)
-    st.t = max(st.t, tr.end)
+    st.t = st.link.done(st.t, tr.end)
 
   def step(self, i: Instr, st: _State, depth: int) -> None:
     op = i.op
@@ -346,7 +346,9 @@ class _Replayer:
   def _dearest(self, i: Instr, st: _State, depth: int) -> None:
     best = None
     for c in i.calls:
-      trial = dataclasses.replace(st, open=dict(st.open), transfers=list(st.transfers))
+      trial = dataclasses.replace(
+        st, open=dict(st.open), transfers=list(st.transfers), link=st.link.copy()
+      )
       self.run(c, trial, depth + 1)
       if best is None or trial.t > best.t:
         best = trial
@@ -361,6 +363,7 @@ def replay(
   device: str | DeviceSpec = "H100",
   measured: Mapping[str, float] | None = None,
   calibration=None,
+  in_flight: int | None = None,
 ) -> Replay:
   """Replays the entry computation of a scheduled HLO module (text).
 
@@ -374,6 +377,9 @@ def replay(
     calibration: a `passes.calibration.Calibration` with `kernel_scale` /
       `launch_seconds`: each other kernel costs `launch_seconds + scale[class] *
       roofline work` (`benchmarks.dp_calibrate --fit` writes one; None: the roofline).
+    in_flight: collectives allowed started and not done at once; a start beyond them
+      forces the oldest one's done (`passes.simulate.LinkQueue`, the rule the data-parallel
+      planner prices with). None (default): as printed, the compiled order holds XLA's.
 
   Returns:
     A `Replay`: `compute`, `comm`, `exposed`, `step` in seconds and each transfer.
@@ -384,7 +390,7 @@ def replay(
   if not mod.hlo.entry_name:
     raise ValueError("replay needs an HLO module with an ENTRY computation (compiled.as_text())")
   lk, spec = get_link(link), get_spec(device)
-  st = _State()
+  st = _State(link=LinkQueue(in_flight))
   _Replayer(mod, n_devices, lk, spec, measured, calibration).run(mod.hlo.entry_name, st)
   open_end = max((st.transfers[k].end for k in st.open.values()), default=0.0)
   comm = sum(t.end - t.start for t in st.transfers)
