@@ -334,7 +334,11 @@ class _Transformed:
       streams = 1 if opts.resolved_mode() in ("in_order", "data_parallel") else opts.streams
       cm = CostModel(opts.device, opts.measured)
       sched = make_schedule(sp, cm, streams, opts.min_speedup())
-      coll = _dp.plan(sp, sched, cm, opts) if opts.mode == "data_parallel" else None
+      coll = (
+        _dp.plan(sp, sched, cm, opts, loss=self._early is not None)
+        if opts.mode == "data_parallel"
+        else None
+      )
     plan = _Plan(sp, sched, layout, n_aux, coll)
     if hit is None:
       # Cached without the program: consts may be large arrays or an outer

@@ -72,9 +72,10 @@ def varying_leaf(x, axis_name):
   return x, _compat.shape_dtype(jax.typeof(x))
 
 
-def plan(sp, sched, cm, opts) -> _collectives.CollectivePlan:
+def plan(sp, sched, cm, opts, loss: bool = False) -> _collectives.CollectivePlan:
+  """`loss`: the caller all-reduces the value and aux leaves too (`emit`'s `early`)."""
   return _collectives.plan(
-    sp, sched, cm, axis_size(opts), opts.link, opts.bucket_bytes, opts.first_k
+    sp, sched, cm, axis_size(opts), opts.link, opts.bucket_bytes, opts.first_k, loss=loss
   )
 
 

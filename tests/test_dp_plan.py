@@ -74,21 +74,28 @@ def test_prices_equal_simulation_and_the_choice_is_the_best(case):
     lk = collectives.get_link(link)
     in_loop = bool(collectives.scan_collectives.loop_reductions(split, sched))
     costs = collectives.BucketCosts.of(CostModel("H100").spec)  # as `plan` prices buckets
-    pricer = collectives._Pricer(split, sched, lk, n, in_loop, costs)
+    pricer = collectives._Pricer(split, sched, lk, n, in_loop, costs, loss=True)
     sims = {}
     for b in collectives.BUCKET_CANDIDATES:
       for k in range(n_layers + 1):
-        for m in (False, True) if k == 0 else (False,):  # the small last bucket apart / joined
-          p = collectives.build_plan(split, sched, k, b, lk, n, in_loop, costs=costs, merge_tail=m)
-          sims[k, b, m] = (p.makespan, p.cross_step)
-          np.testing.assert_allclose(pricer.score(k, b, False, m), p.makespan, rtol=1e-12)
-          np.testing.assert_allclose(pricer.score(k, b, True, m), p.cross_step, rtol=1e-12)
-    for cross in (False, True):
-      chosen = collectives.plan(split, sched, CostModel("H100"), n, link, cross_step=cross)
+        # the small last bucket apart / joined; the loss not reduced, reduced early / late
+        choices = ((False, None), (True, None), (False, True), (True, False))
+        for m, e in choices if k == 0 else choices[:1]:
+          p = collectives.build_plan(
+            split, sched, k, b, lk, n, in_loop, costs=costs, merge_tail=m, early=e
+          )
+          sims[k, b, m, e] = (p.makespan, p.cross_step)
+          np.testing.assert_allclose(pricer.score(k, b, False, m, e), p.makespan, rtol=1e-12)
+          np.testing.assert_allclose(pricer.score(k, b, True, m, e), p.cross_step, rtol=1e-12)
+    for cross, loss in ((False, False), (True, False), (False, True)):
+      chosen = collectives.plan(
+        split, sched, CostModel("H100"), n, link, cross_step=cross, loss=loss
+      )
       best = min(
         v[cross]
-        for (k, _, _), v in sims.items()
-        if k in range(0, n_layers + 1, max(1, -(-n_layers // 12))) or k == n_layers
+        for (k, _, _, e), v in sims.items()
+        if (k in range(0, n_layers + 1, max(1, -(-n_layers // 12))) or k == n_layers)
+        and (e is not None) == loss
       )
       got = chosen.cross_step if cross else chosen.makespan
       assert got <= best * (1 + 1e-9)
@@ -160,4 +167,14 @@ def test_the_plan_prices_one_collective_in_flight():
   ]
   assert len(both[0].buckets) < len(both[1].buckets)
   chosen = collectives.plan(split, sched, cm, 8, lk, bucket_bytes=size, first_k=0)
-  assert chosen.makespan == min(b.makespan for b in both)
+  assert chosen.makespan == min(b.makespan for b in both) and chosen.early is None
+  # the loss's all-reduce: after the forward (ahead of the first bucket) or after the last
+  loss = [
+    collectives.build_plan(split, sched, 0, size, lk, 8, False, costs=costs, early=e)
+    for e in (True, False)
+  ]
+  assert [len(p.link_actions) for p in loss] == [len(loss[0].buckets) + 1] * 2
+  assert loss[0].link_actions[0].index == loss[1].link_actions[-1].index == -1
+  chosen = collectives.plan(split, sched, cm, 8, lk, bucket_bytes=size, first_k=0, loss=True)
+  assert chosen.early is not None
+  assert chosen.makespan <= min(p.makespan for p in loss)  # merged or not, early or late

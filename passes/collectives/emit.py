@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from ooojax.passes import _compat
+from ooojax.passes.collectives.buckets import early_bytes
 from ooojax.passes.collectives.plan import Bucket, CollectivePlan
 from ooojax.passes.ir import Kind, Split
 
@@ -159,13 +160,6 @@ def chain_after(prev_bufs, vals):
   return vals
 
 
-# `early` combines the value and aux leaves ahead of the first bucket only when they
-# are a few scalars or small vectors (a loss, token counts). ResNet-50's BatchNorm
-# statistics (~100 leaves) tied ahead of it replayed 3 ms slower on IB 100.
-EARLY_MAX_LEAVES = 8
-EARLY_MAX_ELEMENTS = 1024
-
-
 class BucketEmitter:
   """Emits the bucketed reductions of a `CollectivePlan` during `emit`."""
 
@@ -287,10 +281,9 @@ class BucketEmitter:
     if self._early is None or self._early_out is not None:
       return
     heads = self.split.jaxpr.jaxpr.outvars[: self.split.grad_out_start]
-    if len(heads) > EARLY_MAX_LEAVES or any(
-      math.prod(v.aval.shape) > EARLY_MAX_ELEMENTS for v in heads
-    ):
-      return  # many or large aux leaves (BatchNorm statistics): combined after the step
+    if getattr(self.plan, "early", None) is False or early_bytes(self.split) is None:
+      # planned after the step, or many or large aux leaves (BatchNorm statistics)
+      return
     if not all(isinstance(v, _compat.Literal) or v in env for v in heads):
       return
     vals = [v.val if isinstance(v, _compat.Literal) else env[v] for v in heads]

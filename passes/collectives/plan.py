@@ -52,6 +52,8 @@ from ooojax.passes.collectives.buckets import (  # noqa: F401 - the plan's API, 
   _link_units,
   _packed,
   _with_loop_units,
+  early_bytes,
+  early_unit,
   first_k_leaves,
   layer_of,
   layers_forward,
@@ -140,6 +142,9 @@ class CollectivePlan:
   cross_step: float = 0.0  # simulated steady-state step with the first-k reductions
   # deferred into the next step's forward (see `cross_step_time`)
   loops: tuple[LoopReduce, ...] = ()  # leaves reduced per layer inside a scan, not bucketed
+  # the loss's all-reduce ahead of the first bucket (True), after the last (False), or
+  # not planned (None: `BucketEmitter` combines it early where `early_bytes` allows)
+  early: bool | None = None
 
   @property
   def in_loop(self) -> frozenset[int]:
@@ -232,6 +237,7 @@ def build_plan(
   cross: bool = True,
   costs: BucketCosts | None = None,
   merge_tail: bool = False,
+  early: bool | None = None,
 ) -> CollectivePlan:
   """The plan for one choice of k and bucket size (what `plan` compares).
 
@@ -239,7 +245,9 @@ def build_plan(
   the baseline the benchmarks compare the in-loop reductions with.
   `cross=False` leaves `cross_step` at NaN (one simulation less per candidate).
   `costs`: the buckets' pack / unpack on the compute stream (`BucketCosts.of(spec)`;
-  None: free).
+  None: free). `merge_tail`: a small last bucket joins the one before. `early`: the
+  loss's all-reduce (where `early_bytes` allows one) right after the forward, ahead of
+  the first bucket (True), or after the last bucket (False); None: none priced.
   """
   costs = costs or NO_BUCKET_COSTS
   base = sched.units
@@ -251,6 +259,11 @@ def build_plan(
   buckets = make_buckets(split, base, order, max(bucket_bytes, 1), skip, merge_tail)
   s_units, s_actions = _link_units(buckets, link, n_devices, order)
   s_units, s_actions = _with_loop_units(loops, s_units, s_actions, link, n_devices, order)
+  eb = early_bytes(split) if early is not None and n_devices > 1 else None
+  if eb is not None:
+    u, a = early_unit(eb, early, link, n_devices, order)
+    s_units = [*s_units, u]
+    s_actions = (a, *s_actions) if early else (*s_actions, a)
   units = _packed(base, buckets, order, costs) + tuple(s_units)
   tl = in_flight_timeline(order, units, s_actions)
   end = {sp.unit: sp.end for sp in tl.spans}
@@ -301,6 +314,7 @@ def build_plan(
     t,
     cross,
     loops,
+    early,
   )
 
 
@@ -313,6 +327,7 @@ def plan(
   bucket_bytes: int | None = None,
   first_k: int | None = None,
   cross_step: bool = False,
+  loss: bool = False,
 ) -> CollectivePlan:
   """Reverse first-k, buckets and the link schedule; see the module docstring.
 
@@ -326,6 +341,8 @@ def plan(
     first_k: layers to reverse; None chooses.
     cross_step: choose by `cross_step_time` (the first-k reductions finish in
       the next step, as in `ooojax.data_parallel`) instead of the makespan.
+    loss: the caller all-reduces the value and aux leaves too (`BucketEmitter`'s
+      `early`): its place, ahead of the first bucket or after the last, is chosen.
 
   Returns:
     A `CollectivePlan`. Example:
@@ -360,25 +377,32 @@ def plan(
   # one device reduces nothing: no pack, no collective
   costs = BucketCosts.of(cost.spec) if n_devices > 1 else NO_BUCKET_COSTS
   if len(sizes) == len(ks) == 1:
-    # the small last bucket joined or apart, whichever simulates faster (ties: joined)
-    both = [
-      build_plan(split, sched, ks[0], sizes[0], link, n_devices, in_loop, costs=costs, merge_tail=m)
-      for m in (True, False)
-    ]
+    # the small last bucket joined or apart, the loss reduced early or late: whichever
+    # simulates faster (ties: joined, early)
     score = (lambda p: p.cross_step) if cross_step else (lambda p: p.makespan)
-    return both[1] if score(both[1]) < score(both[0]) * (1 - 1e-9) else both[0]
+    best = None
+    for m, e in ((m, e) for m in (True, False) for e in ((True, False) if loss else (None,))):
+      p = build_plan(
+        split, sched, ks[0], sizes[0], link, n_devices, in_loop, costs=costs, merge_tail=m, early=e
+      )
+      if best is None or score(p) < score(best) * (1 - 1e-9):
+        best = p
+    return best
   # Every candidate is priced by `_Pricer`, exactly as `build_plan` simulates
   # it, in O(units) with what is shared across bucket sizes computed once per k.
-  pricer = _Pricer(split, sched, link, n_devices, in_loop, costs)
+  pricer = _Pricer(split, sched, link, n_devices, in_loop, costs, loss)
   best, best_score = None, 0.0
   for b in sorted(sizes, reverse=True):
     for k in ks:
-      # a small last bucket joined to the one before, or apart (`buckets.TRAILING_SHARE`):
-      # priced, as one collective in flight makes it cost or not
+      # a small last bucket joined to the one before, or apart (`buckets.TRAILING_SHARE`),
+      # and the loss reduced early or late: priced, as one collective in flight makes
+      # each cost or not
       for merge in (True, False):
-        score = pricer.score(k, b, cross_step, merge)
-        if best is None or score < best_score * (1 - 1e-9):
-          best, best_score = (k, b, merge), score
+        for early in (True, False) if loss else (None,):
+          score = pricer.score(k, b, cross_step, merge, early)
+          if best is None or score < best_score * (1 - 1e-9):
+            best, best_score = (k, b, merge, early), score
+  k, b, merge, early = best
   return build_plan(
-    split, sched, best[0], best[1], link, n_devices, in_loop, costs=costs, merge_tail=best[2]
+    split, sched, k, b, link, n_devices, in_loop, costs=costs, merge_tail=merge, early=early
   )

@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from ooojax.passes.collectives import loops as scan_collectives
 from ooojax.passes.collectives.buckets import (
   _grad_bytes,
   _group,
   _link_units,
   _with_loop_units,
+  early_bytes,
+  early_unit,
   first_k_leaves,
   layer_of,
   layers_forward,
@@ -34,13 +38,16 @@ class Pricer:
   `tests/test_dp_plan.py` checks it against `build_plan`'s simulation.
   """
 
-  def __init__(self, split, sched, link, n_devices, in_loop, costs=None):
+  def __init__(self, split, sched, link, n_devices, in_loop, costs=None, loss=False):
     self.split, self.sched, self.link, self.n = split, sched, link, n_devices
     self.in_loop = in_loop
     self.costs = costs or NO_BUCKET_COSTS
     self.by_k: dict = {}
     self.by_name = {u.name: u for u in sched.units}
     self.fwd = self.by_name["F0"].cost if "F0" in self.by_name else 0.0
+    # the loss's all-reduce (`build_plan`'s `early`), where one is priced
+    eb = early_bytes(split) if loss and n_devices > 1 else None
+    self.early_cost = None if eb is None else bucket_seconds(link, eb, n_devices)
     if in_loop:
       return
     # per action of the in-order schedule: name, seconds, and for dW its leaf and layer rank
@@ -105,11 +112,13 @@ class Pricer:
     got = self.by_k[k] = (None, deferred, (), ends, t, (first, last, rest, self.nbytes), final)
     return got
 
-  def score(self, k: int, bucket_bytes: int, cross_step: bool, merge_tail: bool = False) -> float:
+  def score(
+    self, k: int, bucket_bytes: int, cross_step: bool, merge_tail: bool = False, early=None
+  ) -> float:
     """`build_plan(...).makespan`, or `.cross_step` when `cross_step`."""
     _, deferred, _, ends, t_c, finishing, final = self._per_k(k)
     if finishing is None:  # in-loop reductions: the link units as `build_plan` makes them
-      return self._score_units(k, bucket_bytes, cross_step, merge_tail)
+      return self._score_units(k, bucket_bytes, cross_step, merge_tail, early)
     link, n, costs = self.link, self.n, self.costs
     groups = _group(finishing, max(bucket_bytes, 1), merge_tail)
     # `_packed`: each pack lengthens the unit its bucket is issued after, and so
@@ -132,9 +141,14 @@ class Pricer:
         comm -= costs.sync
       else:
         kept.append((ready, cost))
+    if early is not None and self.early_cost is not None:  # `early_unit`
+      loss = (ends.get("F0", 0.0) if early else t_c, self.early_cost)
+      busy += self.early_cost
+      issues, kept = ([loss, *issues], [loss, *kept]) if early else ([*issues, loss], [*kept, loss])
     if not cross_step:
       stall, _, link_ends = one_in_flight(issues)
-      done = [(e, size) for e, (_, size, _) in zip(link_ends, groups)]
+      bucket_ends = link_ends[1:] if early and self.early_cost is not None else link_ends
+      done = [(e, size) for e, (_, size, _) in zip(bucket_ends, groups)]
       return max(_tail(t_c + stall, done, costs), max(link_ends, default=0.0))
     stall, _, link_ends = one_in_flight(kept)
     t_nd = max(t_c + stall, max(link_ends, default=0.0))  # `cross_step_time`'s terms
@@ -144,9 +158,9 @@ class Pricer:
       if not (leaves and deferred.issuperset(leaves))
     )
     raw = max(t_c, t_nd, busy, max(t_c, t_nd) + comm - self.fwd) + unpacks
-    return min(raw, self.score(k, bucket_bytes, False, merge_tail))
+    return min(raw, self.score(k, bucket_bytes, False, merge_tail, early))
 
-  def _score_units(self, k, bucket_bytes, cross_step, merge_tail=False):
+  def _score_units(self, k, bucket_bytes, cross_step, merge_tail=False, early=None):
     order, deferred, loops, ends, t_c, _, final = self._per_k(k)
     skip = frozenset(i for l in loops for i in l.grads)
     buckets = make_buckets(
@@ -166,6 +180,10 @@ class Pricer:
         ends[a.unit] = t_c
     s_units, s_actions = _link_units(buckets, self.link, self.n, order)
     s_units, s_actions = _with_loop_units(loops, s_units, s_actions, self.link, self.n, order)
+    if early is not None and self.early_cost is not None:
+      u, a = early_unit(0, early, self.link, self.n, order)
+      s_units = [*s_units, dataclasses.replace(u, cost=self.early_cost)]
+      s_actions = (a, *s_actions) if early else (*s_actions, a)
     cost = {u.name: u.cost for u in s_units}
     dep = {u.name: max((ends[d] for d in u.deps if d in ends), default=0.0) for u in s_units}
 
@@ -191,4 +209,4 @@ class Pricer:
     link_busy = sum(cost[a.unit] for a in s_actions)
     unpacks = sum(costs.unpack(b.nbytes) for b in buckets if f"S{b.index}" not in late)
     raw = max(t_c, t_nd, link_busy, max(t_c, t_nd) + comm - self.fwd) + unpacks
-    return min(raw, self._score_units(k, bucket_bytes, False, merge_tail))
+    return min(raw, self._score_units(k, bucket_bytes, False, merge_tail, early))
