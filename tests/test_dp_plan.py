@@ -75,6 +75,8 @@ def test_prices_equal_simulation_and_the_choice_is_the_best(case):
     in_loop = bool(collectives.scan_collectives.loop_reductions(split, sched))
     costs = collectives.BucketCosts.of(CostModel("H100").spec)  # as `plan` prices buckets
     pricer = collectives._Pricer(split, sched, lk, n, in_loop, costs, loss=True)
+    # one collective in flight (XLA:GPU's rule), priced for k = 0
+    pricer1 = collectives._Pricer(split, sched, lk, n, in_loop, costs, True, in_flight=1)
     sims = {}
     for b in collectives.BUCKET_CANDIDATES:
       for k in range(n_layers + 1):
@@ -87,6 +89,12 @@ def test_prices_equal_simulation_and_the_choice_is_the_best(case):
           sims[k, b, m, e] = (p.makespan, p.cross_step)
           np.testing.assert_allclose(pricer.score(k, b, False, m, e), p.makespan, rtol=1e-12)
           np.testing.assert_allclose(pricer.score(k, b, True, m, e), p.cross_step, rtol=1e-12)
+          if k == 0:
+            p = collectives.build_plan(
+              split, sched, k, b, lk, n, in_loop, costs=costs, merge_tail=m, early=e, in_flight=1
+            )
+            np.testing.assert_allclose(pricer1.score(k, b, False, m, e), p.makespan, rtol=1e-12)
+            np.testing.assert_allclose(pricer1.score(k, b, True, m, e), p.cross_step, rtol=1e-12)
     for cross, loss in ((False, False), (True, False), (False, True)):
       chosen = collectives.plan(
         split, sched, CostModel("H100"), n, link, cross_step=cross, loss=loss
@@ -162,19 +170,23 @@ def test_the_plan_prices_one_collective_in_flight():
   costs = collectives.BucketCosts.of(cm.spec)
   size = 8 * (256 * 256 + 256) * 4  # 8 of the 9 layers: the last bucket holds one
   both = [
-    collectives.build_plan(split, sched, 0, size, lk, 8, False, costs=costs, merge_tail=m)
+    collectives.build_plan(
+      split, sched, 0, size, lk, 8, False, costs=costs, merge_tail=m, in_flight=1
+    )
     for m in (True, False)
   ]
   assert len(both[0].buckets) < len(both[1].buckets)
-  chosen = collectives.plan(split, sched, cm, 8, lk, bucket_bytes=size, first_k=0)
+  chosen = collectives.plan(split, sched, cm, 8, lk, bucket_bytes=size, first_k=0, in_flight=1)
   assert chosen.makespan == min(b.makespan for b in both) and chosen.early is None
   # the loss's all-reduce: after the forward (ahead of the first bucket) or after the last
   loss = [
-    collectives.build_plan(split, sched, 0, size, lk, 8, False, costs=costs, early=e)
+    collectives.build_plan(split, sched, 0, size, lk, 8, False, costs=costs, early=e, in_flight=1)
     for e in (True, False)
   ]
   assert [len(p.link_actions) for p in loss] == [len(loss[0].buckets) + 1] * 2
   assert loss[0].link_actions[0].index == loss[1].link_actions[-1].index == -1
-  chosen = collectives.plan(split, sched, cm, 8, lk, bucket_bytes=size, first_k=0, loss=True)
+  chosen = collectives.plan(
+    split, sched, cm, 8, lk, bucket_bytes=size, first_k=0, loss=True, in_flight=1
+  )
   assert chosen.early is not None
   assert chosen.makespan <= min(p.makespan for p in loss)  # merged or not, early or late

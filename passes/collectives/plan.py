@@ -64,6 +64,7 @@ from ooojax.passes.collectives.costs import (  # noqa: F401
   COLLECTIVE_SECONDS,
   COLLECTIVE_SYNC_SECONDS,
   NO_BUCKET_COSTS,
+  PLAN_IN_FLIGHT,
   BucketCosts,
   allreduce_seconds,
   bucket_seconds,
@@ -145,6 +146,7 @@ class CollectivePlan:
   # the loss's all-reduce ahead of the first bucket (True), after the last (False), or
   # not planned (None: `BucketEmitter` combines it early where `early_bytes` allows)
   early: bool | None = None
+  in_flight: int | None = PLAN_IN_FLIGHT  # collectives in flight as priced (`build_plan`)
 
   @property
   def in_loop(self) -> frozenset[int]:
@@ -156,17 +158,19 @@ class CollectivePlan:
     return (self.schedule.streams[0], self.link_actions)
 
   def timeline(self) -> Timeline:
-    return in_flight_timeline(self.schedule.streams[0], self.units, self.link_actions)
+    return in_flight_timeline(
+      self.schedule.streams[0], self.units, self.link_actions, self.in_flight
+    )
 
   def to_text(self) -> str:
     return "\n".join(" ".join(str(a) for a in s) for s in self.streams)
 
 
-def in_flight_timeline(order, units, s_actions) -> Timeline:
+def in_flight_timeline(order, units, s_actions, in_flight: int | None = 1) -> Timeline:
   """The compute order (stream 0) next to its link actions (`LINK_STREAM`) as XLA:GPU
   runs them: kernels back to back, each collective issued once the unit it depends on
   ends, one in flight (`costs.one_in_flight`: a start waits for the previous done, and
-  the kernels after it wait with it). With no collective in flight limit it is
+  the kernels after it wait with it). `in_flight=None` (no limit) is
   `passes.simulate.simulate` of the two streams."""
   by_name = {u.name: u for u in units}
   ends, t = {}, 0.0
@@ -175,9 +179,13 @@ def in_flight_timeline(order, units, s_actions) -> Timeline:
     t += u.cost * max(1.0, u.util)
     ends[a.unit] = t
   deps = [max((ends.get(d, 0.0) for d in by_name[a.unit].deps), default=0.0) for a in s_actions]
-  _, starts, link_ends = one_in_flight((d, by_name[a.unit].cost) for d, a in zip(deps, s_actions))
+  _, starts, link_ends = one_in_flight(
+    ((d, by_name[a.unit].cost) for d, a in zip(deps, s_actions)), in_flight
+  )
   # each issue's stall moves every kernel after it
-  issued = sorted(zip(deps, (s - d for s, d in zip(starts, deps))))
+  # (with a limit a start is issued when the stream is there: start - dep is a stall;
+  # queued, the stream never waits)
+  issued = sorted(zip(deps, (s - d if in_flight else 0.0 for s, d in zip(starts, deps))))
   spans, shift, j, prev = [], 0.0, 0, 0.0
   for a in order:
     while j < len(issued) and issued[j][0] <= prev + 1e-15:
@@ -190,7 +198,13 @@ def in_flight_timeline(order, units, s_actions) -> Timeline:
 
 
 def cross_step_time(
-  units, order, s_actions, buckets, deferred: frozenset[int], carried: float | None = None
+  units,
+  order,
+  s_actions,
+  buckets,
+  deferred: frozenset[int],
+  carried: float | None = None,
+  in_flight: int | None = PLAN_IN_FLIGHT,
 ) -> float:
   """Steady-state step time when the deferred buckets' reductions finish next step.
 
@@ -206,7 +220,7 @@ def cross_step_time(
   by_name = {u.name: u for u in units}
   late = {f"S{b.index}" for b in buckets if b.grads and set(b.grads) <= deferred}
   kept = tuple(a for a in s_actions if a.unit not in late)
-  t_nd = in_flight_timeline(order, units, kept).makespan
+  t_nd = in_flight_timeline(order, units, kept, in_flight).makespan
   t_c = sum(by_name[a.unit].cost for a in order)
   comm = sum(by_name[u].cost for u in late) if carried is None else carried
   fwd = by_name["F0"].cost if "F0" in by_name else 0.0
@@ -238,6 +252,7 @@ def build_plan(
   costs: BucketCosts | None = None,
   merge_tail: bool = False,
   early: bool | None = None,
+  in_flight: int | None = PLAN_IN_FLIGHT,
 ) -> CollectivePlan:
   """The plan for one choice of k and bucket size (what `plan` compares).
 
@@ -248,6 +263,7 @@ def build_plan(
   None: free). `merge_tail`: a small last bucket joins the one before. `early`: the
   loss's all-reduce (where `early_bytes` allows one) right after the forward, ahead of
   the first bucket (True), or after the last bucket (False); None: none priced.
+  `in_flight`: collectives in flight at once (1: XLA:GPU's; None: queued on the link).
   """
   costs = costs or NO_BUCKET_COSTS
   base = sched.units
@@ -265,13 +281,13 @@ def build_plan(
     s_units = [*s_units, u]
     s_actions = (a, *s_actions) if early else (*s_actions, a)
   units = _packed(base, buckets, order, costs) + tuple(s_units)
-  tl = in_flight_timeline(order, units, s_actions)
+  tl = in_flight_timeline(order, units, s_actions, in_flight)
   end = {sp.unit: sp.end for sp in tl.spans}
   # the compute stream's end: its last kernel, or a start (one in flight: issued when the
   # stream is there) that waited after it
   t_c = max(
     max((end[a.unit] for a in order), default=0.0),
-    max((sp.start for sp in tl.spans if sp.stream == LINK_STREAM), default=0.0),
+    max((sp.start for sp in tl.spans if sp.stream == LINK_STREAM and in_flight), default=0.0),
   )
   size = {f"S{b.index}": b.nbytes for b in buckets}
   t = max(
@@ -294,6 +310,7 @@ def build_plan(
         buckets,
         deferred,
         carried_seconds(buckets, deferred, _grad_bytes(split), link, n_devices, costs.sync),
+        in_flight,
       )
       + unpacks,
       t,
@@ -315,6 +332,7 @@ def build_plan(
     cross,
     loops,
     early,
+    in_flight,
   )
 
 
@@ -328,6 +346,7 @@ def plan(
   first_k: int | None = None,
   cross_step: bool = False,
   loss: bool = False,
+  in_flight: int | None = PLAN_IN_FLIGHT,
 ) -> CollectivePlan:
   """Reverse first-k, buckets and the link schedule; see the module docstring.
 
@@ -343,6 +362,9 @@ def plan(
       the next step, as in `ooojax.data_parallel`) instead of the makespan.
     loss: the caller all-reduces the value and aux leaves too (`BucketEmitter`'s
       `early`): its place, ahead of the first bucket or after the last, is chosen.
+    in_flight: collectives in flight as candidates are priced: 1 is XLA:GPU's rule
+      (a start waits for the previous done); the default, None, queues them on the
+      link (see `costs.PLAN_IN_FLIGHT` for why).
 
   Returns:
     A `CollectivePlan`. Example:
@@ -376,33 +398,58 @@ def plan(
   in_loop = bool(scan_collectives.loop_reductions(split, sched))
   # one device reduces nothing: no pack, no collective
   costs = BucketCosts.of(cost.spec) if n_devices > 1 else NO_BUCKET_COSTS
+  # The small last bucket joined or apart and the loss reduced early or late are priced
+  # with one collective in flight, which is what makes them cost; queued on the link,
+  # the tail joins and the loss goes first (the compiled programs' evidence, issue 53).
+  merges = (True, False) if in_flight else (True,)
+  earlies = (True, False) if loss and in_flight else (None,)
   if len(sizes) == len(ks) == 1:
     # the small last bucket joined or apart, the loss reduced early or late: whichever
     # simulates faster (ties: joined, early)
     score = (lambda p: p.cross_step) if cross_step else (lambda p: p.makespan)
     best = None
-    for m, e in ((m, e) for m in (True, False) for e in ((True, False) if loss else (None,))):
+    for m, e in ((m, e) for m in merges for e in earlies):
       p = build_plan(
-        split, sched, ks[0], sizes[0], link, n_devices, in_loop, costs=costs, merge_tail=m, early=e
+        split,
+        sched,
+        ks[0],
+        sizes[0],
+        link,
+        n_devices,
+        in_loop,
+        costs=costs,
+        merge_tail=m,
+        early=e,
+        in_flight=in_flight,
       )
       if best is None or score(p) < score(best) * (1 - 1e-9):
         best = p
     return best
   # Every candidate is priced by `_Pricer`, exactly as `build_plan` simulates
   # it, in O(units) with what is shared across bucket sizes computed once per k.
-  pricer = _Pricer(split, sched, link, n_devices, in_loop, costs, loss)
+  pricer = _Pricer(split, sched, link, n_devices, in_loop, costs, loss, in_flight)
   best, best_score = None, 0.0
   for b in sorted(sizes, reverse=True):
     for k in ks:
       # a small last bucket joined to the one before, or apart (`buckets.TRAILING_SHARE`),
       # and the loss reduced early or late: priced, as one collective in flight makes
       # each cost or not
-      for merge in (True, False):
-        for early in (True, False) if loss else (None,):
+      for merge in merges:
+        for early in earlies:
           score = pricer.score(k, b, cross_step, merge, early)
           if best is None or score < best_score * (1 - 1e-9):
             best, best_score = (k, b, merge, early), score
   k, b, merge, early = best
   return build_plan(
-    split, sched, k, b, link, n_devices, in_loop, costs=costs, merge_tail=merge, early=early
+    split,
+    sched,
+    k,
+    b,
+    link,
+    n_devices,
+    in_loop,
+    costs=costs,
+    merge_tail=merge,
+    early=early,
+    in_flight=in_flight,
   )

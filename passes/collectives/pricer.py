@@ -38,7 +38,10 @@ class Pricer:
   `tests/test_dp_plan.py` checks it against `build_plan`'s simulation.
   """
 
-  def __init__(self, split, sched, link, n_devices, in_loop, costs=None, loss=False):
+  def __init__(
+    self, split, sched, link, n_devices, in_loop, costs=None, loss=False, in_flight=None
+  ):
+    self.in_flight = in_flight
     self.split, self.sched, self.link, self.n = split, sched, link, n_devices
     self.in_loop = in_loop
     self.costs = costs or NO_BUCKET_COSTS
@@ -146,11 +149,11 @@ class Pricer:
       busy += self.early_cost
       issues, kept = ([loss, *issues], [loss, *kept]) if early else ([*issues, loss], [*kept, loss])
     if not cross_step:
-      stall, _, link_ends = one_in_flight(issues)
+      stall, _, link_ends = one_in_flight(issues, self.in_flight)
       bucket_ends = link_ends[1:] if early and self.early_cost is not None else link_ends
       done = [(e, size) for e, (_, size, _) in zip(bucket_ends, groups)]
       return max(_tail(t_c + stall, done, costs), max(link_ends, default=0.0))
-    stall, _, link_ends = one_in_flight(kept)
+    stall, _, link_ends = one_in_flight(kept, self.in_flight)
     t_nd = max(t_c + stall, max(link_ends, default=0.0))  # `cross_step_time`'s terms
     unpacks = sum(
       costs.unpack(size)
@@ -189,7 +192,9 @@ class Pricer:
 
     def link_end(actions):
       """(the compute stream's end with its stalls, the link's end, each transfer's end)"""
-      stall, _, link_ends = one_in_flight((dep[a.unit], cost[a.unit]) for a in actions)
+      stall, _, link_ends = one_in_flight(
+        ((dep[a.unit], cost[a.unit]) for a in actions), self.in_flight
+      )
       done = {a.unit: e for a, e in zip(actions, link_ends)}
       return t_c + stall, max(link_ends, default=0.0), done
 
