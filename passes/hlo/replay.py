@@ -20,7 +20,10 @@ its start to its done. This pass walks that order and keeps two clocks:
   `2 (n-1)/n * bytes / bw + 2 (n-1) * latency`, reduce-scatter and all-gather
   `(n-1)/n * bytes / bw + (n-1) * latency` with bytes the unsharded size,
   collective-permute `bytes / bw + latency`). A done waits for its
-  transfer: the compute stream stalls until it ends.
+  transfer: the compute stream stalls until it ends (`passes.simulate.LinkQueue`,
+  the rule the data-parallel planner prices with; `in_flight=1` also forces the
+  previous done at each start, XLA:GPU's one collective in flight, which a compiled
+  program's order already holds).
 
 `while` bodies run their known trip count (`known_trip_count` in the backend
 config; once when unknown), `call`s their callee, a `conditional` its dearest
