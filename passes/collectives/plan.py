@@ -19,7 +19,12 @@ stream 0). This pass
    the compute stream next to the link (`passes.simulate`, ring all-reduce
    cost `2 (n-1)/n * bytes / bandwidth + 2 (n-1) * latency`) over a few
    candidates and keeping the shortest step. Ties keep the larger bucket /
-   smaller k.
+   smaller k. Transfers queue on the link (`in_flight=None`, the default) or,
+   with `in_flight=1`, follow XLA:GPU's one collective in flight
+   (`passes.simulate.LinkQueue`, the replay's rule: a start waits for the
+   previous done); then the small last bucket's merge and the loss's
+   all-reduce (ahead of the first bucket or after the last) are chosen too.
+   Opt-in: see `costs.PLAN_IN_FLIGHT`.
 4. **what a bucket costs as XLA compiles it** (`BucketCosts`): each
    all-reduce pays `COLLECTIVE_SECONDS` on the link beyond its ring time; a
    bucket of several leaves is packed on the compute stream before it is
