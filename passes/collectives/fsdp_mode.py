@@ -64,8 +64,12 @@ def choose(
   link: Link,
   spec_name: str,
   gathers: int,
+  regathers: int = 1,
+  again: str = "in the backward",
 ) -> FsdpChoice:
-  """The mode for `fsdp` ("auto", "keep", "regather"); see the module docstring."""
+  """The mode for `fsdp` ("auto", "keep", "regather"); see the module docstring.
+  `regathers`: how many more times than keep regather gathers the model (one, the
+  backward's; a pipeline stage's actions gather it per microbatch), `again` where."""
   memory = MEMORY.get(spec_name, 0.0)
   ag = gather_seconds(link, keep_bytes, n_devices, max(gathers, 1))
   mb = lambda b: f"{b / 1e6:.0f} MB"  # noqa: E731
@@ -80,7 +84,7 @@ def choose(
   where = f"{memory / 1e9:.0f} GB {spec_name}" if memory else f"{spec_name} (memory unknown)"
   why = (
     f"the whole model gathered ({mb(keep_bytes)}) fits the {where}; gathering it "
-    f"again in the backward would add {ag * 1e3:.3f} ms on {link.name} and compute "
+    f"again {again} would add {regathers * ag * 1e3:.3f} ms on {link.name} and compute "
     "(predicted); fsdp='regather' holds 1/N instead"
   )
   return FsdpChoice("keep", fsdp, why, keep_bytes, memory, ag)
