@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ooojax as ooo
+from ooojax import gpu_hlo
 from ooojax.passes import _compat
 
 D = 32
@@ -153,6 +154,17 @@ STEPS = {
 }
 
 
+def test_python_dispatches_are_counted():
+  # the counter's control: a debug callback's effect sends every call through Python
+  f = jax.jit(lambda x: (jax.debug.callback(lambda _: None, x), x * 2)[1])
+  x = jnp.ones(3)
+  f(x), f(x)
+  with _compat.python_dispatches() as n:
+    for _ in range(3):
+      f(x)
+  assert n() == 3
+
+
 @pytest.mark.parametrize("name", list(STEPS))
 def test_every_step_keeps_jits_fast_dispatch(name):
   step, args = STEPS[name]()
@@ -164,3 +176,20 @@ def test_every_step_keeps_jits_fast_dispatch(name):
   assert n() == 0, f"{name}: {n()} of 3 calls went through Python"
   jitted = getattr(step, "_step", step)  # a train step object's jax.jit
   assert jax.make_jaxpr(jitted)(*args).effects == set()
+
+
+@pytest.mark.skipif(gpu_hlo.unavailable_reason() is not None, reason="no compile-only GPUs")
+def test_pipeline_steps_for_gpus_carry_no_effect():
+  # the tick loop a GPU mesh gets (its own lowering, `passes.pipeline.execute`) traced
+  # for 2 compile-only H100s: no effect either (the single-GPU and data-parallel
+  # jaxprs do not depend on the mesh's platform)
+  g = gpu_hlo.mesh("H100", (2,), ("stage",))
+  sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(g, P()))  # noqa: E731
+  p, x, xs = {"ws": [sds(D, D)] * 4}, sds(16, D), sds(2, 16, D)
+  kw = dict(mesh=g, axis_name="stage", schedule="zb-h2", microbatches=2)
+  vg = ooo.pipeline.value_and_grad(_pipe_loss, **kw)
+  assert jax.make_jaxpr(vg)(p, x, x).effects == set()
+  for steps, b in ((1, x), (2, xs)):
+    step = ooo.pipeline.make_train_step(_pipe_loss, optax.adam(1e-2), steps=steps, **kw)
+    state = step.abstract_state(p, b, b)
+    assert jax.make_jaxpr(step._jitted(state))(state, b, b).effects == set()

@@ -195,14 +195,21 @@ class PipelineTrainStep:
     p_sh = StageParams(
       tuple(stage(d) for d in dims), tuple(rep for _ in p.shared), tuple(rep for _ in p.rest)
     )
-    o_sh = optax.tree_map_params(
-      self.optimizer,
-      lambda _, s: s,
-      state_shape.opt_state,
-      p_sh,
-      transform_non_params=lambda _: rep,
-    )
-    return PipelineTrainState(rep, p_sh, o_sh)
+    box = {}
+
+    def o_sh():  # traced: the optimizer's init (Adam's count) runs on no device, so
+      # this works under a mesh of compile-only GPUs too (`abstract_state`)
+      box["o"] = optax.tree_map_params(
+        self.optimizer,
+        lambda _, s: s,
+        state_shape.opt_state,
+        p_sh,
+        transform_non_params=lambda _: rep,
+      )
+      return 0
+
+    jax.eval_shape(o_sh)
+    return PipelineTrainState(rep, p_sh, box["o"])
 
   def _to_stages(self, leaves) -> StageParams:
     lay = self._layout
