@@ -109,6 +109,7 @@ def choose(asked: str, cols, dims, stages: int, microbatches: int, data_size: in
     len(split),
     regathers=3 * microbatches - 1,
     again="in each F, B and W",
+    what="each device's share of the stack",
   )
 
 
