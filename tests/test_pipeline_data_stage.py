@@ -58,15 +58,19 @@ def _fsdp(params, every=2):
 @pytest.mark.parametrize("schedule", ooo.pipeline.SCHEDULES)
 def test_every_schedule_equals_value_and_grad(schedule):
   # half the layers' kernels split over the data axis within their stage (FSDP):
-  # gathered by each action, their gradient reduce-scattered, and returned split
+  # regather gathers them in each action and reduce-scatters their gradient; keep
+  # (what "auto" runs on a CPU, for three of the schedules) gathers the stages once.
+  # Either way the gradient comes back split as jax's does
   params, mesh, x, y = _setup()
+  fsdp = "auto" if schedule in ("gpipe", "zb-h2", "interleaved") else "regather"
   with jax.set_mesh(mesh):
     params = _fsdp(params, every=1 if schedule in ("interleaved", "zb-v") else 2)
     want = jax.jit(jax.value_and_grad(_loss))(params, x, y)
-    step = ooo.pipeline.value_and_grad(_loss, mesh=mesh, schedule=schedule, fsdp="regather", **KW)
+    step = ooo.pipeline.value_and_grad(_loss, mesh=mesh, schedule=schedule, fsdp=fsdp, **KW)
     got = jax.jit(step)(params, x, y)
     assert_trees_close(got, want)
-    assert jax.typeof(got[1]["ws"][0]).sharding.spec == P(None, "data")
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert jax.typeof(g) == jax.typeof(w), (jax.typeof(g), jax.typeof(w))
 
 
 def test_train_step_and_explain_on_compile_only_gpus():

@@ -192,6 +192,16 @@ def lower(
       device_major=device_major,
       p_dims=dims,
     )
+    if mode == "keep" and data_axis is not None:  # each gradient split as its weight is
+      split = data_dims(stage_params, data_axis)
+      if any(d is not None for d in split):
+        g_leaves, g_def = jax.tree.flatten(gp)
+        spec = lambda d: P(axis_name, *[None] * (d - 1), data_axis)  # noqa: E731
+        g_leaves = [
+          g if d is None else jax.device_put(g, NamedSharding(mesh, spec(d)))
+          for g, d in zip(g_leaves, split)
+        ]
+        gp = g_def.unflatten(g_leaves)
     return loss, (gp if shared is None else (gp, gsh))
 
   return step
