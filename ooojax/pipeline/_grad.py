@@ -118,7 +118,7 @@ def value_and_grad(
       action that reads them (F, B, W) and reduce-scatters each W's gradient,
       which comes back split as the weight is; "keep" gathers every stage's
       weights once before the tick loop and holds them for the step (their
-      gradient comes back whole); "auto" (the default) keeps, unless a device's
+      gradient still comes back split); "auto" (the default) keeps, unless a device's
       stages gathered take over a quarter of its memory (the mesh's devices:
       H100, H200, A100, V100; a CPU's is unknown), as data parallel's
       `fsdp="auto"` (`passes.collectives.fsdp_mode`). `explain` says which, and why.

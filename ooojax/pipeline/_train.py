@@ -168,12 +168,10 @@ class PipelineTrainStep:
     return choose(self.fsdp, cols, split, *args)
 
   def _given_sharding(self, x):
-    """A user leaf's sharding when it lies on this mesh's devices (an array, or a
-    `ShapeDtypeStruct` with one), else None."""
+    """A user leaf's sharding when it is on this step's mesh (an array, or a
+    `ShapeDtypeStruct` with one), else None (one program takes one mesh)."""
     s = getattr(x, "sharding", None)
-    if isinstance(s, NamedSharding) and s.device_set == set(self.mesh.devices.flat):
-      return s
-    return None
+    return s if isinstance(s, NamedSharding) and s.mesh == self.mesh else None
 
   def _split_columns(self, leaves, c: Cut, counts) -> tuple | None:
     """`_Layout.fsdp`, from the user's leaves' shardings (with a data axis): the state
