@@ -136,6 +136,38 @@ def _nnx_grad():
   return step, (state, _x())
 
 
+def _pipeline_train_by_hand():
+  opt = optax.sgd(0.1)
+  run = ooo.pipeline.train(
+    lambda w, x: jnp.tanh(x @ w),
+    lambda y, t: jnp.mean((y - t) ** 2),
+    opt,
+    mesh=_mesh(2, "stage"),
+    axis_name="stage",
+    schedule="zb-h2",
+    microbatches=2,
+    steps=2,
+  )
+  w = jnp.stack(list(_params(2).values()))
+  xs = jnp.stack([_x()] * 2)
+  return jax.jit(run), (w, jax.vmap(opt.init)(w), (xs, xs))
+
+
+def _equinox():
+  eqx = pytest.importorskip("equinox")
+  model = eqx.nn.MLP(D, D, D, 2, key=jax.random.key(0))
+  params, static = eqx.partition(model, eqx.is_inexact_array)
+  loss = lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2)  # noqa: E731
+
+  @jax.jit
+  def step(params, x):  # the module whole inside the jit, as eqx.filter_jit passes it
+    return ooo.value_and_grad(loss, mode="single_gpu", device="H100")(
+      eqx.combine(params, static), x
+    )
+
+  return step, (params, _x())
+
+
 STEPS = {
   "single_gpu": lambda: _user_jit("single_gpu", device="H100"),
   "single_gpu control_deps": lambda: _user_jit(
@@ -149,6 +181,8 @@ STEPS = {
   "data_parallel train step": _dp_train,
   "pipeline train step": _pipeline_train,
   "pipeline tiled train step": lambda: _pipeline_train(steps=2),
+  "pipeline train (a stack by hand)": _pipeline_train_by_hand,
+  "equinox": _equinox,
   "flax train step": _flax_train,
   "flax nnx_grad": _nnx_grad,
 }
