@@ -1,6 +1,6 @@
 """FSDP within pipeline stages: compiled memory per device, compile-only H100 x8.
 
-  python -m benchmarks.pipeline_fsdp                    # dims 256 and 1024
+  python -m benchmarks.pipeline_fsdp                    # dims 256, 1024 and 65536
   python -m benchmarks.pipeline_fsdp --dims 64 --write  # append the table to RESULTS.md
 
 A (2 data x 4 stage) mesh of compile-only H100s with Explicit axes, 8 tanh
@@ -8,9 +8,12 @@ layers of `dim x dim` float32 kernels each split over the data axis
 (`P(None, "data")`), 1F1B over 4 microbatches, the automatic
 `ooo.pipeline.value_and_grad` jitted: XLA's `memory_analysis()` of the compiled
 step for `fsdp="regather"` (each action gathers its chunk's split weights, each
-W reduce-scatters their gradient) and `fsdp="keep"` (every stage's weights
-gathered before the tick loop). Nothing runs: compile-only, no GPU needed
-(the CUDA plugin, `ooojax.gpu_hlo`).
+W reduce-scatters their gradient), `fsdp="keep"` (every stage's weights
+gathered before the tick loop) and `fsdp="auto"` (the default: keep unless a
+device's stages gathered are over a quarter of its memory; at dim 65536 a
+stage's two kernels are 34 GB), for `value_and_grad` and for `make_train_step`
+(Adam; its state holds the kernels split in every mode). Nothing runs:
+compile-only, no GPU needed (the CUDA plugin, `ooojax.gpu_hlo`).
 """
 
 from __future__ import annotations
@@ -34,8 +37,11 @@ def _loss(p, x, y):
   return jnp.mean((x - y) ** 2)
 
 
-def measure(dim: int, layers: int = 8, rows: int = 16) -> dict:
-  """{mode: (temp, argument, output bytes, all-gathers, reduce-scatters)} per device."""
+def measure(dim: int, layers: int = 8, rows: int = 16, train: bool = True) -> dict:
+  """{(form, fsdp): (temp, argument, output bytes, all-gathers, reduce-scatters, mode run)}
+  per device; form "value_and_grad" or "train step" (`make_train_step`, Adam)."""
+  import optax
+
   import ooojax as ooo
   from ooojax import gpu_hlo
 
@@ -50,33 +56,35 @@ def measure(dim: int, layers: int = 8, rows: int = 16) -> dict:
 
   p = {"ws": [sds((dim, dim), P(None, "data")) for _ in range(layers)]}
   x = sds((rows, dim), P("data"))
+  kw = dict(mesh=g, axis_name="stage", data_axis="data", schedule="1f1b", microbatches=4)
   out = {}
+
+  def row(c, mode):
+    m, text = c.memory_analysis(), c.as_text()
+    return (
+      m.temp_size_in_bytes,
+      m.argument_size_in_bytes,
+      m.output_size_in_bytes,
+      text.count("all-gather-start(") + text.count(" all-gather("),
+      text.count("reduce-scatter("),
+      mode,
+    )
+
   with jax.set_mesh(g):
-    for mode in ("regather", "keep"):
-      step = ooo.pipeline.value_and_grad(
-        _loss,
-        mesh=g,
-        axis_name="stage",
-        data_axis="data",
-        schedule="1f1b",
-        microbatches=4,
-        fsdp=mode,
-      )
-      c = jax.jit(step).lower(p, x, x).compile()
-      m, text = c.memory_analysis(), c.as_text()
-      out[mode] = (
-        m.temp_size_in_bytes,
-        m.argument_size_in_bytes,
-        m.output_size_in_bytes,
-        text.count("all-gather-start(") + text.count(" all-gather("),
-        text.count("reduce-scatter("),
-      )
+    for fsdp in ("regather", "keep", "auto"):
+      step = ooo.pipeline.value_and_grad(_loss, fsdp=fsdp, **kw)
+      r = ooo.pipeline.explain(_loss, p, x, x, fsdp=fsdp, **kw)  # the mode it runs
+      out["value_and_grad", fsdp] = row(jax.jit(step).lower(p, x, x).compile(), r.fsdp.mode)
+    for fsdp in ("regather", "keep", "auto") if train else ():
+      step = ooo.pipeline.make_train_step(_loss, optax.adam(1e-3), fsdp=fsdp, **kw)
+      c = step.lower(step.abstract_state(p, x, x), x, x).compile()
+      out["train step", fsdp] = row(c, step.fsdp_choice.mode)
   return out
 
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--dims", type=int, nargs="+", default=[256, 1024])
+  ap.add_argument("--dims", type=int, nargs="+", default=[256, 1024, 65536])
   ap.add_argument("--write", action="store_true", help="append the table to RESULTS.md")
   a = ap.parse_args(argv)
   from ooojax import gpu_hlo
@@ -88,18 +96,21 @@ def main(argv=None):
   lines += [
     "2 data x 4 stage, Explicit axes, 8 tanh layers (dim x dim float32, each split over "
     "'data'), 1F1B, a batch of 16 rows in 4 microbatches, each split over the 2 replicas; "
-    "XLA's memory_analysis() per device (kB), and the all-gather / reduce-scatter "
-    "instructions of the compiled program (not executions); nothing ran.",
+    "the automatic `value_and_grad` jitted, and `make_train_step` with Adam (its state "
+    "the arguments); XLA's memory_analysis() per device (MB), and the all-gather / "
+    "reduce-scatter instructions of the compiled program (not executions); nothing ran. "
+    "`runs`: the mode each option compiled (`fsdp='auto'`: fsdp_mode's rule on an 80 GB H100).",
     "",
-    "| dim | fsdp | temporary | arguments | outputs | all-gather instr. | reduce-scatter instr. | temp / keep |",
-    "|---|---|---|---|---|---|---|---|",
+    "| dim | form | fsdp | runs | temporary | arguments | outputs | all-gather instr. "
+    "| reduce-scatter instr. | temp / keep |",
+    "|---|---|---|---|---|---|---|---|---|---|",
   ]
   for d in a.dims:
     r = measure(d)
-    for mode, (t, arg, o, ag, rs) in r.items():
+    for (form, fsdp), (t, arg, o, ag, rs, mode) in r.items():
       lines.append(
-        f"| {d} | {mode} | {t / 1e3:.1f} | {arg / 1e3:.1f} | {o / 1e3:.1f} | {ag} | {rs} | "
-        f"{t / r['keep'][0]:.2f} |"
+        f"| {d} | {form} | {fsdp} | {mode} | {t / 1e6:.2f} | {arg / 1e6:.2f} | {o / 1e6:.2f} "
+        f"| {ag} | {rs} | {t / r[form, 'keep'][0]:.2f} |"
       )
   _report.emit(lines, a.write)
 

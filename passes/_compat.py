@@ -1063,3 +1063,27 @@ def slice_window(eqn) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     return None
   start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
   return tuple(map(int, start)), tuple(int(b) - int(a) for a, b in zip(start, limit))
+
+
+@contextlib.contextmanager
+def python_dispatches() -> Iterator[Any]:
+  """Counts the calls of jitted functions that ran through Python while inside
+  (pjit's `cache_miss`: a first call, a new signature, or every call once jit's C++
+  fast path is off, as it is for a jaxpr with any effect); yields the count's getter.
+  On the fast path a repeated call never reaches Python, so its count stays 0."""
+  from jax._src import pjit as _pjit
+
+  real = getattr(_pjit, "_infer_params", None)
+  if real is None:  # a JAX that moved it: say so rather than count nothing
+    raise NotImplementedError("this JAX has no jax._src.pjit._infer_params to count")
+  count = [0]
+
+  def counted(*args, **kwargs):
+    count[0] += 1
+    return real(*args, **kwargs)
+
+  _pjit._infer_params = counted
+  try:
+    yield lambda: count[0]
+  finally:
+    _pjit._infer_params = real

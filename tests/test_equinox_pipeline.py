@@ -134,5 +134,33 @@ def test_fsdp_within_stages_on_a_module(close):
   close(loss, ref)
   close(_inexact(g), _inexact(rg))
   assert g.act is None and g.layers[0].weight.sharding.spec == P(None, "data")
-  r = ooo.pipeline.explain(M.mlp_loss, model, x, y, **kw)
+  r = ooo.pipeline.explain(M.mlp_loss, model, x, y, fsdp="regather", **kw)
   assert r.fsdp.leaves == (".layers[0].weight",) and r.fsdp.held * 2 == r.fsdp.whole
+
+
+def test_train_step_gives_back_the_module_as_optax_updates_it(close):
+  # FSDP within the stages: step.params is the module given, updated, each weight
+  # split over the data axis as it was (a checkpoint or an eval reads it as is)
+  from tests.test_pipeline_data_stage import same_tree
+
+  model, (x, y) = M.mlp_data()
+  explicit = (jax.sharding.AxisType.Explicit,) * 2
+  mesh = jax.make_mesh((2, 4), ("data", "stage"), devices=jax.devices()[:8], axis_types=explicit)
+  x, y = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
+  split = NamedSharding(mesh, P(None, "data"))
+  model = eqx.tree_at(
+    lambda m: [layer.weight for layer in m.layers],
+    model,
+    [jax.device_put(layer.weight, split) for layer in model.layers],
+  )
+  opt = optax.adam(1e-2)
+  kw = dict(mesh=mesh, axis_name="stage", data_axis="data", microbatches=4, schedule="1f1b")
+  with jax.set_mesh(mesh):
+    _, g = eqx.filter_jit(eqx.filter_value_and_grad(M.mlp_loss))(model, x, y)
+    u, _ = opt.update(g, opt.init(_inexact(model)), _inexact(model))
+    want = eqx.filter_jit(eqx.apply_updates)(model, u)
+    step = ooo.pipeline.make_train_step(M.mlp_loss, opt, **kw)
+    state, _ = step(step.init(model, x, y), x, y)
+    got = step.params(state)
+  assert got.act is model.act  # the static fields as given
+  same_tree(_inexact(got), _inexact(want))

@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ooojax as ooo
 from ooojax import gpu_hlo
+from ooojax.passes.collectives import fsdp_mode
 from tests.conftest import assert_trees_close
 
 
@@ -38,6 +39,16 @@ def _setup():
 KW = dict(axis_name="stage", data_axis="data", microbatches=4)
 
 
+def same_tree(got, want):
+  """`got` is `want` (a plain optax loop's parameters): structure, types (shape, dtype
+  and, under Explicit axes, sharding), shardings and values."""
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert jax.typeof(a) == jax.typeof(b), (jax.typeof(a), jax.typeof(b))
+    assert a.sharding.is_equivalent_to(b.sharding, b.ndim), (a.sharding, b.sharding)
+  assert_trees_close(got, want)
+
+
 def _fsdp(params, every=2):
   """Every `every`-th layer's kernel split over the data axis (FSDP within its stage)."""
   split = lambda i, w: jax.sharding.reshard(w, P(None, "data")) if i % every == 0 else w  # noqa: E731
@@ -47,20 +58,25 @@ def _fsdp(params, every=2):
 @pytest.mark.parametrize("schedule", ooo.pipeline.SCHEDULES)
 def test_every_schedule_equals_value_and_grad(schedule):
   # half the layers' kernels split over the data axis within their stage (FSDP):
-  # gathered by each action, their gradient reduce-scattered, and returned split
+  # regather gathers them in each action and reduce-scatters their gradient; keep
+  # (what "auto" runs on a CPU, for three of the schedules) gathers the stages once.
+  # Either way the gradient comes back split as jax's does
   params, mesh, x, y = _setup()
+  fsdp = "auto" if schedule in ("gpipe", "zb-h2", "interleaved") else "regather"
   with jax.set_mesh(mesh):
     params = _fsdp(params, every=1 if schedule in ("interleaved", "zb-v") else 2)
     want = jax.jit(jax.value_and_grad(_loss))(params, x, y)
-    step = ooo.pipeline.value_and_grad(_loss, mesh=mesh, schedule=schedule, **KW)
+    step = ooo.pipeline.value_and_grad(_loss, mesh=mesh, schedule=schedule, fsdp=fsdp, **KW)
     got = jax.jit(step)(params, x, y)
     assert_trees_close(got, want)
-    assert jax.typeof(got[1]["ws"][0]).sharding.spec == P(None, "data")
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert jax.typeof(g) == jax.typeof(w), (jax.typeof(g), jax.typeof(w))
 
 
 def test_train_step_and_explain_on_compile_only_gpus():
   # every kernel split over the data axis (FSDP within the stage): the state holds its
-  # stage's part, and so does Adam's state
+  # stage's part, and so does Adam's state; fsdp="auto" keeps the gathered stages
+  # (a CPU's memory is unknown; 8 kB fit an H100) and says so
   params, mesh, x, y = _setup()
   opt = optax.adam(1e-2, eps=1e-4)
   with jax.set_mesh(mesh):
@@ -70,19 +86,25 @@ def test_train_step_and_explain_on_compile_only_gpus():
     state = step.init(params, x, y)
     assert state.params.stacked[0].sharding.spec == P("stage", None, "data")
     assert state.opt_state[0].mu.stacked[0].sharding.spec == P("stage", None, "data")
+    assert step.fsdp_choice.mode == "keep" and "memory unknown" in step.fsdp_choice.reason
     state, loss = step(state, x, y)
     assert_trees_close(loss, want_loss)
+    assert state.params.stacked[0].sharding.spec == P("stage", None, "data")
     u, _ = opt.update(g, opt.init(params), params)
-    assert_trees_close(step.params(state), optax.apply_updates(params, u))
+    # the user's tree back, each kernel split over the data axis as it was given
+    same_tree(step.params(state), jax.jit(optax.apply_updates)(params, u))
     r = ooo.pipeline.explain(_loss, params, x, y, mesh=mesh, schedule="1f1b", **KW)
     assert r.schedule.stages == 4 and r.balance.counts == (2, 2, 2, 2)
     # what is gathered: a loop's layer-0 leaf names the stack's column; 2 layers of
-    # 16 x 16 float32 per stage, held at 1/2
-    assert r.fsdp.leaves == ("['ws'][0]",) and (r.fsdp.whole, r.fsdp.held) == (2048, 1024)
-    assert "each F, B and W all-gathers" in repr(r)
+    # 16 x 16 float32 per stage, held whole (keep)
+    assert r.fsdp.leaves == ("['ws'][0]",) and (r.fsdp.whole, r.fsdp.held) == (2048, 2048)
+    assert "fsdp='auto' runs 'keep'" in repr(r) and "memory unknown" in repr(r)
+    r = ooo.pipeline.explain(_loss, params, x, y, mesh=mesh, schedule="1f1b", fsdp="regather", **KW)
+    assert r.fsdp.held == 1024 and "each F, B and W all-gathers" in repr(r)
     if gpu_hlo.unavailable_reason() is None:  # the (data, stage) step, 8 compile-only H100s
       c = ooo.pipeline.explain(_loss, params, x, y, mesh=mesh, schedule="1f1b", gpu="H100", **KW)
       assert c.windows  # its collective-permutes, read from the compiled HLO
+      assert "fits the 80 GB H100" in c.fsdp.reason, c.fsdp
 
 
 def test_tiled_train_step_with_data_replicas():
@@ -145,14 +167,26 @@ def test_fsdp_within_stages_holds_less_than_gathering_them_on_eight_h100s():
   )  # noqa: E731
   p = {"ws": [sds((64, 64), P(None, "data")) for _ in range(8)]}
   x = sds((16, 64), P("data"))
-  temp, hlo = {}, {}
+  temp, hlo, text = {}, {}, {}
+
+  def lower(mode):
+    step = ooo.pipeline.value_and_grad(_loss, mesh=g, schedule="1f1b", fsdp=mode, **KW)
+    return jax.jit(step).lower(p, x, x)
+
   with jax.set_mesh(g):
     for mode in ("regather", "keep"):
-      step = ooo.pipeline.value_and_grad(_loss, mesh=g, schedule="1f1b", fsdp=mode, **KW)
-      c = jax.jit(step).lower(p, x, x).compile()
+      lowered = lower(mode)
+      c, text[mode] = lowered.compile(), lowered.as_text()
       temp[mode], hlo[mode] = c.memory_analysis().temp_size_in_bytes, c.as_text()
+    # "auto" (the default) is keep's program on an H100, and regather's where a
+    # device's stages gathered (32 kB) are over a quarter of its memory (60 kB here)
+    auto = lower("auto").as_text()
+    with pytest.MonkeyPatch.context() as mp:
+      mp.setitem(fsdp_mode.MEMORY, "H100", 60e3)
+      small = lower("auto").as_text()
   assert temp["regather"] < 0.6 * temp["keep"], temp  # 99 kB against 206 kB (jax 0.11.2)
   assert "reduce-scatter" in hlo["regather"] and "reduce-scatter" not in hlo["keep"]
+  assert auto == text["keep"] and small == text["regather"]
 
 
 def test_hand_cut_stages_split_over_the_data_axis():
@@ -171,7 +205,9 @@ def test_hand_cut_stages_split_over_the_data_axis():
   with jax.set_mesh(mesh):
     want = jax.jit(jax.value_and_grad(whole))(w, x, y)
     ws = jax.device_put(w, P("stage", None, "data"))
-    step = ooo.pipeline.value_and_grad(stage_fn, loss_fn, mesh=mesh, schedule="zb-h1", **KW)
+    step = ooo.pipeline.value_and_grad(
+      stage_fn, loss_fn, mesh=mesh, schedule="zb-h1", fsdp="regather", **KW
+    )
     got = jax.jit(step)(ws, (x, y))
     assert jax.typeof(got[1]).sharding.spec == P("stage", None, "data")
   assert_trees_close(got, want)
@@ -215,6 +251,30 @@ def test_flax_partitioned_kernels_under_set_mesh():
     assert state.params.stacked[0].sharding.spec == P("stage", None, "data")
     state, got = step(state, x, y)
     assert_trees_close(got, want)
-    assert_trees_close(step.params(state), jax.tree.map(lambda p, g: p - 0.1 * g, params, g))
+    sgd = jax.jit(lambda p, g: jax.tree.map(lambda p, g: p - 0.1 * g, p, g))
+    same_tree(step.params(state), sgd(params, g))  # each kernel as its box placed it
     r = ooo.pipeline.explain(loss, params, x, y, mesh=mesh, schedule="1f1b", **KW)
   assert r.fsdp.leaves == ("['k0'].value",), r.fsdp
+
+
+def test_auto_fsdp_regathers_when_memory_demands_it(monkeypatch):
+  # fsdp="auto" (the default) takes regather where a device's stages gathered are over
+  # a quarter of its memory (a CPU given 4 kB here: each stage's 2 kB): the gradient
+  # then comes back split, the train step says why, and both equal jax's
+  monkeypatch.setitem(fsdp_mode.MEMORY, "CPU", 4e3)
+  params, mesh, x, y = _setup()
+  with jax.set_mesh(mesh):
+    params = _fsdp(params, every=1)
+    want = jax.jit(jax.value_and_grad(_loss))(params, x, y)
+    got = jax.jit(ooo.pipeline.value_and_grad(_loss, mesh=mesh, schedule="1f1b", **KW))(
+      params, x, y
+    )
+    assert_trees_close(got, want)
+    assert jax.typeof(got[1]["ws"][0]).sharding.spec == P(None, "data")
+    step = ooo.pipeline.make_train_step(_loss, optax.sgd(0.1), mesh=mesh, schedule="1f1b", **KW)
+    state = step.init(params, x, y)
+    assert step.fsdp_choice.mode == "regather" and "memory demands it" in step.fsdp_choice.reason
+    state, loss = step(state, x, y)
+  assert_trees_close(loss, want[0])
+  sgd = jax.jit(lambda p, g: jax.tree.map(lambda p, g: p - 0.1 * g, p, g))
+  same_tree(step.params(state), sgd(params, want[1]))

@@ -321,7 +321,7 @@ def _auto_program(
   layers=None,
   lowering=None,
   state_argnums=(),
-  fsdp: str = "regather",
+  fsdp: str = "auto",
 ) -> _AutoProgram:
   """`_auto_parts` lowered (`execute.lower`, or `lowering(cut, stage_fn, loss_fn,
   input_fn)`: the tiled train step's)."""
@@ -402,7 +402,7 @@ def _auto(
   layers=None,
   aux_reduce: Callable | None = None,
   state_argnums=(),
-  fsdp: str = "regather",
+  fsdp: str = "auto",
 ) -> Callable:
   """`step(params, *batch)` of a plain loss (`_auto_program`). The loss is traced on
   every call of `step` (once per `jax.jit` trace): a cached trace would keep the

@@ -88,7 +88,7 @@ def explain(
   budget: int | None = None,
   state_argnums=(),
   data_axis: str | None = None,
-  fsdp: str = "regather",
+  fsdp: str = "auto",
 ) -> PipelineReport:
   """The schedule, its simulated bubble and the memory per stage for this model.
 
@@ -123,7 +123,8 @@ def explain(
       over, as in `value_and_grad`: `gpu=` compiles the (data, stage) step.
     fsdp: (with `data_axis`) as in `value_and_grad`: stack leaves whose
       sharding splits one of their dimensions over the data axis; the report's
-      `fsdp` (a `StageFsdp`) names them and says what is gathered, and when.
+      `fsdp` (a `StageFsdp`) names them, says what is gathered and when, and
+      with "auto" which mode the step takes on the mesh's devices and why.
     steps: >= 2 also simulates the table tiled over that many training steps
       (`passes.pipeline.steps`): the per-step bubble beside the one-step
       bubble, and which actions of step t run during step t + 1's warm-up.
@@ -190,7 +191,7 @@ def explain(
         has_aux=has_aux,
         state_argnums=state_argnums,
         data_axis=data_axis,
-        fsdp=fsdp != "regather" and fsdp,
+        fsdp=fsdp != "auto" and fsdp,
       ).items()
       if v
     }
@@ -316,7 +317,7 @@ def _explain_auto(
   chunks,
   state_argnums=(),
   data_axis=None,
-  fsdp="regather",
+  fsdp="auto",
   **kw,
 ) -> PipelineReport:
   """The automatic form: `loss_fn` cut and balanced by `ooojax.pipeline._automatic._auto_parts`
@@ -367,11 +368,14 @@ def _explain_auto(
   )
   rows = jax.eval_shape(lambda bs: parts.rowed(bs), jax.tree.leaves(b_avals))
   shared = tuple(p_avals[i] for i in c.shared)
-  from ooojax.passes.pipeline.fsdp import FSDP_MODES, stack_dims
+  from ooojax.passes.pipeline.fsdp import FSDP_MODES, choose, spec_name, stack_dims
 
   if fsdp not in FSDP_MODES:
     raise ValueError(f"fsdp={fsdp!r}: use one of {FSDP_MODES}")
   split = None if data is None else stack_dims(leaves, c, counts, data_axis)
+  choice = split and choose(  # what the step runs: its mesh's devices' memory
+    fsdp, jax.tree.leaves(stage_params), split, stages, sched.microbatches, data[1], spec_name(mesh)
+  )
   report = _explain(
     stage_fn,
     lfn,
@@ -383,7 +387,7 @@ def _explain_auto(
     microbatches=None,
     chunks=None,
     data=data,
-    fsdp=split if fsdp == "regather" else None,
+    fsdp=split if choice and choice.mode == "regather" else None,
     **kw,
   )
   # the ends as a stage runs them: on one microbatch (their equations were traced at
@@ -409,20 +413,22 @@ def _explain_auto(
     report,
     cut=info,
     balance=parts.balance,
-    fsdp=split and _stage_fsdp(fsdp, data, split, stage_params, sched, c, name),
+    fsdp=split and _stage_fsdp(choice, data, split, stage_params, sched, c, name),
   )
 
 
-def _stage_fsdp(mode, data, split, stage_params, sched, c, name) -> StageFsdp:
+def _stage_fsdp(choice, data, split, stage_params, sched, c, name) -> StageFsdp:
   r = len(split) // len(c.stacked[0])  # stage columns per leaf of a layer
   cols = jax.tree.leaves(stage_params)[: len(split)]
   return StageFsdp(
-    mode,
+    choice.mode,
     data[0],
     data[1],
     tuple(name(i) for k, i in enumerate(c.stacked[0]) if split[k * r] is not None),
     sum(x.size * x.dtype.itemsize // sched.stages for x, d in zip(cols, split) if d is not None),
     sched.chunks,
+    choice.asked,
+    choice.reason,
   )
 
 

@@ -31,7 +31,7 @@ def value_and_grad(
   layout: str | None = None,
   aux_reduce: Callable | None = None,
   state_argnums: int | tuple[int, ...] = (),
-  fsdp: str = "regather",
+  fsdp: str = "auto",
 ) -> Callable:
   """Pipelined loss and gradients: of a plain loss (stages cut automatically), or
   of a stack of stages written by hand.
@@ -113,11 +113,15 @@ def value_and_grad(
       own dimensions over the data axis (FSDP / ZeRO-3 within a stage: an
       Explicit-axes type, or arrays placed so and passed outside `jax.jit`;
       under Auto axes a traced leaf shows no sharding, and `make_train_step`,
-      which reads `init`'s arrays, is the way there): "regather" (the default) keeps
+      which reads `init`'s arrays, is the way there): "regather" keeps
       them split on each replica, all-gathers a chunk's weights inside each
       action that reads them (F, B, W) and reduce-scatters each W's gradient,
       which comes back split as the weight is; "keep" gathers every stage's
-      weights once before the tick loop and holds them for the step.
+      weights once before the tick loop and holds them for the step (their
+      gradient still comes back split); "auto" (the default) keeps, unless a device's
+      stages gathered take over a quarter of its memory (the mesh's devices:
+      H100, H200, A100, V100; a CPU's is unknown), as data parallel's
+      `fsdp="auto"` (`passes.collectives.fsdp_mode`). `explain` says which, and why.
     layers: (automatic form) the stack's layers per virtual stage: "balanced"
       (the default: the split with the least simulated step time on the cost
       model, the prologue priced on the first virtual stage and the epilogue on

@@ -100,7 +100,7 @@ def make_train_step(
   steps: int = 1,
   aux_reduce: Callable | None = None,
   state_argnums: int | tuple[int, ...] = (),
-  fsdp: str = "regather",
+  fsdp: str = "auto",
 ) -> PipelineTrainStep:
   """A jitted pipelined train step of a plain loss, the optimizer applied per stage.
 
@@ -127,10 +127,13 @@ def make_train_step(
       model prices the local device, so pin `layers=step.balance.counts` to
       restore a checkpoint on another kind of device.
     compiler_options: passed to `jax.jit` (e.g. XLA's optimization level).
-    fsdp: as in `value_and_grad`, read from the shardings of `init`'s
-      parameters: with "regather" a stack's leaf split over `data_axis` on one
-      of its own dimensions (the same in every layer) stays split in the state,
-      its optimizer state too (`steps=1`; the tiled step gathers the stages).
+    fsdp: as in `value_and_grad` ("auto", the default; "regather"; "keep"),
+      read from the shardings of `init`'s parameters: a stack's leaf split over
+      `data_axis` on one of its own dimensions (the same in every layer) stays
+      split in the state, its optimizer state too (`steps=1`; the tiled step
+      gathers the stages); "keep" gathers it at the start of each step, "regather"
+      in each action. `step.fsdp_choice` says which ran and why.
+      `step.params(state)` gives each leaf back with the sharding `init`'s had.
     state_argnums: model state arguments (BatchNorm statistics), as in
       `value_and_grad`: pass the state in each call's batch and take the updated
       state from the aux. With `steps > 1` the state arguments are passed once

@@ -75,6 +75,8 @@ class StageFsdp:
   leaves: tuple[str, ...]  # the stack's leaves split (layer 0's for a loop)
   whole: int  # bytes per device of those leaves whole (its stages')
   chunks: int = 1
+  asked: str = ""  # the option ("auto": `mode` chosen by `passes.pipeline.fsdp.choose`)
+  reason: str = ""  # why that mode (`FsdpChoice.reason`)
 
   @property
   def held(self) -> int:
@@ -90,6 +92,8 @@ class StageFsdp:
       f"{'leaf' if len(self.leaves) == 1 else 'leaves'} split over {self.axis!r} "
       f"(x{self.size}): {names}"
     )
+    if self.asked == "auto":
+      head += f"\n    fsdp='auto' runs {self.mode!r}: {self.reason}"
     if self.mode == "keep":
       return (
         f"{head}\n    gathered: every stage's whole, once before the tick loop, held for the "

@@ -68,6 +68,11 @@ class _Layout:
   # per stacked column, its dimension split over the data axis (FSDP within the
   # stage: the state holds 1/D of it), or None; None when no column is split
   fsdp: tuple | None = None
+  # the FSDP mode the step runs on those columns (`passes.pipeline.fsdp.choose`)
+  fsdp_choice: Any = None
+  # per user leaf, the sharding `params` gives it back (the one `init` was given,
+  # on this mesh's devices), or None: replicated
+  shardings: tuple | None = None
 
 
 class PipelineTrainStep:
@@ -86,7 +91,7 @@ class PipelineTrainStep:
     layers=None,
     aux_reduce=None,
     state_argnums=(),
-    fsdp="regather",
+    fsdp="auto",
   ):
     from ooojax.passes.pipeline.fsdp import FSDP_MODES
 
@@ -99,7 +104,7 @@ class PipelineTrainStep:
     self.compiler_options, self.layers = compiler_options, layers
     self.aux_reduce, self.state_argnums = aux_reduce, state_argnums
     self._layout: _Layout | None = None
-    self._step = self._grad = None
+    self._step = self._grad = self._to_user = None
     self.tuning = None  # `tune`'s measurement, on the step it returns
 
   # --- layout ----------------------------------------------------------------------
@@ -120,8 +125,12 @@ class PipelineTrainStep:
       layers=self.layers if layers is None else layers,
       lowering=lowering,
       state_argnums=self.state_argnums,
-      fsdp=self._layout.fsdp if self._layout and self._layout.fsdp else "keep",
+      fsdp=self._layout.fsdp if self._regathers() else "keep",
     )
+
+  def _regathers(self) -> bool:
+    lay = self._layout
+    return bool(lay and lay.fsdp and lay.fsdp_choice.mode == "regather")
 
   def _plan(self, params, batch) -> _Layout:
     leaves, treedef = jax.tree.flatten(params)
@@ -136,18 +145,38 @@ class PipelineTrainStep:
     c = box["prog"].cut
     used = {i for row in c.stacked for i in row} | set(c.shared)
     bal = box["prog"].balance
+    split = self._split_columns(leaves, c, bal.counts)
     return _Layout(
       treedef,
       avals,
       c,
       bal,
       tuple(i for i in range(len(leaves)) if i not in used),
-      self._split_columns(leaves, c, bal.counts),
+      split,
+      split and self._choose(avals, c, bal.counts, split),
+      tuple(self._given_sharding(x) for x in leaves),
     )
 
+  def _choose(self, avals, c: Cut, counts, split):
+    """`fsdp="auto"`'s mode for the split columns, from their bytes on a device."""
+    from ooojax.passes.pipeline.fsdp import choose, spec_name
+
+    cols = jax.eval_shape(lambda ls: c.stage_params(ls, counts), list(avals))
+    m = self.mesh
+    D = m.shape[self.data_axis]
+    args = (self.sched.stages, self.sched.microbatches, D, spec_name(m))
+    return choose(self.fsdp, cols, split, *args)
+
+  def _given_sharding(self, x):
+    """A user leaf's sharding when it is on this step's mesh (an array, or a
+    `ShapeDtypeStruct` with one), else None (one program takes one mesh)."""
+    s = getattr(x, "sharding", None)
+    return s if isinstance(s, NamedSharding) and s.mesh == self.mesh else None
+
   def _split_columns(self, leaves, c: Cut, counts) -> tuple | None:
-    """`_Layout.fsdp`, from the user's leaves' shardings (`fsdp="regather"`, a data axis)."""
-    if self.fsdp != "regather" or self.data_axis is None:
+    """`_Layout.fsdp`, from the user's leaves' shardings (with a data axis): the state
+    holds them split whichever mode runs (keep gathers them at each step's start)."""
+    if self.data_axis is None:
       return None
     from ooojax.passes.pipeline.fsdp import stack_dims
 
@@ -164,14 +193,21 @@ class PipelineTrainStep:
     p_sh = StageParams(
       tuple(stage(d) for d in dims), tuple(rep for _ in p.shared), tuple(rep for _ in p.rest)
     )
-    o_sh = optax.tree_map_params(
-      self.optimizer,
-      lambda _, s: s,
-      state_shape.opt_state,
-      p_sh,
-      transform_non_params=lambda _: rep,
-    )
-    return PipelineTrainState(rep, p_sh, o_sh)
+    box = {}
+
+    def o_sh():  # traced: the optimizer's init (Adam's count) runs on no device, so
+      # this works under a mesh of compile-only GPUs too (`abstract_state`)
+      box["o"] = optax.tree_map_params(
+        self.optimizer,
+        lambda _, s: s,
+        state_shape.opt_state,
+        p_sh,
+        transform_non_params=lambda _: rep,
+      )
+      return 0
+
+    jax.eval_shape(o_sh)
+    return PipelineTrainState(rep, p_sh, box["o"])
 
   def _to_stages(self, leaves) -> StageParams:
     lay = self._layout
@@ -213,7 +249,7 @@ class PipelineTrainStep:
     from ooojax.pipeline._masks import in_layout
 
     self._layout = self._plan(params, batch)
-    self._step = self._grad = None
+    self._step = self._grad = self._to_user = None
     # masks and labels of the user's tree (optax.masked, partition), laid out by stage
     self.optimizer = in_layout(self._user_optimizer, params, self._flags_in_layout)
 
@@ -270,22 +306,46 @@ class PipelineTrainStep:
 
   def params(self, state: PipelineTrainState | StageParams):
     """The parameters in the user's structure (gathers every stage's layers); of a
-    state, or of any tree in its layout (`StageParams`: `value_and_grad`'s grads)."""
+    state, or of any tree in its layout (`StageParams`: `value_and_grad`'s grads).
+    Each leaf comes back with the sharding `init`'s leaf had (an FSDP leaf split
+    over the data axis stays split), or replicated over the mesh."""
     self._check_init()
     lay = self._layout
-    rep = NamedSharding(self.mesh, P())
     sp = state.params if isinstance(state, PipelineTrainState) else state
-    p = jax.tree.map(lambda x: jax.device_put(x, rep), sp)
+    if self._to_user is None:  # one program: no device holds more than its leaves' shards
+      rep = NamedSharding(self.mesh, P())
+      given = lay.shardings or (None,) * len(lay.avals)
+      self._to_user = jax.jit(self._user_leaves, out_shardings=[s or rep for s in given])
+    out = lay.treedef.unflatten(self._to_user(sp))
+    module = getattr(self, "_module", None)
+    return out if module is None else module.combine(out)  # an Equinox module's own tree
+
+  def _user_leaves(self, p: StageParams) -> list:
+    """`_to_stages`' inverse: the user's leaves of a tree in the state's layout."""
+    lay = self._layout
     zeros = [jnp.zeros((), a.dtype) for a in lay.avals]  # placeholders of the rest
-    stacked = p.stacked
+    # the stages gathered first (a stage-split dimension is not sliced under Explicit
+    # axes); an FSDP column stays split over the data axis
+    dims = lay.fsdp or (None,) * len(p.stacked)
+    stacked = tuple(
+      jax.device_put(
+        x, NamedSharding(self.mesh, P() if d is None else P(*[None] * d, self.data_axis))
+      )
+      for x, d in zip(p.stacked, dims)
+    )
     if self.sched.chunks > 1:  # back to virtual-stage order
       stacked = tuple(x[np.argsort(device_order(self.sched))] for x in stacked)
     out = lay.cut.grads(zeros, stacked, p.shared, lay.balance.counts)  # stage_params^-1
     for i, x in zip(lay.rest, p.rest):
       out[i] = x
-    out = lay.treedef.unflatten(out)
-    module = getattr(self, "_module", None)
-    return out if module is None else module.combine(out)  # an Equinox module's own tree
+    return out
+
+  @property
+  def fsdp_choice(self):
+    """The FSDP mode the step runs on the stack's leaves split over the data axis and
+    why (`passes.collectives.fsdp_mode.FsdpChoice`), or None: none is split."""
+    self._check_init()
+    return self._layout.fsdp_choice
 
   @property
   def balance(self) -> Balance:
@@ -325,6 +385,9 @@ class PipelineTrainStep:
     sp = state.params
     out, (gp, gsh) = prog.run(tuple(sp.stacked) + prog.state_cols, prog.batch, sp.shared)
     loss, aux, gp = prog.split(out, gp)
+    if lay.fsdp and not self._regathers():  # keep: the gradients split as the state is
+      sh = self._shardings(jax.eval_shape(lambda s: s, state)).params.stacked
+      gp = [jax.device_put(g, s) for g, s in zip(gp, sh)]
     if self.has_aux:
       loss = (loss, prog.aux(aux, self.aux_reduce))
     return loss, StageParams(tuple(gp), tuple(gsh), tuple(jnp.zeros_like(x) for x in sp.rest))
@@ -396,7 +459,8 @@ class PipelineTrainStep:
           "tune among tables of the same layout, or build a step per layout"
         )
       s = copy.copy(self)
-      s.sched, s.layers, s._step, s._grad = t, self._layout.balance.counts, None, None
+      s.sched, s.layers = t, self._layout.balance.counts
+      s._step = s._grad = s._to_user = None
       return s
 
     s, s_tuning = tune(

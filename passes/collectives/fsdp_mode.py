@@ -64,8 +64,14 @@ def choose(
   link: Link,
   spec_name: str,
   gathers: int,
+  regathers: int = 1,
+  again: str = "in the backward",
+  what: str = "the whole model",
 ) -> FsdpChoice:
-  """The mode for `fsdp` ("auto", "keep", "regather"); see the module docstring."""
+  """The mode for `fsdp` ("auto", "keep", "regather"); see the module docstring.
+  `regathers`: how many more times than keep regather gathers the model (one, the
+  backward's; a pipeline stage's actions gather it per microbatch), `again` where;
+  `what`: what `keep_bytes` holds (a pipeline device's share of the stack)."""
   memory = MEMORY.get(spec_name, 0.0)
   ag = gather_seconds(link, keep_bytes, n_devices, max(gathers, 1))
   mb = lambda b: f"{b / 1e6:.0f} MB"  # noqa: E731
@@ -73,14 +79,14 @@ def choose(
     return FsdpChoice(fsdp, fsdp, "as asked", keep_bytes, memory, ag)
   if memory and keep_bytes > KEEP_SHARE * memory:
     why = (
-      f"memory demands it: the whole model gathered ({mb(keep_bytes)}) is over "
+      f"memory demands it: {what} gathered ({mb(keep_bytes)}) is over "
       f"{KEEP_SHARE:.0%} of the {spec_name}'s {memory / 1e9:.0f} GB"
     )
     return FsdpChoice("regather", fsdp, why, keep_bytes, memory, ag)
   where = f"{memory / 1e9:.0f} GB {spec_name}" if memory else f"{spec_name} (memory unknown)"
   why = (
-    f"the whole model gathered ({mb(keep_bytes)}) fits the {where}; gathering it "
-    f"again in the backward would add {ag * 1e3:.3f} ms on {link.name} and compute "
+    f"{what} gathered ({mb(keep_bytes)}) fits the {where}; gathering it "
+    f"again {again} would add {regathers * ag * 1e3:.3f} ms on {link.name} and compute "
     "(predicted); fsdp='regather' holds 1/N instead"
   )
   return FsdpChoice("keep", fsdp, why, keep_bytes, memory, ag)

@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ooojax.passes.pipeline.flavor import Flavor, make_flavor
-from ooojax.passes.pipeline.fsdp import FSDP_MODES, Fsdp, data_dims
+from ooojax.passes.pipeline.fsdp import FSDP_MODES, Fsdp, choose, data_dims, spec_name
 from ooojax.passes.pipeline.link import one_way_groups
 from ooojax.passes.pipeline.lowering import tick_lowering
 from ooojax.passes.pipeline.program import (
@@ -104,7 +104,7 @@ def lower(
   data_axis: str | None = None,
   device_major: bool = False,
   has_aux: bool = False,
-  fsdp: str | tuple = "regather",
+  fsdp: str | tuple = "auto",
 ) -> Callable:
   """Returns `step(stage_params, batch, shared=None) -> (loss, grads)`; see the module doc.
 
@@ -128,8 +128,10 @@ def lower(
   dimensions over it (`fsdp.data_dims`) stay split on each replica: with
   `fsdp="regather"` each action gathers them and each W reduce-scatters their
   gradient, which comes back split as they are (`passes.pipeline.fsdp`);
-  `fsdp="keep"` gathers the stages whole before the loop; a tuple gives each
-  leaf's split dimension (or None) as the caller laid the stack out.
+  `fsdp="keep"` gathers the stages whole before the loop; `"auto"` (the default)
+  keeps unless a device's stages gathered are over a quarter of its memory
+  (`fsdp.choose`); a tuple gives each leaf's split dimension (or None) as the
+  caller laid the stack out (regathered).
   """
   _check(sched, mesh, axis_name)
   given = fsdp if isinstance(fsdp, tuple) else None  # the caller's layout (make_train_step)
@@ -158,7 +160,14 @@ def lower(
       data_axis,
       D,
     )
-    dims = data_dims(stage_params, data_axis if fsdp == "regather" else None, given)
+    mode = fsdp
+    if fsdp == "auto":  # keep unless the stages gathered are too big (`fsdp.choose`)
+      split = data_dims(stage_params, data_axis)
+      mode = "keep"
+      if any(d is not None for d in split):
+        leaves = jax.tree.leaves(stage_params)
+        mode = choose(fsdp, leaves, split, sched.stages, M, D, spec_name(mesh)).mode
+    dims = data_dims(stage_params, data_axis if mode == "regather" else None, given)
     body = tick_loop(
       prog,
       sched.stages,
@@ -183,6 +192,16 @@ def lower(
       device_major=device_major,
       p_dims=dims,
     )
+    if mode == "keep" and data_axis is not None:  # each gradient split as its weight is
+      split = data_dims(stage_params, data_axis)
+      if any(d is not None for d in split):
+        g_leaves, g_def = jax.tree.flatten(gp)
+        spec = lambda d: P(axis_name, *[None] * (d - 1), data_axis)  # noqa: E731
+        g_leaves = [
+          g if d is None else jax.device_put(g, NamedSharding(mesh, spec(d)))
+          for g, d in zip(g_leaves, split)
+        ]
+        gp = g_def.unflatten(g_leaves)
     return loss, (gp if shared is None else (gp, gsh))
 
   return step

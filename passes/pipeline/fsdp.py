@@ -11,7 +11,9 @@ action), and each W reduce-scatters its gradient contribution at once, so a
 device holds 1/D of those weights, of their gradient accumulators and of their
 gradients. Without it (`fsdp="keep"`) the `shard_map` that runs the loop takes
 the whole stage on every replica: one all-gather of the stage before the loop,
-kept for the step.
+kept for the step. `fsdp="auto"` (the default) takes one of the two by
+`collectives.fsdp_mode`'s rule, on a stage's split weights (`choose`): keep,
+unless a device's stages gathered are over a quarter of its memory.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ import dataclasses
 import jax
 from jax import lax
 
-__all__ = ["FSDP_MODES", "Fsdp", "data_dims", "split_dim", "stack_dims"]
+__all__ = ["FSDP_MODES", "Fsdp", "choose", "data_dims", "spec_name", "split_dim", "stack_dims"]
 
-FSDP_MODES = ("regather", "keep")
+FSDP_MODES = ("auto", "regather", "keep")
 
 
 def _spec(x):
@@ -76,6 +78,39 @@ def stack_dims(leaves, cut, counts, data_axis: str) -> tuple | None:
     d = ds.pop() if len(ds) == 1 else None
     out += [None if d is None or (cut.scanned and d == 0) else d + 1] * cut.per_leaf(counts)
   return tuple(out) if any(d is not None for d in out) else None
+
+
+def spec_name(mesh) -> str:
+  """The cost-model spec of the mesh's devices ("H100"; compile-only ones too), else
+  their kind: `fsdp_mode.MEMORY` knows the GPUs' memory, not a CPU's."""
+  from ooojax.passes.cost import DEVICE_SPECS
+
+  kind = str(getattr(mesh.devices.flat[0], "device_kind", "")).upper()
+  return next((n for n in DEVICE_SPECS if n in kind), kind or "CPU")
+
+
+def choose(asked: str, cols, dims, stages: int, microbatches: int, data_size: int, spec: str):
+  """`fsdp` ("auto", "keep", "regather") for a stack split as `dims` (per column of
+  `cols`, the stage layout: leading axis of virtual stages): a
+  `collectives.fsdp_mode.FsdpChoice`, the bytes those columns take whole on a device
+  (its stages') against its memory; regather gathers them in each F, B and W of
+  every microbatch."""
+  from ooojax.passes.collectives import fsdp_mode
+  from ooojax.passes.collectives.plan import get_link
+
+  split = [x for x, d in zip(cols, dims) if d is not None]
+  whole = sum(x.size * x.dtype.itemsize for x in split) // max(stages, 1)
+  return fsdp_mode.choose(
+    asked,
+    whole,
+    data_size,
+    get_link(None),
+    spec,
+    len(split),
+    regathers=3 * microbatches - 1,
+    again="in each F, B and W",
+    what="each device's share of the stack",
+  )
 
 
 @dataclasses.dataclass(frozen=True)
