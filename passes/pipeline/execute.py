@@ -157,6 +157,7 @@ def lower(
       has_aux,
       data_axis,
       D,
+      mesh.devices.flat[0].platform,
     )
     dims = data_dims(stage_params, data_axis if fsdp == "regather" else None, given)
     body = tick_loop(
