@@ -42,8 +42,8 @@ import jax
 import jax.numpy as jnp
 
 from ooojax.passes import _compat, split as split_pass
-from ooojax.passes.pipeline import recompute as recompute_pass
 from ooojax.passes.ir import Kind
+from ooojax.passes.pipeline import recompute as recompute_pass
 from ooojax.passes.scan import merge as scan_merge
 
 

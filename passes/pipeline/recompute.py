@@ -26,6 +26,7 @@ import collections
 import dataclasses
 import math
 
+import jax
 import numpy as np
 
 from ooojax.passes import _compat
@@ -85,15 +86,20 @@ def _numel(aval) -> int:
   return math.prod(getattr(aval, "shape", ()))
 
 
+def _extended(aval) -> bool:
+  return jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended)
+
+
 def _nbytes(var) -> int:
   aval = var.aval
-  return _numel(aval) * np.dtype(aval.dtype).itemsize
+  # a PRNG key's bytes are its raw data's (it is never recomputed: `_cost`)
+  return _numel(aval) * (8 if _extended(aval) else np.dtype(aval.dtype).itemsize)
 
 
 def _cost(eqn, costs: Costs, own_kernel: bool) -> float | None:
   """Bytes-equivalent of recomputing `eqn`, or None when it is never recomputed."""
   flops = FLOPS.get(eqn.primitive.name)
-  if flops is None or eqn.effects or len(eqn.outvars) != 1:
+  if flops is None or eqn.effects or len(eqn.outvars) != 1 or _extended(eqn.outvars[0].aval):
     return None
   n = _numel(eqn.outvars[0].aval)
   if eqn.primitive.name in _REDUCE:
