@@ -236,14 +236,25 @@ def program(
   batch,
   shared=None,
   input_fn: Callable | None = None,
+  platform: str | None = None,
 ) -> Program:
   """The `Program` a step runs for these shapes (cut stages, rows, records), untraced
-  by any mesh: what `memory` and `ooo.pipeline.explain` read."""
+  by any mesh: what `memory` and `ooo.pipeline.explain` read. `platform` ("cpu",
+  "gpu"; default: jax's backend) sets what B and W recompute of F's values."""
   inputs_m, targets_m, side_m = jax.eval_shape(
     lambda b: split_microbatches(b, sched.microbatches), batch
   )
   return trace(
-    stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m, shared, side_m
+    stage_fn,
+    loss_fn,
+    input_fn,
+    sched,
+    stage_params,
+    inputs_m,
+    targets_m,
+    shared,
+    side_m,
+    platform=platform,
   )
 
 
