@@ -150,24 +150,36 @@ class _Flow:
       level = self._levels(s)
       if level[t] < 0:
         return {a for a, lv in enumerate(level) if lv >= 0}
-      it = [0] * len(self.adj)
-      while self._push(s, t, math.inf, level, it) > 0:
-        pass
+      self._block(s, t, level)
 
-  def _push(self, a: int, t: int, f: float, level, it) -> float:
-    if a == t:
-      return f
-    while it[a] < len(self.adj[a]):
-      e = self.adj[a][it[a]]
-      b = self.to[e]
-      if self.cap[e] > 1e-9 and level[b] == level[a] + 1:
-        got = self._push(b, t, min(f, self.cap[e]), level, it)
-        if got > 0:
-          self.cap[e] -= got
-          self.cap[e ^ 1] += got
-          return got
-      it[a] += 1
-    return 0.0
+  def _block(self, s: int, t: int, level) -> None:
+    """Saturates the level graph, one path at a time (a loop: the paths of a deep
+    stage's F are longer than Python's recursion limit)."""
+    it = [0] * len(self.adj)
+    path: list[int] = []
+    a = s
+    while True:
+      if a == t:
+        f = min(self.cap[e] for e in path)  # every path crosses a finite in -> out edge
+        for e in path:
+          self.cap[e] -= f
+          self.cap[e ^ 1] += f
+        path, a = [], s
+        continue
+      while it[a] < len(self.adj[a]):
+        e = self.adj[a][it[a]]
+        if self.cap[e] > 1e-9 and level[self.to[e]] == level[a] + 1:
+          break
+        it[a] += 1
+      else:  # a dead end: back one edge, past it
+        if a == s:
+          return
+        e = path.pop()
+        a = self.to[e ^ 1]
+        it[a] += 1
+        continue
+      path.append(e)
+      a = self.to[e]
 
 
 def choose(jaxpr, f_eqns, free, sinks, kernel_reads, costs: Costs) -> Recompute:
