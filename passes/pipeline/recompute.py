@@ -37,7 +37,6 @@ _ARITH = (
   "add", "add_any", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "square",
   "integer_pow", "select_n", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not",
   "convert_element_type", "clamp", "floor", "ceil", "round", "one_minus_square", "copy",
-  "copy_p",
 )  # fmt: skip
 _TRANSCENDENTAL = (
   "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "rsqrt",
