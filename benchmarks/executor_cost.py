@@ -14,6 +14,8 @@ the ratio is what the executor's ticks, records and per-phase tracing cost.
   python -m benchmarks.executor_cost --microbatches 8 --steps accumulated executor \
       --ticks switch --weight-slices static dynamic hoist --graphs --rounds 5 --budget 80
       # how the ticks read stacked weights (issue 48's second follow-up); --dry: on CPU
+  python -m benchmarks.executor_cost --microbatches 8 --steps accumulated executor \
+      --recompute auto off --rounds 5   # B and W recomputing F's LayerNorm statistics
 
 Besides the times it counts the weight-slice copies in the compiled step: the
 stacked model's stage function indexes each layer's weights out of its stack
@@ -44,7 +46,7 @@ from ooojax._hlo_cli import parse_kv
 from ooojax.passes.hlo.kernels import kernels
 from ooojax.passes.hlo.schedule import parse
 from ooojax.passes.pipeline.lowering import GRAPHS, TICKS
-from ooojax.passes.pipeline.tick_options import RECORD_WRITES, WEIGHT_SLICES
+from ooojax.passes.pipeline.tick_options import RECOMPUTE, RECORD_WRITES, WEIGHT_SLICES
 
 _MOVES = {"slice", "dynamic-slice", "bitcast", "copy", "parameter", "reshape", "transpose", "tuple"}
 _SCALAR_INDEX = re.compile(r"= (?:s32|u32|s64|pred)\[\]")
@@ -191,6 +193,15 @@ def main(argv=None):
     "dynamic on a GPU, static on CPU): each mode's pipelined rows",
   )
   ap.add_argument(
+    "--recompute",
+    nargs="+",
+    default=["auto"],
+    choices=["auto", "fused", "arith", "off"],
+    help="what B and W recompute of F's values instead of reading the records "
+    "(OOOJAX_RECOMPUTE; auto: fused on a GPU, arith on CPU; off: F saves all): each "
+    "mode's pipelined rows",
+  )
+  ap.add_argument(
     "--steps",
     nargs="+",
     default=["accumulated", "executor", "loop accumulated", "loop automatic"],
@@ -236,24 +247,26 @@ def main(argv=None):
     device = jax.devices()[0].device_kind
   fns, copies, conds, moves, kerns, skipped = {}, {}, {}, {}, {}, {}
   # `select` writes every record (its ticks have no cond): one record mode for it
-  modes = list(itertools.product(a.ticks, a.record_writes, a.weight_slices))
-  modes = [(t, r, h) for t, r, h in modes if t != "select" or r == a.record_writes[0]]
+  modes = list(itertools.product(a.ticks, a.record_writes, a.weight_slices, a.recompute))
+  modes = [(t, r, h, c) for t, r, h, c in modes if t != "select" or r == a.record_writes[0]]
   # option sets outermost: under a --budget each set's rows (and their ratios) come whole
   for m in a.microbatches:
     for suffix, opts in option_sets:
-      for ticks, mode, slices in modes:
+      for ticks, mode, slices, rc in modes:
         os.environ[RECORD_WRITES] = mode  # read while the executor traces
         os.environ[TICKS] = ticks
         os.environ[WEIGHT_SLICES] = slices
+        os.environ[RECOMPUTE] = rc
         for name, (f, args) in steps(m, mesh, params, batch).items():
           if name.split("/")[0] not in a.steps:
             continue
-          if (ticks, mode, slices) != modes[0]:
+          if (ticks, mode, slices, rc) != modes[0]:
             if "accumulated" in name:  # no executor: the first mode's row stands
               continue
             name += f" [records: {mode}]" if mode != a.record_writes[0] else ""
             name += f" [ticks: {ticks}]" if ticks != a.ticks[0] else ""
             name += f" [slices: {slices}]" if slices != a.weight_slices[0] else ""
+            name += f" [recompute: {rc}]" if rc != a.recompute[0] else ""
           key = name + suffix
           if a.budget and time.perf_counter() - start > 0.6 * a.budget:
             skipped[key] = "skipped (budget)"
@@ -302,7 +315,10 @@ def main(argv=None):
     "(a copy kernel before a Triton GEMM); `dynamic` (the GPU default, "
     "OOOJAX_WEIGHT_SLICES=auto): dynamic slices, which XLA:GPU copies in one kernel per "
     "stacked weight and phase; `hoist`: sliced "
-    "once before the ticks (passes.pipeline.weight_slices). Loop kernels: per loop iteration, each "
+    "once before the ticks (passes.pipeline.weight_slices). `[recompute: off]`: F saves "
+    "every value B and W read (LayerNorm statistics, GELU's factors), where the default "
+    "(OOOJAX_RECOMPUTE=auto) has B and W recompute the cheap ones (passes.pipeline.recompute). "
+    "Loop kernels: per loop iteration, each "
     "branch once (the executor: its tick body plus one F, one B and one W).",
     "",
     "| step | ms (median) | pipelined / accumulated | weight-slice copies | conditionals "
@@ -318,7 +334,9 @@ def main(argv=None):
     ms = f"{np.median(times[key]) * 1e3:.2f}" if key in times else failed.get(key, "-")
     pre = next((p for p in base if key.startswith(p)), None)
     acc = (
-      re.sub(r" \[(records|ticks|slices): \w+\]", "", key.replace(pre, base[pre])) if pre else None
+      re.sub(r" \[(records|ticks|slices|recompute): \w+\]", "", key.replace(pre, base[pre]))
+      if pre
+      else None
     )
     ratio = (
       f"{np.median(times[key]) / np.median(times[acc]):.2f}x"

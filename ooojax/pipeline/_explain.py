@@ -465,7 +465,9 @@ def _explain(
       f"explain a one-step table and pass steps={sched.steps} (the table "
       f"{sched.name!r} is already tiled over {sched.steps} steps)"
     )
-  prog = program(stage_fn, loss_fn, sched, stage_params, batch, shared, input_fn)
+  # B and W recompute what the device's programs recompute of F's values
+  platform = "cpu" if get_spec(device).name == "CPU" else "gpu"
+  prog = program(stage_fn, loss_fn, sched, stage_params, batch, shared, input_fn, platform)
   phases = _phase_costs(prog, device)
   # lock-step ticks: the slowest stage kind sets each phase's pace; per whole stage
   costs = {k: max(p[i] for p in phases) * sched.chunks for i, k in enumerate("FBW", 1)}
@@ -480,7 +482,7 @@ def _explain(
     sched, depth = plan_ooo(
       sched.stages, sched.microbatches, costs, LinkModel.of(link, act), budget, lag=sched.lag
     )
-    prog = program(stage_fn, loss_fn, sched, stage_params, batch, shared, input_fn)
+    prog = program(stage_fn, loss_fn, sched, stage_params, batch, shared, input_fn, platform)
   name = get_spec(device).name  # a ValueError naming the specs for an unknown one
   from ooojax.passes.pipeline.sliced import sliced
 

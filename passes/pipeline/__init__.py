@@ -12,7 +12,8 @@ executor all read.
 * `simulate`: a table's timeline under per-kind costs, and its plot.
 * `steps`: a table tiled over several training steps (per-stage updates U),
   and its steady-state bubble per step.
-* `flavor`: a stage's forward + vjp cut into F, B and W phases; `sliced` counts
+* `flavor`: a stage's forward + vjp cut into F, B and W phases (`recompute`:
+  which of F's cheap values B and W recompute instead of reading); `sliced` counts
   its GEMM operands that are rows of a stacked parameter (for `explain`).
 * `execute`: a table lowered to one SPMD `shard_map` program.
 * `cut`, `balance`: a plain loss cut into prologue, layers and epilogue, and its

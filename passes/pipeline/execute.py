@@ -159,6 +159,7 @@ def lower(
       has_aux,
       data_axis,
       D,
+      mesh.devices.flat[0].platform,
     )
     mode = fsdp
     if fsdp == "auto":  # keep unless the stages gathered are too big (`fsdp.choose`)

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 
 from ooojax.passes import _compat, split as split_pass
 from ooojax.passes.ir import Kind
+from ooojax.passes.pipeline import recompute as recompute_pass
 from ooojax.passes.scan import merge as scan_merge
 
 
@@ -114,11 +115,14 @@ def make_flavor(
   sd_aval=None,
   has_aux: bool = False,
   index: bool = False,
+  costs: recompute_pass.Costs | None = None,
 ) -> Flavor:
   """Traces one stage kind's forward + vjp and cuts it with the split pass. With
   `has_aux` the last stage's `loss_fn` returns `(loss, aux)`: its F computes the aux.
   With `index` the stage is `stage_fn(p, x[, side], vstage)`, `vstage` the virtual
-  stage's index (an int32 scalar; per-layer data such as dropout key constants)."""
+  stage's index (an int32 scalar; per-layer data such as dropout key constants).
+  With `costs` B and W recompute F's cheap values where that pays
+  (`passes.pipeline.recompute`); None: F saves every value they read."""
   has_aux = has_aux and last
   has_sh = sh_aval is not None and (last or (first and input_fn is not None))
   p_leaves, p_tree = jax.tree.flatten(p_aval)
@@ -230,14 +234,27 @@ def make_flavor(
   # Values of the side input alone (a mask) are cheap to rebuild: the same.
   side_vars = set(leaves[len(leaves) - n[5] - n[6] :]) if n[5] + n[6] else set()
   pc_def = _param_only(jaxpr, set(invars[1 : 1 + n_consts + n[0] + n[1]]) | side_vars)
+  # Cheap values of F (a LayerNorm's statistics, GELU's factors) that B and W
+  # would read from the records are recomputed there from what is saved instead,
+  # where that moves fewer bytes (`passes.pipeline.recompute`).
+  re_def: dict = {}
+  if costs is not None:
+    reads = _vars_read(jaxpr, b_set) | _vars_read(jaxpr, w_set) | need_b | need_w
+    heavy = [k for k in b_set | w_set if not recompute_pass.cheap(jaxpr.eqns[k])]
+    free = set(static) | set(pc_def)
+    rc = recompute_pass.choose(jaxpr, f_set, free, reads, _vars_read(jaxpr, heavy), costs)
+    re_def = {v: k for k in rc.recomputed for v in jaxpr.eqns[k].outvars}
+    for phase in (b_set, w_set):
+      phase.update(_definers(jaxpr, phase, re_def))
   for phase in (b_set, w_set):
     phase.update(_definers(jaxpr, phase, pc_def))
   f_def = {v for k in f_set for v in jaxpr.eqns[k].outvars} | ({x_var} if x_var else set())
   b_def = {v for k in b_set for v in jaxpr.eqns[k].outvars} | {ct}
   later = _vars_read(jaxpr, b_set) | _vars_read(jaxpr, w_set) | need_b | need_w
   order = {v: i for i, v in enumerate([*invars, *(v for e in jaxpr.eqns for v in e.outvars)])}
-  fres = tuple(sorted((f_def & later) - set(pc_def), key=order.get))
-  bres = tuple(sorted((b_def & (_vars_read(jaxpr, w_set) | need_w)) - set(pc_def), key=order.get))
+  fres = tuple(sorted((f_def & later) - set(pc_def) - set(re_def), key=order.get))
+  w_reads = _vars_read(jaxpr, w_set) | need_w
+  bres = tuple(sorted((b_def & w_reads) - set(pc_def) - set(re_def), key=order.get))
   fl = Flavor(
     first,
     last,

@@ -25,6 +25,7 @@ from ooojax.passes.pipeline import plan as plan_pass, records as records_pass
 from ooojax.passes.pipeline.flavor import Flavor, make_flavor
 from ooojax.passes.pipeline.generate import unfuse
 from ooojax.passes.pipeline.schedule import PipelineSchedule
+from ooojax.passes.pipeline.tick_options import recompute_costs
 
 __all__ = ["Memory", "Program", "memory", "memory_of", "program", "split_microbatches", "trace"]
 
@@ -74,8 +75,11 @@ def trace(
   shared,
   side_m=None,
   has_aux: bool = False,
+  platform: str | None = None,
 ) -> Program:
   V = sched.virtual_stages
+  # what B and W recompute of F's values: by the platform the step runs on
+  costs = recompute_costs(platform or jax.default_backend())
   for leaf in jax.tree.leaves(stage_params):
     if jnp.ndim(leaf) < 1 or jnp.shape(leaf)[0] != V:
       raise ValueError(
@@ -139,6 +143,7 @@ def trace(
       sd_aval,
       has_aux,
       index,
+      costs,
     )
     for fi, la, i in kinds
   )
@@ -196,6 +201,7 @@ def trace_replica(
   has_aux: bool = False,
   data_axis: str | None = None,
   D: int = 1,
+  platform: str | None = None,
 ) -> Program:
   """`trace` as one of `D` data replicas sees it: `batch_m` is (inputs, targets,
   side) with leaves `(microbatches, rows, ...)` whose rows split over `data_axis`,
@@ -218,6 +224,7 @@ def trace_replica(
       shared,
       local(side_m),
       has_aux,
+      platform,
     )
 
 
@@ -229,14 +236,25 @@ def program(
   batch,
   shared=None,
   input_fn: Callable | None = None,
+  platform: str | None = None,
 ) -> Program:
   """The `Program` a step runs for these shapes (cut stages, rows, records), untraced
-  by any mesh: what `memory` and `ooo.pipeline.explain` read."""
+  by any mesh: what `memory` and `ooo.pipeline.explain` read. `platform` ("cpu",
+  "gpu"; default: jax's backend) sets what B and W recompute of F's values."""
   inputs_m, targets_m, side_m = jax.eval_shape(
     lambda b: split_microbatches(b, sched.microbatches), batch
   )
   return trace(
-    stage_fn, loss_fn, input_fn, sched, stage_params, inputs_m, targets_m, shared, side_m
+    stage_fn,
+    loss_fn,
+    input_fn,
+    sched,
+    stage_params,
+    inputs_m,
+    targets_m,
+    shared,
+    side_m,
+    platform=platform,
   )
 
 

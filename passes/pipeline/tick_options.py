@@ -1,7 +1,8 @@
 """pipeline.tick_options: the environment's choices for the tick loop on a mesh.
 
 Contract: `one_way(mesh)`, `every_tick_writes_records(mesh)`, `masked_rows(mesh)`
--> bool and `weight_slices(mesh)` -> str, read when a step traces
+-> bool, `weight_slices(mesh)` -> str and `recompute_costs(platform)` -> `Costs`
+or None, read when a step traces
 (`passes.pipeline.execute`, `train`) and passed to `ticks.tick_loop`. Each has an `OOOJAX_*` variable whose `auto` (or default)
 picks by the mesh's platform; a bad value is a `ValueError` naming the good ones.
 """
@@ -12,12 +13,14 @@ import os
 
 __all__ = [
   "CPU_EXCHANGE",
+  "RECOMPUTE",
   "RECORD_WRITES",
   "TICK_ROWS",
   "WEIGHT_SLICES",
   "every_tick_writes_records",
   "masked_rows",
   "one_way",
+  "recompute_costs",
   "weight_slices",
 ]
 
@@ -100,3 +103,24 @@ def weight_slices(mesh) -> str:
   if mode == "auto":
     return "static" if mesh.devices.flat[0].platform == "cpu" else "dynamic"
   return mode
+
+
+RECOMPUTE = "OOOJAX_RECOMPUTE"
+
+
+def recompute_costs(platform: str):
+  """What B and W recompute of F's values instead of reading them from the
+  records (`passes.pipeline.recompute`), as its `Costs`: `fused` (a GPU's
+  default: cheap elementwise and row-reduction chains, transcendentals too,
+  which XLA:GPU fuses into B's kernels), `arith` (CPU's default: flops cost more
+  there, so tanh and exp are mostly saved) or `off` (None: F saves every value
+  B and W read, as before). `OOOJAX_RECOMPUTE=auto` (the default) picks by
+  `platform`."""
+  from ooojax.passes.pipeline import recompute
+
+  mode = os.environ.get(RECOMPUTE, "auto")
+  if mode not in ("auto", "fused", "arith", "off"):
+    raise ValueError(f"{RECOMPUTE}={mode!r}: use auto (the default), fused, arith or off")
+  if mode == "auto":
+    mode = "arith" if platform == "cpu" else "fused"
+  return {"fused": recompute.GPU, "arith": recompute.CPU, "off": None}[mode]

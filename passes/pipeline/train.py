@@ -155,6 +155,7 @@ def lower_updates(
       has_aux,
       data_axis,
       D,
+      mesh.devices.flat[0].platform,
     )
     own = list(owners or [None] * len(jax.tree.leaves(shared)))
     if None in own:
