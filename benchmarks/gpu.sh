@@ -73,43 +73,42 @@ step() {  # step NAME TIMEOUT CMD...: runs CMD (a program, not a shell function)
 ST=($PY -m benchmarks.step_time "${V[@]}" "${ROUNDS[@]}")
 
 unset XLA_FLAGS
-# 0. What one stream call costs here (pinned, unpinned; command buffers on and off) and
-# what a second stream gains on real dX/dW pairs: writes calibration/<device>.json,
-# which the cost model reads once it ships in ooojax/calibration/ (issue 50).
-step stream_pairs 120 $PY -m benchmarks.stream_pairs "${PAIRS[@]}" --calibration-dir "$OUT/calibration"
-# The steps below measure the two-stream mechanism (pinned windows, as the uncalibrated
-# preset plans them); a shipped calibration for this GPU would plan no window at all.
+# 1. Measured step times first (the third H200 run found the pinned single_gpu step
+# dispatched through Python every call, an effect on the control edge; fixed since):
+# does the pinned two-stream step still lose once jit's fast path holds? The pinned
+# windows are planned by the uncalibrated preset (a shipped calibration plans none yet).
 export OOOJAX_CALIBRATION=none
-# 0b. Why single_gpu ran at 0.51-0.72x jax.grad on the first GPU (H100, 2026-11-27):
-# a device trace per variant (idle gaps, two streams at once, the same kernels'
-# time) and each variant's compiled HLO (this device's layouts) under hlo/.
-step gpu_trace_demo_cnn 90 $PY -m benchmarks.gpu_trace "${TRACE[@]}" --hlo-dir "$OUT/hlo"
-step gpu_trace_resnet50 150 $PY -m benchmarks.gpu_trace "${TRACE_BIG[@]}" --hlo-dir "$OUT/hlo"
-# 1. Measured step times, default options (command buffers on): the ratios people ask for.
 step step_time_demo_cnn 90 "${ST[@]}" --model demo_cnn "${SIZE[@]}"
 step step_time_resnet50 90 "${ST[@]}" --model resnet50 "${SIZE[@]}" --no-sim-check
 # 1b. What the host does while the GPU idles beside pinned windows (third H200 run:
-# ResNet-50 idle 18.7 ms a step against jax.grad's 0.8 ms, busy equal): each device
-# gap against the CUDA API calls and XLA thunks overlapping it.
+# ResNet-50 idle 18.7 ms a step against jax.grad's 0.8 ms, busy equal, Python
+# dispatch): each device gap against the CUDA API calls and XLA thunks overlapping it.
 step gpu_gaps_demo_cnn 90 $PY -m benchmarks.gpu_gaps "${GAPS[@]}"
+# 1c. What one stream call costs here (pinned, unpinned; command buffers on and off) and
+# what a second stream gains on real dX/dW pairs: writes calibration/<device>.json,
+# which the cost model reads once it ships in ooojax/calibration/ (issue 50). The
+# shipped figures (77-105 us a pinned call) held the Python dispatch: refit them.
+unset OOOJAX_CALIBRATION
+step stream_pairs 120 $PY -m benchmarks.stream_pairs "${PAIRS[@]}" --calibration-dir "$OUT/calibration"
+export OOOJAX_CALIBRATION=none
+# 1d. The pipeline executor with B and W recomputing F's LayerNorm statistics (the GPU
+# default since) against F saving them: compile-only H100 149 -> 117 kernels a
+# microbatch against the accumulated scan's 108; predicted ~1.08x the accumulated
+# step against the third run's 1.43x (simulated at 2.7 us a kernel).
+step executor_cost 150 $PY -m benchmarks.executor_cost "${EXEC[@]}" --ticks switch --recompute auto off --budget 120
+# 1e. Device traces per variant (idle gaps, two streams at once, the same kernels'
+# time) and each variant's compiled HLO (this device's layouts) under hlo/.
+step gpu_trace_demo_cnn 90 $PY -m benchmarks.gpu_trace "${TRACE[@]}" --hlo-dir "$OUT/hlo"
+step gpu_trace_resnet50 150 $PY -m benchmarks.gpu_trace "${TRACE_BIG[@]}" --hlo-dir "$OUT/hlo"
 # 2. Each ordering compiles on this GPU and matches jax.grad; heavy dW overlap as compiled here.
 step gpu_check 120 $PY -m benchmarks.gpu_check "${CHECK[@]}"
 # 2b. One data-parallel step (nanodo, plain jit and ooojax) on this one device: its
 # kernel times beside the replay's H100 roofline (benchmarks.dp_exposed prices
 # compiled multi-GPU programs with that roofline); dp_kernels.json calibrates it.
 step dp_calibrate 120 $PY -m benchmarks.dp_calibrate "${DPCAL[@]}" --json "$OUT/dp_kernels.json"
-# 3. The pipeline executor's own cost on one GPU (its ticks against the accumulated
-# scan); the stacked explicit form beside a flax loop pipelined automatically (no
-# slices). On the H200 (second GPU run) the executor took 1.89x the accumulated step
-# with a switch and two record conds a tick, 1.55x writing the records every tick
-# (`always`, the GPU default since: one conditional a tick and no record-slice copies);
-# `select` ticks (no conditional) 3.3x. `--graphs`: each step again as CUDA graphs with
-# device-side conditionals and loops; the tick loop reads its row without a
-# loop-counter slice, so XLA captures it whole (issue 48). `--budget`: it compiles no new
-# variant after 60% of 270 s (32 compiles here; the H200 took 240 s for 16) and prints its table.
-# Its executor rows read the stacked weights as a GPU does by default since issue 48's second
-# follow-up (dynamic slices: `executor_cost --weight-slices static dynamic hoist` compares them).
-step executor_cost 300 $PY -m benchmarks.executor_cost "${EXEC[@]}" --record-writes always cond --ticks switch select --graphs --budget 270
+# 3. The pipeline executor's tick options (records written every tick or behind a
+# conditional, switch or select ticks, CUDA graphs) were settled by the second and third
+# runs (RESULTS: "The third GPU run"); step 1d above times the executor as it now runs.
 # What one conditional, one select tick and one CUDA-graph conditional cost here
 # (settles passes.pipeline.lowering's HOST_SYNC and its choice).
 step tick_cost 60 $PY -m benchmarks.tick_cost "${TICK[@]}"
