@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import os
 from typing import Any
 
 import jax
@@ -114,7 +115,7 @@ def compile_xla(report, gpu: str, batch_argnums=None, compiler_options=None):
 
 
 def compile_dp(
-  report, gpu: str, batch_argnums, compiler_options, bucket_bytes=None
+  report, gpu: str, batch_argnums, compiler_options, bucket_bytes=None, pgle=None
 ) -> CompiledDataParallel:
   from jax.sharding import PartitionSpec as P
 
@@ -140,6 +141,19 @@ def compile_dp(
   )
   c = gpu_hlo.compiled(fn, *placed, mesh=m, compiler_options=compiler_options)
   text = c.as_text()
+  if pgle is not None:
+    # XLA places each start for its own (NVLink-fast) estimate: compile again with the
+    # link model's cost of each collective as its profile (`passes.hlo.pgle`).
+    from ooojax.passes.hlo import pgle as _pgle
+
+    link = report.plan.link if pgle is True else pgle
+    prof = _pgle.compiler_options(text, n, link)
+    try:
+      opts2 = {**(compiler_options or {}), **prof}
+      c = gpu_hlo.compiled(fn, *placed, mesh=m, compiler_options=opts2)
+    finally:
+      os.unlink(prof[_pgle.PGLE_OPTION])
+    text = c.as_text()
   hlo = parse(text)
   return CompiledDataParallel(
     gpu,
