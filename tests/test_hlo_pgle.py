@@ -52,3 +52,17 @@ def test_the_profile_moves_xlas_starts_earlier():
   a, b = replay(plain.text, 8, r.plan.link), replay(told.text, 8, r.plan.link)
   assert b.compute == pytest.approx(a.compute)
   assert b.exposed < 0.9 * a.exposed
+
+
+def test_a_bad_link_fails_before_compiling():
+  params, loss = tanh_mlp_structs(2, 64)
+  r = ooo.explain(
+    loss,
+    params,
+    jax.ShapeDtypeStruct((16, 64), jnp.float32),
+    mode="data_parallel",
+    axis_name="batch",
+    axis_size=8,
+  )
+  with pytest.raises(ValueError, match="unknown link 'IB999'"):
+    r.compiled("H100", pgle="IB999")

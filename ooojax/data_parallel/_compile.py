@@ -124,6 +124,10 @@ def compile_dp(
   from ooojax.passes.hlo.schedule import parse
   from ooojax.passes.hlo.windows import windows
 
+  if pgle is not None and pgle is not False:
+    from ooojax.passes.hlo.replay import get_link
+
+    pgle = get_link(report.plan.link if pgle is True else pgle)  # a bad name fails before compiling
   m, rebuild, specs, placed = placed_args(report, gpu, batch_argnums)
   call, n = report.call, report.plan.n_devices
   opts = {k: v for k, v in call.options.items() if k != "ordering"}
@@ -141,13 +145,12 @@ def compile_dp(
   )
   c = gpu_hlo.compiled(fn, *placed, mesh=m, compiler_options=compiler_options)
   text = c.as_text()
-  if pgle is not None:
+  if pgle is not None and pgle is not False:
     # XLA places each start for its own (NVLink-fast) estimate: compile again with the
     # link model's cost of each collective as its profile (`passes.hlo.pgle`).
     from ooojax.passes.hlo import pgle as _pgle
 
-    link = report.plan.link if pgle is True else pgle
-    prof = _pgle.compiler_options(text, n, link)
+    prof = _pgle.compiler_options(text, n, pgle)
     try:
       opts2 = {**(compiler_options or {}), **prof}
       c = gpu_hlo.compiled(fn, *placed, mesh=m, compiler_options=opts2)
