@@ -59,7 +59,7 @@ def _vg(variant):
   )
 
 
-def _nanodo(name, variant, devices, fsdp, layers):
+def _nanodo(name, variant, devices, fsdp, layers, compiler_options=None):
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
@@ -76,10 +76,10 @@ def _nanodo(name, variant, devices, fsdp, layers):
     (rows * devices, cfg.L), jnp.int32, sharding=NamedSharding(mesh, P())
   )
   step = nd.make_step(shardings, mesh, value_and_grad=_vg(variant))
-  return gpu_hlo.compiled(step, state, batch, mesh=mesh)
+  return gpu_hlo.compiled(step, state, batch, mesh=mesh, compiler_options=compiler_options)
 
 
-def _resnet(variant, devices, layers):
+def _resnet(variant, devices, layers, compiler_options=None):
   import jax
   from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -104,17 +104,31 @@ def _resnet(variant, devices, layers):
 
   f = jax.jit(step, in_shardings=(rep, rep, dat, dat), out_shardings=(rep, rep, rep))
   args = (jax.tree.map(lambda a: sds(a, rep), params), jax.tree.map(lambda a: sds(a, rep), stats))
-  return gpu_hlo.compiled(f, *args, xs, ys, mesh=mesh)
+  return gpu_hlo.compiled(f, *args, xs, ys, mesh=mesh, compiler_options=compiler_options)
 
 
-def measure(name, variant, devices, fsdp, layers, hlo_dir=None) -> dict:
+def measure(name, variant, devices, fsdp, layers, hlo_dir=None, pgle=None) -> dict:
   """Compiles one step and replays it on every link: seconds and temp bytes.
-  With `hlo_dir`, the compiled HLO is kept there (gzip) for a later replay."""
+  With `hlo_dir`, the compiled HLO is kept there (gzip) for a later replay. With
+  `pgle` (a replay link name), the step is compiled again with each collective's
+  cost on that link as XLA's latency profile (`passes.hlo.pgle`), and that
+  program is the one replayed (only the `pgle` link's figures mean the opt-in)."""
   t0 = time.perf_counter()
-  if name == "ResNet-50":
-    c = _resnet(variant, devices, layers)
-  else:
-    c = _nanodo(name, variant, devices, fsdp, layers)
+
+  def build(opts=None):
+    if name == "ResNet-50":
+      return _resnet(variant, devices, layers, opts)
+    return _nanodo(name, variant, devices, fsdp, layers, opts)
+
+  c = build()
+  if pgle is not None:
+    from ooojax.gpu_hlo import pgle_options
+
+    opts = pgle_options(c, devices, pgle)
+    try:
+      c = build(opts)
+    finally:
+      os.unlink(next(iter(opts.values())))
   text = c.as_text()
   if hlo_dir:
     import gzip

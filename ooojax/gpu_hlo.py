@@ -372,3 +372,25 @@ def schedule(
   return hlo_schedule.parse(
     compile_text(fn, *args, gpu=gpu, devices=devices, mesh=mesh, compiler_options=compiler_options)
   )
+
+
+def pgle_options(compiled_or_text, n_devices: int, link, path: str | None = None) -> dict[str, str]:
+  """XLA compiler options that hand XLA:GPU's scheduler each collective's cost on `link`.
+
+  Compile a step once (compile-only here, or on the GPUs it will run on), pass the
+  result (a `jax.stages.Compiled` or its `as_text()`) and the link
+  ("IB400", "IB100", "25GbE", ... or a `passes.simulate.Link`), and compile the
+  same jitted step again with `compiler_options=` these: the profile-guided
+  latency estimator then opens each collective's window for the link's transfer
+  time instead of XLA's NVLink-fast estimate (`passes.hlo.pgle`). The profile is
+  written to `path` (default: a temporary file, left for the compile to read).
+
+  >>> if unavailable_reason() is None:
+  ...   import jax.numpy as jnp
+  ...   opts = pgle_options(compile_text(jnp.sin, jnp.ones(8)), 1, "IB400")
+  ...   assert list(opts) == ["xla_gpu_pgle_profile_file_or_directory_path"]
+  """
+  from ooojax.passes.hlo import pgle
+
+  text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+  return pgle.compiler_options(text, n_devices, link, path)

@@ -19,6 +19,7 @@ MODULES = [
   "ooojax.passes.hlo.compare",
   "ooojax.passes.hlo.windows",
   "ooojax.passes.hlo.replay",
+  "ooojax.passes.hlo.pgle",
   "ooojax.passes.hlo.kernels",
   "ooojax.passes.calibration",
   "ooojax.passes.stream_cost",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import os
 from typing import Any
 
 import jax
@@ -114,7 +115,7 @@ def compile_xla(report, gpu: str, batch_argnums=None, compiler_options=None):
 
 
 def compile_dp(
-  report, gpu: str, batch_argnums, compiler_options, bucket_bytes=None
+  report, gpu: str, batch_argnums, compiler_options, bucket_bytes=None, pgle=None
 ) -> CompiledDataParallel:
   from jax.sharding import PartitionSpec as P
 
@@ -123,6 +124,10 @@ def compile_dp(
   from ooojax.passes.hlo.schedule import parse
   from ooojax.passes.hlo.windows import windows
 
+  if pgle is not None and pgle is not False:
+    from ooojax.passes.hlo.replay import get_link
+
+    pgle = get_link(report.plan.link if pgle is True else pgle)  # a bad name fails before compiling
   m, rebuild, specs, placed = placed_args(report, gpu, batch_argnums)
   call, n = report.call, report.plan.n_devices
   opts = {k: v for k, v in call.options.items() if k != "ordering"}
@@ -140,6 +145,18 @@ def compile_dp(
   )
   c = gpu_hlo.compiled(fn, *placed, mesh=m, compiler_options=compiler_options)
   text = c.as_text()
+  if pgle is not None and pgle is not False:
+    # XLA places each start for its own (NVLink-fast) estimate: compile again with the
+    # link model's cost of each collective as its profile (`passes.hlo.pgle`).
+    from ooojax.passes.hlo import pgle as _pgle
+
+    prof = _pgle.compiler_options(text, n, pgle)
+    try:
+      opts2 = {**(compiler_options or {}), **prof}
+      c = gpu_hlo.compiled(fn, *placed, mesh=m, compiler_options=opts2)
+    finally:
+      os.unlink(prof[_pgle.PGLE_OPTION])
+    text = c.as_text()
   hlo = parse(text)
   return CompiledDataParallel(
     gpu,

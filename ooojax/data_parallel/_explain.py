@@ -287,7 +287,7 @@ class DataParallelReport:
     )
     return ax
 
-  def compiled(self, gpu: str = "H100", *, batch_argnums=None, compiler_options=None):
+  def compiled(self, gpu: str = "H100", *, batch_argnums=None, compiler_options=None, pgle=None):
     """Compiles the same data-parallel gradient for `plan.n_devices` compile-only
     `gpu`s (`jax.shard_map` over them) and reads each all-reduce's window.
 
@@ -297,6 +297,12 @@ class DataParallelReport:
         axis grows `n_devices`-fold: the explained arguments are one device's
         shard); default every argument that is not differentiated.
       compiler_options: XLA options for the compile.
+      pgle: opt-in. True (the plan's link) or a `passes.hlo.replay.REPLAY_LINKS`
+        name / `Link`: compile once, write each collective's cost on that link as
+        an XLA latency profile (`passes.hlo.pgle`), and compile again with it, so
+        XLA's scheduler opens each window for the link's transfer time instead of
+        its own NVLink-fast estimate. The same profile serves a real GPU's compile
+        (`ooojax.gpu_hlo.pgle_options`).
 
     Returns:
       A `CompiledDataParallel`: `.windows` (`passes.hlo.windows.Window`, one per
@@ -304,7 +310,7 @@ class DataParallelReport:
     """
     from ooojax.data_parallel._compile import compile_dp
 
-    return compile_dp(self, gpu, batch_argnums, compiler_options)
+    return compile_dp(self, gpu, batch_argnums, compiler_options, pgle=pgle)
 
   def versus_xla(
     self,
