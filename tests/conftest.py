@@ -15,9 +15,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY", "true")
 
 # Fake CPU devices for the multi-device modes; must precede the jax import.
-XLA_FLAGS = "--xla_force_host_platform_device_count=8"
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("MPLBACKEND", "Agg")
-NO_FUSION_AUTOTUNER = "--xla_gpu_experimental_enable_fusion_autotuner=false"
 # The planner's tests plan with the uncalibrated device presets (a stream call at
 # 2 us): the mechanism (windows XLA holds, gradients) needs windows planned. The
 # shipped GPU calibrations (ooojax/calibration/, issue 50) price a pinned call at
@@ -27,13 +26,6 @@ os.environ.setdefault("OOOJAX_CALIBRATION", "none")
 # (ooojax.gpu_hlo). A machine with a GPU keeps it.
 if not (os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidia0")):
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  # Compile-only GPUs have no device to time candidates on: XLA:GPU's fusion
-  # autotuner still compiles every fusion's candidate emitters, then keeps the
-  # default, about half of each compile-only compile (MobileNetV3-small's
-  # single_gpu gradient: 165 s -> 63 s). The scheduled HLO is the same without it
-  # (tests/test_xla_flags.py checks); a GPU machine keeps its autotuner.
-  XLA_FLAGS += " " + NO_FUSION_AUTOTUNER
-os.environ.setdefault("XLA_FLAGS", XLA_FLAGS)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -46,6 +38,32 @@ cpu_backend_only = pytest.mark.skipif(
   jax.default_backend() != "cpu",
   reason=f"reads XLA:CPU's compiled HLO; the default backend here is {jax.default_backend()}",
 )
+
+
+# A compile-only GPU has no device to time candidates on, yet XLA:GPU's fusion
+# autotuner compiles every fusion's candidate emitters and then keeps the
+# default: about half of each compile-only compile (MobileNetV3-small's
+# single_gpu gradient: 165 s -> 63 s), for the same scheduled HLO
+# (tests/test_xla_flags.py). Not for every program: without it a Triton GEMM
+# fusion cuBLAS cannot take (the batched dots of tests/test_scan.py's skewed
+# transformer) finds no config and the compile fails. So tests opt in, where
+# their programs compile either way: `pytest.mark.usefixtures("no_fusion_autotuner")`.
+NO_FUSION_AUTOTUNER = {"xla_gpu_experimental_enable_fusion_autotuner": False}
+
+
+@pytest.fixture
+def no_fusion_autotuner(monkeypatch):
+  """`ooojax.gpu_hlo`'s compiles (compile_text, schedule) without the fusion autotuner."""
+  from ooojax import gpu_hlo
+
+  compiled = gpu_hlo.compiled
+
+  def without(fn, *args, compiler_options=None, **kw):
+    return compiled(
+      fn, *args, compiler_options={**NO_FUSION_AUTOTUNER, **(compiler_options or {})}, **kw
+    )
+
+  monkeypatch.setattr(gpu_hlo, "compiled", without)
 
 
 def assert_trees_close(a, b, rtol=1e-5, atol_scale=1e-5):

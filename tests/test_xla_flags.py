@@ -1,13 +1,13 @@
-"""The XLA flags the suite runs under leave what the tests read unchanged.
+"""The XLA options tests compile under leave what they read unchanged.
 
-tests/conftest.py turns XLA:GPU's fusion autotuner off where there is no GPU:
-on a compile-only GPU it cannot time a candidate, yet it compiles every
-fusion's candidate emitters before keeping the default (about half of each
-compile-only compile). Here one gradient with stream calls compiles both ways
-and its scheduled HLO is the same but for the defaults the autotuner writes out.
+tests/conftest.py's `no_fusion_autotuner` turns XLA:GPU's fusion autotuner off
+for compile-only GPU compiles: with no device it cannot time a candidate, yet
+it compiles every fusion's candidate emitters before keeping the default
+(about half of each compile). Here one gradient with stream calls compiles both
+ways and its scheduled HLO is the same but for the defaults the autotuner
+writes out.
 """
 
-import os
 import re
 
 import jax
@@ -17,7 +17,6 @@ import pytest
 
 import ooojax as ooo
 from ooojax import demo, gpu_hlo
-from tests import conftest
 
 REASON = gpu_hlo.unavailable_reason()
 
@@ -40,16 +39,14 @@ def _without_defaults(text: str) -> str:
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"compile-only GPU: {REASON}")
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU machine keeps its autotuner")
-def test_fusion_autotuner_off_keeps_the_compile_only_schedule():
-  assert conftest.NO_FUSION_AUTOTUNER in os.environ["XLA_FLAGS"].split()
+def test_fusion_autotuner_off_keeps_the_compile_only_schedule(no_fusion_autotuner):
   m = demo.SmallCNN()
   x = jax.ShapeDtypeStruct((4, 32, 32, 3), jnp.float32)
   v = jax.eval_shape(m.init, jax.random.PRNGKey(0), x)
   _, loss = demo.make_step(jax.grad, m, optax.sgd(0.1))
   shapes = (v["params"], v["batch_stats"], x, jax.ShapeDtypeStruct((4,), jnp.int32))
   g = jax.jit(ooo.grad(loss, has_aux=True, mode="single_gpu", device="H100"))
-  off = gpu_hlo.compile_text(g, *shapes, gpu="H100")  # the suite's flags
+  off = gpu_hlo.compile_text(g, *shapes, gpu="H100")  # as the fixture compiles
   on = gpu_hlo.compile_text(
     g, *shapes, gpu="H100", compiler_options={"xla_gpu_experimental_enable_fusion_autotuner": True}
   )
