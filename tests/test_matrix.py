@@ -113,7 +113,6 @@ H100_OVERLAP = {
 
 
 @no_gpu_hlo
-@pytest.mark.usefixtures("no_fusion_autotuner")  # tests/conftest.py
 @pytest.mark.parametrize("name", [n for n in NAMES if n != "resnet18_sync_bn"])  # below
 def test_single_gpu_compiles_for_h100(name):
   case = _case(name)
@@ -140,7 +139,6 @@ def test_resnet18_sync_batchnorm_pinned_calls_on_cpu():
 
 
 @no_gpu_hlo
-@pytest.mark.usefixtures("no_fusion_autotuner")  # tests/conftest.py
 def test_resnet18_sync_batchnorm_compiles_for_h100():
   k, n = matrix.h100(_resnet_pinned())
   assert n >= 10 and k >= n // 2  # dW convs on stream 1 beside dX convs (11 / 20)
@@ -186,7 +184,6 @@ def test_resnet18_sync_batchnorm_sgd_train_step(mode):
 
 
 @no_gpu_hlo
-@pytest.mark.usefixtures("no_fusion_autotuner")  # tests/conftest.py
 def test_resnet18_sync_batchnorm_train_step_compiles_for_h100():
   case = _resnet_pinned()
   mesh = gpu_hlo.mesh("H100", matrix.DEVICES, (features.AXIS,))

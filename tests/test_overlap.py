@@ -17,8 +17,7 @@ from ooojax import demo, gpu_hlo
 from ooojax.passes.ir import UnitKind
 from tests.conftest import cpu_backend_only
 
-# compile-only compiles without XLA:GPU's fusion autotuner (tests/conftest.py)
-pytestmark = [cpu_backend_only, pytest.mark.usefixtures("no_fusion_autotuner")]
+pytestmark = cpu_backend_only
 
 _REASON = gpu_hlo.unavailable_reason()
 needs_gpu_hlo = pytest.mark.skipif(_REASON is not None, reason=f"compile-only GPU: {_REASON}")

@@ -1,9 +1,9 @@
 """The XLA options tests compile under leave what they read unchanged.
 
-tests/conftest.py's `no_fusion_autotuner` turns XLA:GPU's fusion autotuner off
-for compile-only GPU compiles: with no device it cannot time a candidate, yet
-it compiles every fusion's candidate emitters before keeping the default
-(about half of each compile). Here one gradient with stream calls compiles both
+tests/conftest.py turns XLA:GPU's fusion autotuner off for the compile-only
+GPU compiles of the tests it lists (this one too): with no device it cannot
+time a candidate, yet it compiles every fusion's candidate emitters before
+keeping the default (about half of each compile). Here one gradient with stream calls compiles both
 ways and its scheduled HLO is the same but for the defaults the autotuner
 writes out.
 """
@@ -39,14 +39,14 @@ def _without_defaults(text: str) -> str:
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"compile-only GPU: {REASON}")
-def test_fusion_autotuner_off_keeps_the_compile_only_schedule(no_fusion_autotuner):
+def test_fusion_autotuner_off_keeps_the_compile_only_schedule():
   m = demo.SmallCNN()
   x = jax.ShapeDtypeStruct((4, 32, 32, 3), jnp.float32)
   v = jax.eval_shape(m.init, jax.random.PRNGKey(0), x)
   _, loss = demo.make_step(jax.grad, m, optax.sgd(0.1))
   shapes = (v["params"], v["batch_stats"], x, jax.ShapeDtypeStruct((4,), jnp.int32))
   g = jax.jit(ooo.grad(loss, has_aux=True, mode="single_gpu", device="H100"))
-  off = gpu_hlo.compile_text(g, *shapes, gpu="H100")  # as the fixture compiles
+  off = gpu_hlo.compile_text(g, *shapes, gpu="H100")  # as the listed tests compile
   on = gpu_hlo.compile_text(
     g, *shapes, gpu="H100", compiler_options={"xla_gpu_experimental_enable_fusion_autotuner": True}
   )
