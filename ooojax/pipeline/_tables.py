@@ -121,7 +121,7 @@ def memory(
   ...            (sd((16, 64), jnp.float32), sd((16, 64), jnp.float32)))
   >>> m.weights, m.peak    # one 64x64 f32 stage per device; 1F1B keeps 2 microbatches
   (16384, 2)
-  >>> m.fres               # x, tanh(x w) and, on the last stage, y - t: 3 x 4 x 64 f32
-  3072
+  >>> m.fres               # x and tanh(x w), 2 x 4 x 64 f32 (B recomputes y - t)
+  2048
   """
   return _memory(stage_fn, loss_fn, schedule, stage_params, batch, shared, input_fn)
