@@ -112,10 +112,9 @@ def test_plain_tree_with_a_function_leaf_names_its_path():
     step(params, jnp.ones((4, 3)))
 
 
-def test_fsdp_within_stages_on_a_module(close):
-  # (2 data x 4 stage) explicit mesh, every Linear's weight split over the data axis
-  # on its input dimension (FSDP within the stage, issue 49): each action gathers
-  # it, its gradient comes back split the same way and equals Equinox's
+def _fsdp_mlp():
+  """The MLP on a (2 data x 4 stage) explicit mesh, every Linear's weight split over
+  the data axis on its input dimension (FSDP within the stage), the batch over data."""
   model, (x, y) = M.mlp_data()
   explicit = (jax.sharding.AxisType.Explicit,) * 2
   mesh = jax.make_mesh((2, 4), ("data", "stage"), devices=jax.devices()[:8], axis_types=explicit)
@@ -126,6 +125,14 @@ def test_fsdp_within_stages_on_a_module(close):
     model,
     [jax.device_put(layer.weight, split) for layer in model.layers],
   )
+  return model, x, y, mesh
+
+
+def test_fsdp_within_stages_on_a_module(close):
+  # (2 data x 4 stage) explicit mesh, every Linear's weight split over the data axis
+  # on its input dimension (FSDP within the stage, issue 49): each action gathers
+  # it, its gradient comes back split the same way and equals Equinox's
+  model, x, y, mesh = _fsdp_mlp()
   kw = dict(mesh=mesh, axis_name="stage", data_axis="data", microbatches=4, schedule="1f1b")
   loss, g = eqx.filter_jit(ooo.pipeline.value_and_grad(M.mlp_loss, fsdp="regather", **kw))(
     model, x, y
@@ -143,16 +150,7 @@ def test_train_step_gives_back_the_module_as_optax_updates_it(close):
   # split over the data axis as it was (a checkpoint or an eval reads it as is)
   from tests.test_pipeline_data_stage import same_tree
 
-  model, (x, y) = M.mlp_data()
-  explicit = (jax.sharding.AxisType.Explicit,) * 2
-  mesh = jax.make_mesh((2, 4), ("data", "stage"), devices=jax.devices()[:8], axis_types=explicit)
-  x, y = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
-  split = NamedSharding(mesh, P(None, "data"))
-  model = eqx.tree_at(
-    lambda m: [layer.weight for layer in m.layers],
-    model,
-    [jax.device_put(layer.weight, split) for layer in model.layers],
-  )
+  model, x, y, mesh = _fsdp_mlp()
   opt = optax.adam(1e-2)
   kw = dict(mesh=mesh, axis_name="stage", data_axis="data", microbatches=4, schedule="1f1b")
   with jax.set_mesh(mesh):
