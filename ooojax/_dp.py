@@ -75,7 +75,15 @@ def varying_leaf(x, axis_name):
 def plan(sp, sched, cm, opts, loss: bool = False) -> _collectives.CollectivePlan:
   """`loss`: the caller all-reduces the value and aux leaves too (`emit`'s `early`)."""
   return _collectives.plan(
-    sp, sched, cm, axis_size(opts), opts.link, opts.bucket_bytes, opts.first_k, loss=loss
+    sp,
+    sched,
+    cm,
+    axis_size(opts),
+    opts.link,
+    opts.bucket_bytes,
+    opts.first_k,
+    loss=loss,
+    reduce_dtype=opts.reduce_dtype,
   )
 
 
@@ -105,7 +113,9 @@ def emit(
     # is re-bound with the casts it needs (slower).
     ins = [_compat.to_varying(x, ax) for x in ins]
   n = len(plan.split.consts)
-  emitter = BucketEmitter(plan.collectives, plan.split, ax, opts.reduce, defer, scatter, early)
+  emitter = BucketEmitter(
+    plan.collectives, plan.split, ax, opts.reduce, defer, scatter, early, opts.reduce_dtype
+  )
   with contextlib.nullcontext() if typed else _compat.vary_inputs(ax):
     return _emit(
       plan.split,

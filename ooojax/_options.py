@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 
-from ooojax.passes.collectives import plan as _collectives
+from ooojax.passes.collectives import plan as _collectives, wire as _wire
 from ooojax.passes.cost import DeviceSpec
 from ooojax.passes.emit import ORDERINGS
 
@@ -59,6 +59,14 @@ class Options:
     (gathered once at the step's start and kept: the whole model per device)
     or "auto" (keep, unless the device's memory demands regather:
     `passes.collectives.fsdp_mode`).
+  reduce_dtype: mode="data_parallel" only, opt-in: the dtype the gradients'
+    all-reduces / reduce-scatters run in (`jnp.bfloat16`, `jnp.float16`; as
+    PyTorch DDP's `bf16_compress_hook` or FSDP's `MixedPrecision(reduce_dtype=)`).
+    A float leaf wider than it is scaled by 1/n (mean), cast, summed in that dtype
+    and cast back: the gradient keeps its dtype, with the low dtype's rounding
+    (no longer equal to `jax.grad` to float32 precision), and half the bytes on
+    the link for bfloat16 from float32. None (default): each leaf in its own dtype,
+    exact. See `passes.collectives.wire`.
   """
 
   mode: str = "auto"
@@ -72,6 +80,7 @@ class Options:
   first_k: int | None = None
   link: Any = None
   fsdp: str = "auto"
+  reduce_dtype: Any = None
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -85,6 +94,7 @@ class Options:
     )
     if self.fsdp not in FSDP:
       raise ValueError(f"fsdp must be one of {FSDP}, got {self.fsdp!r}")
+    _wire.validate(self.mode, self.reduce_dtype)
 
   def resolved_mode(self) -> str:
     if self.mode != "auto":
@@ -115,6 +125,7 @@ class Options:
       self.first_k,
       self.link,
       self.fsdp,
+      None if self.reduce_dtype is None else _wire.normalize(self.reduce_dtype).name,
     )
 
 

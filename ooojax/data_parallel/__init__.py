@@ -114,6 +114,7 @@ class DataParallelStep:
       opts.get("bucket_bytes"),
       opts.get("first_k"),
       cross_step=self.cross_step,
+      reduce_dtype=opts.get("reduce_dtype"),
     )
     k = cp.first_k if self.cross_step else 0
     deferred = collectives.first_k_leaves(plan.split, k)
@@ -243,7 +244,10 @@ class DataParallelStep:
     reduced, prev = [], None
     for x in vals:  # one all-reduce per leaf, layer 0 first, chained
       (r,), prev = reduce_buffers(
-        chain_after(prev, [x]), self.axis_name, self.options.get("reduce", "mean")
+        chain_after(prev, [x]),
+        self.axis_name,
+        self.options.get("reduce", "mean"),
+        reduce_dtype=self.options.get("reduce_dtype"),
       )
       reduced.append(r)
     flat = [None] * (len(lay.deferred) + len(lay.ready))
@@ -378,7 +382,9 @@ def make_train_step(
       `state, (loss, aux)`, aux combined over devices (per-row leaves gathered,
       leaves computed by a sum summed, other float leaves averaged).
     **ooo_options: `reduce`, `bucket_bytes`, `first_k`, `link`, `device`
-      (None: chosen by the cost and network model; see `ooo.grad`).
+      (None: chosen by the cost and network model; see `ooo.grad`), `reduce_dtype`
+      (opt-in, e.g. `jnp.bfloat16`: every reduction, the carried first-k ones too,
+      runs in that dtype; `ooojax.Options`).
 
   Returns:
     A `DataParallelStep`: `state = step.init(params, batch)`,

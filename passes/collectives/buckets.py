@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from ooojax.passes.collectives import loops as scan_collectives
 from ooojax.passes.collectives.costs import BucketCosts, bucket_seconds
+from ooojax.passes.collectives.wire import link_bytes
 from ooojax.passes.cost import _nbytes
 from ooojax.passes.ir import Action, Split, Unit, UnitKind
 
@@ -70,9 +71,10 @@ def reverse_first_k(
   return tuple(kept) + tuple(moved)
 
 
-def _grad_bytes(split: Split) -> list[int]:
+def _grad_bytes(split: Split, reduce_dtype=None) -> list[int]:
+  """Per gradient leaf, the bytes its reduction puts on the link (`wire.link_bytes`)."""
   outs = split.jaxpr.jaxpr.outvars[split.grad_out_start :]
-  return [_nbytes(v.aval) for v in outs]
+  return [link_bytes(v.aval, reduce_dtype) for v in outs]
 
 
 def make_buckets(
@@ -82,24 +84,26 @@ def make_buckets(
   bucket_bytes: int,
   skip: frozenset[int] = frozenset(),
   merge_tail: bool = False,
+  reduce_dtype=None,
 ) -> tuple[Bucket, ...]:
   """Groups gradient leaves into buckets in the order their dW clusters finish.
 
   Leaves in `skip` (reduced inside a loop) get no bucket. `merge_tail`: a small
-  last bucket joins the one before (`_group`).
+  last bucket joins the one before (`_group`). Bytes are the link's: at
+  `reduce_dtype` (`wire.link_bytes`).
   """
-  groups = _group(_finishing(split, units, order, skip), bucket_bytes, merge_tail)
+  groups = _group(_finishing(split, units, order, skip, reduce_dtype), bucket_bytes, merge_tail)
   return tuple(Bucket(i, leaves, size, after) for i, (leaves, size, after) in enumerate(groups))
 
 
-def _finishing(split: Split, units, order, skip) -> tuple:
+def _finishing(split: Split, units, order, skip, reduce_dtype=None) -> tuple:
   """What bucketing reads of an order: `(first, last, rest, nbytes)`.
 
   `first`: (leaf, unit) per gradient leaf, in the order its first dW unit
   runs; `last`: leaf -> (position, unit) of its last dW unit; `rest`: leaves
   no dW unit produces (unused parameters, pass-through gradients).
   """
-  nbytes = _grad_bytes(split)
+  nbytes = _grad_bytes(split, reduce_dtype)
   by_name = {u.name: u for u in units}
   leaf_of_cluster = {c.index: c.grad_out - split.grad_out_start for c in split.clusters}
   first: list = []

@@ -6,7 +6,8 @@ calls `emitter.after_unit(name, env)` after each compute unit, and
 
 What reaches XLA per bucket: the bucket's gradient leaves flattened into one
 buffer per dtype, one `psum` (one all-reduce), a scale by `1/n` for
-`reduce="mean"`, and a split back. One tie keeps the buckets apart
+`reduce="mean"`, and a split back; with `reduce_dtype` (`wire`) wider float leaves
+are scaled, cast to it for the `psum` and cast back. One tie keeps the buckets apart
 and in order (see docs/data-parallel.md): bucket b+1's inputs
 pass through a `lax.optimization_barrier` with bucket b's reduced buffer and
 take an exact zero computed from it (`_zero_from`), so all-reduce b+1
@@ -32,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from ooojax.passes import _compat
+from ooojax.passes.collectives import wire
 from ooojax.passes.collectives.buckets import early_bytes
 from ooojax.passes.collectives.plan import Bucket, CollectivePlan
 from ooojax.passes.ir import Kind, Split
@@ -60,7 +62,9 @@ def _typed_sharded(x) -> bool:
   return spec is not None and any(e is not None for e in spec)
 
 
-def reduce_buffers(vals, axis_name, reduce: str = "mean", scatter=None, prescale: bool = False):
+def reduce_buffers(
+  vals, axis_name, reduce: str = "mean", scatter=None, prescale: bool = False, reduce_dtype=None
+):
   """One all-reduce per dtype of `vals` flattened together.
 
   `scatter`: per value, None or the dimension it is reduce-scattered over
@@ -70,27 +74,36 @@ def reduce_buffers(vals, axis_name, reduce: str = "mean", scatter=None, prescale
   go into one multi-operand `psum` per dtype, unflattened.
   `prescale`: a mean over several leaves is scaled before the pack (a bucket
   outside loops; in a loop body it would change what XLA overlaps).
+  `reduce_dtype`: the dtype wider float leaves are reduced in (`wire`): scaled by
+  1/n first (mean), cast, reduced, and cast back to their own dtype.
   Returns `(reduced values, the reduced flat buffers)`.
   """
   scatter = scatter or [None] * len(vals)
   groups: dict = {}
   for j, x in enumerate(vals):
     kind = "scatter" if scatter[j] is not None else "typed" if _typed_sharded(x) else "flat"
-    groups.setdefault((jnp.result_type(x), kind), []).append(j)
+    groups.setdefault((wire.wire_dtype(jnp.result_type(x), reduce_dtype), kind), []).append(j)
   out: list = [None] * len(vals)
   bufs = []
-  for (_, kind), idx in groups.items():
+  for (wdt, kind), idx in groups.items():
+    # cast on the way: the mean's 1/n before the cast (float16's range), back after
+    cast = any(jnp.result_type(vals[j]) != wdt for j in idx)
     if kind == "scatter":
-      bufs.append(_reduce_scatter(vals, idx, scatter, out, axis_name, reduce))
+      bufs.append(
+        _reduce_scatter(vals, idx, scatter, out, axis_name, reduce, wdt if cast else None)
+      )
       continue
     if kind == "typed":
       # sharded over other mesh axes in their type (explicit sharding): flattening
       # them together would reshard them; one all-reduce of several operands
-      red = jax.lax.psum([vals[j] for j in idx], axis_name)
-      if reduce == "mean":
+      xs = [vals[j] for j in idx]
+      if cast:
+        xs = [_lower(x, wdt, axis_name, reduce) for x in xs]
+      red = jax.lax.psum(xs, axis_name)
+      if reduce == "mean" and not cast:
         red = [r / jax.lax.axis_size(axis_name) for r in red]
       for j, r in zip(idx, red):
-        out[j] = r
+        out[j] = r.astype(jnp.result_type(vals[j])) if cast else r
       bufs.append(red[0])
       continue
     # lax ops, one split per buffer: fewer equations to trace and lower than
@@ -108,8 +121,10 @@ def reduce_buffers(vals, axis_name, reduce: str = "mean", scatter=None, prescale
     # A bucket of several leaves is scaled before the pack, where XLA fuses the
     # scale into the concatenation: after the psum it was a pass of its own over
     # the whole bucket (nanodo D 2048 on H100 x8: 0.6 ms of a 9 ms step, replayed).
-    packed = prescale and reduce == "mean" and len(flat) > 1
-    if packed:
+    packed = cast or (prescale and reduce == "mean" and len(flat) > 1)
+    if cast:
+      flat = [_lower(x, wdt, axis_name, reduce) for x in flat]
+    elif packed:
       n_dev = jax.lax.axis_size(axis_name)
       flat = [x / jnp.asarray(n_dev, x.dtype) for x in flat]
     buf = flat[0] if len(flat) == 1 else jax.lax.concatenate(flat, 0)
@@ -119,31 +134,44 @@ def reduce_buffers(vals, axis_name, reduce: str = "mean", scatter=None, prescale
     bufs.append(buf)
     parts = jax.lax.split(buf, sizes) if len(idx) > 1 else [buf]
     for j, part, s in zip(idx, parts, shapes):
+      if cast:
+        part = part.astype(jnp.result_type(vals[j]))
       out[j] = part if len(s) == 1 else jax.lax.reshape(part, s)
   return out, bufs
 
 
-def _reduce_scatter(vals, idx, scatter, out, axis_name, reduce):
+def _lower(x, dtype, axis_name, reduce):
+  """`x` scaled for the mean in its own dtype, then cast to `dtype` (the wire's)."""
+  if reduce == "mean":
+    x = x / jnp.asarray(jax.lax.axis_size(axis_name), x.dtype)
+  return x.astype(dtype)
+
+
+def _reduce_scatter(vals, idx, scatter, out, axis_name, reduce, wdt=None):
   """One `psum_scatter` of `vals[idx]`, each split over its own dimension.
 
   Each value's scattered dimension is moved first and the value laid out as
   (n, its slice's size): row i is device i's slice. The rows are joined
   side by side, so one reduce-scatter over rows hands each device the
-  slices of all of them. Returns the (1, total) buffer; fills `out[idx]`.
+  slices of all of them. `wdt`: the dtype to reduce in (scaled first, cast
+  back after). Returns the (1, total) buffer; fills `out[idx]`.
   """
   n = jax.lax.axis_size(axis_name)
   rows, shapes = [], []
   for j in idx:
     x = jnp.moveaxis(_compat.to_varying(vals[j], axis_name), scatter[j], 0)
     shapes.append((x.shape[0] // n, *x.shape[1:]))
-    rows.append(jax.lax.reshape(x, (n, x.size // n)))
+    x = jax.lax.reshape(x, (n, x.size // n))
+    rows.append(x if wdt is None else _lower(x, wdt, axis_name, reduce))
   sizes = [r.shape[1] for r in rows]
   buf = rows[0] if len(rows) == 1 else jax.lax.concatenate(rows, 1)
   buf = jax.lax.psum_scatter(buf, axis_name, scatter_dimension=0, tiled=True)
-  if reduce == "mean":
+  if reduce == "mean" and wdt is None:
     buf = buf / n
   parts = jax.lax.split(buf, sizes, axis=1) if len(rows) > 1 else [buf]
   for j, part, s in zip(idx, parts, shapes):
+    if wdt is not None:
+      part = part.astype(jnp.result_type(vals[j]))
     out[j] = jnp.moveaxis(jax.lax.reshape(part, s), 0, scatter[j])
   return buf
 
@@ -172,8 +200,10 @@ class BucketEmitter:
     defer: frozenset = frozenset(),
     scatter=None,
     early=None,
+    reduce_dtype=None,
   ):
     self.plan = plan
+    self.reduce_dtype = reduce_dtype  # the dtype wider float leaves are reduced in (`wire`)
     # `early(value and traced aux leaves) -> them combined over the axis` (`_dp_gspmd`): run
     # before the first bucket and chained ahead of it. Left to the caller after the step,
     # these scalar all-reduces land between two buckets, and as XLA:GPU keeps one
@@ -243,10 +273,10 @@ class BucketEmitter:
     if not vals:
       return ys
     if in_loop:
-      reduced, _ = reduce_buffers(vals, self.axis_name, self.reduce)
+      reduced, _ = reduce_buffers(vals, self.axis_name, self.reduce, reduce_dtype=self.reduce_dtype)
     else:
       reduced, self._prev = reduce_buffers(
-        chain_after(self._prev, vals), self.axis_name, self.reduce
+        chain_after(self._prev, vals), self.axis_name, self.reduce, reduce_dtype=self.reduce_dtype
       )
     ys = [list(y) for y in ys]
     for (i, j), r in zip(where, reduced):
@@ -319,6 +349,11 @@ class BucketEmitter:
     vals = [self._value(env, i) for i in bucket.grads]
     vals = chain_after(self._prev, vals)  # this all-reduce after the previous one
     reduced, self._prev = reduce_buffers(
-      vals, self.axis_name, self.reduce, [self.scatter.get(i) for i in bucket.grads], True
+      vals,
+      self.axis_name,
+      self.reduce,
+      [self.scatter.get(i) for i in bucket.grads],
+      True,
+      self.reduce_dtype,
     )
     self._reduced.update(zip(bucket.grads, reduced))

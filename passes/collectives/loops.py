@@ -44,7 +44,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 
 from ooojax.passes import _compat
-from ooojax.passes.cost import _nbytes
+from ooojax.passes.collectives.wire import link_bytes
 from ooojax.passes.ir import Action, Schedule, Split, Unit, UnitKind
 from ooojax.passes.scan import skew as scan_skew
 
@@ -67,7 +67,7 @@ class LoopReduce:
 
 
 def loop_reductions(
-  split: Split, sched: Schedule, skip: Iterable[int] = frozenset()
+  split: Split, sched: Schedule, skip: Iterable[int] = frozenset(), reduce_dtype=None
 ) -> tuple[LoopReduce, ...]:
   """The in-loop reductions `emit` will issue for `split` (indices from 0).
 
@@ -75,6 +75,7 @@ def loop_reductions(
     split: from `passes.split` (backward scans already split).
     sched: its compute schedule (names the units that run each loop).
     skip: gradient leaf positions to leave to the bucket path.
+    reduce_dtype: the dtype the reductions run in (`nbytes` on the link, `wire`).
   """
   skip = frozenset(skip)
   fused, _ = scan_skew.fuse(split, sched, stream=None, pin=False)
@@ -104,7 +105,7 @@ def loop_reductions(
           unit_of[index_of[id(w)]] for w in skew.w_eqns if index_of.get(id(w)) in unit_of
         )
       )
-      nbytes = sum(_nbytes(outs[i].aval) for i in grads)
+      nbytes = sum(link_bytes(outs[i].aval, reduce_dtype) for i in grads)
       loops.append(
         LoopReduce(len(loops), tuple(grads), nbytes, skew.length, unit_of.get(k, ""), w_units)
       )

@@ -152,6 +152,7 @@ class CollectivePlan:
   # not planned (None: `BucketEmitter` combines it early where `early_bytes` allows)
   early: bool | None = None
   in_flight: int | None = PLAN_IN_FLIGHT  # collectives in flight as priced (`build_plan`)
+  reduce_dtype: object = None  # the dtype the reductions run in (`wire`); bytes at it
 
   @property
   def in_loop(self) -> frozenset[int]:
@@ -258,6 +259,7 @@ def build_plan(
   merge_tail: bool = False,
   early: bool | None = None,
   in_flight: int | None = PLAN_IN_FLIGHT,
+  reduce_dtype=None,
 ) -> CollectivePlan:
   """The plan for one choice of k and bucket size (what `plan` compares).
 
@@ -269,15 +271,19 @@ def build_plan(
   loss's all-reduce (where `early_bytes` allows one) right after the forward, ahead of
   the first bucket (True), or after the last bucket (False); None: none priced.
   `in_flight`: collectives in flight at once (1: XLA:GPU's; None: queued on the link).
+  `reduce_dtype`: the dtype the reductions run in; every byte count is the link's
+  (`wire.link_bytes`).
   """
   costs = costs or NO_BUCKET_COSTS
   base = sched.units
   order = reverse_first_k(split, base, sched.streams[0], k) if k else tuple(sched.streams[0])
   loops = (
-    scan_collectives.loop_reductions(split, sched, first_k_leaves(split, k)) if in_loop else ()
+    scan_collectives.loop_reductions(split, sched, first_k_leaves(split, k), reduce_dtype)
+    if in_loop
+    else ()
   )
   skip = frozenset(i for l in loops for i in l.grads)
-  buckets = make_buckets(split, base, order, max(bucket_bytes, 1), skip, merge_tail)
+  buckets = make_buckets(split, base, order, max(bucket_bytes, 1), skip, merge_tail, reduce_dtype)
   s_units, s_actions = _link_units(buckets, link, n_devices, order)
   s_units, s_actions = _with_loop_units(loops, s_units, s_actions, link, n_devices, order)
   eb = early_bytes(split) if early is not None and n_devices > 1 else None
@@ -314,7 +320,9 @@ def build_plan(
         s_actions,
         buckets,
         deferred,
-        carried_seconds(buckets, deferred, _grad_bytes(split), link, n_devices, costs.sync),
+        carried_seconds(
+          buckets, deferred, _grad_bytes(split, reduce_dtype), link, n_devices, costs.sync
+        ),
         in_flight,
       )
       + unpacks,
@@ -338,6 +346,7 @@ def build_plan(
     loops,
     early,
     in_flight,
+    reduce_dtype,
   )
 
 
@@ -352,6 +361,7 @@ def plan(
   cross_step: bool = False,
   loss: bool = False,
   in_flight: int | None = PLAN_IN_FLIGHT,
+  reduce_dtype=None,
 ) -> CollectivePlan:
   """Reverse first-k, buckets and the link schedule; see the module docstring.
 
@@ -370,6 +380,8 @@ def plan(
     in_flight: collectives in flight as candidates are priced: 1 is XLA:GPU's rule
       (a start waits for the previous done); the default, None, queues them on the
       link (see `costs.PLAN_IN_FLIGHT` for why).
+    reduce_dtype: the dtype the gradients are reduced in (`Options.reduce_dtype`):
+      buckets, their sizes and link costs count the bytes at it (`wire.link_bytes`).
 
   Returns:
     A `CollectivePlan`. Example:
@@ -428,13 +440,14 @@ def plan(
         merge_tail=m or not in_flight,
         early=e,
         in_flight=in_flight,
+        reduce_dtype=reduce_dtype,
       )
       if best is None or score(p) < score(best) * (1 - 1e-9):
         best = p
     return best
   # Every candidate is priced by `_Pricer`, exactly as `build_plan` simulates
   # it, in O(units) with what is shared across bucket sizes computed once per k.
-  pricer = _Pricer(split, sched, link, n_devices, in_loop, costs, loss, in_flight)
+  pricer = _Pricer(split, sched, link, n_devices, in_loop, costs, loss, in_flight, reduce_dtype)
   best, best_score = None, 0.0
   for b in sorted(sizes, reverse=True):
     for k in ks:
@@ -459,4 +472,5 @@ def plan(
     merge_tail=merge or not in_flight,
     early=early,
     in_flight=in_flight,
+    reduce_dtype=reduce_dtype,
   )

@@ -39,9 +39,19 @@ class Pricer:
   """
 
   def __init__(
-    self, split, sched, link, n_devices, in_loop, costs=None, loss=False, in_flight=None
+    self,
+    split,
+    sched,
+    link,
+    n_devices,
+    in_loop,
+    costs=None,
+    loss=False,
+    in_flight=None,
+    reduce_dtype=None,
   ):
     self.in_flight = in_flight
+    self.reduce_dtype = reduce_dtype  # bytes on the link at this dtype (`wire`)
     self.split, self.sched, self.link, self.n = split, sched, link, n_devices
     self.in_loop = in_loop
     self.costs = costs or NO_BUCKET_COSTS
@@ -72,7 +82,7 @@ class Pricer:
     self.leaf_rank = {
       c.grad_out - split.grad_out_start: rank[layer_of(c.param)] for c in split.clusters
     }
-    self.nbytes = _grad_bytes(split)
+    self.nbytes = _grad_bytes(split, reduce_dtype)
 
   def _per_k(self, k):
     got = self.by_k.get(k)
@@ -86,7 +96,7 @@ class Pricer:
         else tuple(sched.streams[0])
       )
       deferred = first_k_leaves(self.split, k)
-      loops = scan_collectives.loop_reductions(self.split, sched, deferred)
+      loops = scan_collectives.loop_reductions(self.split, sched, deferred, self.reduce_dtype)
       ends, t = {}, 0.0
       for a in order:
         u = self.by_name[a.unit]
@@ -167,7 +177,13 @@ class Pricer:
     order, deferred, loops, ends, t_c, _, final = self._per_k(k)
     skip = frozenset(i for l in loops for i in l.grads)
     buckets = make_buckets(
-      self.split, self.sched.units, order, max(bucket_bytes, 1), skip, merge_tail
+      self.split,
+      self.sched.units,
+      order,
+      max(bucket_bytes, 1),
+      skip,
+      merge_tail,
+      self.reduce_dtype,
     )
     costs = self.costs
     extra: dict = {}
@@ -205,7 +221,7 @@ class Pricer:
       return max(t_s, free, tail)
     late = {f"S{b.index}" for b in buckets if b.grads and set(b.grads) <= deferred}
     t_nd = max(link_end([a for a in s_actions if a.unit not in late])[:2])
-    nb = _grad_bytes(self.split)
+    nb = _grad_bytes(self.split, self.reduce_dtype)
     comm = sum(
       sum(bucket_seconds(self.link, nb[l], self.n) + costs.sync for l in b.grads) - costs.sync
       for b in buckets

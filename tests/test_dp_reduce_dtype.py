@@ -1,0 +1,174 @@
+"""mode="data_parallel" with `reduce_dtype` (opt-in lower-precision gradient reduction).
+
+Every reduction path runs in the low dtype (the compiled collectives' operands say so),
+the gradient comes back in its own dtype at that dtype's tolerance, the default stays
+exact, the planner counts the bytes on the link, and bad values get clear errors.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import ooojax as ooo
+from ooojax import data_parallel as dp
+from tests.models import MLP
+
+N = 4
+AX = "data"
+
+
+def _problem():
+  model = MLP()
+  x = jax.random.normal(jax.random.PRNGKey(1), (8, 12))
+  y = jax.random.randint(jax.random.PRNGKey(2), (8,), 0, 10)
+  params = model.init(jax.random.PRNGKey(0), x[:1])["params"]
+
+  def loss(p, x, y):
+    logits = model.apply({"params": p}, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  return loss, params, x, y
+
+
+def _mesh():
+  return jax.sharding.Mesh(np.array(jax.devices()[:N]), (AX,))
+
+
+def _bf16_close(got, ref):
+  """Gradients in their own dtype, within bfloat16's rounding of a sum over N devices."""
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    scale = max(float(jnp.max(jnp.abs(b))), 1e-3)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=2e-2 * scale)
+
+
+def _reduce_types(text: str, op: str) -> list[str]:
+  """Element types of the `op` collectives' operands in lowered StableHLO, scalars
+  (the loss's reduction) left out."""
+  found = re.findall(rf'"stablehlo\.{op}"\(.*?\}}\) : \(tensor<([0-9x]*)(\w+)>', text, re.S)
+  return [t for shape, t in found if shape]
+
+
+def _shard_map_step(loss, rd):
+  def body(p, x, y):
+    v, g = ooo.value_and_grad(
+      loss, mode="data_parallel", axis_name=AX, bucket_bytes=1024, reduce_dtype=rd
+    )(p, x, y)
+    return jax.lax.pmean(v, AX), g
+
+  return jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=(P(), P(AX), P(AX)), out_specs=P()))
+
+
+def test_shard_map_bf16_reduction_matches_value_and_grad(close):
+  loss, params, x, y = _problem()
+  ref = jax.value_and_grad(loss)(params, x, y)
+  f = _shard_map_step(loss, jnp.bfloat16)
+  v, g = f(params, x, y)
+  close(v, ref[0])  # the loss is not a gradient: reduced in f32
+  _bf16_close(g, ref[1])
+  text = f.lower(params, x, y).as_text()
+  types = _reduce_types(text, "all_reduce")
+  assert len(types) >= 2 and set(types) == {"bf16"}, types  # every gradient bucket
+
+
+def test_gspmd_and_fsdp_bf16_reduction(close):
+  loss, params, x, y = _problem()
+  ref = jax.value_and_grad(loss)(params, x, y)
+  mesh = _mesh()
+  data = NamedSharding(mesh, P(AX))
+  # FSDP: each kernel sharded over the data axis on its input dimension, biases replicated
+  fsdp = jax.tree.map(lambda a: NamedSharding(mesh, P(AX, None) if a.ndim == 2 else P()), params)
+
+  def step(p, x, y, shard=None, rd=jnp.bfloat16):
+    if shard is not None:
+      p = jax.lax.with_sharding_constraint(p, shard)
+    x, y = (jax.lax.with_sharding_constraint(v, data) for v in (x, y))
+    return ooo.value_and_grad(loss, mode="data_parallel", reduce_dtype=rd)(p, x, y)
+
+  close(
+    jax.jit(lambda p, x, y: step(p, x, y, rd=None))(params, x, y), ref
+  )  # the default: exact, in f32
+  for shard, op in ((None, "all_reduce"), (fsdp, "reduce_scatter")):
+    f = jax.jit(lambda p, x, y, s=shard: step(p, x, y, s))
+    v, g = f(params, x, y)
+    close(v, ref[0])
+    _bf16_close(g, ref[1])
+    types = _reduce_types(f.lower(params, x, y).as_text(), op)
+    assert types and set(types) == {"bf16"}, (op, types)
+
+
+def test_make_train_step_bf16_cross_step(close):
+  loss, params, x, y = _problem()
+  tx = optax.sgd(0.1)
+  mesh = _mesh()
+  batch = (x, y)
+  lossb = lambda p, b: loss(p, *b)
+  ref = optax.apply_updates(params, tx.update(jax.grad(lossb)(params, batch), tx.init(params))[0])
+  step = dp.make_train_step(
+    lossb, tx, mesh, axis_name=AX, first_k=1, bucket_bytes=4096, reduce_dtype=jnp.bfloat16
+  )
+  state = step.init(params, batch)
+  state, _ = step(state, batch)
+  state = step.flush(state)  # the carried first-k reductions run too, in bf16
+  _bf16_close(state.params, ref)
+  text = step.lower(state, batch).as_text()
+  assert "bf16" in "".join(_reduce_types(text, "all_reduce")), _reduce_types(text, "all_reduce")
+
+
+def test_leaves_at_or_below_the_width_are_untouched():
+  from ooojax.passes.collectives import wire
+
+  assert wire.wire_dtype(jnp.float32, jnp.bfloat16) == jnp.bfloat16
+  assert wire.wire_dtype(jnp.bfloat16, jnp.float16) == jnp.bfloat16  # same width: as it is
+  assert wire.wire_dtype(jnp.float16, None) == jnp.float16
+  assert wire.wire_dtype(jnp.int32, jnp.bfloat16) == jnp.int32
+  sds = jax.ShapeDtypeStruct
+  assert wire.link_bytes(sds((8, 4), jnp.float32), jnp.bfloat16) == 64
+  assert wire.link_bytes(sds((8, 4), jnp.float32)) == 128
+  assert wire.link_bytes(sds((8, 4), jnp.bfloat16), jnp.float32) == 64
+
+
+def test_planner_bytes_halve():
+  from ooojax.passes import schedule as sc, split as sp
+  from ooojax.passes.collectives import plan as collectives
+  from ooojax.passes.cost import CostModel
+
+  def f(ct, w0, w1, x):
+    y, vjp = jax.vjp(lambda w0, w1: jnp.sum(jnp.tanh(x @ w0) @ w1), w0, w1)
+    return (y, *vjp(ct))
+
+  avals = [
+    jax.ShapeDtypeStruct(s, jnp.float32) for s in [(), (1024, 1024), (1024, 1024), (32, 1024)]
+  ]
+  s = sp.split(f, avals, n_grads=2, param_names=["['a']['w']", "['b']['w']"])
+  cm = CostModel("H100")
+  sched = sc.schedule(s, cm, streams=1)
+  kw = dict(bucket_bytes=64 << 20, first_k=0, link="25GbE")
+  full = collectives.plan(s, sched, cm, 8, **kw)
+  half = collectives.plan(s, sched, cm, 8, reduce_dtype=jnp.bfloat16, **kw)
+  total = lambda p: sum(b.nbytes for b in p.buckets)
+  assert total(full) == 2 * 1024 * 1024 * 4 and total(half) == total(full) // 2
+  comm = lambda p: sum(u.cost for u in p.units if u.name.startswith("S"))
+  assert comm(half) < 0.6 * comm(full)  # ring time of half the bytes (+ fixed costs)
+  # the closed-form pricer (bucket size chosen) sees the same bytes
+  chosen = collectives.plan(s, sched, cm, 8, link="25GbE", reduce_dtype=jnp.bfloat16)
+  assert total(chosen) == total(half) and chosen.reduce_dtype == jnp.bfloat16
+
+
+def test_bad_reduce_dtype_errors():
+  loss, params, x, y = _problem()
+  with pytest.raises(TypeError, match="not a float dtype"):
+    ooo.grad(loss, mode="data_parallel", axis_name=AX, reduce_dtype=jnp.int8)
+  with pytest.raises(TypeError, match="not a dtype"):
+    ooo.grad(loss, mode="data_parallel", axis_name=AX, reduce_dtype="bf17")
+  with pytest.raises(ValueError, match="float64 is not supported"):
+    ooo.grad(loss, mode="data_parallel", axis_name=AX, reduce_dtype=jnp.float64)
+  with pytest.raises(ValueError, match="mode='data_parallel' only"):
+    ooo.grad(loss, mode="single_gpu", reduce_dtype=jnp.bfloat16)
+  with pytest.raises(TypeError, match="not a float dtype"):
+    dp.make_train_step(loss, optax.sgd(0.1), _mesh(), axis_name=AX, reduce_dtype=jnp.int32)
