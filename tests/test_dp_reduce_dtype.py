@@ -172,3 +172,43 @@ def test_bad_reduce_dtype_errors():
     ooo.grad(loss, mode="single_gpu", reduce_dtype=jnp.bfloat16)
   with pytest.raises(TypeError, match="not a float dtype"):
     dp.make_train_step(loss, optax.sgd(0.1), _mesh(), axis_name=AX, reduce_dtype=jnp.int32)
+
+
+def test_h100_compiled_reductions_are_bf16():
+  """The compiled compile-only H100 x8 program (FSDP: kernels reduce-scattered,
+  biases all-reduced) runs every gradient collective on bf16 operands."""
+  from ooojax import gpu_hlo
+  from ooojax.passes.hlo import schedule as hlo_schedule
+
+  if gpu_hlo.unavailable_reason() is not None:
+    pytest.skip(f"compile-only H100: {gpu_hlo.unavailable_reason()}")
+  model = MLP()
+  params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 16))))["params"]
+  mesh = gpu_hlo.mesh("H100", 8, (AX,))
+  spec = lambda a: NamedSharding(mesh, P(AX, None) if a.ndim == 2 else P())
+  sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+  shard = jax.tree.map(spec, params)
+  params = jax.tree.map(sds, params, shard)
+  data = NamedSharding(mesh, P(AX))
+  x = jax.ShapeDtypeStruct((64, 16), jnp.float32, sharding=data)
+  y = jax.ShapeDtypeStruct((64,), jnp.int32, sharding=data)
+
+  def loss(p, x, y):
+    logits = model.apply({"params": p}, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  def step(p, x, y):
+    p = jax.lax.with_sharding_constraint(p, shard)
+    x, y = (jax.lax.with_sharding_constraint(v, data) for v in (x, y))
+    return ooo.value_and_grad(loss, mode="data_parallel", reduce_dtype=jnp.bfloat16)(p, x, y)
+
+  s = hlo_schedule.parse(gpu_hlo.compiled(step, params, x, y, mesh=mesh).as_text())
+  shapes = {
+    kind: [p.start.shape for p in s.pairs_of(kind) if p.computation == s.entry_name]
+    for kind in ("all-reduce", "reduce-scatter")
+  }
+  assert shapes["reduce-scatter"], shapes
+  for kind, found in shapes.items():
+    # a gradient's operands are bf16; the loss (f32[], a scalar) is not a gradient
+    grads = [t for t in found if "f32[]" not in t]
+    assert grads and all("bf16[" in t and "f32[" not in t for t in grads), (kind, found)
