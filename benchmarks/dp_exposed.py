@@ -37,15 +37,19 @@ MODELS = (*NANODO, "ResNet-50")
 
 
 def _vg(variant):
-  """ "jax", "ooo" (the default link, NVLink) or "ooo@<link>" (planned for that link)."""
+  """ "jax", "ooo" (the default link, NVLink) or "ooo@<link>" (planned for that link);
+  "ooo+bf16" (or "ooo+bf16@<link>"): with `reduce_dtype=jnp.bfloat16` (opt-in)."""
   import jax
+  import jax.numpy as jnp
 
   import ooojax as ooo
   from ooojax.passes.collectives.plan import get_link
 
   if variant == "jax":
     return jax.value_and_grad
-  link = variant.partition("@")[2] or None
+  base, _, link = variant.partition("@")
+  extra = {"reduce_dtype": jnp.bfloat16} if base.endswith("+bf16") else {}
+  link = link or None
   if link is not None and link not in ("nvlink", "100GbE", "25GbE", "10GbE"):
     from ooojax.passes.hlo.replay import get_link as replay_link
 
@@ -56,6 +60,7 @@ def _vg(variant):
     ordering="none",
     device="H100",
     link=get_link(link),
+    **extra,
   )
 
 
@@ -277,6 +282,38 @@ def acceptance(results: dict, cal: bool = False) -> list[str]:
   ]
 
 
+def bf16_rows(results: dict) -> list[str]:
+  """The opt-in bf16 reduction next to f32, per row and link where it was compiled:
+  exposed ms of plain jit, ooojax f32 and ooojax bf16, the bar and bf16's verdict
+  (roofline; calibrated after the slash)."""
+  lines = [
+    "| model | H100s | FSDP | link | plain jit step (exposed) ms | ooojax f32 step (exposed) ms "
+    "| ooojax bf16 step (exposed) ms | bar ms | bf16 verdict | calibrated: jit / f32 / bf16 "
+    "exposed ms | bar, calibrated ms | bf16 verdict, calibrated |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  ms = lambda r: f"{r['step'] * 1e3:.3f} ({r['exposed'] * 1e3:.3f})"  # noqa: E731
+  for key, r in results.items():
+    if not all(v in r for v in ("jax", "ooo", "ooo+bf16")):
+      continue
+    name, n, fsdp = key.split("|")
+    j, o, h = r["jax"], r["ooo"], r["ooo+bf16"]
+    for link in LINKS:
+      a, b, c = j[link], o[link], h[link]
+      cal = ""
+      if all("cal" in x for x in (j, o, h)):
+        ca, cb, cc = j["cal"][link], o["cal"][link], h["cal"][link]
+        cal = (
+          f"{ca['exposed'] * 1e3:.3f} / {cb['exposed'] * 1e3:.3f} / {cc['exposed'] * 1e3:.3f} "
+          f"| {0.5 * ca['exposed'] * 1e3:.3f} | {verdict(ca, cc)} |"
+        )
+      lines.append(
+        f"| {name} | {n} | {fsdp} | {link} | {ms(a)} | {ms(b)} | {ms(c)} | "
+        f"{0.5 * a['exposed'] * 1e3:.3f} | {verdict(a, c)} | " + (cal or "- | - | - |")
+      )
+  return lines
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(
     prog="python -m benchmarks.dp_exposed",
@@ -292,6 +329,12 @@ def main(argv=None):
     "--rereplay",
     action="store_true",
     help="replay the cached entries' HLO in --hlo-dir again (no compile; temp from --json)",
+  )
+  ap.add_argument(
+    "--variants",
+    nargs="+",
+    default=["jax", "ooo"],
+    help='compiled variants: "jax", "ooo", "ooo+bf16" (reduce_dtype=jnp.bfloat16, opt-in)',
   )
   ap.add_argument("--write", action="store_true")
   a = ap.parse_args(argv)
@@ -318,7 +361,7 @@ def main(argv=None):
     for name in a.models:
       for fsdp in (False, True) if name != "ResNet-50" else (False,):
         key = f"{name}|{n}|{'yes' if fsdp else 'no'}"
-        for variant in ("jax", "ooo"):
+        for variant in a.variants:
           if variant in cache.get(key, {}):
             continue
           cache.setdefault(key, {})[variant] = measure(name, variant, n, fsdp, a.layers, a.hlo_dir)
@@ -339,6 +382,13 @@ def main(argv=None):
     *acceptance(done, cal=True),
     "",
   ]
+  if any("ooo+bf16" in v for v in done.values()):
+    lines += [
+      "The opt-in bf16 reduction (`reduce_dtype=jnp.bfloat16`; changes the numbers):",
+      "",
+      *bf16_rows(done),
+      "",
+    ]
   _report.emit(lines, a.write)
 
 

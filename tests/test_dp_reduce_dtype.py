@@ -212,3 +212,31 @@ def test_h100_compiled_reductions_are_bf16():
     # a gradient's operands are bf16; the loss (f32[], a scalar) is not a gradient
     grads = [t for t in found if "f32[]" not in t]
     assert grads and all("bf16[" in t and "f32[" not in t for t in grads), (kind, found)
+
+
+def test_explain_says_link_bound_and_predicts_bf16():
+  d, layers = 512, 4
+  params = {f"l{i}": {"w": jax.ShapeDtypeStruct((d, d), jnp.float32)} for i in range(layers)}
+  x = jax.ShapeDtypeStruct((32, d), jnp.float32)
+
+  def loss(p, x):
+    for i in range(layers):
+      x = jnp.tanh(x @ p[f"l{i}"]["w"])
+    return jnp.mean(x**2)
+
+  kw = dict(mode="data_parallel", axis_name="b", axis_size=8, device="H100", link="25GbE")
+  r = ooo.explain(loss, params, x, **kw)
+  assert r.link_bound and r.link_floor > 0.5 * r.exposed_seconds
+  low = r.bf16_plan
+  assert sum(b.nbytes for b in low.buckets) * 2 == sum(b.nbytes for b in r.plan.buckets)
+  text = repr(r)
+  assert "link-bound (simulated)" in text and "reduce_dtype=jnp.bfloat16" in text, text
+  assert "changes the numbers" in text
+  # the report asked for bf16 is that prediction, and suggests nothing more
+  r16 = ooo.explain(loss, params, x, reduce_dtype=jnp.bfloat16, **kw)
+  assert r16.bf16_plan is None and r16.plan.makespan == pytest.approx(low.makespan)
+  assert r16.exposed_seconds < 0.6 * r.exposed_seconds
+  assert "(reduced in bfloat16)" in repr(r16) and "reduce_dtype=jnp" not in repr(r16)
+  # NVLink and 128x the rows: the backward covers the link, nothing said
+  big = jax.ShapeDtypeStruct((4096, d), jnp.float32)
+  assert "link-bound" not in repr(ooo.explain(loss, params, big, **{**kw, "link": "nvlink"}))

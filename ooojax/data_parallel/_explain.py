@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 
+from ooojax.data_parallel import _link_bound
 from ooojax.passes.collectives import plan as collectives
 from ooojax.passes.simulate import Timeline
 
@@ -58,6 +59,8 @@ class DataParallelReport:
   call: Any = dataclasses.field(default=None, compare=False, repr=False)  # for compiled()
   # predicted per-device memory beside plain GSPMD's (`data_parallel._memory`)
   memory: Any = None
+  # the same plan with `reduce_dtype=jnp.bfloat16` (where it would halve the bytes)
+  bf16_plan: collectives.CollectivePlan | None = None
 
   mode = "data_parallel"
 
@@ -142,6 +145,16 @@ class DataParallelReport:
     return max(self.plan.makespan - self.compute_seconds, 0.0)
 
   @property
+  def link_floor(self) -> float:
+    """Exposed time no schedule reducing within the step avoids (simulated; see
+    `data_parallel._link_bound`)."""
+    return _link_bound.floor(self.plan)
+
+  @property
+  def link_bound(self) -> bool:
+    return _link_bound.bound(self.plan)
+
+  @property
   def overlap(self) -> float:
     """Share of the communication hidden under compute (1.0 = all of it)."""
     c = self.comm_seconds
@@ -156,7 +169,9 @@ class DataParallelReport:
       f"ooojax data-parallel plan (axis {self.axis_name!r} x {p.n_devices} devices, link "
       f"{p.link.name}, device spec={self.compute.schedule.device})",
       f"  gradients: {len(self.param_names)} leaves in {p.n_layers} layers ({n_heavy} with a "
-      f"conv/matmul weight), {total} bytes; dW clusters (one per leaf): {len(split.clusters)}",
+      f"conv/matmul weight), {total} bytes on the link"
+      + (f" (reduced in {jax.numpy.dtype(p.reduce_dtype).name})" if p.reduce_dtype else "")
+      + f"; dW clusters (one per leaf): {len(split.clusters)}",
       "  what the plan does: each device computes the gradient of its shard; a bucket is a "
       "group of gradient leaves reduced over the devices by one all-reduce, issued as soon "
       "as the backward has produced all of them, so it runs while the rest of the backward "
@@ -201,6 +216,8 @@ class DataParallelReport:
       f"backward {self.baseline * 1e3:.3f} ms ({self.baseline / p.makespan:.2f}x){cross}"
     )
     lines.append(self._carried_line())
+    if self.link_bound:
+      lines.append(_link_bound.line(self))
     if p.makespan >= self.baseline * (1 - STEP_ASIDE):
       lines.append(
         "  nothing to gain on this link: early buckets do not beat one all-reduce after the "
@@ -411,9 +428,22 @@ def explain_dp(
   plan, _ = vg.plan(args, kwargs)
   split, sched = plan.split, plan.schedule
   cm = CostModel(opts.device, opts.measured)
-  cp = collectives.plan(
-    split, sched, cm, n, opts.link, opts.bucket_bytes, opts.first_k, cross_step=bool(cross_step)
+  plan_with = lambda rd: collectives.plan(  # noqa: E731
+    split,
+    sched,
+    cm,
+    n,
+    opts.link,
+    opts.bucket_bytes,
+    opts.first_k,
+    cross_step=bool(cross_step),
+    reduce_dtype=rd,
   )
+  cp = plan_with(opts.reduce_dtype)
+  # what bf16 on the link would predict, shown where the plan is link-bound
+  low = None
+  if n > 1 and _link_bound.bf16_cuts_bytes(opts.reduce_dtype, split):
+    low = plan_with(jax.numpy.bfloat16)
   base = collectives.build_plan(
     split,
     sched,
@@ -424,6 +454,7 @@ def explain_dp(
     in_loop=False,
     cross=False,
     costs=collectives.BucketCosts.of(cm.spec) if n > 1 else None,
+    reduce_dtype=opts.reduce_dtype,
   ).makespan
   names = _param_names(args, argnums, idx, plan.out_tree[3])
   chosen = tuple(k for k in ("bucket_bytes", "first_k") if getattr(opts, k) is None)
@@ -432,7 +463,7 @@ def explain_dp(
     args, argnums, idx, plan.out_tree[3], split, cp, names, opts, n, cm.spec.name
   )
   return DataParallelReport(
-    Report(split, sched, "in_order"), cp, opts.axis_name, names, base, chosen, call, memory
+    Report(split, sched, "in_order"), cp, opts.axis_name, names, base, chosen, call, memory, low
   )
 
 
