@@ -240,3 +240,22 @@ def test_explain_says_link_bound_and_predicts_bf16():
   # NVLink and 128x the rows: the backward covers the link, nothing said
   big = jax.ShapeDtypeStruct((4096, d), jnp.float32)
   assert "link-bound" not in repr(ooo.explain(loss, params, big, **{**kw, "link": "nvlink"}))
+
+
+def test_scan_stack_reduced_per_layer_in_bf16():
+  """The per-layer reductions inside a split backward scan (`collectives.loops`) too."""
+  from tests.test_scan_dp import AX as SAX, _lax_mlp, _mesh as scan_mesh
+
+  loss, (p, x), specs = _lax_mlp()
+  ref = jax.grad(loss)(p, x)
+
+  def body(p, x):
+    opts = dict(bucket_bytes=1, first_k=0, reduce_dtype=jnp.bfloat16)
+    return ooo.grad(loss, mode="data_parallel", axis_name=SAX, **opts)(p, x)
+
+  f = jax.jit(jax.shard_map(body, mesh=scan_mesh(), in_specs=specs, out_specs=P()))
+  _bf16_close(f(p, x), ref)
+  text = f.lower(p, x).as_text()
+  types = _reduce_types(text, "all_reduce")
+  # inside the loop (one layer per trip), the epilogue's last layer, the head's bucket
+  assert len(types) == 3 and set(types) == {"bf16"}, types
