@@ -24,15 +24,20 @@ AX = "data"
 
 def _problem():
   model = MLP()
-  x = jax.random.normal(jax.random.PRNGKey(1), (8, 12))
-  y = jax.random.randint(jax.random.PRNGKey(2), (8,), 0, 10)
-  params = model.init(jax.random.PRNGKey(0), x[:1])["params"]
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(8, 12)), jnp.float32)
+  y = jnp.asarray(rng.integers(0, 10, 8), jnp.int32)
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), x[:1])["params"]
 
   def loss(p, x, y):
     logits = model.apply({"params": p}, x)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
   return loss, params, x, y
+
+
+def _reference(loss, *args):
+  return jax.jit(jax.value_and_grad(loss))(*args)  # one compile, not op by op
 
 
 def _mesh():
@@ -66,7 +71,7 @@ def _shard_map_step(loss, rd):
 
 def test_shard_map_bf16_reduction_matches_value_and_grad(close):
   loss, params, x, y = _problem()
-  ref = jax.value_and_grad(loss)(params, x, y)
+  ref = _reference(loss, params, x, y)
   f = _shard_map_step(loss, jnp.bfloat16)
   v, g = f(params, x, y)
   close(v, ref[0])  # the loss is not a gradient: reduced in f32
@@ -78,7 +83,7 @@ def test_shard_map_bf16_reduction_matches_value_and_grad(close):
 
 def test_gspmd_and_fsdp_bf16_reduction(close):
   loss, params, x, y = _problem()
-  ref = jax.value_and_grad(loss)(params, x, y)
+  ref = _reference(loss, params, x, y)
   mesh = _mesh()
   data = NamedSharding(mesh, P(AX))
   # FSDP: each kernel sharded over the data axis on its input dimension, biases replicated
@@ -108,7 +113,9 @@ def test_make_train_step_bf16_cross_step(close):
   mesh = _mesh()
   batch = (x, y)
   lossb = lambda p, b: loss(p, *b)
-  ref = optax.apply_updates(params, tx.update(jax.grad(lossb)(params, batch), tx.init(params))[0])
+  ref = optax.apply_updates(
+    params, tx.update(jax.jit(jax.grad(lossb))(params, batch), tx.init(params))[0]
+  )
   step = dp.make_train_step(
     lossb, tx, mesh, axis_name=AX, first_k=1, bucket_bytes=4096, reduce_dtype=jnp.bfloat16
   )
@@ -161,7 +168,7 @@ def test_planner_bytes_halve():
 
 
 def test_bad_reduce_dtype_errors():
-  loss, params, x, y = _problem()
+  loss = lambda p, b: jnp.sum(p * b)  # noqa: E731
   with pytest.raises(TypeError, match="not a float dtype"):
     ooo.grad(loss, mode="data_parallel", axis_name=AX, reduce_dtype=jnp.int8)
   with pytest.raises(TypeError, match="not a dtype"):
@@ -247,7 +254,7 @@ def test_scan_stack_reduced_per_layer_in_bf16():
   from tests.test_scan_dp import AX as SAX, _lax_mlp, _mesh as scan_mesh
 
   loss, (p, x), specs = _lax_mlp()
-  ref = jax.grad(loss)(p, x)
+  ref = jax.jit(jax.grad(loss))(p, x)
 
   def body(p, x):
     opts = dict(bucket_bytes=1, first_k=0, reduce_dtype=jnp.bfloat16)
