@@ -62,8 +62,8 @@ class Options:
   reduce_dtype: mode="data_parallel" only, opt-in: the dtype the gradients'
     all-reduces / reduce-scatters run in (`jnp.bfloat16`, `jnp.float16`; as
     PyTorch DDP's `bf16_compress_hook` or FSDP's `MixedPrecision(reduce_dtype=)`).
-    A float leaf wider than it is scaled by 1/n (mean), cast, summed in that dtype
-    and cast back: the gradient keeps its dtype, with the low dtype's rounding
+    A float leaf wider than it is scaled by 1/n (mean; `reduce="sum"` scales
+    nothing, so float16 may overflow there), cast, summed in that dtype and cast back: the gradient keeps its dtype, with the low dtype's rounding
     (no longer equal to `jax.grad` to float32 precision), and half the bytes on
     the link for bfloat16 from float32. None (default): each leaf in its own dtype,
     exact. See `passes.collectives.wire`.
