@@ -281,13 +281,14 @@ def _shard(
     specs, args = specs + (o_spec, rep(o_rep)), args + (split(o_stage), o_rep)
     out_specs = (P(), p_spec, rep(shared), o_spec, rep(o_rep))
   fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)
+  if g_dims:  # keep: each device's stage sliced first, then only it gathered (a
+    # stack split over the data axis resharded over the stages at once is
+    # gathered whole on every device: XLA's "involuntary full rematerialization")
+    place = jax.reshard if _explicit(mesh) else jax.lax.with_sharding_constraint
+    first = jax.tree.map(lambda x, sp: place(x, NamedSharding(mesh, sp)), args[0], g_spec)
+    args = (first, *args[1:])
   if _explicit(mesh):  # explicit-sharding meshes want arguments already placed
-    put = lambda x, sp: jax.reshard(x, NamedSharding(mesh, sp))  # noqa: E731
-    if g_dims:  # keep: each device's stage sliced first, then only it gathered (a
-      # stack split over the data axis resharded over the stages at once is
-      # gathered whole on every device: XLA's "involuntary full rematerialization")
-      args = (jax.tree.map(put, args[0], g_spec), *args[1:])
-    args = tuple(jax.tree.map(put, args, specs))
+    args = tuple(jax.tree.map(lambda x, sp: jax.reshard(x, NamedSharding(mesh, sp)), args, specs))
   loss, per_chunk, last, *opt = fn(*args)
   trees = (per_chunk,) if opt_state is None else (per_chunk, opt[0])
   out = []
