@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only GPUs beside a CPU host
 
@@ -37,9 +38,50 @@ def _loss(p, x, y):
   return jnp.mean((x - y) ** 2)
 
 
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4}
+_REDUCE = re.compile(r" = (.*?) (all-reduce|reduce-scatter)(-start)?\(")
+
+
+def _bytes(types: str) -> int:
+  """The bytes of the arrays an HLO type names ("(f32[2,8]{1,0}, f32[])")."""
+  total = 0
+  for t, dims in re.findall(r"\b(f32|bf16|f16|s32)\[([\d,]*)\]", types):
+    n = _BYTES[t]
+    for d in filter(None, dims.split(",")):
+      n *= int(d)
+    total += n
+  return total
+
+
+def _data(m) -> int:
+  """The bytes an all-reduce or reduce-scatter reduces (its operands)."""
+  types = m.group(1)
+  if m.group(3):  # async start: ((operands), results)
+    return _bytes(types[1 : types.index(")")])
+  return _bytes(types) * (2 if m.group(2) == "reduce-scatter" else 1)  # 2 replicas
+
+
+def reductions(text: str) -> tuple[int, int, float]:
+  """(all-reduces of arrays, reduce-scatters, bytes a device sends for them outside
+  the tick loop) in a compiled program's text, 2 data replicas, ring: an all-reduce
+  sends its bytes, a reduce-scatter half; the loss's scalar all-reduce left out."""
+  ar = rs = 0
+  for m in map(_REDUCE.search, text.split("\n")):
+    if m and _data(m) > 4:
+      ar, rs = ar + (m.group(2) == "all-reduce"), rs + (m.group(2) == "reduce-scatter")
+  entry = text[text.index("ENTRY") :]
+  entry = entry[: entry.index("\n}")]
+  sent = 0.0
+  for m in map(_REDUCE.search, entry.split("\n")):
+    if m and _data(m) > 4:
+      sent += _data(m) / (1 if m.group(2) == "all-reduce" else 2)
+  return ar, rs, sent
+
+
 def measure(dim: int, layers: int = 8, rows: int = 16, train: bool = True) -> dict:
-  """{(form, fsdp): (temp, argument, output bytes, all-gathers, reduce-scatters, mode run)}
-  per device; form "value_and_grad" or "train step" (`make_train_step`, Adam)."""
+  """{(form, fsdp): (temp, argument, output bytes, all-gathers, reduce-scatters, mode run,
+  all-reduces of arrays, bytes the reductions outside the tick loop send)} per device;
+  form "value_and_grad" or "train step" (`make_train_step`, Adam)."""
   import optax
 
   import ooojax as ooo
@@ -61,13 +103,16 @@ def measure(dim: int, layers: int = 8, rows: int = 16, train: bool = True) -> di
 
   def row(c, mode):
     m, text = c.memory_analysis(), c.as_text()
+    ar, rs, sent = reductions(text)
     return (
       m.temp_size_in_bytes,
       m.argument_size_in_bytes,
       m.output_size_in_bytes,
       text.count("all-gather-start(") + text.count(" all-gather("),
-      text.count("reduce-scatter("),
+      rs,
       mode,
+      ar,
+      sent,
     )
 
   with jax.set_mesh(g):
@@ -98,19 +143,23 @@ def main(argv=None):
     "'data'), 1F1B, a batch of 16 rows in 4 microbatches, each split over the 2 replicas; "
     "the automatic `value_and_grad` jitted, and `make_train_step` with Adam (its state "
     "the arguments); XLA's memory_analysis() per device (MB), and the all-gather / "
-    "reduce-scatter instructions of the compiled program (not executions); nothing ran. "
-    "`runs`: the mode each option compiled (`fsdp='auto'`: fsdp_mode's rule on an 80 GB H100).",
+    "reduce-scatter / all-reduce (of arrays: the loss's scalar left out) instructions of "
+    "the compiled program (not executions); `reduced MB`: what a device sends for the "
+    "all-reduces and reduce-scatters outside the tick loop (ring over the 2 replicas: an "
+    "all-reduce its bytes, a reduce-scatter half), regather's inside the loop not counted; "
+    "nothing ran. `runs`: the mode each option compiled (`fsdp='auto'`: fsdp_mode's rule "
+    "on an 80 GB H100).",
     "",
     "| dim | form | fsdp | runs | temporary | arguments | outputs | all-gather instr. "
-    "| reduce-scatter instr. | temp / keep |",
-    "|---|---|---|---|---|---|---|---|---|---|",
+    "| reduce-scatter instr. | all-reduce instr. | reduced MB | temp / keep |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for d in a.dims:
     r = measure(d)
-    for (form, fsdp), (t, arg, o, ag, rs, mode) in r.items():
+    for (form, fsdp), (t, arg, o, ag, rs, mode, ar, sent) in r.items():
       lines.append(
         f"| {d} | {form} | {fsdp} | {mode} | {t / 1e6:.2f} | {arg / 1e6:.2f} | {o / 1e6:.2f} "
-        f"| {ag} | {rs} | {t / r[form, 'keep'][0]:.2f} |"
+        f"| {ag} | {rs} | {ar} | {sent / 1e6:.2f} | {t / r[form, 'keep'][0]:.2f} |"
       )
   _report.emit(lines, a.write)
 

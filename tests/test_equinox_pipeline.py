@@ -128,15 +128,15 @@ def _fsdp_mlp():
   return model, x, y, mesh
 
 
-def test_fsdp_within_stages_on_a_module(close):
+@pytest.mark.parametrize("fsdp", ["regather", "keep"])
+def test_fsdp_within_stages_on_a_module(close, fsdp):
   # (2 data x 4 stage) explicit mesh, every Linear's weight split over the data axis
-  # on its input dimension (FSDP within the stage, issue 49): each action gathers
-  # it, its gradient comes back split the same way and equals Equinox's
+  # on its input dimension (FSDP within the stage, issue 49): each action gathers it
+  # (regather; keep gathers the stages before the loop and reduce-scatters the
+  # gradients after it), its gradient comes back split the same way and equals Equinox's
   model, x, y, mesh = _fsdp_mlp()
   kw = dict(mesh=mesh, axis_name="stage", data_axis="data", microbatches=4, schedule="1f1b")
-  loss, g = eqx.filter_jit(ooo.pipeline.value_and_grad(M.mlp_loss, fsdp="regather", **kw))(
-    model, x, y
-  )
+  loss, g = eqx.filter_jit(ooo.pipeline.value_and_grad(M.mlp_loss, fsdp=fsdp, **kw))(model, x, y)
   ref, rg = eqx.filter_jit(eqx.filter_value_and_grad(M.mlp_loss))(model, x, y)
   close(loss, ref)
   close(_inexact(g), _inexact(rg))

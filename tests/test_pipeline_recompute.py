@@ -84,3 +84,21 @@ def test_recompute_default_and_bad_value(monkeypatch):
   monkeypatch.setenv(RECOMPUTE, "always")
   with pytest.raises(ValueError, match="use auto"):
     recompute_costs("cpu")
+
+
+def test_small_layernorm_statistics_are_saved_on_a_gpu(monkeypatch):
+  """dim 16 (8 x 16 elements a statistic): under `fused` F saves the statistics,
+  which XLA:GPU would not fuse into B's kernels at this size
+  (`recompute.SMALL_REDUCE`); B still recomputes the rest (rsqrt and the centred
+  input from them), so the record stays below `off`'s."""
+  monkeypatch.setenv(RECOMPUTE, "fused")
+  stage_fn, loss_fn, params, batch = mlp_stack.make(vstages=2, layers=4, dim=16, hidden=64)
+  sched = ooo.pipeline.schedule("1f1b", stages=2, microbatches=4)
+  prog = program(stage_fn, loss_fn, sched, params, batch)
+  fl = prog.flavors[0]
+  again = {fl.jaxpr.eqns[k].primitive.name for k in set(fl.f_eqns) & set(fl.b_eqns)}
+  assert (ROWS, 1) in _shapes(fl.fres) and "reduce_sum" not in again, again
+  fused = memory_of(prog, sched, params).fres
+  monkeypatch.setenv(RECOMPUTE, "off")
+  off = memory_of(program(stage_fn, loss_fn, sched, params, batch), sched, params).fres
+  assert fused < off, (fused, off)

@@ -178,3 +178,30 @@ def test_h100_tick_loop_launches_fewer_slice_kernels(monkeypatch):
   assert (c_re, s_re) == (c_dyn, s_dyn), got
   assert k_re <= k_dyn - 3 * (L - 1), got
   assert t_re < t_dyn, got
+
+
+@pytest.mark.skipif(
+  gpu_hlo.unavailable_reason() is not None,
+  reason=f"compile-only GPU: {gpu_hlo.unavailable_reason()}",
+)
+def test_h100_small_layernorm_is_not_recomputed(monkeypatch):
+  """D=16 (a microbatch's LayerNorm reads 8 x 16 elements): XLA:GPU does not fuse
+  the statistics into B's LayerNorm backward at this size, so the GPU's default
+  saves them (`recompute.SMALL_REDUCE`) and launches no more loop kernels than F
+  saving everything (71 both on jax 0.11.2, 66 on 0.12; recomputing them was 76
+  and 68), in less temporary memory (its tanh and centred inputs still recomputed)."""
+  from benchmarks import _mlp_model as model, executor_cost
+  from ooojax.passes.pipeline.tick_options import RECOMPUTE
+
+  monkeypatch.setenv("OOOJAX_TICKS", "switch")
+  L, D = 4, 16
+  mesh = gpu_hlo.mesh("H100", 1, ("stage",))
+  params, batch = model.make_params(1, L, D, 4 * D), model.make_batch(32, D)
+  sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+  got = {}
+  for rc in ("off", "auto"):
+    monkeypatch.setenv(RECOMPUTE, rc)
+    f, args = executor_cost.steps(4, mesh, params, batch)["executor/4"]
+    c = gpu_hlo.compiled(f, *jax.tree.map(sds, args), mesh=mesh)
+    got[rc] = (executor_cost.loop_kernels(c.as_text()), c.memory_analysis().temp_size_in_bytes)
+  assert got["auto"][0] <= got["off"][0] and got["auto"][1] < got["off"][1], got

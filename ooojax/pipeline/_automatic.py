@@ -322,9 +322,10 @@ def _auto_program(
   lowering=None,
   state_argnums=(),
   fsdp: str = "auto",
+  split_dims: tuple | None = None,
 ) -> _AutoProgram:
   """`_auto_parts` lowered (`execute.lower`, or `lowering(cut, stage_fn, loss_fn,
-  input_fn)`: the tiled train step's)."""
+  input_fn)`: the tiled train step's); `split_dims`: `execute.lower`'s."""
   D = mesh.shape[data_axis] if data_axis in mesh.shape else 1
   parts = _auto_parts(
     loss_fn,
@@ -353,6 +354,7 @@ def _auto_program(
       device_major,
       has_aux=c.n_aux > 0,
       fsdp=fsdp,
+      split_dims=split_dims,
     )
   b_leaves = jax.tree.leaves(batch)
   order = device_order(sched) if device_major and sched.chunks > 1 else None

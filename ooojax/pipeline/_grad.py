@@ -117,8 +117,8 @@ def value_and_grad(
       them split on each replica, all-gathers a chunk's weights inside each
       action that reads them (F, B, W) and reduce-scatters each W's gradient,
       which comes back split as the weight is; "keep" gathers every stage's
-      weights once before the tick loop and holds them for the step (their
-      gradient still comes back split); "auto" (the default) keeps, unless a device's
+      weights once before the tick loop and holds them for the step, and
+      reduce-scatters their gradient once after it (it comes back split); "auto" (the default) keeps, unless a device's
       stages gathered take over a quarter of its memory (the mesh's devices:
       H100, H200, A100, V100; a CPU's is unknown), as data parallel's
       `fsdp="auto"` (`passes.collectives.fsdp_mode`). `explain` says which, and why.

@@ -131,8 +131,8 @@ def make_train_step(
       read from the shardings of `init`'s parameters: a stack's leaf split over
       `data_axis` on one of its own dimensions (the same in every layer) stays
       split in the state, its optimizer state too (`steps=1`; the tiled step
-      gathers the stages); "keep" gathers it at the start of each step, "regather"
-      in each action. `step.fsdp_choice` says which ran and why.
+      gathers the stages); "keep" gathers it at the start of each step and
+      reduce-scatters its gradient at the end, "regather" in each action. `step.fsdp_choice` says which ran and why.
       `step.params(state)` gives each leaf back with the sharding `init`'s had.
     state_argnums: model state arguments (BatchNorm statistics), as in
       `value_and_grad`: pass the state in each call's batch and take the updated

@@ -97,7 +97,8 @@ class StageFsdp:
     if self.mode == "keep":
       return (
         f"{head}\n    gathered: every stage's whole, once before the tick loop, held for the "
-        f"step: {mb(self.whole)} per device of weights and as much of gradients "
+        f"step: {mb(self.whole)} per device of weights and as much of gradients, "
+        "reduce-scattered once after the loop "
         f"(fsdp='regather': {mb(self.whole // self.size)} each)"
       )
     return (

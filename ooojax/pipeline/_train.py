@@ -126,6 +126,7 @@ class PipelineTrainStep:
       lowering=lowering,
       state_argnums=self.state_argnums,
       fsdp=self._layout.fsdp if self._regathers() else "keep",
+      split_dims=self._layout and self._layout.fsdp,  # keep: gradients split as the state
     )
 
   def _regathers(self) -> bool:
@@ -385,9 +386,6 @@ class PipelineTrainStep:
     sp = state.params
     out, (gp, gsh) = prog.run(tuple(sp.stacked) + prog.state_cols, prog.batch, sp.shared)
     loss, aux, gp = prog.split(out, gp)
-    if lay.fsdp and not self._regathers():  # keep: the gradients split as the state is
-      sh = self._shardings(jax.eval_shape(lambda s: s, state)).params.stacked
-      gp = [jax.device_put(g, s) for g, s in zip(gp, sh)]
     if self.has_aux:
       loss = (loss, prog.aux(aux, self.aux_reduce))
     return loss, StageParams(tuple(gp), tuple(gsh), tuple(jnp.zeros_like(x) for x in sp.rest))

@@ -105,6 +105,7 @@ def lower(
   device_major: bool = False,
   has_aux: bool = False,
   fsdp: str | tuple = "auto",
+  split_dims: tuple | None = None,
 ) -> Callable:
   """Returns `step(stage_params, batch, shared=None) -> (loss, grads)`; see the module doc.
 
@@ -128,10 +129,12 @@ def lower(
   dimensions over it (`fsdp.data_dims`) stay split on each replica: with
   `fsdp="regather"` each action gathers them and each W reduce-scatters their
   gradient, which comes back split as they are (`passes.pipeline.fsdp`);
-  `fsdp="keep"` gathers the stages whole before the loop; `"auto"` (the default)
-  keeps unless a device's stages gathered are over a quarter of its memory
-  (`fsdp.choose`); a tuple gives each leaf's split dimension (or None) as the
-  caller laid the stack out (regathered).
+  `fsdp="keep"` gathers the stages whole before the loop and reduce-scatters
+  their gradients once after it (split as the weights are); `"auto"` (the
+  default) keeps unless a device's stages gathered are over a quarter of its
+  memory (`fsdp.choose`); a tuple gives each leaf's split dimension (or None) as
+  the caller laid the stack out (regathered). `split_dims`: those dimensions for
+  keep (make_train_step's state, whose tracers need not carry their sharding).
   """
   _check(sched, mesh, axis_name)
   given = fsdp if isinstance(fsdp, tuple) else None  # the caller's layout (make_train_step)
@@ -169,6 +172,10 @@ def lower(
         leaves = jax.tree.leaves(stage_params)
         mode = choose(fsdp, leaves, split, sched.stages, M, D, spec_name(mesh)).mode
     dims = data_dims(stage_params, data_axis if mode == "regather" else None, given)
+    kept = None  # keep: the leaves whose gradients are reduce-scattered after the loop
+    if mode == "keep" and data_axis is not None:
+      kept = data_dims(stage_params, data_axis, split_dims)
+      kept = kept if any(d is not None for d in kept) else None
     body = tick_loop(
       prog,
       sched.stages,
@@ -179,6 +186,7 @@ def lower(
       data_axis=data_axis,
       **_mesh_options(mesh, sched, prog),
       fsdp=Fsdp.of(dims, data_axis, D),
+      scatter=kept and Fsdp.of(kept, data_axis, D),
     )
     loss, gp, gsh = _shard(
       body,
@@ -192,17 +200,8 @@ def lower(
       data_axis=data_axis,
       device_major=device_major,
       p_dims=dims,
+      g_dims=kept,
     )
-    if mode == "keep" and data_axis is not None:  # each gradient split as its weight is
-      split = data_dims(stage_params, data_axis)
-      if any(d is not None for d in split):
-        g_leaves, g_def = jax.tree.flatten(gp)
-        spec = lambda d: P(axis_name, *[None] * (d - 1), data_axis)  # noqa: E731
-        g_leaves = [
-          g if d is None else jax.device_put(g, NamedSharding(mesh, spec(d)))
-          for g, d in zip(g_leaves, split)
-        ]
-        gp = g_def.unflatten(g_leaves)
     return loss, (gp if shared is None else (gp, gsh))
 
   return step
@@ -232,11 +231,13 @@ def _shard(
   data_axis=None,
   device_major=False,
   p_dims=None,
+  g_dims=None,
 ):
   """Runs `body` under `shard_map`: each device gets its chunks' weights (and
   optimizer states); returns what it returns, per-chunk trees back in
   virtual-stage order. `p_dims[k]`: the dimension of weight leaf k split over
-  `data_axis` (FSDP within the stage: its part only, and its gradient's), or None."""
+  `data_axis` (FSDP within the stage: its part only, and its gradient's), or None;
+  `g_dims`: the gradients' (keep: the weights come whole, their gradients split)."""
   S, v = sched.stages, sched.chunks
   # Chunk c of device s is virtual stage sched.vstage(s, c): one (S, ...) tree per
   # chunk, so a device's chunk weights arrive as their own buffers (no slicing).
@@ -258,11 +259,14 @@ def _shard(
     )
     from_dev = lambda *xs: jnp.stack(xs, 1).reshape(S * v, *xs[0].shape[1:])  # noqa: E731
   p_leaves, p_def = jax.tree.flatten(stage_params)
-  dims = p_dims or (None,) * len(p_leaves)
-  p_spec = jax.tree.unflatten(
-    p_def, [P(axis_name) if d is None else P(axis_name, *[None] * (d - 1), data_axis) for d in dims]
-  )
-  p_spec = (p_spec,) * v
+
+  def spec(ds):  # per chunk, each leaf's: over the stages, and its dimension ds[k] over data
+    ds = ds or (None,) * len(p_leaves)
+    one = [P(axis_name) if d is None else P(axis_name, *[None] * (d - 1), data_axis) for d in ds]
+    return (jax.tree.unflatten(p_def, one),) * v
+
+  p_spec = spec(p_dims)
+  g_spec = spec(g_dims) if g_dims else p_spec
   rep = lambda t: jax.tree.map(lambda _: P(), t)  # noqa: E731
   dat = lambda t: jax.tree.map(lambda _: P(None, data_axis), t)  # noqa: E731
   per_mb = dat if data_axis else rep  # (microbatch, rows, ...): rows over the data axis
@@ -270,13 +274,19 @@ def _shard(
   specs = (p_spec, rep(shared), per_mb(batch_m), rep(consts))
   args = (split(stage_params), shared, batch_m, consts)
   if opt_state is None:
-    out_specs = (P(), p_spec, rep(shared))
+    out_specs = (P(), g_spec, rep(shared))
   else:
     o_stage, o_rep = opt_state
     o_spec = tuple(jax.tree.map(lambda _: P(axis_name), o_stage) for _ in range(v))
     specs, args = specs + (o_spec, rep(o_rep)), args + (split(o_stage), o_rep)
     out_specs = (P(), p_spec, rep(shared), o_spec, rep(o_rep))
   fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)
+  if g_dims:  # keep: each device's stage sliced first, then only it gathered (a
+    # stack split over the data axis resharded over the stages at once is
+    # gathered whole on every device: XLA's "involuntary full rematerialization")
+    place = jax.reshard if _explicit(mesh) else jax.lax.with_sharding_constraint
+    first = jax.tree.map(lambda x, sp: place(x, NamedSharding(mesh, sp)), args[0], g_spec)
+    args = (first, *args[1:])
   if _explicit(mesh):  # explicit-sharding meshes want arguments already placed
     args = tuple(jax.tree.map(lambda x, sp: jax.reshard(x, NamedSharding(mesh, sp)), args, specs))
   loss, per_chunk, last, *opt = fn(*args)
@@ -287,7 +297,7 @@ def _shard(
       # off the stage axis; a weight split over the data axis (FSDP) stays split
       whole = lambda x, sp=P(): jax.reshard(x, NamedSharding(mesh, P(None, *sp[1:])))  # noqa: E731
       t = tuple(
-        jax.tree.map(whole, tc, p_spec[0]) if k == 0 else jax.tree.map(whole, tc) for tc in t
+        jax.tree.map(whole, tc, g_spec[0]) if k == 0 else jax.tree.map(whole, tc) for tc in t
       )
     out.append(jax.tree.map(from_dev, *t))
   if opt_state is None:

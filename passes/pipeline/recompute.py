@@ -58,17 +58,26 @@ PER_VALUE = 4096
 class Costs:
   """`balance`: flops worth one byte moved; `launch`: bytes-equivalent of a kernel
   of its own, what a value recomputed for a GEMM (or any equation that is not
-  cheap) costs, where one read by cheap equations fuses into their kernel."""
+  cheap) costs, where one read by cheap equations fuses into their kernel;
+  `min_reduce`: a reduction of fewer input elements is never recomputed (it
+  would not fuse)."""
 
   balance: float
   launch: float
+  min_reduce: int = 0
 
 
+# XLA:GPU fuses a LayerNorm's statistics into one (Triton) kernel with the rest of
+# its backward only from about 300 elements up (compile-only H100, jax 0.11.2 and
+# 0.12: 8 rows of 40 or 16 of 32 fuse, 8 rows of 32 or of 16 do not); below, the
+# recomputed statistics are kernels of their own in B and W (RESULTS "Recompute
+# where XLA:GPU fuses"), so they are saved instead.
+SMALL_REDUCE = 257
 # A GPU fuses recomputation into B's kernels (an H100's 67 fp32 TFLOP/s over
 # 3.35 TB/s is 20 flops a byte); a kernel launch costs microseconds (2.7 us an
 # extra kernel on the H200, RESULTS issue 48), here a conservative 1 MiB's worth.
 # A CPU core pays for each flop, and a loop of its own costs little.
-GPU = Costs(balance=20.0, launch=float(1 << 20))
+GPU = Costs(balance=20.0, launch=float(1 << 20), min_reduce=SMALL_REDUCE)
 CPU = Costs(balance=2.0, launch=8192.0)
 
 
@@ -103,6 +112,8 @@ def _cost(eqn, costs: Costs, own_kernel: bool) -> float | None:
   n = _numel(eqn.outvars[0].aval)
   if eqn.primitive.name in _REDUCE:
     n = max([_numel(v.aval) for v in eqn.invars], default=n)
+    if n < costs.min_reduce:
+      return None
   return flops * n / costs.balance + (costs.launch if own_kernel else 0.0)
 
 

@@ -124,6 +124,7 @@ def tick_loop(
   split=False,
   select=False,
   fsdp=None,
+  scatter=None,
   records_always=None,
   masked_rows=False,
   slices="static",
@@ -138,7 +139,9 @@ def tick_loop(
   `select`, the loop body holds no conditional (`lowering.tick_lowering`).
   With `fsdp` (a `fsdp.Fsdp`), the chunk weights it names arrive split over
   the data axis: each action gathers them, each W reduce-scatters their
-  gradient.
+  gradient. With `scatter` (a `fsdp.Fsdp`, `fsdp="keep"`), the weights arrive
+  whole and the leaves it names have their accumulated gradient reduce-scattered
+  after the loop (this replica's part of the mean), the others' all-reduced.
   `records_always`: every tick writes its records (default:
   `every_tick_writes_records()`, which the callers ask with their mesh).
   `masked_rows` (on a GPU): each tick reads its row of the table as a masked
@@ -440,9 +443,10 @@ def tick_loop(
       else:
         loss = lax.pmean(loss, data_axis)
       gsh = [lax.pmean(g, data_axis) for g in gsh]
+      done = fsdp or scatter  # its leaves: reduce-scattered by each W, or here (keep)
       acc["gp"] = [
-        [g if fsdp and fsdp.split(k) else lax.pmean(g, data_axis) for k, g in enumerate(gs)]
-        for gs in acc["gp"]
+        [g if done and done.split(k) else lax.pmean(g, data_axis) for k, g in enumerate(gs)]
+        for gs in (scatter.scatter_after(gs) if scatter else gs for gs in acc["gp"])
       ]
     gp = tuple(p_tree.unflatten([g[None] for g in gs]) for gs in acc["gp"])
     return loss, gp, jax.tree.unflatten(jax.tree.structure(shared), gsh)
