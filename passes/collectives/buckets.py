@@ -237,3 +237,61 @@ def first_k_leaves(split: Split, k: int) -> frozenset[int]:
   return frozenset(
     c.grad_out - split.grad_out_start for c in split.clusters if layer_of(c.param) in first
   )
+
+
+def forward_leaves(split: Split, leaves) -> tuple[int, ...]:
+  """`leaves` (gradient positions) in the forward order of their layers."""
+  rank = {l: i for i, l in enumerate(layers_forward(split))}
+  names = {c.grad_out - split.grad_out_start: c.param for c in split.clusters}
+  return tuple(sorted(leaves, key=lambda i: rank[layer_of(names[i])]))
+
+
+def carried_buckets(order, nbytes, bucket_bytes: int) -> list[tuple[tuple[int, ...], int]]:
+  """The carried leaves' all-reduces in the next step (`ooojax.data_parallel`):
+  `order` (forward order, layer 0 first) cut into buckets that close once they hold
+  `bucket_bytes`, as the step's own buckets do; `(leaves, bytes)` each."""
+  out, cur, size = [], [], 0
+  for leaf in order:
+    cur.append(leaf)
+    size += nbytes[leaf]
+    if size >= bucket_bytes:
+      out.append((tuple(cur), size))
+      cur, size = [], 0
+  if cur:
+    out.append((tuple(cur), size))
+  return out
+
+
+def forward_starts(split: Split, units: Sequence[Unit]) -> dict[int, float]:
+  """Per gradient leaf, the share of the forward that runs before its layer's: the
+  forward is one unit, so each layer is taken to cost what its dW units do (a dense
+  layer's forward GEMM and its dW GEMM are the same size)."""
+  leaf_of = {c.index: c.grad_out - split.grad_out_start for c in split.clusters}
+  w: dict[int, float] = {}
+  for u in units:
+    if u.kind == UnitKind.DW and u.index in leaf_of:
+      w[leaf_of[u.index]] = w.get(leaf_of[u.index], 0.0) + u.cost
+  order = forward_leaves(split, set(leaf_of.values()))
+  rank = {l: i for i, l in enumerate(layers_forward(split))}
+  names = {c.grad_out - split.grad_out_start: c.param for c in split.clusters}
+  total = sum(w.values()) or 1.0
+  out, t, layer, at = {}, 0.0, None, 0.0
+  for leaf in order:
+    r = rank[layer_of(names[leaf])]
+    if r != layer:
+      layer, at = r, t
+    out[leaf] = at / total
+    t += w.get(leaf, 0.0)
+  return out
+
+
+def carried_stall(order, starts, fwd: float, nbytes, bucket_bytes: int, link, n, sync=0.0):
+  """`(stall, link seconds)` of the carried reductions in the next step: their buckets
+  (`carried_buckets`, forward order) chained on the link from the step's start, and
+  the forward waiting at each layer (`starts`: its share of the forward `fwd`) until
+  the bucket holding it is done."""
+  t = stall = 0.0
+  for leaves, size in carried_buckets(order, nbytes, bucket_bytes):
+    t += bucket_seconds(link, size, n) + sync
+    stall = max(stall, t - fwd * starts.get(leaves[0], 0.0))
+  return stall, t

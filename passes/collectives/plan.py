@@ -57,9 +57,13 @@ from ooojax.passes.collectives.buckets import (  # noqa: F401 - the plan's API, 
   _link_units,
   _packed,
   _with_loop_units,
+  carried_buckets,
+  carried_stall,
   early_bytes,
   early_unit,
   first_k_leaves,
+  forward_leaves,
+  forward_starts,
   layer_of,
   layers_forward,
   make_buckets,
@@ -208,40 +212,56 @@ def cross_step_time(
   s_actions,
   buckets,
   deferred: frozenset[int],
-  carried: float | None = None,
+  carried: tuple[float, float] | None = None,
   in_flight: int | None = PLAN_IN_FLIGHT,
 ) -> float:
-  """Steady-state step time when the deferred buckets' reductions finish next step.
+  """Steady-state step time when the deferred leaves' reductions finish next step.
 
   A model, not a measurement: the step ends when the compute and the
-  non-deferred reductions are done; the deferred reductions (layer 0 first)
-  then start once both the compute and the link are free and run while the
-  next step's forward runs; only the part longer than that forward is
-  exposed. The link carries every byte of every step, so the period is never
-  below the link's busy time, nor below the compute. `carried`: the deferred
-  reductions' seconds (`carried_seconds`: the next step reduces each carried leaf by
-  an all-reduce of its own); None: their buckets' link time.
+  non-deferred reductions are done; the deferred reductions then run from the
+  next step's start, layer 0 first, while its forward runs, and the forward
+  waits at a layer whose reduction is not done. The link carries every byte of
+  every step, so the period is never below the link's busy time, nor below the
+  compute. `carried`: `(the forward's wait, the link seconds)` of the carried
+  reductions (`carried_seconds`: their own buckets, as `ooojax.data_parallel`
+  runs them); None: their in-step buckets' link time, the forward hiding all of it.
   """
   by_name = {u.name: u for u in units}
   late = {f"S{b.index}" for b in buckets if b.grads and set(b.grads) <= deferred}
   kept = tuple(a for a in s_actions if a.unit not in late)
   t_nd = in_flight_timeline(order, units, kept, in_flight).makespan
   t_c = sum(by_name[a.unit].cost for a in order)
-  comm = sum(by_name[u].cost for u in late) if carried is None else carried
-  fwd = by_name["F0"].cost if "F0" in by_name else 0.0
-  link_busy = sum(by_name[a.unit].cost for a in s_actions)
-  return max(t_c, t_nd, link_busy, max(t_c, t_nd) + comm - fwd)
+  if carried is None:
+    comm = sum(by_name[u].cost for u in late)
+    fwd = by_name["F0"].cost if "F0" in by_name else 0.0
+    stall = comm - fwd
+  else:
+    stall, comm = carried
+  link_busy = sum(by_name[a.unit].cost for a in kept) + comm
+  return max(t_c, t_nd, link_busy, max(t_c, t_nd) + stall)
 
 
-def carried_seconds(buckets, deferred, nbytes, link, n_devices, sync: float = 0.0) -> float:
-  """The carried (deferred) buckets' reductions as the cross-step train step runs them
-  (`ooojax.data_parallel`): one chained all-reduce per leaf, each with its fixed costs
-  on the link and (`sync`) on the compute stream, less the one start / done the
-  bucket's pack already holds."""
-  return sum(
-    sum(bucket_seconds(link, nbytes[l], n_devices) + sync for l in b.grads) - sync
-    for b in buckets
-    if b.grads and set(b.grads) <= deferred
+def carried_seconds(
+  split: Split, units, deferred, link, n_devices, bucket_bytes: int, sync: float = 0.0
+) -> tuple[float, float]:
+  """The deferred leaves' reductions as the cross-step train step runs them
+  (`ooojax.data_parallel`): `carried_buckets` of `bucket_bytes`, layer 0 first,
+  chained from the next step's start, each with its fixed costs on the link and
+  (`sync`) on the compute stream. Returns `(how long the next forward waits for
+  them, their link seconds)` (`carried_stall`; the forward is `F0`, each layer's
+  share of it from `forward_starts`)."""
+  if not deferred:
+    return 0.0, 0.0
+  fwd = next((u.cost for u in units if u.name == "F0"), 0.0)
+  return carried_stall(
+    forward_leaves(split, deferred),
+    forward_starts(split, units),
+    fwd,
+    _grad_bytes(split),
+    max(bucket_bytes, 1),
+    link,
+    n_devices,
+    sync,
   )
 
 
@@ -314,7 +334,7 @@ def build_plan(
         s_actions,
         buckets,
         deferred,
-        carried_seconds(buckets, deferred, _grad_bytes(split), link, n_devices, costs.sync),
+        carried_seconds(split, base, deferred, link, n_devices, bucket_bytes, costs.sync),
         in_flight,
       )
       + unpacks,
