@@ -63,6 +63,39 @@ def test_cross_step_matches_plain_loop(close):
   close(state.params, ref)  # applied at the end of each step: nothing lags
 
 
+def test_cross_step_carried_buckets_match_plain_loop(close):
+  """The carried leaves reduced in one bucket next step (adamw behind a per-leaf clip, a
+  chained transform): the plain loop's trajectory, after several steps and after flush."""
+  mesh, params, loss, xs = _setup()
+  tx = optax.chain(optax.clip(0.5), optax.adamw(1e-2, weight_decay=0.1))
+  ref, ref_losses = _plain(loss, tx, params, xs)
+  step = dp.make_train_step(loss, tx, mesh, first_k=3, bucket_bytes=1 << 20)
+  state = step.init(params, xs[0])
+  assert step._layout.carried == ((0, 1, 2, 3, 4, 5),)  # 3 layers' leaves, one all-reduce
+  losses = []
+  for x in xs:
+    state, l = step(state, x)
+    losses.append(float(l))
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  close(step.flush(state).params, ref)
+
+
+def test_global_transforms_carry_nothing_unless_asked(close):
+  """clip_by_global_norm reads every gradient: no update could run before every carried
+  reduction, so the planner carries nothing; an explicit first_k is kept (and exact)."""
+  mesh, params, loss, xs = _setup()
+  tx = optax.chain(optax.clip_by_global_norm(0.1), optax.sgd(0.1))
+  assert not dp.leafwise(tx, params) and dp.leafwise(optax.adamw(1e-2), params)
+  step = dp.make_train_step(loss, tx, mesh, link="10GbE")
+  assert step.init(params, xs[0]).pending.local == ()
+  step = dp.make_train_step(loss, tx, mesh, first_k=1, bucket_bytes=1)
+  state = step.init(params, xs[0])
+  assert len(state.pending.local) == 2
+  for x in xs:
+    state, _ = step(state, x)
+  close(step.flush(state).params, _plain(loss, tx, params, xs)[0])
+
+
 def test_checkpoint_between_steps_restores_training(tmp_path, close):
   import orbax.checkpoint as ocp
 
