@@ -80,7 +80,7 @@ class DPTrainState(struct.PyTreeNode):
 @dataclasses.dataclass(frozen=True)
 class _Layout:
   treedef: Any
-  deferred: tuple[int, ...]  # leaf positions reduced next step, layer 0 first
+  deferred: tuple[int, ...]  # leaf positions reduced next step, as the forward reads them
   ready: tuple[int, ...]
   first_k: int
   bucket_bytes: int
@@ -124,12 +124,14 @@ class DataParallelStep:
       cross_step=self.cross_step,
     )
     k = cp.first_k if self.cross_step else 0
-    if k and opts.get("first_k") is None and not leafwise(self.tx, params):
+    last = cp.carried if self.cross_step else frozenset()
+    if (k or last) and opts.get("first_k") is None and not leafwise(self.tx, params):
       # a global transform (clip_by_global_norm, ...): every update waits for every
       # carried reduction, so nothing of the next forward can hide them
-      k = 0
-    deferred = collectives.first_k_leaves(plan.split, k)
-    order = collectives.forward_leaves(plan.split, deferred)
+      k, last = 0, frozenset()
+    deferred = collectives.first_k_leaves(plan.split, k) | last
+    # reduced next step in the order its forward reads them (a tied embedding first)
+    order = collectives.carried_order(plan.split, deferred, collectives.forward_starts(plan.split))
     leaves, treedef = jax.tree.flatten(params)
     ready = tuple(i for i in range(len(leaves)) if i not in deferred)
     nbytes = collectives._grad_bytes(plan.split)

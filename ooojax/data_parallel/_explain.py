@@ -86,7 +86,7 @@ class DataParallelReport:
   @property
   def buckets(self) -> tuple[BucketRow, ...]:
     spans = {s.unit: s for s in self.timeline().spans}
-    deferred = collectives.first_k_leaves(self.compute.split, self.first_k)
+    deferred = self._carried_leaves()
     return tuple(
       BucketRow(
         b.index,
@@ -103,11 +103,12 @@ class DataParallelReport:
   @property
   def carried_paths(self) -> tuple[str, ...]:
     """Gradient leaves whose all-reduce and update `dp.make_train_step(cross_step=True)`
-    carries into the next step (the first k layers'), in leaf order."""
+    carries into the next step (the first k layers', or the last layers the forward
+    reads: `plan.carried`), in leaf order."""
     return tuple(self.param_names[i] for i in sorted(self._carried_leaves()))
 
   def _carried_leaves(self) -> frozenset[int]:
-    return collectives.first_k_leaves(self.compute.split, self.first_k)
+    return collectives.first_k_leaves(self.compute.split, self.first_k) | self.plan.carried
 
   @property
   def carried_bytes(self) -> int:
@@ -228,6 +229,16 @@ class DataParallelReport:
 
   def _carried_line(self) -> str:
     p = self.plan
+    if p.carried:
+      paths = self.carried_paths
+      names = ", ".join(paths[:4]) + (f" +{len(paths) - 4}" if len(paths) > 4 else "")
+      return (
+        "  carried to the next step (dp.make_train_step, cross_step=True): the all-reduce "
+        f"and optimizer update of the last layers the forward reads ({len(paths)} leaves, "
+        f"{self.carried_bytes} B per device in Pending: {names}), run under step t+1's "
+        f"earlier layers; simulated step {p.makespan * 1e3:.3f} -> "
+        f"{p.cross_step * 1e3:.3f} ms ({self.hidden_seconds * 1e3:.3f} ms hidden)"
+      )
     if not self.first_k:
       return (
         "  carried to the next step (dp.make_train_step, cross_step=True): nothing "

@@ -12,10 +12,11 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+from ooojax.passes._compat import Var
 from ooojax.passes.collectives import loops as scan_collectives
 from ooojax.passes.collectives.costs import BucketCosts, bucket_seconds
-from ooojax.passes.cost import _nbytes
-from ooojax.passes.ir import Action, Split, Unit, UnitKind
+from ooojax.passes.cost import _nbytes, estimate
+from ooojax.passes.ir import Action, Kind, Split, Unit, UnitKind
 
 LINK_STREAM = 1
 
@@ -262,27 +263,37 @@ def carried_buckets(order, nbytes, bucket_bytes: int) -> list[tuple[tuple[int, .
   return out
 
 
-def forward_starts(split: Split, units: Sequence[Unit]) -> dict[int, float]:
-  """Per gradient leaf, the share of the forward that runs before its layer's: the
-  forward is one unit, so each layer is taken to cost what its dW units do (a dense
-  layer's forward GEMM and its dW GEMM are the same size)."""
-  leaf_of = {c.index: c.grad_out - split.grad_out_start for c in split.clusters}
-  w: dict[int, float] = {}
-  for u in units:
-    if u.kind == UnitKind.DW and u.index in leaf_of:
-      w[leaf_of[u.index]] = w.get(leaf_of[u.index], 0.0) + u.cost
-  order = forward_leaves(split, set(leaf_of.values()))
-  rank = {l: i for i, l in enumerate(layers_forward(split))}
-  names = {c.grad_out - split.grad_out_start: c.param for c in split.clusters}
-  total = sum(w.values()) or 1.0
-  out, t, layer, at = {}, 0.0, None, 0.0
-  for leaf in order:
-    r = rank[layer_of(names[leaf])]
-    if r != layer:
-      layer, at = r, t
-    out[leaf] = at / total
-    t += w.get(leaf, 0.0)
-  return out
+def forward_starts(split: Split, units: Sequence[Unit] = ()) -> dict[int, float]:
+  """Per gradient leaf, the share of the forward (its FLOPs, `passes.cost.estimate`)
+  that runs before the forward first reads the leaf: when the next step needs it
+  updated. A tied embedding is read by the lookup as the forward starts, though its
+  layer comes last in `layers_forward` (its dW meets the head first). Leaves the
+  forward does not read get 1 (needed at its end)."""
+  jaxpr = split.jaxpr.jaxpr
+  n_grads = len(jaxpr.outvars) - split.grad_out_start
+  # invars: (ct, *consts, *leaves), the differentiated leaves first
+  first = 1 + len(split.consts)
+  leaf_of = {v: i for i, v in enumerate(jaxpr.invars[first : first + n_grads])}
+  starts: dict[int, float] = {}
+  t = 0.0
+  for eqn, kind in zip(jaxpr.eqns, split.kinds):
+    if kind is not Kind.FORWARD:
+      continue
+    for v in eqn.invars:
+      i = leaf_of.get(v) if isinstance(v, Var) else None
+      if i is not None and i not in starts:
+        starts[i] = t
+    t += estimate(eqn).flops
+  total = t or 1.0
+  return {i: starts.get(i, total) / total for i in range(n_grads)}
+
+
+def carried_order(split: Split, leaves, starts: dict[int, float]) -> tuple[int, ...]:
+  """The carried leaves in the order the next forward needs them (`forward_starts`;
+  ties in layer order): their buckets' order in `ooojax.data_parallel`."""
+  fwd = forward_leaves(split, leaves)
+  rank = {l: j for j, l in enumerate(fwd)}
+  return tuple(sorted(fwd, key=lambda l: (starts.get(l, 1.0), rank[l])))
 
 
 def carried_stall(order, starts, fwd: float, nbytes, bucket_bytes: int, link, n, sync=0.0):

@@ -58,6 +58,7 @@ from ooojax.passes.collectives.buckets import (  # noqa: F401 - the plan's API, 
   _packed,
   _with_loop_units,
   carried_buckets,
+  carried_order,
   carried_stall,
   early_bytes,
   early_unit,
@@ -156,6 +157,9 @@ class CollectivePlan:
   # not planned (None: `BucketEmitter` combines it early where `early_bytes` allows)
   early: bool | None = None
   in_flight: int | None = PLAN_IN_FLIGHT  # collectives in flight as priced (`build_plan`)
+  # leaves carried to the next step besides the first k layers' (`build_plan`'s
+  # `carried`: the last layers the forward reads, their dW left in place)
+  carried: frozenset[int] = frozenset()
 
   @property
   def in_loop(self) -> frozenset[int]:
@@ -248,14 +252,15 @@ def carried_seconds(
   (`ooojax.data_parallel`): `carried_buckets` of `bucket_bytes`, layer 0 first,
   chained from the next step's start, each with its fixed costs on the link and
   (`sync`) on the compute stream. Returns `(how long the next forward waits for
-  them, their link seconds)` (`carried_stall`; the forward is `F0`, each layer's
-  share of it from `forward_starts`)."""
+  them, their link seconds)` (`carried_stall`; the forward is `F0`, each leaf
+  needed at its `forward_starts` share of it, reduced in `carried_order`)."""
   if not deferred:
     return 0.0, 0.0
   fwd = next((u.cost for u in units if u.name == "F0"), 0.0)
+  starts = forward_starts(split)
   return carried_stall(
-    forward_leaves(split, deferred),
-    forward_starts(split, units),
+    carried_order(split, deferred, starts),
+    starts,
     fwd,
     _grad_bytes(split),
     max(bucket_bytes, 1),
@@ -278,6 +283,7 @@ def build_plan(
   merge_tail: bool = False,
   early: bool | None = None,
   in_flight: int | None = PLAN_IN_FLIGHT,
+  carried: frozenset[int] = frozenset(),
 ) -> CollectivePlan:
   """The plan for one choice of k and bucket size (what `plan` compares).
 
@@ -289,14 +295,32 @@ def build_plan(
   loss's all-reduce (where `early_bytes` allows one) right after the forward, ahead of
   the first bucket (True), or after the last bucket (False); None: none priced.
   `in_flight`: collectives in flight at once (1: XLA:GPU's; None: queued on the link).
+  `carried` (with k = 0): leaves the cross-step step carries to the next step with
+  their dW left in place (`last_k_leaves`); they get no bucket here, `cross_step`
+  prices them next step, and `makespan` stays the step that reduces them in-step.
   """
+  if carried:
+    full = build_plan(
+      split,
+      sched,
+      k,
+      bucket_bytes,
+      link,
+      n_devices,
+      in_loop,
+      False,
+      costs,
+      merge_tail,
+      early,
+      in_flight,
+    )
   costs = costs or NO_BUCKET_COSTS
   base = sched.units
   order = reverse_first_k(split, base, sched.streams[0], k) if k else tuple(sched.streams[0])
   loops = (
     scan_collectives.loop_reductions(split, sched, first_k_leaves(split, k)) if in_loop else ()
   )
-  skip = frozenset(i for l in loops for i in l.grads)
+  skip = frozenset(i for l in loops for i in l.grads) | carried
   buckets = make_buckets(split, base, order, max(bucket_bytes, 1), skip, merge_tail)
   s_units, s_actions = _link_units(buckets, link, n_devices, order)
   s_units, s_actions = _with_loop_units(loops, s_units, s_actions, link, n_devices, order)
@@ -320,7 +344,7 @@ def build_plan(
     _tail(t_c, [(end[a.unit], size[a.unit]) for a in s_actions if a.unit in size], costs),
   )
   compute = dataclasses.replace(sched, streams=(order,), syncs=(), makespan=t)
-  deferred = first_k_leaves(split, k)
+  deferred = first_k_leaves(split, k) | carried
   # the step's unpacks; a carried bucket's runs with the next step's update
   unpacks = sum(
     costs.unpack(b.nbytes) for b in buckets if not (b.grads and set(b.grads) <= deferred)
@@ -338,11 +362,13 @@ def build_plan(
         in_flight,
       )
       + unpacks,
-      t,
+      full.makespan if carried else t,
     )
     if cross
     else math.nan
   )
+  if carried:  # the plan's step reduces every leaf in-step; `cross_step` carries them
+    t = full.makespan
   return CollectivePlan(
     compute,
     buckets,
@@ -358,7 +384,47 @@ def build_plan(
     loops,
     early,
     in_flight,
+    carried,
   )
+
+
+def last_k_leaves(split: Split, k: int, starts: dict[int, float] | None = None):
+  """Gradient leaves of the last `k` layers the forward reads (`forward_starts`)."""
+  starts = forward_starts(split) if starts is None else starts
+  layer = {c.grad_out - split.grad_out_start: layer_of(c.param) for c in split.clusters}
+  first: dict[str, float] = {}
+  for leaf, l in layer.items():
+    first[l] = min(first.get(l, 1.0), starts.get(leaf, 1.0))
+  order = sorted(first, key=lambda l: first[l])
+  keep = set(order[len(order) - k :]) if k else set()
+  return frozenset(leaf for leaf, l in layer.items() if l in keep)
+
+
+def _last_carried(split, sched, ks, sizes, link, n_devices, in_loop, costs, in_flight):
+  """The fastest cross-step plan carrying the last k layers (`last_k_leaves`)."""
+  starts = forward_starts(split)
+  best = None
+  for k in ks:
+    if not k:
+      continue
+    carried = last_k_leaves(split, k, starts)
+    for b in sorted(sizes, reverse=True):
+      p = build_plan(
+        split,
+        sched,
+        0,
+        b,
+        link,
+        n_devices,
+        in_loop,
+        costs=costs,
+        merge_tail=True,
+        in_flight=in_flight,
+        carried=carried,
+      )
+      if best is None or p.cross_step < best.cross_step * (1 - 1e-9):
+        best = p
+  return best
 
 
 def plan(
@@ -467,6 +533,13 @@ def plan(
           if best is None or score < best_score * (1 - 1e-9):
             best, best_score = (k, b, merge, early), score
   k, b, merge, early = best
+  if cross_step and first_k is None:
+    # the last layers the forward reads, carried with their dW in place: their
+    # reductions fit under the next forward's earlier layers (a link-bound step,
+    # where carrying the first layers would stall the forward at once)
+    last = _last_carried(split, sched, ks, sizes, link, n_devices, in_loop, costs, in_flight)
+    if last is not None and last.cross_step < best_score * (1 - 1e-9):
+      return last
   return build_plan(
     split,
     sched,

@@ -11,11 +11,11 @@ from ooojax.passes.collectives.buckets import (
   _group,
   _link_units,
   _with_loop_units,
+  carried_order,
   carried_stall,
   early_bytes,
   early_unit,
   first_k_leaves,
-  forward_leaves,
   forward_starts,
   layer_of,
   layers_forward,
@@ -54,7 +54,7 @@ class Pricer:
     # the loss's all-reduce (`build_plan`'s `early`), where one is priced
     eb = early_bytes(split) if loss and n_devices > 1 else None
     self.early_cost = None if eb is None else bucket_seconds(link, eb, n_devices)
-    self.starts = forward_starts(split, sched.units)  # `carried_seconds`
+    self.starts = forward_starts(split)  # `carried_seconds`
     self.nbytes = _grad_bytes(split)
     if in_loop:
       return
@@ -174,7 +174,7 @@ class Pricer:
     if not deferred:
       return 0.0, 0.0
     return carried_stall(
-      forward_leaves(self.split, deferred),
+      carried_order(self.split, deferred, self.starts),
       self.starts,
       self.fwd,
       self.nbytes,
