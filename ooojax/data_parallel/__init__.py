@@ -100,6 +100,7 @@ class DataParallelStep:
     self.options = options
     self.n = mesh.shape[axis_name]
     self._layout: _Layout | None = None
+    self.plan = None  # set by `init` / `abstract_state`
     self._step = self._flush = None
 
   # --- setup ---------------------------------------------------------------------
@@ -123,6 +124,7 @@ class DataParallelStep:
       opts.get("first_k"),
       cross_step=self.cross_step,
     )
+    self.plan = cp  # the chosen `CollectivePlan` (`cross_step`: its carried-step estimate)
     k = cp.first_k if self.cross_step else 0
     last = cp.carried if self.cross_step else frozenset()
     if (k or last) and opts.get("first_k") is None and not leafwise(self.tx, params):
