@@ -117,6 +117,22 @@ def test_data_parallel_report_says_what_is_carried_to_the_next_step():
   assert "carried to the next step (dp.make_train_step, cross_step=True): nothing" in repr(none)
 
 
+def test_link_bound_report_prices_carrying_into_the_next_forward():
+  """A link-bound step (100GbE, 8 layers of 1024): explain also plans the cross-step
+  step, which carries the last layer the forward reads under the next forward."""
+  from tests.models import tanh_mlp_structs
+
+  params, loss = tanh_mlp_structs(8, 1024)
+  x = jax.ShapeDtypeStruct((16384, 1024), jnp.float32)
+  r = ooo.explain(loss, params, x, **{**DP, "link": "100GbE"}, axis_size=8)
+  c = r.carried
+  assert c.carried == {14, 15} and c.cross_step < r.plan.makespan
+  assert f"the step simulates at {c.cross_step * 1e3:.3f} ms" in repr(r)
+  assert "pgle_options" in repr(r)
+  nvlink = ooo.explain(loss, params, x, **{**DP, "link": "nvlink"}, axis_size=8)
+  assert nvlink.carried is None and "link-bound" not in repr(nvlink)
+
+
 def test_data_parallel_report_reads_the_axis_size_inside_shard_map():
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("batch",))
   box = {}

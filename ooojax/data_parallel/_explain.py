@@ -20,6 +20,10 @@ from ooojax.passes.simulate import Timeline
 
 # `explain` keywords that only the data-parallel report takes (not `ooo.grad` options).
 EXPLAIN_ONLY = ("axis_size", "cross_step")
+# A step whose all-reduces take longer than this share of its compute (the backward's,
+# forward : backward = 1 : 2) cannot hide them in-step: `explain` then prices carrying
+# them into the next forward too (`dp.make_train_step(cross_step=True)`).
+LINK_BOUND = 2 / 3
 # The plan must beat one all-reduce after the backward by this share to be worth its buckets.
 STEP_ASIDE = 0.02
 
@@ -58,6 +62,8 @@ class DataParallelReport:
   call: Any = dataclasses.field(default=None, compare=False, repr=False)  # for compiled()
   # predicted per-device memory beside plain GSPMD's (`data_parallel._memory`)
   memory: Any = None
+  # a link-bound step planned for `dp.make_train_step(cross_step=True)` (`LINK_BOUND`)
+  carried: Any = None
 
   mode = "data_parallel"
 
@@ -202,6 +208,23 @@ class DataParallelReport:
       f"backward {self.baseline * 1e3:.3f} ms ({self.baseline / p.makespan:.2f}x){cross}"
     )
     lines.append(self._carried_line())
+    if self.carried is not None:
+      c = self.carried
+      what = (
+        f"the last {len(c.carried)} leaves the forward reads"
+        if c.carried
+        else f"the first {c.first_k} layers"
+        if c.first_k
+        else "nothing"
+      )
+      lines.append(
+        f"  link-bound (all-reduce {self.comm_seconds * 1e3:.3f} ms against "
+        f"{self.compute_seconds * 1e3:.3f} ms of compute): carried into the next forward "
+        f"(dp.make_train_step(cross_step=True), {what}, bucket_bytes={c.bucket_bytes}) "
+        f"the step simulates at {c.cross_step * 1e3:.3f} ms against {p.makespan * 1e3:.3f}; "
+        "compile it with the link's profile (ooojax.gpu_hlo.pgle_options) so that XLA "
+        "starts the carried all-reduces as the step starts"
+      )
     if p.makespan >= self.baseline * (1 - STEP_ASIDE):
       lines.append(
         "  nothing to gain on this link: early buckets do not beat one all-reduce after the "
@@ -442,9 +465,16 @@ def explain_dp(
   memory = _predict_memory(
     args, argnums, idx, plan.out_tree[3], split, cp, names, opts, n, cm.spec.name
   )
-  return DataParallelReport(
+  report = DataParallelReport(
     Report(split, sched, "in_order"), cp, opts.axis_name, names, base, chosen, call, memory
   )
+  if not cross_step and n > 1 and report.comm_seconds > LINK_BOUND * report.compute_seconds:
+    carried = collectives.plan(
+      split, sched, cm, n, cp.link, opts.bucket_bytes, opts.first_k, cross_step=True
+    )
+    if carried.cross_step < cp.makespan * (1 - 1e-9):
+      report = dataclasses.replace(report, carried=carried)
+  return report
 
 
 def _predict_memory(args, argnums, idx, g_parts, split, cp, names, opts, n, device):
