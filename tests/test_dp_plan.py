@@ -113,7 +113,7 @@ def test_carried_buckets_are_priced_against_the_forward_that_needs_them():
   """The cross-step step reduces its carried leaves in buckets of the plan's size, layer
   0 first, chained from the step's start; the forward waits at a layer whose bucket is
   not done (a hand case: 3 leaves of 1 MB, buckets of 2 MB)."""
-  from ooojax.passes.collectives.buckets import carried_buckets, carried_stall
+  from ooojax.passes.collectives.carried import carried_buckets, carried_stall
 
   lk = collectives.get_link("nvlink")
   nbytes = [1 << 20] * 3

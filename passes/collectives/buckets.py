@@ -12,11 +12,10 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from ooojax.passes._compat import Var
 from ooojax.passes.collectives import loops as scan_collectives
 from ooojax.passes.collectives.costs import BucketCosts, bucket_seconds
-from ooojax.passes.cost import _nbytes, estimate
-from ooojax.passes.ir import Action, Kind, Split, Unit, UnitKind
+from ooojax.passes.cost import _nbytes
+from ooojax.passes.ir import Action, Split, Unit, UnitKind
 
 LINK_STREAM = 1
 
@@ -245,64 +244,3 @@ def forward_leaves(split: Split, leaves) -> tuple[int, ...]:
   rank = {l: i for i, l in enumerate(layers_forward(split))}
   names = {c.grad_out - split.grad_out_start: c.param for c in split.clusters}
   return tuple(sorted(leaves, key=lambda i: rank[layer_of(names[i])]))
-
-
-def carried_buckets(order, nbytes, bucket_bytes: int) -> list[tuple[tuple[int, ...], int]]:
-  """The carried leaves' all-reduces in the next step (`ooojax.data_parallel`):
-  `order` (forward order, layer 0 first) cut into buckets that close once they hold
-  `bucket_bytes`, as the step's own buckets do; `(leaves, bytes)` each."""
-  out, cur, size = [], [], 0
-  for leaf in order:
-    cur.append(leaf)
-    size += nbytes[leaf]
-    if size >= bucket_bytes:
-      out.append((tuple(cur), size))
-      cur, size = [], 0
-  if cur:
-    out.append((tuple(cur), size))
-  return out
-
-
-def forward_starts(split: Split, units: Sequence[Unit] = ()) -> dict[int, float]:
-  """Per gradient leaf, the share of the forward (its FLOPs, `passes.cost.estimate`)
-  that runs before the forward first reads the leaf: when the next step needs it
-  updated. A tied embedding is read by the lookup as the forward starts, though its
-  layer comes last in `layers_forward` (its dW meets the head first). Leaves the
-  forward does not read get 1 (needed at its end)."""
-  jaxpr = split.jaxpr.jaxpr
-  n_grads = len(jaxpr.outvars) - split.grad_out_start
-  # invars: (ct, *consts, *leaves), the differentiated leaves first
-  first = 1 + len(split.consts)
-  leaf_of = {v: i for i, v in enumerate(jaxpr.invars[first : first + n_grads])}
-  starts: dict[int, float] = {}
-  t = 0.0
-  for eqn, kind in zip(jaxpr.eqns, split.kinds):
-    if kind is not Kind.FORWARD:
-      continue
-    for v in eqn.invars:
-      i = leaf_of.get(v) if isinstance(v, Var) else None
-      if i is not None and i not in starts:
-        starts[i] = t
-    t += estimate(eqn).flops
-  total = t or 1.0
-  return {i: starts.get(i, total) / total for i in range(n_grads)}
-
-
-def carried_order(split: Split, leaves, starts: dict[int, float]) -> tuple[int, ...]:
-  """The carried leaves in the order the next forward needs them (`forward_starts`;
-  ties in layer order): their buckets' order in `ooojax.data_parallel`."""
-  fwd = forward_leaves(split, leaves)
-  rank = {l: j for j, l in enumerate(fwd)}
-  return tuple(sorted(fwd, key=lambda l: (starts.get(l, 1.0), rank[l])))
-
-
-def carried_stall(order, starts, fwd: float, nbytes, bucket_bytes: int, link, n, sync=0.0):
-  """`(stall, link seconds)` of the carried reductions in the next step: their buckets
-  (`carried_buckets`, forward order) chained on the link from the step's start, and
-  the forward waiting at each layer (`starts`: its share of the forward `fwd`) until
-  the bucket holding it is done."""
-  t = stall = 0.0
-  for leaves, size in carried_buckets(order, nbytes, bucket_bytes):
-    t += bucket_seconds(link, size, n) + sync
-    stall = max(stall, t - fwd * starts.get(leaves[0], 0.0))
-  return stall, t

@@ -57,18 +57,22 @@ from ooojax.passes.collectives.buckets import (  # noqa: F401 - the plan's API, 
   _link_units,
   _packed,
   _with_loop_units,
-  carried_buckets,
-  carried_order,
-  carried_stall,
   early_bytes,
   early_unit,
   first_k_leaves,
   forward_leaves,
-  forward_starts,
   layer_of,
   layers_forward,
   make_buckets,
   reverse_first_k,
+)
+from ooojax.passes.collectives.carried import (  # noqa: F401 - re-exported
+  carried_buckets,
+  carried_order,
+  carried_seconds,
+  carried_stall,
+  forward_starts,
+  last_k_leaves,
 )
 from ooojax.passes.collectives.costs import (  # noqa: F401
   COLLECTIVE_SECONDS,
@@ -245,31 +249,6 @@ def cross_step_time(
   return max(t_c, t_nd, link_busy, max(t_c, t_nd) + stall)
 
 
-def carried_seconds(
-  split: Split, units, deferred, link, n_devices, bucket_bytes: int, sync: float = 0.0
-) -> tuple[float, float]:
-  """The deferred leaves' reductions as the cross-step train step runs them
-  (`ooojax.data_parallel`): `carried_buckets` of `bucket_bytes`, layer 0 first,
-  chained from the next step's start, each with its fixed costs on the link and
-  (`sync`) on the compute stream. Returns `(how long the next forward waits for
-  them, their link seconds)` (`carried_stall`; the forward is `F0`, each leaf
-  needed at its `forward_starts` share of it, reduced in `carried_order`)."""
-  if not deferred:
-    return 0.0, 0.0
-  fwd = next((u.cost for u in units if u.name == "F0"), 0.0)
-  starts = forward_starts(split)
-  return carried_stall(
-    carried_order(split, deferred, starts),
-    starts,
-    fwd,
-    _grad_bytes(split),
-    max(bucket_bytes, 1),
-    link,
-    n_devices,
-    sync,
-  )
-
-
 def build_plan(
   split: Split,
   sched: Schedule,
@@ -386,18 +365,6 @@ def build_plan(
     in_flight,
     carried,
   )
-
-
-def last_k_leaves(split: Split, k: int, starts: dict[int, float] | None = None):
-  """Gradient leaves of the last `k` layers the forward reads (`forward_starts`)."""
-  starts = forward_starts(split) if starts is None else starts
-  layer = {c.grad_out - split.grad_out_start: layer_of(c.param) for c in split.clusters}
-  first: dict[str, float] = {}
-  for leaf, l in layer.items():
-    first[l] = min(first.get(l, 1.0), starts.get(leaf, 1.0))
-  order = sorted(first, key=lambda l: first[l])
-  keep = set(order[len(order) - k :]) if k else set()
-  return frozenset(leaf for leaf, l in layer.items() if l in keep)
 
 
 def _last_carried(split, sched, ks, sizes, link, n_devices, in_loop, costs, in_flight):

@@ -11,17 +11,15 @@ from ooojax.passes.collectives.buckets import (
   _group,
   _link_units,
   _with_loop_units,
-  carried_order,
-  carried_stall,
   early_bytes,
   early_unit,
   first_k_leaves,
-  forward_starts,
   layer_of,
   layers_forward,
   make_buckets,
   reverse_first_k,
 )
+from ooojax.passes.collectives.carried import carried_order, carried_stall, forward_starts
 from ooojax.passes.collectives.costs import (
   NO_BUCKET_COSTS,
   bucket_seconds,
