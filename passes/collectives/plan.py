@@ -368,7 +368,10 @@ def build_plan(
 
 
 def _last_carried(split, sched, ks, sizes, link, n_devices, in_loop, costs, in_flight):
-  """The fastest cross-step plan carrying the last k layers (`last_k_leaves`)."""
+  """The fastest cross-step plan carrying the last k layers (`last_k_leaves`); None for a
+  split backward scan, whose stacked leaves its loop reduces (not carried that way)."""
+  if in_loop:
+    return None
   starts = forward_starts(split)
   best = None
   for k in ks:
