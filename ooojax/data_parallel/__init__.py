@@ -8,9 +8,11 @@ the next step:
 
 * step t computes its gradients with the first `k` layers' dW after the dX
   chain (reverse first-k) and reduces every other bucket during the backward;
-  the first-k gradients stay per-device and unreduced in `state.pending`;
-* step t+1 first reduces them (layer 0 first, in buckets of the plan's size,
-  chained), applies the optimizer to the complete gradient of step t, then
+  the first-k gradients stay per-device and unreduced in `state.pending` (on a
+  link-bound step the planner may carry the last layers the forward reads
+  instead, their dW in place: `CollectivePlan.carried`);
+* step t+1 first reduces them (in the order its forward reads them, in
+  buckets of the plan's size, chained), applies the optimizer to the complete gradient of step t, then
   runs its forward. Layer j's update depends only on layer j's reduction (for
   an optimizer that updates each leaf from its own gradient: adam, adamw, sgd,
   chains of them; `leafwise`), so XLA may run the later layers' reductions
@@ -127,11 +129,11 @@ class DataParallelStep:
     self.plan = cp  # the chosen `CollectivePlan` (`cross_step`: its carried-step estimate)
     k = cp.first_k if self.cross_step else 0
     last = cp.carried if self.cross_step else frozenset()
-    if (k or last) and opts.get("first_k") is None and not leafwise(self.tx, params):
+    deferred = collectives.first_k_leaves(plan.split, k) | last
+    if deferred and opts.get("first_k") is None and not leafwise(self.tx, params, deferred):
       # a global transform (clip_by_global_norm, ...): every update waits for every
       # carried reduction, so nothing of the next forward can hide them
-      k, last = 0, frozenset()
-    deferred = collectives.first_k_leaves(plan.split, k) | last
+      k, deferred = 0, frozenset()
     # reduced next step in the order its forward reads them (a tied embedding first)
     order = collectives.carried_order(plan.split, deferred, collectives.forward_starts(plan.split))
     leaves, treedef = jax.tree.flatten(params)
@@ -345,11 +347,12 @@ class DataParallelStep:
     return self._flush(state)
 
 
-def leafwise(tx: optax.GradientTransformation, params) -> bool:
-  """Whether each leaf of `tx.update`'s updates reads that leaf's gradient only (adam,
-  adamw, sgd, momentum, chains of them; JAX's own DCE on the traced update, as
-  `ooojax.single_gpu` checks its deferral). False for global transforms such as
-  `clip_by_global_norm`: every update then waits for the whole gradient."""
+def leafwise(tx: optax.GradientTransformation, params, leaves=None) -> bool:
+  """Whether no leaf's update reads the gradient of another of `leaves` (leaf positions;
+  None: all): adam, adamw, sgd, momentum and chains of per-leaf transforms update each
+  leaf from its own gradient (JAX's DCE on the traced update, as `ooojax.single_gpu`
+  checks its deferral). False for global transforms such as `clip_by_global_norm`:
+  every update then waits for the whole gradient."""
   sds = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), params)
   closed = jax.make_jaxpr(lambda g, s, p: jax.tree.leaves(tx.update(g, s, p)[0]))(
     sds, jax.eval_shape(tx.init, sds), sds
@@ -357,9 +360,11 @@ def leafwise(tx: optax.GradientTransformation, params) -> bool:
   n = len(jax.tree.leaves(params))
   if len(closed.jaxpr.outvars) != n:
     return False  # updates not shaped like the parameters: assume coupled
-  for i in range(n):
-    used = _compat.used_inputs(closed, [k == i for k in range(n)])
-    if any(used[j] for j in range(n) if j != i):
+  leaves = frozenset(range(n) if leaves is None else leaves)
+  # the other leaves' updates together, then each of `leaves` alone
+  for outs in ([i not in leaves for i in range(n)], *([k == i for k in range(n)] for i in leaves)):
+    used = _compat.used_inputs(closed, outs)
+    if any(used[j] for j in leaves if not (outs[j] and sum(outs) == 1)):
       return False
   return True
 
