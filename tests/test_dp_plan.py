@@ -109,16 +109,25 @@ def test_prices_equal_simulation_and_the_choice_is_the_best(case):
       assert got <= best * (1 + 1e-9)
 
 
-def test_carried_leaves_are_priced_one_all_reduce_each():
-  """The cross-step step reduces each carried leaf by its own chained all-reduce: a
-  carried bucket of m leaves costs m all-reduces (m - 1 more start/dones than its pack)."""
+def test_carried_buckets_are_priced_against_the_forward_that_needs_them():
+  """The cross-step step reduces its carried leaves in buckets of the plan's size, layer
+  0 first, chained from the step's start; the forward waits at a layer whose bucket is
+  not done (a hand case: 3 leaves of 1 MB, buckets of 2 MB)."""
+  from ooojax.passes.collectives.carried import carried_buckets, carried_stall
+
   lk = collectives.get_link("nvlink")
-  b = collectives.Bucket(0, (0, 1, 2), 3 << 20, "W0")
   nbytes = [1 << 20] * 3
-  one = collectives.bucket_seconds(lk, 1 << 20, 8)
-  got = collectives.carried_seconds((b,), frozenset({0, 1, 2}), nbytes, lk, 8, sync=1e-5)
-  assert got == pytest.approx(3 * one + 2 * 1e-5)
-  assert collectives.carried_seconds((b,), frozenset({0, 1}), nbytes, lk, 8, sync=1e-5) == 0
+  assert carried_buckets((2, 0, 1), nbytes, 2 << 20) == [((2, 0), 2 << 20), ((1,), 1 << 20)]
+  two, one = (collectives.bucket_seconds(lk, m << 20, 8) + 1e-5 for m in (2, 1))
+  # leaf 2 is needed when the forward starts, leaf 1 half-way through a 1 s forward
+  stall, link = carried_stall(
+    (2, 0, 1), {2: 0.0, 0: 0.0, 1: 0.5}, 1.0, nbytes, 2 << 20, lk, 8, 1e-5
+  )
+  assert link == pytest.approx(two + one) and stall == pytest.approx(two)
+  # a short forward: leaf 1's bucket, done at two + one, is waited for at 0.5 * fwd
+  fwd = two
+  stall, _ = carried_stall((2, 0, 1), {2: 0.0, 0: 0.0, 1: 0.5}, fwd, nbytes, 2 << 20, lk, 8, 1e-5)
+  assert stall == pytest.approx(two + one - 0.5 * fwd)
 
 
 def test_a_small_last_bucket_joins_the_one_before():

@@ -8,11 +8,17 @@ the next step:
 
 * step t computes its gradients with the first `k` layers' dW after the dX
   chain (reverse first-k) and reduces every other bucket during the backward;
-  the first-k gradients stay per-device and unreduced in `state.pending`;
-* step t+1 first reduces them (layer 0 first, one all-reduce per leaf,
-  chained), applies the optimizer to the complete gradient of step t, then
-  runs its forward. Layer j's update depends only on layer j's reduction, so
-  XLA may run the later layers' reductions under the earlier layers' forward.
+  the first-k gradients stay per-device and unreduced in `state.pending` (on a
+  link-bound step the planner may carry the last layers the forward reads
+  instead, their dW in place: `CollectivePlan.carried`);
+* step t+1 first reduces them (in the order its forward reads them, in
+  buckets of the plan's size, chained), applies the optimizer to the complete gradient of step t, then
+  runs its forward. Layer j's update depends only on layer j's reduction (for
+  an optimizer that updates each leaf from its own gradient: adam, adamw, sgd,
+  chains of them; `leafwise`), so XLA may run the later layers' reductions
+  under the earlier layers' forward. With a global transform
+  (`clip_by_global_norm`) every update waits for every reduction: the planner
+  then carries nothing (k = 0) unless `first_k` is given.
 
 The parameters each forward sees are exactly those of the plain synchronous
 loop (`params_{t+1} = update(params_t, g_t)`): only the moment the update is
@@ -40,6 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ooojax import _dp, _filter
 from ooojax._api import _make_options, value_and_grad
+from ooojax.passes import _compat
 from ooojax.passes.collectives import plan as collectives
 from ooojax.passes.collectives.emit import chain_after, reduce_buffers
 from ooojax.passes.cost import CostModel
@@ -75,10 +82,13 @@ class DPTrainState(struct.PyTreeNode):
 @dataclasses.dataclass(frozen=True)
 class _Layout:
   treedef: Any
-  deferred: tuple[int, ...]  # leaf positions reduced next step, layer 0 first
+  deferred: tuple[int, ...]  # leaf positions reduced next step, as the forward reads them
   ready: tuple[int, ...]
   first_k: int
   bucket_bytes: int
+  # the deferred leaves' all-reduces next step: positions into `deferred`, one
+  # bucket each, forward order (`collectives.carried_buckets`)
+  carried: tuple[tuple[int, ...], ...] = ()
 
 
 class DataParallelStep:
@@ -92,6 +102,7 @@ class DataParallelStep:
     self.options = options
     self.n = mesh.shape[axis_name]
     self._layout: _Layout | None = None
+    self.plan = None  # set by `init` / `abstract_state`
     self._step = self._flush = None
 
   # --- setup ---------------------------------------------------------------------
@@ -116,14 +127,25 @@ class DataParallelStep:
       cross_step=self.cross_step,
       reduce_dtype=opts.get("reduce_dtype"),
     )
+    self.plan = cp  # the chosen `CollectivePlan` (`cross_step`: its carried-step estimate)
     k = cp.first_k if self.cross_step else 0
-    deferred = collectives.first_k_leaves(plan.split, k)
-    layers = collectives.layers_forward(plan.split)
-    names = {c.grad_out - plan.split.grad_out_start: c.param for c in plan.split.clusters}
-    order = sorted(deferred, key=lambda i: layers.index(collectives.layer_of(names[i])))
+    last = cp.carried if self.cross_step else frozenset()
+    deferred = collectives.first_k_leaves(plan.split, k) | last
+    if deferred and opts.get("first_k") is None and not leafwise(self.tx, params, deferred):
+      # a global transform (clip_by_global_norm, ...): every update waits for every
+      # carried reduction, so nothing of the next forward can hide them
+      k, deferred = 0, frozenset()
+    # reduced next step in the order its forward reads them (a tied embedding first)
+    order = collectives.carried_order(plan.split, deferred, collectives.forward_starts(plan.split))
     leaves, treedef = jax.tree.flatten(params)
     ready = tuple(i for i in range(len(leaves)) if i not in deferred)
-    return _Layout(treedef, tuple(order), ready, k, cp.bucket_bytes)
+    nbytes = collectives._grad_bytes(plan.split, opts.get("reduce_dtype"))  # link bytes
+    pos = {leaf: j for j, leaf in enumerate(order)}
+    carried = tuple(
+      tuple(pos[leaf] for leaf in b)
+      for b, _ in collectives.carried_buckets(order, nbytes, cp.bucket_bytes)
+    )
+    return _Layout(treedef, tuple(order), ready, k, cp.bucket_bytes, carried)
 
   def _take(self, held):
     """Params (and optimizer state or None) from what the user holds; see `init`."""
@@ -241,15 +263,17 @@ class DataParallelStep:
   def _apply_pending(self, state: DPTrainState) -> DPTrainState:
     lay, pend = self._layout, state.pending
     vals = [x[0] for x in pend.local]  # drop the device axis of this shard
-    reduced, prev = [], None
-    for x in vals:  # one all-reduce per leaf, layer 0 first, chained
-      (r,), prev = reduce_buffers(
-        chain_after(prev, [x]),
+    reduced, prev = [None] * len(vals), None
+    for b in lay.carried:  # one all-reduce per bucket, layer 0 first, chained
+      rs, prev = reduce_buffers(
+        chain_after(prev, [vals[j] for j in b]),
         self.axis_name,
         self.options.get("reduce", "mean"),
+        prescale=len(b) > 1,
         reduce_dtype=self.options.get("reduce_dtype"),
       )
-      reduced.append(r)
+      for j, r in zip(b, rs):
+        reduced[j] = r
     flat = [None] * (len(lay.deferred) + len(lay.ready))
     for i, r in zip(lay.deferred, reduced):
       flat[i] = r
@@ -323,6 +347,28 @@ class DataParallelStep:
     if self._step is None:
       self._build(state)
     return self._flush(state)
+
+
+def leafwise(tx: optax.GradientTransformation, params, leaves=None) -> bool:
+  """Whether no leaf's update reads the gradient of another of `leaves` (leaf positions;
+  None: all): adam, adamw, sgd, momentum and chains of per-leaf transforms update each
+  leaf from its own gradient (JAX's DCE on the traced update, as `ooojax.single_gpu`
+  checks its deferral). False for global transforms such as `clip_by_global_norm`:
+  every update then waits for the whole gradient."""
+  sds = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), params)
+  closed = jax.make_jaxpr(lambda g, s, p: jax.tree.leaves(tx.update(g, s, p)[0]))(
+    sds, jax.eval_shape(tx.init, sds), sds
+  )
+  n = len(jax.tree.leaves(params))
+  if len(closed.jaxpr.outvars) != n:
+    return False  # updates not shaped like the parameters: assume coupled
+  leaves = frozenset(range(n) if leaves is None else leaves)
+  # the other leaves' updates together, then each of `leaves` alone
+  for outs in ([i not in leaves for i in range(n)], *([k == i for k in range(n)] for i in leaves)):
+    used = _compat.used_inputs(closed, outs)
+    if any(used[j] for j in leaves if not (outs[j] and sum(outs) == 1)):
+      return False
+  return True
 
 
 def _is_nnx_graphdef(x) -> bool:

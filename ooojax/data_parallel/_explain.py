@@ -21,6 +21,10 @@ from ooojax.passes.simulate import Timeline
 
 # `explain` keywords that only the data-parallel report takes (not `ooo.grad` options).
 EXPLAIN_ONLY = ("axis_size", "cross_step")
+# A step whose all-reduces take longer than this share of its compute (the backward's,
+# forward : backward = 1 : 2) cannot hide them in-step: `explain` then prices carrying
+# them into the next forward too (`dp.make_train_step(cross_step=True)`).
+LINK_BOUND = 2 / 3
 # The plan must beat one all-reduce after the backward by this share to be worth its buckets.
 STEP_ASIDE = 0.02
 
@@ -61,6 +65,8 @@ class DataParallelReport:
   memory: Any = None
   # the same plan with `reduce_dtype=jnp.bfloat16` (where it would halve the bytes)
   bf16_plan: collectives.CollectivePlan | None = None
+  # a link-bound step planned for `dp.make_train_step(cross_step=True)` (`LINK_BOUND`)
+  carried: Any = None
 
   mode = "data_parallel"
 
@@ -89,7 +95,7 @@ class DataParallelReport:
   @property
   def buckets(self) -> tuple[BucketRow, ...]:
     spans = {s.unit: s for s in self.timeline().spans}
-    deferred = collectives.first_k_leaves(self.compute.split, self.first_k)
+    deferred = self._carried_leaves()
     return tuple(
       BucketRow(
         b.index,
@@ -106,11 +112,12 @@ class DataParallelReport:
   @property
   def carried_paths(self) -> tuple[str, ...]:
     """Gradient leaves whose all-reduce and update `dp.make_train_step(cross_step=True)`
-    carries into the next step (the first k layers'), in leaf order."""
+    carries into the next step (the first k layers', or the last layers the forward
+    reads: `plan.carried`), in leaf order."""
     return tuple(self.param_names[i] for i in sorted(self._carried_leaves()))
 
   def _carried_leaves(self) -> frozenset[int]:
-    return collectives.first_k_leaves(self.compute.split, self.first_k)
+    return collectives.first_k_leaves(self.compute.split, self.first_k) | self.plan.carried
 
   @property
   def carried_bytes(self) -> int:
@@ -218,6 +225,23 @@ class DataParallelReport:
     lines.append(self._carried_line())
     if self.link_bound:
       lines.append(_link_bound.line(self))
+    if self.carried is not None:
+      c = self.carried
+      what = (
+        f"the last {len(c.carried)} leaves the forward reads"
+        if c.carried
+        else f"the first {c.first_k} layers"
+        if c.first_k
+        else "nothing"
+      )
+      lines.append(
+        f"  link-bound (all-reduce {self.comm_seconds * 1e3:.3f} ms against "
+        f"{self.compute_seconds * 1e3:.3f} ms of compute): carried into the next forward "
+        f"(dp.make_train_step(cross_step=True), {what}, bucket_bytes={c.bucket_bytes}) "
+        f"the step simulates at {c.cross_step * 1e3:.3f} ms against {p.makespan * 1e3:.3f}; "
+        "compile it with the link's profile (ooojax.gpu_hlo.pgle_options) so that XLA "
+        "starts the carried all-reduces as the step starts"
+      )
     if p.makespan >= self.baseline * (1 - STEP_ASIDE):
       lines.append(
         "  nothing to gain on this link: early buckets do not beat one all-reduce after the "
@@ -245,6 +269,16 @@ class DataParallelReport:
 
   def _carried_line(self) -> str:
     p = self.plan
+    if p.carried:
+      paths = self.carried_paths
+      names = ", ".join(paths[:4]) + (f" +{len(paths) - 4}" if len(paths) > 4 else "")
+      return (
+        "  carried to the next step (dp.make_train_step, cross_step=True): the all-reduce "
+        f"and optimizer update of the last layers the forward reads ({len(paths)} leaves, "
+        f"{self.carried_bytes} B per device in Pending: {names}), run under step t+1's "
+        f"earlier layers; simulated step {p.makespan * 1e3:.3f} -> "
+        f"{p.cross_step * 1e3:.3f} ms ({self.hidden_seconds * 1e3:.3f} ms hidden)"
+      )
     if not self.first_k:
       return (
         "  carried to the next step (dp.make_train_step, cross_step=True): nothing "
@@ -462,9 +496,24 @@ def explain_dp(
   memory = _predict_memory(
     args, argnums, idx, plan.out_tree[3], split, cp, names, opts, n, cm.spec.name
   )
-  return DataParallelReport(
+  report = DataParallelReport(
     Report(split, sched, "in_order"), cp, opts.axis_name, names, base, chosen, call, memory, low
   )
+  if not cross_step and n > 1 and report.comm_seconds > LINK_BOUND * report.compute_seconds:
+    carried = collectives.plan(
+      split,
+      sched,
+      cm,
+      n,
+      cp.link,
+      opts.bucket_bytes,
+      opts.first_k,
+      cross_step=True,
+      reduce_dtype=opts.reduce_dtype,
+    )
+    if carried.cross_step < cp.makespan * (1 - 1e-9):
+      report = dataclasses.replace(report, carried=carried)
+  return report
 
 
 def _predict_memory(args, argnums, idx, g_parts, split, cp, names, opts, n, device):

@@ -241,3 +241,10 @@ def first_k_leaves(split: Split, k: int) -> frozenset[int]:
   return frozenset(
     c.grad_out - split.grad_out_start for c in split.clusters if layer_of(c.param) in first
   )
+
+
+def forward_leaves(split: Split, leaves) -> tuple[int, ...]:
+  """`leaves` (gradient positions) in the forward order of their layers."""
+  rank = {l: i for i, l in enumerate(layers_forward(split))}
+  names = {c.grad_out - split.grad_out_start: c.param for c in split.clusters}
+  return tuple(sorted(leaves, key=lambda i: rank[layer_of(names[i])]))

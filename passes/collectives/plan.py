@@ -60,10 +60,19 @@ from ooojax.passes.collectives.buckets import (  # noqa: F401 - the plan's API, 
   early_bytes,
   early_unit,
   first_k_leaves,
+  forward_leaves,
   layer_of,
   layers_forward,
   make_buckets,
   reverse_first_k,
+)
+from ooojax.passes.collectives.carried import (  # noqa: F401 - re-exported
+  carried_buckets,
+  carried_order,
+  carried_seconds,
+  carried_stall,
+  forward_starts,
+  last_k_leaves,
 )
 from ooojax.passes.collectives.costs import (  # noqa: F401
   COLLECTIVE_SECONDS,
@@ -153,6 +162,9 @@ class CollectivePlan:
   early: bool | None = None
   in_flight: int | None = PLAN_IN_FLIGHT  # collectives in flight as priced (`build_plan`)
   reduce_dtype: object = None  # the dtype the reductions run in (`wire`); bytes at it
+  # leaves carried to the next step besides the first k layers' (`build_plan`'s
+  # `carried`: the last layers the forward reads, their dW left in place)
+  carried: frozenset[int] = frozenset()
 
   @property
   def in_loop(self) -> frozenset[int]:
@@ -209,41 +221,33 @@ def cross_step_time(
   s_actions,
   buckets,
   deferred: frozenset[int],
-  carried: float | None = None,
+  carried: tuple[float, float] | None = None,
   in_flight: int | None = PLAN_IN_FLIGHT,
 ) -> float:
-  """Steady-state step time when the deferred buckets' reductions finish next step.
+  """Steady-state step time when the deferred leaves' reductions finish next step.
 
   A model, not a measurement: the step ends when the compute and the
-  non-deferred reductions are done; the deferred reductions (layer 0 first)
-  then start once both the compute and the link are free and run while the
-  next step's forward runs; only the part longer than that forward is
-  exposed. The link carries every byte of every step, so the period is never
-  below the link's busy time, nor below the compute. `carried`: the deferred
-  reductions' seconds (`carried_seconds`: the next step reduces each carried leaf by
-  an all-reduce of its own); None: their buckets' link time.
+  non-deferred reductions are done; the deferred reductions then run from the
+  next step's start, layer 0 first, while its forward runs, and the forward
+  waits at a layer whose reduction is not done. The link carries every byte of
+  every step, so the period is never below the link's busy time, nor below the
+  compute. `carried`: `(the forward's wait, the link seconds)` of the carried
+  reductions (`carried_seconds`: their own buckets, as `ooojax.data_parallel`
+  runs them); None: their in-step buckets' link time, the forward hiding all of it.
   """
   by_name = {u.name: u for u in units}
   late = {f"S{b.index}" for b in buckets if b.grads and set(b.grads) <= deferred}
   kept = tuple(a for a in s_actions if a.unit not in late)
   t_nd = in_flight_timeline(order, units, kept, in_flight).makespan
   t_c = sum(by_name[a.unit].cost for a in order)
-  comm = sum(by_name[u].cost for u in late) if carried is None else carried
-  fwd = by_name["F0"].cost if "F0" in by_name else 0.0
-  link_busy = sum(by_name[a.unit].cost for a in s_actions)
-  return max(t_c, t_nd, link_busy, max(t_c, t_nd) + comm - fwd)
-
-
-def carried_seconds(buckets, deferred, nbytes, link, n_devices, sync: float = 0.0) -> float:
-  """The carried (deferred) buckets' reductions as the cross-step train step runs them
-  (`ooojax.data_parallel`): one chained all-reduce per leaf, each with its fixed costs
-  on the link and (`sync`) on the compute stream, less the one start / done the
-  bucket's pack already holds."""
-  return sum(
-    sum(bucket_seconds(link, nbytes[l], n_devices) + sync for l in b.grads) - sync
-    for b in buckets
-    if b.grads and set(b.grads) <= deferred
-  )
+  if carried is None:
+    comm = sum(by_name[u].cost for u in late)
+    fwd = by_name["F0"].cost if "F0" in by_name else 0.0
+    stall = comm - fwd
+  else:
+    stall, comm = carried
+  link_busy = sum(by_name[a.unit].cost for a in kept) + comm
+  return max(t_c, t_nd, link_busy, max(t_c, t_nd) + stall)
 
 
 def build_plan(
@@ -260,6 +264,7 @@ def build_plan(
   early: bool | None = None,
   in_flight: int | None = PLAN_IN_FLIGHT,
   reduce_dtype=None,
+  carried: frozenset[int] = frozenset(),
 ) -> CollectivePlan:
   """The plan for one choice of k and bucket size (what `plan` compares).
 
@@ -273,7 +278,26 @@ def build_plan(
   `in_flight`: collectives in flight at once (1: XLA:GPU's; None: queued on the link).
   `reduce_dtype`: the dtype the reductions run in; every byte count is the link's
   (`wire.link_bytes`).
+  `carried` (with k = 0): leaves the cross-step step carries to the next step with
+  their dW left in place (`last_k_leaves`); they get no bucket here, `cross_step`
+  prices them next step, and `makespan` stays the step that reduces them in-step.
   """
+  if carried:
+    full = build_plan(
+      split,
+      sched,
+      k,
+      bucket_bytes,
+      link,
+      n_devices,
+      in_loop,
+      False,
+      costs,
+      merge_tail,
+      early,
+      in_flight,
+      reduce_dtype,
+    )
   costs = costs or NO_BUCKET_COSTS
   base = sched.units
   order = reverse_first_k(split, base, sched.streams[0], k) if k else tuple(sched.streams[0])
@@ -282,7 +306,7 @@ def build_plan(
     if in_loop
     else ()
   )
-  skip = frozenset(i for l in loops for i in l.grads)
+  skip = frozenset(i for l in loops for i in l.grads) | carried
   buckets = make_buckets(split, base, order, max(bucket_bytes, 1), skip, merge_tail, reduce_dtype)
   s_units, s_actions = _link_units(buckets, link, n_devices, order)
   s_units, s_actions = _with_loop_units(loops, s_units, s_actions, link, n_devices, order)
@@ -306,7 +330,7 @@ def build_plan(
     _tail(t_c, [(end[a.unit], size[a.unit]) for a in s_actions if a.unit in size], costs),
   )
   compute = dataclasses.replace(sched, streams=(order,), syncs=(), makespan=t)
-  deferred = first_k_leaves(split, k)
+  deferred = first_k_leaves(split, k) | carried
   # the step's unpacks; a carried bucket's runs with the next step's update
   unpacks = sum(
     costs.unpack(b.nbytes) for b in buckets if not (b.grads and set(b.grads) <= deferred)
@@ -321,16 +345,18 @@ def build_plan(
         buckets,
         deferred,
         carried_seconds(
-          buckets, deferred, _grad_bytes(split, reduce_dtype), link, n_devices, costs.sync
+          split, base, deferred, link, n_devices, bucket_bytes, costs.sync, reduce_dtype
         ),
         in_flight,
       )
       + unpacks,
-      t,
+      full.makespan if carried else t,
     )
     if cross
     else math.nan
   )
+  if carried:  # the plan's step reduces every leaf in-step; `cross_step` carries them
+    t = full.makespan
   return CollectivePlan(
     compute,
     buckets,
@@ -347,7 +373,41 @@ def build_plan(
     early,
     in_flight,
     reduce_dtype,
+    carried,
   )
+
+
+def _last_carried(
+  split, sched, ks, sizes, link, n_devices, in_loop, costs, in_flight, reduce_dtype=None
+):
+  """The fastest cross-step plan carrying the last k layers (`last_k_leaves`); None for a
+  split backward scan, whose stacked leaves its loop reduces (not carried that way)."""
+  if in_loop:
+    return None
+  starts = forward_starts(split)
+  best = None
+  for k in ks:
+    if not k:
+      continue
+    carried = last_k_leaves(split, k, starts)
+    for b in sorted(sizes, reverse=True):
+      p = build_plan(
+        split,
+        sched,
+        0,
+        b,
+        link,
+        n_devices,
+        in_loop,
+        costs=costs,
+        merge_tail=True,
+        in_flight=in_flight,
+        carried=carried,
+        reduce_dtype=reduce_dtype,
+      )
+      if best is None or p.cross_step < best.cross_step * (1 - 1e-9):
+        best = p
+  return best
 
 
 def plan(
@@ -460,6 +520,15 @@ def plan(
           if best is None or score < best_score * (1 - 1e-9):
             best, best_score = (k, b, merge, early), score
   k, b, merge, early = best
+  if cross_step and first_k is None:
+    # the last layers the forward reads, carried with their dW in place: their
+    # reductions fit under the next forward's earlier layers (a link-bound step,
+    # where carrying the first layers would stall the forward at once)
+    last = _last_carried(
+      split, sched, ks, sizes, link, n_devices, in_loop, costs, in_flight, reduce_dtype
+    )
+    if last is not None and last.cross_step < best_score * (1 - 1e-9):
+      return last
   return build_plan(
     split,
     sched,

@@ -19,6 +19,7 @@ from ooojax.passes.collectives.buckets import (
   make_buckets,
   reverse_first_k,
 )
+from ooojax.passes.collectives.carried import carried_order, carried_stall, forward_starts
 from ooojax.passes.collectives.costs import (
   NO_BUCKET_COSTS,
   bucket_seconds,
@@ -61,6 +62,8 @@ class Pricer:
     # the loss's all-reduce (`build_plan`'s `early`), where one is priced
     eb = early_bytes(split) if loss and n_devices > 1 else None
     self.early_cost = None if eb is None else bucket_seconds(link, eb, n_devices)
+    self.starts = forward_starts(split)  # `carried_seconds`
+    self.nbytes = _grad_bytes(split, reduce_dtype)  # the link's bytes (`wire`)
     if in_loop:
       return
     # per action of the in-order schedule: name, seconds, and for dW its leaf and layer rank
@@ -82,7 +85,6 @@ class Pricer:
     self.leaf_rank = {
       c.grad_out - split.grad_out_start: rank[layer_of(c.param)] for c in split.clusters
     }
-    self.nbytes = _grad_bytes(split, reduce_dtype)
 
   def _per_k(self, k):
     got = self.by_k.get(k)
@@ -148,12 +150,9 @@ class Pricer:
       ready = ends.get(after or final, 0.0) + at[after or final]
       issues.append((ready, cost))
       busy += cost
-      if cross_step and leaves and deferred.issuperset(leaves):
-        # `carried_seconds`: the next step reduces each carried leaf on its own
-        comm += sum(bucket_seconds(link, self.nbytes[l], n) + costs.sync for l in leaves)
-        comm -= costs.sync
-      else:
+      if not (cross_step and leaves and deferred.issuperset(leaves)):
         kept.append((ready, cost))
+        comm += cost
     if early is not None and self.early_cost is not None:  # `early_unit`
       loss = (ends.get("F0", 0.0) if early else t_c, self.early_cost)
       busy += self.early_cost
@@ -170,8 +169,27 @@ class Pricer:
       for leaves, size, _ in groups
       if not (leaves and deferred.issuperset(leaves))
     )
-    raw = max(t_c, t_nd, busy, max(t_c, t_nd) + comm - self.fwd) + unpacks
+    wait, carried = self._carried(deferred, bucket_bytes)
+    busy = comm + carried
+    if early is not None and self.early_cost is not None:
+      busy += self.early_cost
+    raw = max(t_c, t_nd, busy, max(t_c, t_nd) + wait) + unpacks
     return min(raw, self.score(k, bucket_bytes, False, merge_tail, early))
+
+  def _carried(self, deferred, bucket_bytes):
+    """`plan.carried_seconds`: the next forward's wait and the carried link seconds."""
+    if not deferred:
+      return 0.0, 0.0
+    return carried_stall(
+      carried_order(self.split, deferred, self.starts),
+      self.starts,
+      self.fwd,
+      self.nbytes,
+      max(bucket_bytes, 1),
+      self.link,
+      self.n,
+      self.costs.sync,
+    )
 
   def _score_units(self, k, bucket_bytes, cross_step, merge_tail=False, early=None):
     order, deferred, loops, ends, t_c, _, final = self._per_k(k)
@@ -221,13 +239,8 @@ class Pricer:
       return max(t_s, free, tail)
     late = {f"S{b.index}" for b in buckets if b.grads and set(b.grads) <= deferred}
     t_nd = max(link_end([a for a in s_actions if a.unit not in late])[:2])
-    nb = _grad_bytes(self.split, self.reduce_dtype)
-    comm = sum(
-      sum(bucket_seconds(self.link, nb[l], self.n) + costs.sync for l in b.grads) - costs.sync
-      for b in buckets
-      if f"S{b.index}" in late
-    )
-    link_busy = sum(cost[a.unit] for a in s_actions)
+    wait, carried = self._carried(deferred, bucket_bytes)
+    link_busy = sum(cost[a.unit] for a in s_actions if a.unit not in late) + carried
     unpacks = sum(costs.unpack(b.nbytes) for b in buckets if f"S{b.index}" not in late)
-    raw = max(t_c, t_nd, link_busy, max(t_c, t_nd) + comm - self.fwd) + unpacks
+    raw = max(t_c, t_nd, link_busy, max(t_c, t_nd) + wait) + unpacks
     return min(raw, self._score_units(k, bucket_bytes, False, merge_tail, early))
