@@ -39,7 +39,7 @@ if [ -n "$DRY" ]; then  # tiny sizes, two variants: every step runs through, fas
   PYTEST=(--collect-only)  # the suite runs in CI already: check that the command works
   EXEC=(--layers 2 --dim 16 --hidden 32 --batch 16 --microbatches 4 --rounds 1 --iters 1)
   TICK=(--ticks 8 --dims 16 --rounds 1 --iters 1)
-  TRACE=(--batch 4 --steps 2) TRACE_EXEC=(--tiny --steps 2)
+  TRACE=(--tiny --batch 4 --steps 2) TRACE_EXEC=(--tiny --steps 2)
   DPCAL=(--tiny --steps 2)
   PAIRS=(--dry)
   GAPS=(--dry)

@@ -44,11 +44,15 @@ def _zoo_case(name, **sizes):
 
 
 # (case, at least this many heavy dW calls): the five models of the issue, batch 32.
+# DenseNet-121 with its four dense blocks cut to 2, 3, 6 and 4 layers (of 6, 12,
+# 24, 16): the same layers at the same four resolutions, transitions, growth and
+# batch, one third of the compile (the whole model was the suite's longest test;
+# 120/120 on both jax versions, RESULTS; `python -m ooojax hlo --model densenet121`).
 CASES = {
   "demo_cnn": (_demo_case, 4),
   "mobilenet_v3_small": (lambda: _zoo_case("mobilenet_v3_small"), 40),
   "resnet50": (lambda: _zoo_case("resnet50"), 45),
-  "densenet121": (lambda: _zoo_case("densenet121"), 110),
+  "densenet121_blocks_2_3_6_4": (lambda: _zoo_case("densenet121", blocks=(2, 3, 6, 4)), 30),
   "bert_block": (lambda: _zoo_case("bert", layers=1), 4),
 }
 
