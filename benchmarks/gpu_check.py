@@ -22,6 +22,8 @@ import optax
 import ooojax as ooo
 from ooojax import demo
 
+ORDERINGS = ("auto", "barriers", "none", "scheduling_group", "control_deps")
+
 
 def main(argv=None):
   ap = argparse.ArgumentParser(
@@ -30,6 +32,7 @@ def main(argv=None):
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
   ap.add_argument("--batch", type=int, default=32)
+  ap.add_argument("--orderings", nargs="+", default=list(ORDERINGS), choices=ORDERINGS)
   a = ap.parse_args(argv)
   model = demo.SmallCNN()
   x, y = demo._data(a.batch)
@@ -40,7 +43,7 @@ def main(argv=None):
   print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}")
   from ooojax.passes.hlo import schedule as hlo_schedule
 
-  for ordering in ("auto", "barriers", "none", "scheduling_group", "control_deps"):
+  for ordering in a.orderings:
     try:
       f = jax.jit(ooo.grad(loss_fn, has_aux=True, mode="single_gpu", ordering=ordering))
       hlo = f.lower(*args).compile().as_text()

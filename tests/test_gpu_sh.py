@@ -44,6 +44,8 @@ ALIASES = {
   "step_time_densenet121": "step_time_resnet50",
   "step_time_mobilenet_v3_large": "step_time_resnet50",
   "step_time_resnet50_cb_off": "step_time_resnet50",
+  # step_time_resnet50 runs a zoo model through the same `step_time.case`
+  "gpu_trace_resnet50": "gpu_trace_demo_cnn",
 }
 
 
