@@ -21,10 +21,6 @@ from ooojax.passes.simulate import Timeline
 
 # `explain` keywords that only the data-parallel report takes (not `ooo.grad` options).
 EXPLAIN_ONLY = ("axis_size", "cross_step")
-# A step whose all-reduces take longer than this share of its compute (the backward's,
-# forward : backward = 1 : 2) cannot hide them in-step: `explain` then prices carrying
-# them into the next forward too (`dp.make_train_step(cross_step=True)`).
-LINK_BOUND = 2 / 3
 # The plan must beat one all-reduce after the backward by this share to be worth its buckets.
 STEP_ASIDE = 0.02
 
@@ -65,7 +61,7 @@ class DataParallelReport:
   memory: Any = None
   # the same plan with `reduce_dtype=jnp.bfloat16` (where it would halve the bytes)
   bf16_plan: collectives.CollectivePlan | None = None
-  # a link-bound step planned for `dp.make_train_step(cross_step=True)` (`LINK_BOUND`)
+  # a link-bound step (`_link_bound.bound`) planned for `dp.make_train_step(cross_step=True)`
   carried: Any = None
 
   mode = "data_parallel"
@@ -210,9 +206,11 @@ class DataParallelReport:
     for name, stream in (("compute", p.streams[0]), ("link", p.streams[1])):
       text = " ".join(a.unit for a in stream)
       lines.append(f"  {name + ':':<8} {text[:200]}{' ...' if len(text) > 200 else ''}")
+    # the carried plan's (below) where one was priced: this plan's k carries less
+    c_step = self.carried.cross_step if self.carried is not None else p.cross_step
     cross = (
-      f"; with cross-step overlap (dp.make_train_step) {p.cross_step * 1e3:.3f} ms"
-      if p.cross_step == p.cross_step
+      f"; with cross-step overlap (dp.make_train_step) {c_step * 1e3:.3f} ms"
+      if c_step == c_step
       else ""
     )
     lines.append(
@@ -235,8 +233,7 @@ class DataParallelReport:
         else "nothing"
       )
       lines.append(
-        f"  link-bound (all-reduce {self.comm_seconds * 1e3:.3f} ms against "
-        f"{self.compute_seconds * 1e3:.3f} ms of compute): carried into the next forward "
+        "  or exact, with the link busy under the next forward too: carried into it "
         f"(dp.make_train_step(cross_step=True), {what}, bucket_bytes={c.bucket_bytes}) "
         f"the step simulates at {c.cross_step * 1e3:.3f} ms against {p.makespan * 1e3:.3f}; "
         "compile it with the link's profile (ooojax.gpu_hlo.pgle_options) so that XLA "
@@ -499,7 +496,7 @@ def explain_dp(
   report = DataParallelReport(
     Report(split, sched, "in_order"), cp, opts.axis_name, names, base, chosen, call, memory, low
   )
-  if not cross_step and n > 1 and report.comm_seconds > LINK_BOUND * report.compute_seconds:
+  if not cross_step and report.link_bound:
     carried = collectives.plan(
       split,
       sched,
