@@ -74,3 +74,22 @@ def test_make_train_step_takes_the_module(close):
     eqx.filter(trained, eqx.is_inexact_array),
     eqx.filter(eqx.apply_updates(model, updates), eqx.is_inexact_array),
   )
+
+
+def test_bf16_reduction_on_a_module():
+  # reduce_dtype on the module as the user holds it: gradients come back f32, within
+  # bf16 rounding of the whole batch's, and not bit-equal (the reduction ran in bf16)
+  import jax.numpy as jnp
+
+  (model, batch), loss = M.cnn_data(), M.cnn_loss
+  vg = functools.partial(
+    oeqx.filter_value_and_grad, mode="data_parallel", reduce_dtype=jnp.bfloat16
+  )
+  (v, g), (rv, rg) = _both(vg, loss, model, batch, jax.random.key(7))
+  got = jax.tree.leaves(eqx.filter(g, eqx.is_inexact_array))
+  ref = jax.tree.leaves(eqx.filter(rg, eqx.is_inexact_array))
+  assert all(a.dtype == b.dtype == jnp.float32 for a, b in zip(got, ref))
+  np.testing.assert_allclose(v, rv, rtol=1e-5)
+  for a, b in zip(got, ref):
+    np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2 * float(np.abs(b).max()))
+  assert any(not np.array_equal(a, b) for a, b in zip(got, ref))
